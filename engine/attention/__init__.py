@@ -1,0 +1,12 @@
+"""Paged attention behind one backend interface.
+
+- ``metadata``  ``AttentionMetadata``: the flattened batch layout one forward step attends over
+- ``backend``   ``AttentionBackend`` interface and ``select_backend`` (auto | torch | triton)
+- ``torch_backend``   the PyTorch path (CPU default): gathers paged K/V and runs SDPA
+- ``triton_backend``  the Triton kernels (CUDA default; runs in the interpreter on CPU for tests)
+"""
+
+from kvpilot.engine.attention.backend import AttentionBackend, select_backend
+from kvpilot.engine.attention.metadata import AttentionMetadata
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "select_backend"]

@@ -1,0 +1,72 @@
+"""The attention-backend interface and backend selection.
+
+A backend does two things per layer: write the step's new K/V into their cache slots, then attend each
+new query token over its sequence's paged context. ``prepare`` runs once per step (all layers share the
+same layout), so per-step index arithmetic is not repeated 30 times.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+class AttentionBackend(ABC):
+    """Paged attention for one model: same head counts and head_dim in every layer."""
+
+    name: str = "abstract"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        #: a query at position i attends keys at positions j with i - sliding_window < j <= i
+        self.sliding_window = sliding_window
+
+    def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
+        """Per-step precomputation shared by all layers (stores results in ``meta.extras``)."""
+
+    @abstractmethod
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``meta.slot_mapping``."""
+
+    @abstractmethod
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention output ``[num_tokens, num_heads, head_dim]`` for ``query`` ``[num_tokens, num_heads,
+        head_dim]``. ``key``/``value`` are this step's new K/V (already written to the cache)."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.write_kv(key, value, key_cache, value_cache, meta)
+        return self.attend(query, key, value, key_cache, value_cache, meta)
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` is triton on CUDA and torch elsewhere. Never queries CUDA unless the device is CUDA."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def select_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+    resolved = resolve_backend_name(name, device)
+    if resolved == "torch":
+        from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend(**kwargs)
+    from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(**kwargs)

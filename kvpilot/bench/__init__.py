@@ -1,0 +1,1 @@
+"""kvpilot.bench — benchmark tools behind ``kvpilot bench``."""

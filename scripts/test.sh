@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The test command README documents and CI runs: lint, then the default suite (real-model smoke tests
+# included; tests marked slow are left for `scripts/test.sh -m slow`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.tools/bin:$PWD/.venv/bin:$PATH"
+.venv/bin/ruff check .
+if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
+exec .venv/bin/python -m pytest -q "$@"
