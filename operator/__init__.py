@@ -1,0 +1,1 @@
+"""kvpilot.operator — the Kopf operator for InferenceService."""

@@ -1,0 +1,1 @@
+"""kvpilot.router — the cache-aware routing sidecar."""
