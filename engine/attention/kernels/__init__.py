@@ -1,0 +1,14 @@
+"""Triton kernels for paged attention, one kernel per module.
+
+- ``tile_ops``   device functions the attention kernels share: paged K/V tile gather, dot, online softmax
+- ``kv_write``   scatter each step's new K/V into their cache slots
+- ``decode``     paged decode attention (one query token per sequence, GQA-aware, split-KV)
+- ``split_kv``   how many KV splits a decode launch uses, and the kernel that merges the split results
+- ``prefill``    varlen prefill/extend attention over a cached paged prefix plus the new tokens
+- ``tuning``     launch configurations and the warm-up tuner that picks them per served shape
+- ``reference``  plain PyTorch references the kernels are tested against
+
+This package imports no kernel module itself: whether Triton compiles a kernel or runs it in the
+interpreter is decided when the kernel module is imported (``TRITON_INTERPRET``), so
+``kvpilot.engine.attention.triton_backend.load_kernels`` controls that import.
+"""

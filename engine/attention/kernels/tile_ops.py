@@ -1,0 +1,82 @@
+"""Device functions shared by the paged decode and prefill kernels, and the host-side facts they need.
+
+Both attention kernels walk a sequence's logical token positions in tiles of ``TILE_N`` keys. A tile
+may span several cache blocks or part of one, so K/V rows are gathered per token through the block
+table instead of assuming tile == block: the tile size stays a tuning knob independent of the
+engine's block size. Address arithmetic is int64 because ``block_id * block_stride`` overflows int32
+for caches beyond 2^31 elements (a few GiB).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+#: cache dtypes the kernels accept
+SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: tl.dot needs every dimension >= 16
+MIN_DOT_DIM = 16
+
+
+def padded_dim(n: int) -> int:
+    """The power of two >= max(n, 16) a tile dimension of extent ``n`` is padded to (masked beyond n)."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(n))
+
+
+def runs_in_interpreter(kernel: object) -> bool:
+    """True when ``kernel`` was created under TRITON_INTERPRET=1 (it then runs in Python on the host)."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def dot_in_fp32(cache_dtype: torch.dtype, interpreted: bool) -> bool:
+    """Whether the kernels upcast dot operands to fp32 (and ask for IEEE fp32 products).
+
+    fp32 caches: always, so GPUs do not silently round to TF32 and fp32 results match a fp32
+    reference. bf16 caches: only in the interpreter, whose numpy dot stores bf16 as raw uint16 and
+    computes garbage; on GPUs bf16 goes to the tensor cores like fp16.
+    """
+    return cache_dtype == torch.float32 or (interpreted and cache_dtype == torch.bfloat16)
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, block_table_row_ptr, token_pos, token_valid, kv_head,
+                 stride_block, stride_slot, stride_head, stride_dim, dim_offsets, dim_valid,
+                 BLOCK_SIZE: tl.constexpr):
+    """Gather the ``[TILE_N, HEAD_DIM_PADDED]`` K or V rows of one KV head at logical ``token_pos``.
+
+    Invalid tokens and padded dims read 0; their scores are masked by the caller.
+    """
+    physical_block = tl.load(block_table_row_ptr + token_pos // BLOCK_SIZE, mask=token_valid, other=0)
+    row_offset = (physical_block.to(tl.int64) * stride_block
+                  + (token_pos % BLOCK_SIZE).to(tl.int64) * stride_slot
+                  + kv_head.to(tl.int64) * stride_head)
+    ptrs = cache_ptr + row_offset[:, None] + dim_offsets.to(tl.int64)[None, :] * stride_dim
+    return tl.load(ptrs, mask=token_valid[:, None] & dim_valid[None, :], other=0.0)
+
+
+@triton.jit
+def tile_dot(a, b, DOT_FP32: tl.constexpr):
+    """``a @ b`` accumulated in fp32; see ``dot_in_fp32`` for when operands are upcast."""
+    if DOT_FP32:
+        result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        result = tl.dot(a.to(b.dtype), b)
+    return result
+
+
+@triton.jit
+def online_softmax_step(acc, row_max, row_sum, scores, values, DOT_FP32: tl.constexpr):
+    """Fold one tile into the running softmax state (base-2: ``scores`` are pre-scaled by log2(e)).
+
+    Masked scores are -inf. A row that has seen only masked keys keeps max -inf; using 0 as its
+    reference keeps exp2 finite (exp2(-inf) = 0) instead of producing inf - inf = NaN.
+    """
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    reference = tl.where(new_max == float("-inf"), 0.0, new_max)
+    probs = tl.exp2(scores - reference[:, None])
+    correction = tl.exp2(row_max - reference)
+    row_sum = row_sum * correction + tl.sum(probs, 1)
+    acc = acc * correction[:, None] + tile_dot(probs, values, DOT_FP32)
+    return acc, new_max, row_sum
