@@ -33,7 +33,8 @@ _LAZY = {
     "CompletionOutput": "kvpilot.engine.outputs",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["LLM", "CompletionOutput", "EngineArgs", "EngineConfig", "LLMEngine", "RequestOutput",
+           "SamplingParams"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvpilot.engine.config import EngineArgs, EngineConfig

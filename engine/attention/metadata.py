@@ -61,4 +61,4 @@ class AttentionMetadata:
     @property
     def context_lens_host(self) -> list[int]:
         """Tokens already cached before this step, per sequence."""
-        return [s - q for s, q in zip(self.seq_lens_host, self.query_lens_host)]
+        return [s - q for s, q in zip(self.seq_lens_host, self.query_lens_host, strict=True)]

@@ -1,1 +1,5 @@
-"""kvpilot.engine.sampling."""
+"""Sampling: parameters and the logits → token pipeline.
+
+- ``params``   ``SamplingParams`` (vLLM names), validated on construction
+- ``sampler``  batched sampler: greedy / temperature / top-k / top-p with per-request generators
+"""

@@ -1,0 +1,181 @@
+"""Engine configuration: vLLM-named engine args, validated once into typed per-area configs.
+
+``EngineArgs`` is the flat, user-facing bag (the offline ``LLM(**kwargs)`` and ``kvpilot serve`` flags map
+onto it one-to-one, with vLLM's names where vLLM has the concept). ``EngineArgs.create_config()`` checks
+every field and returns an ``EngineConfig`` made of one dataclass per area.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+PREEMPTION_MODES = ("recompute", "swap")
+BATCHING_MODES = ("continuous", "static")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
+
+
+class ConfigError(ValueError):
+    """An engine argument is invalid; the message names the argument and the accepted values."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    #: model name (``smollm2-135m``, ``tiny-random``), a ``.gguf`` path, or an HF safetensors directory
+    model: str
+    #: weights/activations dtype; ``auto`` = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"
+    #: context limit in tokens (prompt + output); None = the model's ``max_position_embeddings``
+    max_model_len: int | None = None
+    #: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available)
+    device: str = "auto"
+    #: where converted GGUF weights are cached; None = ``$KVPILOT_CACHE_DIR`` or ``~/.cache/kvpilot``
+    download_dir: str | None = None
+    #: seed of the engine's RNG for requests without their own ``seed``
+    seed: int = 0
+    #: name reported in outputs and metrics; None = the ``model`` string
+    served_model_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    #: tokens per KV block
+    block_size: int = 16
+    #: explicit number of KV blocks (block 0 included, it stays reserved); overrides the memory budget
+    num_kv_blocks: int | None = None
+    #: KV cache budget in bytes; None = 1 GiB on CPU, ``gpu_memory_utilization`` of free memory on CUDA
+    kv_cache_memory_bytes: int | None = None
+    #: fraction of device memory the engine may use on CUDA (weights + KV)
+    gpu_memory_utilization: float = 0.9
+    #: reuse KV of identical token prefixes across requests (hash chain of full blocks)
+    enable_prefix_caching: bool = True
+    #: host memory (GiB) for swapped-out KV when ``preemption_mode`` is ``swap``
+    swap_space: float = 0.0
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    #: most sequences in one step's batch
+    max_num_seqs: int = 64
+    #: token budget of one step (prefill chunks + one token per decode)
+    max_num_batched_tokens: int = 2048
+    #: split long prompts across steps so decodes keep flowing
+    enable_chunked_prefill: bool = True
+    #: what a preempted request loses: ``recompute`` frees its blocks, ``swap`` moves them to host memory
+    preemption_mode: str = "recompute"
+    #: ``continuous`` refills free batch slots every step; ``static`` admits a new batch only when the
+    #: whole previous one has finished (a baseline for comparisons, seed §5.2)
+    batching_mode: str = "continuous"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    #: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``
+    attention_backend: str = "auto"
+    #: what ``logprobs`` report: the model's raw distribution or the one the sampler drew from
+    logprobs_mode: str = "raw_logprobs"
+    #: most logprobs a request may ask for
+    max_logprobs: int = 20
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments with vLLM's names. See the per-area configs for each field's meaning."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    device: str = "auto"
+    download_dir: str | None = None
+    seed: int = 0
+    served_model_name: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    batching_mode: str = "continuous"
+    attention_backend: str = "auto"
+    logprobs_mode: str = "raw_logprobs"
+    max_logprobs: int = 20
+    extra: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        names = {f.name for f in fields(cls)} - {"extra"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s) {unknown}; valid: {sorted(names)}")
+        return cls(**kwargs)
+
+    def create_config(self) -> EngineConfig:
+        self._validate()
+        return EngineConfig(
+            model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
+                              device=self.device, download_dir=self.download_dir, seed=self.seed,
+                              served_model_name=self.served_model_name),
+            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                              gpu_memory_utilization=self.gpu_memory_utilization,
+                              enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space),
+            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
+                                      max_num_batched_tokens=self.max_num_batched_tokens,
+                                      enable_chunked_prefill=self.enable_chunked_prefill,
+                                      preemption_mode=self.preemption_mode,
+                                      batching_mode=self.batching_mode),
+            attention_backend=self.attention_backend, logprobs_mode=self.logprobs_mode,
+            max_logprobs=self.max_logprobs,
+        )
+
+    def _validate(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(msg)
+
+        need(isinstance(self.model, str) and bool(self.model), "model must be a non-empty string")
+        need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+             f"block_size must be a power of two in [1, 128], got {self.block_size}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+             f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
+        need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+             f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0,
+             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1,
+             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_num_batched_tokens >= self.max_num_seqs or self.enable_chunked_prefill,
+             "max_num_batched_tokens must be >= max_num_seqs")
+        need(self.max_model_len is None or self.max_model_len >= 1,
+             f"max_model_len must be >= 1, got {self.max_model_len}")
+        need(self.preemption_mode in PREEMPTION_MODES,
+             f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        need(self.preemption_mode != "swap" or self.swap_space > 0,
+             "preemption_mode='swap' needs swap_space > 0 (GiB of host memory for swapped KV)")
+        need(self.batching_mode in BATCHING_MODES,
+             f"batching_mode must be one of {BATCHING_MODES}, got {self.batching_mode!r}")
+        need(self.attention_backend in ATTENTION_BACKENDS,
+             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        need(self.logprobs_mode in LOGPROBS_MODES,
+             f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+
+def replace(config, **changes):
+    """``dataclasses.replace`` re-exported for frozen configs (used when the engine fills in defaults)."""
+    return dataclasses.replace(config, **changes)

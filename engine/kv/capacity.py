@@ -1,0 +1,52 @@
+"""KV capacity arithmetic (seed §4.1): bytes per token, blocks per budget, and internal fragmentation.
+
+``m_token = 2 · n_layer · n_kv_head · d_head · bytes_per_elem`` is the ideal payload (K and V); block
+allocation rounds every sequence up to whole blocks, so allocated slots exceed logical ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def kv_bytes_per_token(n_layer: int, n_kv_head: int, d_head: int, bytes_per_elem: int) -> int:
+    for name, v in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("d_head", d_head),
+                    ("bytes_per_elem", bytes_per_elem)):
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {v}")
+    return 2 * n_layer * n_kv_head * d_head * bytes_per_elem
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def num_blocks_for_memory(memory_bytes: int, bytes_per_token: int, block_size: int) -> int:
+    """Whole blocks that fit in ``memory_bytes`` (block 0, the reserved null block, included)."""
+    return memory_bytes // (bytes_per_token * block_size)
+
+
+@dataclass(frozen=True)
+class SlotUsage:
+    logical_slots: int
+    allocated_slots: int
+
+    @property
+    def fragmentation(self) -> float:
+        """Fraction of allocated slots that hold no token (internal fragmentation of last blocks)."""
+        return 0.0 if not self.allocated_slots else 1 - self.logical_slots / self.allocated_slots
+
+
+def slot_usage(lengths: Iterable[int], block_size: int) -> SlotUsage:
+    lengths = list(lengths)
+    return SlotUsage(sum(lengths), sum(blocks_for_tokens(n, block_size) for n in lengths) * block_size)
+
+
+def kv_heads_per_shard(n_kv_head: int, tp_degree: int) -> int:
+    """KV heads each tensor-parallel rank holds; heads that do not divide evenly cannot simply be split."""
+    if tp_degree <= 0:
+        raise ValueError(f"tp_degree must be positive, got {tp_degree}")
+    if n_kv_head % tp_degree and tp_degree % n_kv_head:
+        raise ValueError(f"{n_kv_head} KV heads cannot be sharded over TP degree {tp_degree}: neither divides the other")
+    return max(1, n_kv_head // tp_degree)

@@ -1,0 +1,186 @@
+"""Per-request block tables on top of the block pool: prefix lookup, slot allocation, caching of computed
+blocks, admission reservations, swap, and the invariant checker.
+
+Prefix hits are capped at ``num_tokens - 1`` so the last prompt token is always computed: the first output
+token needs its logits, and the cache holds only K/V (seed §1.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys
+from kvpilot.engine.kv.block_pool import BlockPool
+from kvpilot.engine.kv.capacity import blocks_for_tokens, slot_usage
+from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
+from kvpilot.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, root_hash: bytes, cache: KVCache | None = None,
+                 swap: HostSwapSpace | None = None) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.root_hash = root_hash
+        self.cache = cache
+        self.swap = swap
+        self.tables: dict[str, list[int]] = {}
+        #: request id → blocks of its table already registered in the prefix cache
+        self._num_committed_blocks: dict[str, int] = {}
+        self._swapped: dict[str, list[int]] = {}
+        self._reservations: dict[str, int] = {}
+        self._extra_keys: dict[str, bytes] = {}
+
+    @property
+    def caching(self) -> bool:
+        return self.pool.enable_caching
+
+    # ---- hashing and lookup --------------------------------------------------------------------------
+    def _extra(self, req: Request) -> bytes:
+        extra = self._extra_keys.get(req.request_id)
+        if extra is None:
+            extra = self._extra_keys[req.request_id] = encode_extra_keys(req.cache_salt, req.adapter_id)
+        return extra
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend ``req.block_hashes`` to cover every full block of its tokens."""
+        have = len(req.block_hashes)
+        if req.num_tokens // self.block_size > have:
+            parent = req.block_hashes[-1] if have else None
+            req.block_hashes.extend(block_hashes(req.all_token_ids, self.block_size, self.root_hash,
+                                                 self._extra(req), start=have, parent=parent))
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Cached blocks that match ``req``'s leading full blocks (no references taken)."""
+        if not self.caching:
+            return []
+        self.update_block_hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for h in req.block_hashes[:limit]:
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits
+
+    def count_prefix_hit_tokens(self, req: Request) -> int:
+        return len(self.lookup_prefix(req)) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------------------------
+    def blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> int:
+        """Free blocks that scheduling ``num_new_tokens`` more tokens would consume (hits that are now
+        cached-free count too: reviving them takes them out of the free queue)."""
+        table = self.tables.get(req.request_id, [])
+        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        new = max(0, blocks_for_tokens(total, self.block_size) - len(table) - len(hits))
+        return new + sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+
+    def allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
+        Returns False (changing nothing) when the pool cannot supply the blocks."""
+        if self.blocks_to_allocate(req, num_new_tokens, hits) > self.pool.num_free:
+            return False
+        table = self.tables.setdefault(req.request_id, [])
+        if hits:
+            self.pool.touch(list(hits))
+            table.extend(hits)
+            self._num_committed_blocks[req.request_id] = len(table)
+        total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        need = blocks_for_tokens(total, self.block_size) - len(table)
+        if need > 0:
+            table.extend(self.pool.allocate(need))
+        return True
+
+    def commit_computed(self, req: Request, num_computed_tokens: int) -> None:
+        """Register the blocks that ``num_computed_tokens`` fill completely in the prefix cache."""
+        if not self.caching:
+            return
+        table = self.tables.get(req.request_id)
+        if table is None:
+            return
+        full = min(num_computed_tokens // self.block_size, len(table))
+        done = self._num_committed_blocks.get(req.request_id, 0)
+        if full <= done:
+            return
+        self.update_block_hashes(req)
+        for i in range(done, full):
+            self.pool.cache(table[i], req.block_hashes[i])
+        self._num_committed_blocks[req.request_id] = full
+
+    def free(self, req: Request) -> None:
+        """Drop the request's references, tail first so its private tail is evicted before shared heads."""
+        table = self.tables.pop(req.request_id, None)
+        self._num_committed_blocks.pop(req.request_id, None)
+        if table:
+            self.pool.free(list(reversed(table)))
+
+    def forget(self, req: Request) -> None:
+        """Drop every trace of a finished request (blocks, swap, reservation)."""
+        self.free(req)
+        self.release_reservation(req)
+        host = self._swapped.pop(req.request_id, None)
+        if host is not None and self.swap is not None:
+            self.swap.release(host)
+        self._extra_keys.pop(req.request_id, None)
+
+    def block_table(self, req: Request) -> list[int]:
+        return self.tables.get(req.request_id, [])
+
+    # ---- admission reservations (accounting only, seed §1.2) -----------------------------------------
+    def reserve(self, req: Request, num_blocks: int) -> None:
+        self._reservations[req.request_id] = num_blocks
+
+    def release_reservation(self, req: Request) -> int:
+        return self._reservations.pop(req.request_id, 0)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return sum(self._reservations.values())
+
+    def admission_headroom(self) -> int:
+        """Blocks not yet promised: free blocks minus outstanding reservations of queued requests."""
+        return self.pool.num_free - self.num_reserved_blocks
+
+    # ---- swap ----------------------------------------------------------------------------------------
+    def can_swap_out(self, req: Request) -> bool:
+        return self.swap is not None and self.swap.num_free >= len(self.tables.get(req.request_id, []))
+
+    def swap_out(self, req: Request) -> None:
+        assert self.swap is not None
+        table = self.tables.get(req.request_id, [])
+        self._swapped[req.request_id] = self.swap.swap_out(table)
+        self.free(req)
+
+    def swap_in(self, req: Request, num_new_tokens: int) -> bool:
+        """Copy a swapped request back into fresh device blocks, with room for ``num_new_tokens`` more."""
+        assert self.swap is not None
+        host = self._swapped[req.request_id]
+        total = blocks_for_tokens(req.num_computed_tokens + num_new_tokens, self.block_size)
+        if max(total, len(host)) > self.pool.num_free:
+            return False
+        device = self.pool.allocate(len(host))
+        self.swap.swap_in(host, device)
+        del self._swapped[req.request_id]
+        self.tables[req.request_id] = device
+        self._num_committed_blocks[req.request_id] = 0
+        return self.allocate(req, num_new_tokens)
+
+    # ---- accounting and invariants -------------------------------------------------------------------
+    def slot_usage(self, reqs: Iterable[Request]):
+        """Logical vs allocated slots over the given requests' block tables."""
+        reqs = [r for r in reqs if r.request_id in self.tables]
+        usage = slot_usage([r.num_computed_tokens for r in reqs], self.block_size)
+        allocated = sum(len(self.tables[r.request_id]) for r in reqs) * self.block_size
+        return type(usage)(usage.logical_slots, allocated)
+
+    def check_invariants(self) -> None:
+        """free + cached-free + in-use == total, and each block's ref_cnt == its block-table references."""
+        self.pool.check()
+        refs = [0] * self.pool.num_blocks
+        for table in self.tables.values():
+            for b in table:
+                refs[b] += 1
+        for b in range(1, self.pool.num_blocks):
+            assert refs[b] == self.pool.ref_cnt[b], (
+                f"block {b}: ref_cnt {self.pool.ref_cnt[b]} != {refs[b]} block-table references")

@@ -1,0 +1,57 @@
+"""Build the model on its device from a resolved HF-format directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from kvpilot.engine.attention.backend import AttentionBackend
+from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.rope import RotaryEmbedding
+from safetensors import safe_open
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on CPU (fast, exact) and bfloat16 on CUDA."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return TORCH_DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+    return dev
+
+
+def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weight files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                tensors[name] = st.get_tensor(name)
+    return tensors
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
+               backend: AttentionBackend) -> LlamaForCausalLM:
+    arch = ModelArchConfig.from_dir(model_dir)
+    # parameters are allocated uninitialised (meta, then to_empty): every one is overwritten by the checkpoint
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, dtype, backend)
+    model = model.to_empty(device=device).to(dtype)
+    # buffers are computed, not loaded: rebuild the RoPE tables for real (the meta ones hold no data)
+    model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                   arch.rope_scaling, dtype).to(device)
+    model.load_hf_weights(read_safetensors(model_dir))
+    model.eval()
+    return model

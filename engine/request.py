@@ -1,0 +1,171 @@
+"""A request's state and its lifecycle state machine (seed §0.2), enforced in one place.
+
+States and the resources each holds:
+- QUEUED / DEGRADED: admitted with a KV *reservation* (accounting only); no physical blocks yet.
+- RUNNABLE: picked by a scheduler tick; physical blocks allocated.
+- PREFILL / DECODE: computing the prompt (possibly in chunks) / generating one token per step.
+- BACKPRESSURED: the client is not draining its stream; holds blocks but is not scheduled.
+- PREEMPTED: blocks freed (recompute); waits in the queue to be recomputed.
+- SWAPPED: blocks copied to host memory and freed on the device.
+- FINISHED, CANCELLED, TIMED_OUT, FAILED, REJECTED: terminal; every one goes through one reclaim routine.
+An illegal transition is a bug and raises ``IllegalTransition``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    QUEUED = "queued"
+    DEGRADED = "degraded"
+    RUNNABLE = "runnable"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BACKPRESSURED = "backpressured"
+    PREEMPTED = "preempted"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL
+
+    @property
+    def is_waiting(self) -> bool:
+        """In the scheduler's waiting queue (no physical blocks on the device)."""
+        return self in (RequestStatus.QUEUED, RequestStatus.DEGRADED, RequestStatus.PREEMPTED)
+
+
+S = RequestStatus
+TERMINAL = frozenset({S.FINISHED, S.CANCELLED, S.TIMED_OUT, S.FAILED, S.REJECTED})
+_ABORTS = {S.CANCELLED, S.TIMED_OUT, S.FAILED}
+
+#: legal transitions; every terminal state is reachable from every live one except as listed
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    S.QUEUED: frozenset({S.RUNNABLE, S.REJECTED} | _ABORTS),
+    S.DEGRADED: frozenset({S.RUNNABLE, S.REJECTED} | _ABORTS),
+    S.RUNNABLE: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
+    S.PREFILL: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
+    S.DECODE: frozenset({S.DECODE, S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
+    S.BACKPRESSURED: frozenset({S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
+    S.PREEMPTED: frozenset({S.RUNNABLE} | _ABORTS),
+    S.SWAPPED: frozenset({S.RUNNABLE} | _ABORTS),
+    **{t: frozenset() for t in TERMINAL},
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, stop token or stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    REJECTED = "rejected"
+
+
+@dataclass
+class RequestTimes:
+    """Monotonic timestamps (``time.monotonic``) for the seed's metric definitions."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    #: emit time of each committed token, for ITL (t_emit,j − t_emit,j−1)
+    token_times: list[float] = field(default_factory=list)
+
+
+class Request:
+    """One sequence being generated. Parallel samples (``n`` > 1) are sibling requests sharing KV blocks."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
+                 adapter_id: str | None = None, prompt: str | None = None, eos_token_ids: frozenset[int] = frozenset(),
+                 deadline: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+        self.eos_token_ids = eos_token_ids
+        #: absolute monotonic time after which the request times out (None = no deadline)
+        self.deadline = deadline
+        self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(prompt_token_ids)
+        self.status = RequestStatus.QUEUED
+        #: tokens whose K/V are in the cache (they will be after the current step's forward)
+        self.num_computed_tokens = 0
+        #: prompt tokens served from the prefix cache at the first schedule
+        self.num_cached_tokens = 0
+        #: chained hashes of the full blocks of ``all_token_ids`` (grown lazily by the KV manager)
+        self.block_hashes: list[bytes] = []
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        #: the stop string or token id that ended the request, if any
+        self.stop_reason: str | int | None = None
+        #: monotonically increasing number for FCFS ties
+        self.seq_no = 0
+
+    # ---- tokens --------------------------------------------------------------------------------------
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    @property
+    def is_prefill_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    # ---- state machine -------------------------------------------------------------------------------
+    def transition(self, new: RequestStatus) -> None:
+        if new not in TRANSITIONS[self.status]:
+            raise IllegalTransition(f"request {self.request_id}: illegal transition {self.status.value} -> {new.value}")
+        self.status = new
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_terminal
+
+    def sort_key(self) -> tuple[int, float, int]:
+        """Queue order: priority (lower value first), then arrival (FCFS), then admission order."""
+        return (self.priority, self.times.arrival, self.seq_no)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

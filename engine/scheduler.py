@@ -1,0 +1,189 @@
+"""Token-budget scheduler: continuous batching with chunked prefill, priorities and preemption.
+
+Each ``schedule()`` call is one tick (seed §5.1): it fills a budget of ``max_num_batched_tokens`` with
+running requests first (one token per decode, the next chunk of an unfinished prefill), then swaps
+requests back in, then admits waiting requests in queue order (priority, then arrival) as long as their
+blocks can be allocated and the sequence cap allows. Scheduling is in tokens, not phases: a request simply
+asks for ``num_tokens - num_computed_tokens`` more tokens, whether those are prompt or output.
+
+Preemption (when a running request cannot get blocks for its next tokens): the victim is the running
+request with the lowest priority (largest value), latest arrival among those not yet scheduled in this
+tick — possibly the request itself. ``recompute`` frees its blocks and requeues it (its arrival keeps it
+at the front of its priority class); ``swap`` copies its blocks to host memory first (falling back to
+recompute when the swap space is full). Merely descheduling a request does not free memory and is never
+used as a memory remedy. A waiting request never preempts a running one; priority decides queue order.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from kvpilot.engine.config import SchedulerConfig
+from kvpilot.engine.kv.capacity import blocks_for_tokens
+from kvpilot.engine.kv.manager import KVCacheManager
+from kvpilot.engine.request import Request, RequestStatus
+
+S = RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    #: (request, number of new tokens) in batch order: one-token sequences first, then prefill/extend
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.max_model_len = max_model_len
+        #: admitted requests without device blocks, kept sorted by ``Request.sort_key``
+        self.waiting: list[Request] = []
+        #: requests holding device blocks (incl. backpressured ones), sorted by ``sort_key``
+        self.running: list[Request] = []
+        self.swapped: list[Request] = []
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- admission -----------------------------------------------------------------------------------
+    def reservation_for(self, req: Request) -> int:
+        """Blocks a queued request is promised: its uncached prompt plus the block its first token needs."""
+        uncached = req.num_tokens - self.kv.count_prefix_hit_tokens(req)
+        return blocks_for_tokens(uncached + 1, self.block_size)
+
+    def add_request(self, req: Request) -> None:
+        req.seq_no = next(self._counter)
+        self.kv.reserve(req, self.reservation_for(req))
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # ---- the tick ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        preempted_ids: set[str] = set()
+
+        # 1) running requests, highest priority first
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.status is S.BACKPRESSURED or req.request_id in preempted_ids:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate(req, n):
+                victim = self._pick_victim(scheduled_ids)
+                self._preempt(victim, out)
+                preempted_ids.add(victim.request_id)
+                if victim is req:
+                    break
+            if req.request_id in preempted_ids:
+                continue
+            self._take(req, n, out, scheduled_ids)
+            budget -= n
+
+        # 2) swapped requests come back before new work, unless this tick had to preempt
+        if not out.preempted:
+            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.swapped[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                if not self.kv.swap_in(req, n):
+                    break
+                self.swapped.pop(0)
+                req.transition(S.RUNNABLE)
+                bisect.insort(self.running, req, key=Request.sort_key)
+                out.swapped_in.append(req)
+                self._take(req, n, out, scheduled_ids)
+                budget -= n
+
+        # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
+        static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)
+        if not out.preempted and not self.swapped and not static_busy:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                hits = self.kv.lookup_prefix(req)
+                remaining = req.num_tokens - len(hits) * self.block_size
+                if not self.config.enable_chunked_prefill and remaining > budget:
+                    break
+                n = min(remaining, budget)
+                if not self.kv.allocate(req, n, hits):
+                    break
+                self.waiting.pop(0)
+                self.kv.release_reservation(req)
+                req.num_computed_tokens = len(hits) * self.block_size
+                if req.status is not S.PREEMPTED:
+                    req.num_cached_tokens = req.num_computed_tokens
+                req.transition(S.RUNNABLE)
+                bisect.insort(self.running, req, key=Request.sort_key)
+                self._take(req, n, out, scheduled_ids)
+                budget -= n
+
+        out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
+        return out
+
+    def _take(self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> None:
+        out.scheduled.append((req, n))
+        scheduled_ids.add(req.request_id)
+
+    def _pick_victim(self, scheduled_ids: set[str]) -> Request:
+        """Lowest priority, latest arrival among running requests not yet scheduled this tick."""
+        for cand in reversed(self.running):
+            if cand.request_id not in scheduled_ids:
+                return cand
+        raise RuntimeError("no preemption victim: every running request is already scheduled")
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        out.preempted.append(req)
+        if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
+            self.kv.swap_out(req)
+            req.transition(S.SWAPPED)
+            bisect.insort(self.swapped, req, key=Request.sort_key)
+            return
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.transition(S.PREEMPTED)
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    # ---- after the forward ---------------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+        """Advance computed counts; return the requests whose logits are sampled this step (their whole
+        known sequence is now computed)."""
+        sampled: list[Request] = []
+        for req, n in out.scheduled:
+            req.num_computed_tokens += n
+            self.kv.commit_computed(req, req.num_computed_tokens)
+            if req.status is S.RUNNABLE:
+                # a resumed request with output that only needs its next token is decoding again
+                req.transition(S.DECODE if n == 1 and req.num_output_tokens else S.PREFILL)
+            if req.num_computed_tokens >= req.num_tokens:
+                sampled.append(req)
+        return sampled
+
+    # ---- leaving -------------------------------------------------------------------------------------
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it (used by the reclaim routine)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            if req in queue:
+                queue.remove(req)
+                return
