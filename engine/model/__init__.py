@@ -1,1 +1,21 @@
-"""kvpilot.engine.model."""
+"""kvpilot.engine.model — the model: where its files come from and how it runs.
+
+Package map:
+
+Files (torch-free, except ``tiny``):
+- ``registry``       model spec (``smollm2-135m``, ``tiny-random``, a ``.gguf`` path, an HF directory) →
+                     local HF-format directory, converted/written once into the cache; ``model_fingerprint``
+                     (the root of the prefix-cache block hash)
+- ``gguf_convert``   llama-architecture GGUF → config.json + float32 safetensors + generation_config.json
+                     (dequantize, llama.cpp tensor names → HF names, undo the Q/K RoPE row permutation)
+- ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for ``tiny``)
+- ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests
+
+Forward pass:
+- ``arch``           ``ModelArchConfig``: the hyper-parameters the forward pass reads from config.json
+- ``rope``           rotary position embedding tables (theta and scaling from the config)
+- ``llama``          the decoder (RMSNorm, GQA attention through the attention backend, SwiGLU MLP)
+- ``loader``         builds the model on its device from a resolved directory
+
+The tokenizer and chat template live one level up, in ``kvpilot.engine.tokenizer`` (the router shares it).
+"""
