@@ -1,1 +1,18 @@
-"""kvpilot.operator — the Kopf operator for InferenceService."""
+"""kvpilot.operator — the Kopf operator for InferenceService (DESIGN.md "Kubernetes contracts").
+
+Package map (one responsibility per module):
+
+- API definition: ``api_names`` (group, kind, labels, ports), ``crd_schema`` (the one OpenAPI schema
+  source: bounds, enums, defaults), ``crd_rules`` (cross-field rules as CEL for the CRD plus the same rule
+  in Python), ``crd`` (the generated CustomResourceDefinition).
+- The boundary: ``spec_validation`` (defaults, schema, rules → ``SpecError`` naming the field) and
+  ``spec`` (frozen dataclasses the rest of the package reads).
+- Deciding: ``sizing`` (N+1 replica count), ``startup`` (startup-probe budget from the model),
+  ``pod_template`` (engine + router containers, probes, placement), ``children`` (Deployment, Services,
+  PDB, router RBAC, owner references).
+- Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
+  create-or-patch), ``replicas`` (pod + engine ``/ready`` → stage), ``status`` (phase and conditions),
+  ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series).
+- Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration), ``cli`` (``kvpilot
+  operator run|render|crd``), ``manifest_yaml`` (stable YAML output).
+"""

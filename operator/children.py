@@ -1,0 +1,114 @@
+"""Every object the operator owns for one InferenceService (DESIGN.md "Kubernetes contracts").
+
+``build_children`` is a pure function of the validated InferenceService: the same input always gives
+the same objects, which is what makes reconciling idempotent and ``kvpilot operator render`` exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.operator import api_names
+from kvpilot.operator.pod_template import pod_template
+from kvpilot.operator.sizing import SizingResult, size_replicas
+from kvpilot.operator.spec import InferenceService
+from kvpilot.operator.startup import startup_budget
+
+
+@dataclass(frozen=True)
+class Children:
+    sizing: SizingResult
+    objects: tuple[dict[str, Any], ...]  # in the order they are applied: access first, workload last
+
+
+def selector_labels(isvc: InferenceService) -> dict[str, str]:
+    return {api_names.SELECTOR_LABEL: isvc.name}
+
+
+def common_labels(isvc: InferenceService) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "kvpilot",
+        "app.kubernetes.io/instance": isvc.name,
+        "app.kubernetes.io/component": "inference",
+        "app.kubernetes.io/managed-by": api_names.MANAGED_BY,
+        **selector_labels(isvc),
+    }
+
+
+def owner_reference(isvc: InferenceService) -> dict[str, Any]:
+    return {"apiVersion": api_names.API_VERSION, "kind": api_names.KIND, "name": isvc.name, "uid": isvc.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
+    metadata: dict[str, Any] = {"name": name, "namespace": isvc.namespace, "labels": common_labels(isvc)}
+    if isvc.uid:  # render without a cluster has no uid to point at
+        metadata["ownerReferences"] = [owner_reference(isvc)]
+    return metadata
+
+
+def _router_access(isvc: InferenceService) -> list[dict[str, Any]]:
+    name = f"{isvc.name}-router"
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(isvc, name)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(isvc, name),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(isvc, name),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}]},
+    ]
+
+
+def _services(isvc: InferenceService) -> list[dict[str, Any]]:
+    selector = selector_labels(isvc)
+    engines = {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(isvc, f"{isvc.name}-engines"),
+        # Headless: the router needs every engine's address (via EndpointSlices), not one virtual IP.
+        # Not-ready engines are published too: the router probes each engine's /ready itself, and a
+        # pod only turns Ready once its router is ready, which needs an engine it can see (chicken, egg).
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
+                 "ports": [{"name": "http", "port": api_names.ENGINE_PORT, "targetPort": "http",
+                            "protocol": "TCP"}]},
+    }
+    client = {
+        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(isvc, isvc.name),
+        "spec": {"type": "ClusterIP", "selector": selector,
+                 "ports": [{"name": "http", "port": api_names.SERVICE_PORT, "targetPort": "http-router",
+                            "protocol": "TCP"}]},
+    }
+    return [engines, client]
+
+
+def _disruption_budget(isvc: InferenceService, sizing: SizingResult) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _metadata(isvc, isvc.name),
+        "spec": {"maxUnavailable": sizing.disruption_allowance,
+                 "selector": {"matchLabels": selector_labels(isvc)}},
+    }
+
+
+def _deployment(isvc: InferenceService, sizing: SizingResult, default_image: str) -> dict[str, Any]:
+    allowance = sizing.disruption_allowance
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(isvc, isvc.name),
+        "spec": {
+            "replicas": sizing.desired,
+            "selector": {"matchLabels": selector_labels(isvc)},
+            # Roll by taking down at most the spare pods, never more, so N stay serving; with no spare,
+            # surge one new pod first instead (Kubernetes refuses maxSurge = maxUnavailable = 0).
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {"maxUnavailable": allowance, "maxSurge": 0 if allowance else 1}},
+            "progressDeadlineSeconds": startup_budget(isvc.spec.model).progress_deadline_seconds,
+            "revisionHistoryLimit": 5,
+            "template": pod_template(isvc, common_labels(isvc), selector_labels(isvc), default_image),
+        },
+    }
+
+
+def build_children(isvc: InferenceService, default_image: str = api_names.DEFAULT_IMAGE) -> Children:
+    sizing = size_replicas(isvc.spec.scaling)
+    objects = [*_router_access(isvc), *_services(isvc), _disruption_budget(isvc, sizing),
+               _deployment(isvc, sizing, default_image)]
+    return Children(sizing=sizing, objects=tuple(objects))

@@ -1,0 +1,128 @@
+"""``kvpilot operator``: run the Kopf operator, render an InferenceService's children, print the CRD.
+
+- ``run``: registers the handlers, then hands over to Kopf's own ``kopf run`` command with the Kopf flags
+  passed through (namespaces, --all-namespaces, --standalone, --liveness, logging);
+- ``render -f isvc.yaml``: prints the objects the operator would apply, like ``helm template``; an invalid
+  spec exits 2 with the field named;
+- ``crd``: prints the CustomResourceDefinition YAML (``crds/`` and the chart hold exactly this).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import yaml
+from kvpilot.operator.api_names import DEFAULT_IMAGE
+from kvpilot.operator.config import OperatorConfig
+
+EXIT_INVALID = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpilot operator", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the operator (Kopf) against the current cluster")
+    scope = run.add_mutually_exclusive_group(required=True)
+    scope.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
+                       help="watch this namespace (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
+    run.add_argument("--standalone", action="store_true", help="no peering: this is the only operator")
+    run.add_argument("--liveness", metavar="URL", help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--verbose", action="store_true")
+    run.add_argument("--debug", action="store_true")
+    run.add_argument("--log-format", choices=("plain", "full", "json"), default="full")
+    run.add_argument("--engine-image", default=DEFAULT_IMAGE, help="image when spec.engine.image is unset")
+    run.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS",
+                     help="how often status is refreshed and drift reverted")
+    run.add_argument("--engine-probe-timeout", type=float, default=1.0, metavar="SECONDS")
+    run.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+
+    render = commands.add_parser("render", help="print the objects the operator would apply")
+    render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin)")
+    render.add_argument("-n", "--namespace", default="default", help="namespace when the file names none")
+    render.add_argument("--engine-image", default=DEFAULT_IMAGE)
+
+    commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
+    return parser
+
+
+def _kopf_args(args: argparse.Namespace) -> list[str]:
+    kopf_args = ["run"]
+    kopf_args += ["--all-namespaces"] if args.all_namespaces else [
+        flag for namespace in args.namespaces for flag in ("--namespace", namespace)]
+    if args.standalone:
+        kopf_args.append("--standalone")
+    if args.liveness:
+        kopf_args += ["--liveness", args.liveness]
+    if args.verbose:
+        kopf_args.append("--verbose")
+    if args.debug:
+        kopf_args.append("--debug")
+    return [*kopf_args, "--log-format", args.log_format]
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf.cli  # the operator's heavy imports stay out of render and crd
+    from kvpilot.operator.handlers import register
+
+    try:
+        config = OperatorConfig(default_image=args.engine_image, status_interval_seconds=args.status_interval,
+                                engine_probe_timeout_seconds=args.engine_probe_timeout,
+                                metrics_port=args.metrics_port)
+    except ValueError as error:
+        print(f"kvpilot operator run: {error}", file=sys.stderr)
+        return EXIT_INVALID
+    register(config)
+    kopf.cli.main(args=_kopf_args(args), prog_name="kvpilot operator run", standalone_mode=False)
+    return 0
+
+
+def _read_documents(filename: str, stdin: TextIO) -> list[Any]:
+    if filename == "-":
+        return [doc for doc in yaml.safe_load_all(stdin) if doc is not None]
+    with open(filename, encoding="utf-8") as handle:
+        return [doc for doc in yaml.safe_load_all(handle) if doc is not None]
+
+
+def _render(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -> int:
+    from kvpilot.operator.children import build_children
+    from kvpilot.operator.manifest_yaml import dump_documents
+    from kvpilot.operator.spec import InferenceService, SpecError
+
+    try:
+        documents = _read_documents(args.filename, stdin)
+    except (OSError, yaml.YAMLError) as error:
+        print(f"error: cannot read {args.filename}: {error}", file=err)
+        return EXIT_INVALID
+    objects: list[dict[str, Any]] = []
+    for index, document in enumerate(documents):
+        try:
+            if not isinstance(document, dict):
+                raise SpecError("kind", "expected a YAML mapping (an InferenceService object)")
+            isvc = InferenceService.from_manifest(document, default_namespace=args.namespace)
+        except SpecError as error:
+            print(f"error: {args.filename} (document {index + 1}): {error}", file=err)
+            return EXIT_INVALID
+        children = build_children(isvc, args.engine_image)
+        print(f"# {isvc.namespace}/{isvc.name}: {children.sizing.formula}", file=err)
+        objects += children.objects
+    out.write(dump_documents(objects))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None,
+         stdin: TextIO | None = None) -> int:
+    out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
+    args = _parser().parse_args(list(argv) if argv is not None else None)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "render":
+        return _render(args, out, err, stdin)
+    from kvpilot.operator.crd import crd_yaml
+
+    out.write(crd_yaml())
+    return 0

@@ -1,0 +1,104 @@
+"""Cross-field rules of the InferenceService spec, each written once in two forms.
+
+A rule's CEL text goes into the CRD (``x-kubernetes-validations``) so a real API server refuses a bad
+object at ``kubectl apply`` time; its Python predicate runs in the operator (and in ``render``) so that
+clusters that do not evaluate CEL, and the e2e harness, still report the same rule by the same message.
+Keeping both next to each other is what keeps them saying the same thing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+
+# Flags the operator derives from the spec; repeating one in extraArgs would silently override the spec.
+OPERATOR_OWNED_FLAGS = (
+    "model", "port", "served-model-name", "dtype", "block-size", "max-num-seqs", "max-num-batched-tokens",
+    "kv-cache-memory-bytes", "slo-ttft", "slo-tpot", "(no-)?enable-prefix-caching",
+    "(no-)?enable-chunked-prefill",
+)
+OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
+WEIGHT_NAME_PATTERN = "^[a-z][a-z0-9_]*$"
+
+
+@dataclass(frozen=True)
+class CrossFieldRule:
+    """A rule on one object of the spec (``node``), reported at ``node + field``."""
+
+    node: tuple[str, ...]  # path from the CR root to the object the rule is attached to
+    field: str  # the field the message is about, relative to node (CEL fieldPath without the dot)
+    cel: str
+    message: str
+    holds: Callable[[Mapping[str, Any]], bool]  # True when the (defaulted) node satisfies the rule
+
+    @property
+    def field_path(self) -> str:
+        """Dotted path from the CR root, as Kubernetes names fields in its error messages."""
+        return ".".join((*self.node, *self.field.split(".")))
+
+
+def _quantity_less(smaller: str, larger: str) -> bool:
+    return parse_quantity(smaller) < parse_quantity(larger)
+
+
+RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        node=("spec", "scaling"), field="replicas",
+        cel="!(has(self.replicas) && has(self.targetRequestsPerSecond))",
+        message="set either scaling.replicas or scaling.targetRequestsPerSecond, not both",
+        holds=lambda s: not ("replicas" in s and "targetRequestsPerSecond" in s),
+    ),
+    CrossFieldRule(
+        node=("spec", "scaling"), field="perReplicaGoodput",
+        cel="has(self.targetRequestsPerSecond) == has(self.perReplicaGoodput)",
+        message="scaling.targetRequestsPerSecond and scaling.perReplicaGoodput are given together",
+        holds=lambda s: ("targetRequestsPerSecond" in s) == ("perReplicaGoodput" in s),
+    ),
+    CrossFieldRule(
+        node=("spec", "scaling"), field="minReplicas",
+        cel="self.minReplicas <= self.maxReplicas",
+        message="scaling.minReplicas must not exceed scaling.maxReplicas",
+        holds=lambda s: s["minReplicas"] <= s["maxReplicas"],
+    ),
+    CrossFieldRule(
+        node=("spec", "engine"), field="maxNumBatchedTokens",
+        cel="self.maxNumBatchedTokens >= self.maxNumSeqs",
+        message="engine.maxNumBatchedTokens must be at least engine.maxNumSeqs (one token per sequence)",
+        holds=lambda e: e["maxNumBatchedTokens"] >= e["maxNumSeqs"],
+    ),
+    CrossFieldRule(
+        node=("spec", "engine"), field="extraArgs",
+        cel=f"self.extraArgs.all(a, !a.matches('{OWNED_FLAG_PATTERN}'))",
+        message="engine.extraArgs must not repeat a flag the operator sets from the spec",
+        holds=lambda e: not any(re.match(OWNED_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
+    ),
+    CrossFieldRule(
+        node=("spec", "resources"), field="gpuType",
+        cel="!has(self.gpuType) || self.gpus > 0",
+        message="resources.gpuType needs resources.gpus > 0",
+        holds=lambda r: "gpuType" not in r or r["gpus"] > 0,
+    ),
+    CrossFieldRule(
+        node=("spec",), field="engine.kvCacheMemory",
+        cel="self.resources.gpus > 0 || "
+            "quantity(self.engine.kvCacheMemory).isLessThan(quantity(self.resources.memory))",
+        message="on CPU the KV cache lives in the pod's memory: engine.kvCacheMemory must be "
+                "less than resources.memory",
+        holds=lambda s: s["resources"]["gpus"] > 0
+        or _quantity_less(s["engine"]["kvCacheMemory"], s["resources"]["memory"]),
+    ),
+    CrossFieldRule(
+        node=("spec", "router"), field="weights",
+        cel=f"!has(self.weights) || self.weights.all(k, k.matches('{WEIGHT_NAME_PATTERN}'))",
+        message="router.weights keys are lower_snake_case names",
+        holds=lambda r: all(re.match(WEIGHT_NAME_PATTERN, key) for key in r.get("weights", {})),
+    ),
+)
+
+
+def rules_for(node: tuple[str, ...]) -> list[CrossFieldRule]:
+    return [rule for rule in RULES if rule.node == node]

@@ -1,0 +1,77 @@
+"""Kopf handlers for InferenceService: registered with a config, then run by ``kvpilot operator run``.
+
+- create / update / resume: reconcile now (children and status);
+- a timer: reconcile again every ``status_interval_seconds``, which refreshes the phase from the pods and
+  reverts manual edits of managed fields;
+- delete: children go by owner-reference garbage collection; the handler only drops the metrics series,
+  so it is optional and puts no finalizer in the way of deletion.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kvpilot.operator import api_names, metrics
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.kube_api import KubeApi, KubeApiError, load_client_configuration
+from kvpilot.operator.reconcile import reconcile
+
+RETRY_DELAY_SECONDS = 10
+RESOURCE = (api_names.GROUP, api_names.VERSION, api_names.PLURAL)
+
+
+def _configure_kopf(settings: kopf.OperatorSettings) -> None:
+    # Keep Kopf's bookkeeping under the project's own prefix, in annotations (the status schema is closed).
+    settings.persistence.finalizer = f"{api_names.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api_names.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=api_names.GROUP, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # Kubernetes Events only for what a user must look at
+    settings.watching.server_timeout = 300  # reconnect watches regularly, as long-lived clients should
+
+
+def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
+    """Register every handler into ``registry`` (Kopf's default one if None) and return it."""
+    registry = registry if registry is not None else kopf.get_default_registry()
+    api_holder: list[KubeApi] = []
+
+    def api() -> KubeApi:
+        return api_holder[0]
+
+    @kopf.on.startup(registry=registry)
+    def start(settings: kopf.OperatorSettings, **_: Any) -> None:
+        _configure_kopf(settings)
+        load_client_configuration()
+        api_holder.append(KubeApi())
+        if config.metrics_port is not None:
+            metrics.serve(config.metrics_port)
+
+    def reconcile_into(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
+        try:
+            result = reconcile(api(), dict(body), config)
+        except KubeApiError as error:
+            metrics.RECONCILIATIONS.labels("error").inc()
+            raise kopf.TemporaryError(str(error), delay=RETRY_DELAY_SECONDS) from error
+        if result.error is not None:
+            logger.warning("invalid spec: %s", result.error)
+        if result.status_patch:
+            patch["status"] = result.status_patch
+
+    @kopf.on.resume(*RESOURCE, registry=registry)
+    @kopf.on.create(*RESOURCE, registry=registry)
+    @kopf.on.update(*RESOURCE, field="spec", registry=registry)
+    def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        reconcile_into(body, patch, logger)
+
+    @kopf.timer(*RESOURCE, interval=config.status_interval_seconds, initial_delay=config.status_interval_seconds,
+                registry=registry)
+    def refresh(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        reconcile_into(body, patch, logger)
+
+    @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
+    def on_delete(namespace: str, name: str, **_: Any) -> None:
+        metrics.forget(namespace, name)
+
+    return registry

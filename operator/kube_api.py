@@ -1,0 +1,104 @@
+"""A small, dict-in dict-out Kubernetes API client for the handful of calls the operator makes.
+
+It rides on the official client's ApiClient (configuration, auth, TLS, in-cluster or kubeconfig) but skips
+its typed models: the builders produce plain dicts, and round-tripping them through models would drop
+fields the models do not know and fail on objects the models consider incomplete.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kubernetes import client, config
+
+# kind -> plural for the kinds the operator reads and writes.
+PLURALS = {
+    "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings", "Service": "services",
+    "PodDisruptionBudget": "poddisruptionbudgets", "Deployment": "deployments", "Pod": "pods",
+    "InferenceService": "inferenceservices",
+}
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    api_version: str
+    kind: str
+    namespace: str
+    name: str | None = None
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> ObjectRef:
+        return cls(obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+
+    @property
+    def path(self) -> str:
+        prefix = "/api/v1" if self.api_version == "v1" else f"/apis/{self.api_version}"
+        path = f"{prefix}/namespaces/{self.namespace}/{PLURALS[self.kind]}"
+        return f"{path}/{self.name}" if self.name else path
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.namespace}/{self.name}"
+
+
+class KubeApiError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"HTTP {status} {reason}: {message}")
+        self.status = status
+
+
+def load_client_configuration() -> None:
+    """In a pod use its service account; elsewhere the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+
+
+class KubeApi:
+    def __init__(self, api_client: client.ApiClient | None = None, request_timeout: float = 10.0) -> None:
+        self._client = api_client or client.ApiClient()
+        self._timeout = request_timeout
+
+    def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
+              content_type: str = "application/json") -> dict[str, Any]:
+        try:
+            response = self._client.call_api(
+                path, method, query_params=query or [], body=body,
+                header_params={"Accept": "application/json", "Content-Type": content_type},
+                auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True,
+                _request_timeout=self._timeout)
+        except client.ApiException as error:
+            raise _api_error(error) from None
+        return json.loads(response.data or b"{}")
+
+    def get(self, ref: ObjectRef) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", ref.path)
+        except KubeApiError as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        ref = ObjectRef.of(obj)
+        collection = ObjectRef(ref.api_version, ref.kind, ref.namespace)
+        return self._call("POST", collection.path, body=obj)
+
+    def merge_patch(self, ref: ObjectRef, patch: dict[str, Any], subresource: str = "") -> dict[str, Any]:
+        path = f"{ref.path}/{subresource}" if subresource else ref.path
+        return self._call("PATCH", path, body=patch, content_type=MERGE_PATCH)
+
+    def list(self, ref: ObjectRef, label_selector: str) -> list[dict[str, Any]]:
+        return self._call("GET", ref.path, query=[("labelSelector", label_selector)]).get("items", [])
+
+
+def _api_error(error: client.ApiException) -> KubeApiError:
+    try:
+        status = json.loads(error.body or "{}")
+    except ValueError:
+        status = {}
+    return KubeApiError(int(error.status or 0), status.get("reason") or str(error.reason),
+                        status.get("message") or str(error.body))

@@ -1,0 +1,158 @@
+"""The pod every replica runs: the engine container, the router sidecar, probes, volumes, placement.
+
+Container command lines follow the engine and router contracts in DESIGN.md exactly; probe timing comes
+from ``startup.py``. The router in each pod watches the EndpointSlices of ``<name>-engines``, so any pod
+can route to the best engine in the whole InferenceService.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes.utils import parse_quantity
+from kvpilot.operator import api_names
+from kvpilot.operator.spec import MODELS_MOUNT, InferenceService
+from kvpilot.operator.startup import PROBE_PERIOD_SECONDS, startup_budget
+
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+ROUTER_CPU = "100m"
+ROUTER_MEMORY = "256Mi"
+# Enough for in-flight requests to finish after the engine stops taking new ones (phase "draining").
+TERMINATION_GRACE_SECONDS = 120
+RUN_AS_USER = 10001  # the image's non-root user
+
+
+def engine_args(isvc: InferenceService) -> list[str]:
+    spec = isvc.spec
+    engine = spec.engine
+    args = [
+        "--model", spec.model.engine_path,
+        "--port", str(api_names.ENGINE_PORT),
+        "--served-model-name", spec.model.served_name,
+        "--dtype", spec.model.dtype,
+        "--block-size", str(engine.block_size),
+        "--max-num-seqs", str(engine.max_num_seqs),
+        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
+        "--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill",
+        "--kv-cache-memory-bytes", str(int(parse_quantity(engine.kv_cache_memory))),
+        "--slo-ttft", f"{spec.slo.ttft_seconds:g}",
+        "--slo-tpot", f"{spec.slo.tpot_seconds:g}",
+    ]
+    return args + list(engine.extra_args)
+
+
+def router_args(isvc: InferenceService) -> list[str]:
+    args = [
+        "--port", str(api_names.ROUTER_PORT),
+        "--endpointslices", f"{isvc.name}-engines",
+        "--namespace", isvc.namespace,
+        "--policy", isvc.spec.router.policy,
+    ]
+    if isvc.spec.router.weights:
+        args += ["--weights", ",".join(f"{key}={value:g}" for key, value in isvc.spec.router.weights)]
+    return args
+
+
+def _http_probe(path: str, port: str, *, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": timeout}
+
+
+def _security_context() -> dict[str, Any]:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
+    spec = isvc.spec
+    budget = startup_budget(spec.model)
+    requests: dict[str, str] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    limits: dict[str, str] = {"memory": spec.resources.memory}
+    if spec.resources.gpus:
+        requests[GPU_RESOURCE] = str(spec.resources.gpus)
+        limits[GPU_RESOURCE] = str(spec.resources.gpus)
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if spec.model.pvc_claim:
+        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{spec.model.pvc_claim}", "readOnly": True})
+    return {
+        "name": api_names.ENGINE_CONTAINER,
+        "image": image,
+        "command": ["kvpilot", "serve"],
+        "args": engine_args(isvc),
+        "ports": [{"name": "http", "containerPort": api_names.ENGINE_PORT, "protocol": "TCP"}],
+        # Caches go to the writable emptyDir; the root filesystem stays read-only.
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
+                {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}],
+        "resources": {"requests": requests, "limits": limits},
+        "startupProbe": _http_probe("/health", "http", period=PROBE_PERIOD_SECONDS,
+                                    failures=budget.probe_failure_threshold, timeout=5),
+        "livenessProbe": _http_probe("/health", "http", period=10, failures=3, timeout=5),
+        # /ready turns 200 only after warm-up, so a cold replica never gets traffic.
+        "readinessProbe": _http_probe("/ready", "http", period=5, failures=2, timeout=3),
+        "volumeMounts": mounts,
+        "securityContext": _security_context(),
+    }
+
+
+def _router_container(isvc: InferenceService, image: str) -> dict[str, Any]:
+    return {
+        "name": api_names.ROUTER_CONTAINER,
+        "image": image,
+        "command": ["kvpilot", "router"],
+        "args": router_args(isvc),
+        "ports": [{"name": "http-router", "containerPort": api_names.ROUTER_PORT, "protocol": "TCP"}],
+        "resources": {"requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},
+                      "limits": {"memory": ROUTER_MEMORY}},
+        "livenessProbe": _http_probe("/health", "http-router", period=10, failures=3, timeout=3),
+        # Ready when at least one engine of the service is ready (the router's own /ready rule).
+        "readinessProbe": _http_probe("/ready", "http-router", period=5, failures=2, timeout=3),
+        "securityContext": _security_context(),
+    }
+
+
+def _spread(isvc: InferenceService, selector: dict[str, str]) -> list[dict[str, Any]]:
+    # Zones are preferred (a small cluster may have one); hosts are hard only when asked, because on
+    # a one-node dev cluster a hard host spread would leave the spare replica Pending forever.
+    host_policy = "DoNotSchedule" if isvc.spec.scaling.require_host_spread else "ScheduleAnyway"
+    return [
+        {"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": policy,
+         "labelSelector": {"matchLabels": dict(selector)}, "matchLabelKeys": ["pod-template-hash"]}
+        for key, policy in (("topology.kubernetes.io/zone", "ScheduleAnyway"),
+                            ("kubernetes.io/hostname", host_policy))
+    ]
+
+
+def pod_template(isvc: InferenceService, labels: dict[str, str], selector: dict[str, str],
+                 default_image: str) -> dict[str, Any]:
+    spec = isvc.spec
+    image = spec.engine.image or default_image
+    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
+    if spec.model.pvc_claim:
+        volumes.append({"name": "model",
+                        "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True}})
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": f"{isvc.name}-router",
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [_engine_container(isvc, image), _router_container(isvc, image)],
+        "volumes": volumes,
+        "topologySpreadConstraints": _spread(isvc, selector),
+    }
+    node_selector = dict(spec.tenancy.node_selector)
+    if spec.resources.gpu_type:
+        node_selector[GPU_PRODUCT_LABEL] = spec.resources.gpu_type
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    tolerations = [dict(t) for t in spec.tenancy.tolerations]
+    if spec.resources.gpus:
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    if spec.tenancy.priority_class_name:
+        pod_spec["priorityClassName"] = spec.tenancy.priority_class_name
+    if spec.tenancy.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.tenancy.image_pull_secrets]
+    return {"metadata": {"labels": dict(labels)}, "spec": pod_spec}

@@ -1,0 +1,127 @@
+"""One reconciliation of one InferenceService: validate, apply the children, observe, compute status.
+
+Kopf-free on purpose: the handlers only call ``reconcile`` and hand the returned status patch to Kopf,
+so this logic is unit-testable with a fake API and reused by the status timer and the change handlers.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from kvpilot.operator import api_names, metrics
+from kvpilot.operator.apply import ApplyResult, apply_all
+from kvpilot.operator.children import build_children
+from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.diffing import merge_patch
+from kvpilot.operator.kube_api import KubeApi, ObjectRef
+from kvpilot.operator.replicas import EngineReader, ReplicaObservation, observe_pod, read_engine_ready
+from kvpilot.operator.sizing import SizingResult
+from kvpilot.operator.spec import InferenceService, SpecError
+from kvpilot.operator.status import Observed, cold_start_status, conditions, decide_phase, stage_counts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    status_patch: dict[str, Any]  # empty when the status already says it all
+    applied: tuple[ApplyResult, ...] = ()
+    error: SpecError | None = None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _rollout(deployment: dict[str, Any] | None, desired: int) -> tuple[bool, bool]:
+    """(stalled, complete) from the Deployment's own status."""
+    if deployment is None:
+        return False, False
+    status = deployment.get("status", {})
+    stalled = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+                  for c in status.get("conditions", []))
+    observed = status.get("observedGeneration", 0) >= deployment.get("metadata", {}).get("generation", 0)
+    updated = status.get("updatedReplicas", 0)
+    complete = observed and updated >= desired and status.get("replicas", 0) == updated
+    return stalled, complete
+
+
+def _observe(api: KubeApi, isvc: InferenceService, read_engine: EngineReader) -> tuple[
+        tuple[ReplicaObservation, ...], dict[str, Any] | None]:
+    deployment = api.get(ObjectRef("apps/v1", "Deployment", isvc.namespace, isvc.name))
+    pods = api.list(ObjectRef("v1", "Pod", isvc.namespace), f"{api_names.SELECTOR_LABEL}={isvc.name}")
+    observations = (observe_pod(pod, read_engine) for pod in sorted(pods, key=lambda p: p["metadata"]["name"]))
+    return tuple(o for o in observations if o is not None), deployment
+
+
+def _status(isvc: InferenceService, sizing: SizingResult, replicas: tuple[ReplicaObservation, ...],
+            deployment: dict[str, Any] | None, previous: dict[str, Any]) -> dict[str, Any]:
+    stalled, complete = _rollout(deployment, sizing.desired)
+    was_ready = (previous.get("phase") in ("Ready", "Degraded")
+                 and previous.get("observedGeneration") == isvc.generation)
+    observed = Observed(desired=sizing.desired, replicas=replicas, rollout_stalled=stalled,
+                        rollout_complete=complete, was_ready=was_ready)
+    phase, reason, message = decide_phase(observed)
+    counts = stage_counts(observed)
+    status: dict[str, Any] = {
+        "phase": phase,
+        "conditions": conditions(phase, reason, message, isvc.generation, previous.get("conditions", []), _now()),
+        "replicas": len(replicas),
+        "readyReplicas": counts["ready"],
+        "desiredReplicas": sizing.desired,
+        "observedGeneration": isvc.generation,
+        "endpoint": f"http://{isvc.name}.{isvc.namespace}.svc.cluster.local",
+        "sizing": sizing.to_status(),
+        "engines": counts,
+    }
+    cold_start = cold_start_status(replicas, previous.get("coldStart", {}))
+    if cold_start:
+        status["coldStart"] = cold_start
+    return status
+
+
+def _invalid_status(error: SpecError, generation: int, previous: dict[str, Any]) -> dict[str, Any]:
+    message = str(error)
+    return {
+        "phase": "Failed",
+        "conditions": conditions("Failed", "InvalidSpec", message, generation, previous.get("conditions", []),
+                                 _now()),
+        "observedGeneration": generation,
+    }
+
+
+def _record_cold_starts(previous: dict[str, Any], status: dict[str, Any]) -> None:
+    seen = {entry["pod"] for entry in previous.get("coldStart", {}).get("recent", [])}
+    for entry in status.get("coldStart", {}).get("recent", []):
+        if entry["pod"] not in seen:
+            metrics.COLD_START.observe(entry["seconds"])
+
+
+def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Reconciled:
+    previous = body.get("status") or {}
+    generation = int(body.get("metadata", {}).get("generation", 0))
+    try:
+        isvc = InferenceService.from_manifest(body)
+    except SpecError as error:
+        metrics.RECONCILIATIONS.labels("invalid").inc()
+        status = _invalid_status(error, generation, previous)
+        return Reconciled(merge_patch(status, previous, previous), error=error)
+    children = build_children(isvc, config.default_image)
+    applied = tuple(apply_all(api, children.objects))
+    changed = [result for result in applied if result.action != "unchanged"]
+    for result in changed:
+        log.info("%s %s", result.action, result.ref)
+    metrics.RECONCILIATIONS.labels("applied" if changed else "unchanged").inc()
+    read_engine = functools.partial(read_engine_ready, timeout=config.engine_probe_timeout_seconds)
+    replicas, deployment = _observe(api, isvc, read_engine)
+    status = _status(isvc, children.sizing, replicas, deployment, previous)
+    _record_cold_starts(previous, status)
+    metrics.record_status(isvc.namespace, isvc.name, desired=children.sizing.desired,
+                          spare=max(0, children.sizing.desired - children.sizing.serving),
+                          ready=status["readyReplicas"], phase=status["phase"])
+    # Fields of the old status that the new one lacks are removed, the rest only if they changed.
+    return Reconciled(merge_patch(status, previous, previous), applied)

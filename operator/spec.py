@@ -1,0 +1,167 @@
+"""Typed view of an InferenceService: the dataclasses every builder and the sizing read from.
+
+``InferenceService.from_manifest`` is the boundary: it validates (``spec_validation``) and then maps the
+camelCase spec onto frozen dataclasses, so nothing downstream handles raw dicts or missing keys.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.operator import api_names
+from kvpilot.operator.spec_validation import SpecError, validated_spec
+
+PVC_SCHEME = "pvc://"
+MODELS_MOUNT = "/models"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str
+    served_name: str
+    dtype: str = "auto"
+    startup_timeout_seconds: int | None = None
+
+    @property
+    def pvc_claim(self) -> str | None:
+        if not self.source.startswith(PVC_SCHEME):
+            return None
+        return self.source[len(PVC_SCHEME):].split("/", 1)[0]
+
+    @property
+    def engine_path(self) -> str:
+        """What the engine gets as --model: the name or path, with a PVC turned into its mount path."""
+        claim = self.pvc_claim
+        if claim is None:
+            return self.source
+        rest = self.source[len(PVC_SCHEME) + len(claim):].strip("/")
+        return f"{MODELS_MOUNT}/{claim}/{rest}" if rest else f"{MODELS_MOUNT}/{claim}"
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    image: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: str = "1Gi"
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ResourcesSpec:
+    gpus: int = 0
+    gpu_type: str | None = None
+    cpu: str = "2"
+    memory: str = "8Gi"
+
+
+@dataclass(frozen=True)
+class SLOSpec:
+    ttft_seconds: float = 2.0
+    tpot_seconds: float = 0.1
+
+
+@dataclass(frozen=True)
+class ScalingSpec:
+    replicas: int | None = None
+    target_requests_per_second: float | None = None
+    per_replica_goodput: float | None = None
+    headroom: float = 0.2
+    spare: int = 1
+    min_replicas: int = 1
+    max_replicas: int = 100
+    require_host_spread: bool = False
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    policy: str = "cache_aware"
+    weights: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TenancySpec:
+    priority_class_name: str | None = None
+    node_selector: tuple[tuple[str, str], ...] = ()
+    tolerations: tuple[dict[str, Any], ...] = ()
+    image_pull_secrets: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class InferenceServiceSpec:
+    model: ModelSpec
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    resources: ResourcesSpec = field(default_factory=ResourcesSpec)
+    slo: SLOSpec = field(default_factory=SLOSpec)
+    scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    tenancy: TenancySpec = field(default_factory=TenancySpec)
+
+    @classmethod
+    def from_dict(cls, raw_spec: Any, name: str) -> InferenceServiceSpec:
+        spec = validated_spec(raw_spec)
+        model, engine, res, slo = spec["model"], spec["engine"], spec["resources"], spec["slo"]
+        scaling, router, tenancy = spec["scaling"], spec["router"], spec.get("tenancy", {})
+        return cls(
+            model=ModelSpec(source=model["source"], served_name=model.get("servedName", name),
+                            dtype=model["dtype"], startup_timeout_seconds=model.get("startupTimeoutSeconds")),
+            engine=EngineSpec(
+                image=engine.get("image"), block_size=engine["blockSize"], max_num_seqs=engine["maxNumSeqs"],
+                max_num_batched_tokens=engine["maxNumBatchedTokens"],
+                enable_prefix_caching=engine["enablePrefixCaching"],
+                enable_chunked_prefill=engine["enableChunkedPrefill"],
+                kv_cache_memory=engine["kvCacheMemory"], extra_args=tuple(engine["extraArgs"])),
+            resources=ResourcesSpec(gpus=res["gpus"], gpu_type=res.get("gpuType"), cpu=res["cpu"],
+                                    memory=res["memory"]),
+            slo=SLOSpec(ttft_seconds=float(slo["ttftSeconds"]), tpot_seconds=float(slo["tpotSeconds"])),
+            scaling=ScalingSpec(
+                replicas=scaling.get("replicas"),
+                target_requests_per_second=_optional_float(scaling.get("targetRequestsPerSecond")),
+                per_replica_goodput=_optional_float(scaling.get("perReplicaGoodput")),
+                headroom=float(scaling["headroom"]), spare=scaling["spare"],
+                min_replicas=scaling["minReplicas"], max_replicas=scaling["maxReplicas"],
+                require_host_spread=scaling["requireHostSpread"]),
+            router=RouterSpec(policy=router["policy"],
+                              weights=tuple(sorted((k, float(v)) for k, v in router.get("weights", {}).items()))),
+            tenancy=TenancySpec(
+                priority_class_name=tenancy.get("priorityClassName"),
+                node_selector=tuple(sorted(tenancy.get("nodeSelector", {}).items())),
+                tolerations=tuple(tenancy.get("tolerations", [])),
+                image_pull_secrets=tuple(tenancy.get("imagePullSecrets", []))),
+        )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class InferenceService:
+    """The identity of the custom resource plus its typed spec."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    spec: InferenceServiceSpec
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any], default_namespace: str = "default") -> InferenceService:
+        """Validate a whole object (as read from YAML or the API) into its typed form."""
+        if manifest.get("apiVersion") != api_names.API_VERSION or manifest.get("kind") != api_names.KIND:
+            raise SpecError("kind", f"expected apiVersion {api_names.API_VERSION} and kind {api_names.KIND}, "
+                                    f"got {manifest.get('apiVersion')!r} {manifest.get('kind')!r}")
+        metadata = manifest.get("metadata") or {}
+        name = metadata.get("name")
+        if not name:
+            raise SpecError("metadata.name", "Required value")
+        return cls(name=name, namespace=metadata.get("namespace") or default_namespace,
+                   uid=metadata.get("uid", ""), generation=int(metadata.get("generation", 0)),
+                   spec=InferenceServiceSpec.from_dict(manifest.get("spec"), name))
+
+
+__all__ = ["InferenceService", "InferenceServiceSpec", "SpecError"]

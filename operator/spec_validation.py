@@ -1,0 +1,85 @@
+"""Check an InferenceService spec the way the API server would, and name the offending field.
+
+Order matters and mirrors the API server: defaults first (so rules see the values the engine will get),
+then the OpenAPI schema (bounds, enums, types), then the cross-field rules that the CRD carries as CEL.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+import jsonschema
+from kvpilot.operator.crd_rules import RULES
+from kvpilot.operator.crd_schema import spec_schema
+
+
+class SpecError(ValueError):
+    """An invalid spec; ``field`` is the dotted path Kubernetes would name (``spec.scaling.spare``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
+    """Fill in ``default`` values of absent properties, recursively, as structural defaulting does.
+
+    Only objects that are present (or defaulted) get their properties defaulted, exactly like the API
+    server: a block without ``default: {}`` that the user omitted stays omitted.
+    """
+    if isinstance(value, dict) and "properties" in schema:
+        for key, sub_schema in schema["properties"].items():
+            if key not in value and "default" in sub_schema:
+                value[key] = copy.deepcopy(sub_schema["default"])
+            if key in value:
+                value[key] = apply_defaults(sub_schema, value[key])
+    elif isinstance(value, list) and "items" in schema:
+        return [apply_defaults(schema["items"], item) for item in value]
+    return value
+
+
+def _field_path(prefix: str, path: Iterable[Any]) -> str:
+    field = prefix
+    for part in path:
+        field += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return field
+
+
+def _schema_error(error: jsonschema.ValidationError) -> SpecError:
+    path = list(error.absolute_path)
+    if error.validator == "required":
+        # jsonschema reports a missing property at its parent; Kubernetes names the property itself.
+        missing = error.message.split("'")[1]
+        return SpecError(_field_path("spec", [*path, missing]), "Required value")
+    if error.validator == "additionalProperties" and error.validator_value is False:
+        return SpecError(_field_path("spec", path), f"unknown field: {error.message}")
+    return SpecError(_field_path("spec", path), f"Invalid value: {error.instance!r}: {error.message}")
+
+
+def _node(spec: dict[str, Any], node: tuple[str, ...]) -> dict[str, Any] | None:
+    value: Any = {"spec": spec}
+    for key in node:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    return value
+
+
+def validated_spec(raw_spec: Any) -> dict[str, Any]:
+    """Return the defaulted spec, or raise SpecError for the first problem (deterministic order)."""
+    if not isinstance(raw_spec, dict):
+        raise SpecError("spec", "Required value: an object")
+    schema = spec_schema()
+    spec = apply_defaults(schema, copy.deepcopy(raw_spec))
+    validator = jsonschema.Draft4Validator(schema)
+    errors = sorted(validator.iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message))
+    if errors:
+        raise _schema_error(errors[0])
+    for rule in RULES:
+        node = _node(spec, rule.node)
+        if node is not None and not rule.holds(node):
+            raise SpecError(rule.field_path, rule.message)
+    return spec

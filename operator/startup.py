@@ -1,0 +1,49 @@
+"""How long an engine may take to start, sized from the model (seeds §1.5: warm-up is not steady state).
+
+The startupProbe must outlast weight loading on the slowest node the model will land on, or Kubernetes
+kills a healthy replica mid-load and it never comes up. So the budget is generous on purpose: weights
+read at a pessimistic rate, times a safety factor, plus fixed time for process start and warm-up.
+Readiness (`/ready`) then gates traffic separately, so a long budget never sends traffic to a cold pod.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kvpilot.operator.spec import ModelSpec
+
+# Parameter counts of the models the engine knows by name.
+KNOWN_MODEL_PARAMETERS = {"smollm2-135m": 135_000_000, "tiny-random": 1_000_000}
+BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
+PESSIMISTIC_LOAD_BYTES_PER_SECOND = 50 * 1024 * 1024  # a busy network volume, not a local NVMe
+SAFETY_FACTOR = 3
+FIXED_SECONDS = 120  # interpreter and CUDA start, tokenizer, warm-up passes
+UNKNOWN_MODEL_SECONDS = 1800  # a path or PVC of unknown size: half an hour, overridable in the spec
+PROBE_PERIOD_SECONDS = 10
+# Rollouts have to wait for a new replica's whole start, and then some, before Kubernetes calls them stuck.
+PROGRESS_DEADLINE_MARGIN_SECONDS = 300
+
+
+@dataclass(frozen=True)
+class StartupBudget:
+    seconds: int
+
+    @property
+    def probe_failure_threshold(self) -> int:
+        return math.ceil(self.seconds / PROBE_PERIOD_SECONDS)
+
+    @property
+    def progress_deadline_seconds(self) -> int:
+        return self.seconds + PROGRESS_DEADLINE_MARGIN_SECONDS
+
+
+def startup_budget(model: ModelSpec) -> StartupBudget:
+    if model.startup_timeout_seconds is not None:
+        return StartupBudget(model.startup_timeout_seconds)
+    parameters = KNOWN_MODEL_PARAMETERS.get(model.source)
+    if parameters is None:
+        return StartupBudget(UNKNOWN_MODEL_SECONDS)
+    weight_bytes = parameters * BYTES_PER_PARAMETER[model.dtype]
+    load_seconds = weight_bytes / PESSIMISTIC_LOAD_BYTES_PER_SECOND
+    return StartupBudget(FIXED_SECONDS + math.ceil(SAFETY_FACTOR * load_seconds))
