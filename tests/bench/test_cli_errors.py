@@ -1,0 +1,61 @@
+"""Bad flags exit 2 with an argparse message; an unusable endpoint exits 1 with one line, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot import cli as kvpilot_cli
+from kvpilot.bench.cli import main
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--request-rate", "-1"], "--request-rate values must be > 0 or inf (got -1.0)"),
+    (["--request-rate", "abc"], "expected rates like '4' or '1,2,4,inf', got 'abc'"),
+    (["--concurrency", "0"], "--concurrency values must be >= 1 (got 0)"),
+    (["--concurrency", "2", "--request-rate", "3"], "not allowed with argument"),
+    (["--concurrency", "2", "--max-concurrency", "3"], "--max-concurrency caps open-loop load"),
+    (["--request-rate", "inf", "--duration", "5"], "needs --num-requests"),
+    (["--input-len", "5:2"], "--input-len needs 1 <= MIN <= MAX (got 5:2)"),
+    (["--output-len", "x"], "expected N or MIN:MAX, got 'x'"),
+    (["--workload", "sharegpt"], "--workload sharegpt needs --dataset-path"),
+    (["--slo-ttft", "0"], "--slo-ttft must be a positive number of seconds (got 0.0)"),
+    (["--burstiness", "0"], "--burstiness must be a positive finite number"),
+    (["--base-url", "localhost:8000"], "--base-url must start with http:// or https://"),
+    (["--api", "grpc"], "invalid choice: 'grpc'"),
+    (["--saturation-latency-factor", "1"], "--saturation-latency-factor must be > 1"),
+])
+def test_bad_flags_exit_2_with_a_message_naming_the_flag(flags, message, capsys):
+    assert main(["serve", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "kvpilot bench serve: error:" in err and message in err
+
+
+def test_unusable_dataset_exits_2(tmp_path, capsys):
+    dataset = tmp_path / "empty.json"
+    dataset.write_text("[]")
+    assert main(["serve", "--workload", "sharegpt", "--dataset-path", str(dataset), "--no-progress"]) == 2
+    assert "no entry has a 'conversations' list" in capsys.readouterr().err
+
+
+def test_unreachable_endpoint_exits_1_without_a_traceback(closed_port, capsys):
+    url = f"http://127.0.0.1:{closed_port}"
+    assert main(["serve", "--base-url", url, "--num-requests", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"kvpilot bench serve: error: cannot reach the endpoint at {url}" in err
+    assert "Traceback" not in err
+
+
+def test_endpoint_that_never_gets_ready_exits_1(fake_server, capsys):
+    server = fake_server(ready_after_s=60.0)
+    code = main(["serve", "--base-url", server.url, "--wait-ready", "--ready-timeout", "0.3", "--no-progress"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert f"{server.url}/ready was not ready after 0.3 s" in err and "last: HTTP 503" in err
+
+
+def test_help_and_dispatch_through_the_kvpilot_command(capsys):
+    assert kvpilot_cli.main(["bench", "serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--request-rate" in out and "--slo-ttft" in out and "--plot-dir" in out
+    assert main([]) == 2  # a subcommand is required
+    assert "the following arguments are required: SUBCOMMAND" in capsys.readouterr().err
