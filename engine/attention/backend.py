@@ -10,7 +10,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "torch", "triton")
@@ -34,6 +33,13 @@ class AttentionBackend(ABC):
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step precomputation shared by all layers (stores results in ``meta.extras``)."""
+
+    def warmup(self, key_cache: torch.Tensor, value_cache: torch.Tensor, max_num_seqs: int,  # noqa: B027
+               max_num_batched_tokens: int, max_model_len: int) -> None:
+        """Optional: compile/tune kernels for the served shapes before the engine reports ready.
+
+        Called once with one layer's caches (all layers share their shape); it may read them but must
+        leave their contents alone. The default has nothing to prepare."""
 
     @abstractmethod
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
