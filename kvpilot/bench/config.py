@@ -45,6 +45,8 @@ class EndpointConfig:
     def validate(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ConfigError(f"--base-url must start with http:// or https:// (got {self.base_url!r})")
+        if self.ready_url is not None and not self.ready_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--ready-url must start with http:// or https:// (got {self.ready_url!r})")
         if self.api not in API_KINDS:
             raise ConfigError(f"--api must be one of {API_KINDS} (got {self.api!r})")
         for flag, value in (("--request-timeout", self.request_timeout_s),
@@ -76,6 +78,8 @@ class LoadConfig:
             for rate in self.request_rates:
                 if not rate > 0:
                     raise ConfigError(f"--request-rate values must be > 0 or inf (got {rate})")
+            if len(set(self.request_rates)) != len(self.request_rates):
+                raise ConfigError(f"--request-rate lists a rate twice (got {self.request_rates})")
             if math.inf in self.request_rates and self.num_requests is None:
                 raise ConfigError("--request-rate inf sends everything at once and needs --num-requests")
         else:
@@ -84,6 +88,8 @@ class LoadConfig:
             for level in self.concurrencies:
                 if level < 1:
                     raise ConfigError(f"--concurrency values must be >= 1 (got {level})")
+            if len(set(self.concurrencies)) != len(self.concurrencies):
+                raise ConfigError(f"--concurrency lists a level twice (got {self.concurrencies})")
         if not (self.burstiness > 0 and math.isfinite(self.burstiness)):
             raise ConfigError(f"--burstiness must be a positive finite number (got {self.burstiness})")
         if self.max_concurrency is not None and self.max_concurrency < 1:

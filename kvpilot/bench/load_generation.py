@@ -40,9 +40,14 @@ async def run_open_loop(client: OpenAIStreamClient, schedule: Sequence[tuple[flo
         task = asyncio.create_task(
             client.send(spec, phase=PHASE_MEASURED, t0=t0, scheduled_s=float(offset), gate=gate))
         if on_done is not None:
-            task.add_done_callback(lambda done: on_done(done.result()))
+            task.add_done_callback(lambda done: on_done(done.result()) if _succeeded(done) else None)
         tasks.append(task)
     return list(await asyncio.gather(*tasks))
+
+
+def _succeeded(task: asyncio.Task) -> bool:
+    # A cancelled or crashed task has no record; gather() reports it, the callback must not raise.
+    return not task.cancelled() and task.exception() is None
 
 
 async def run_closed_loop(client: OpenAIStreamClient, specs: Iterator[RequestSpec], *, concurrency: int,

@@ -58,6 +58,13 @@ def _jsonable(value: object) -> object:
     return value
 
 
+def _redacted(config: dict) -> dict:
+    """The config without the API key's value (reports get shared)."""
+    if config["endpoint"]["api_key"] is not None:
+        config["endpoint"]["api_key"] = "<redacted>"
+    return config
+
+
 def _point_dict(point: PointResult) -> dict:
     return {
         "mode": point.mode,
@@ -85,7 +92,7 @@ def report_dict(config: ServeBenchConfig, result: BenchmarkResult, plots: list[P
         "version": __version__,
         "started_at": result.started_at,
         "model": result.model,
-        "config": _jsonable(config),
+        "config": _redacted(_jsonable(config)),
         "definitions": DEFINITIONS,
         "cold_start": {
             "ready": _jsonable(result.cold_start.ready),

@@ -25,7 +25,7 @@ def format_point(point: PointResult) -> str:
         f"== {point.label} ==",
         f"requests    {s.requests_total} measured: {s.requests_ok} ok, {s.requests_failed} failed"
         f" | window {s.window_s:.2f} s (first arrival to last completion)"
-        f" | arrivals offered {s.arrival_rate_rps:.3f} req/s",
+        + (f" | arrivals offered {s.arrival_rate_rps:.3f} req/s" if point.mode == "open" else ""),
         f"throughput  request {s.request_throughput_rps:.3f} req/s | output-token "
         f"{s.output_token_throughput_tps:.1f} tok/s | total-token (prompt+output) "
         f"{s.total_token_throughput_tps:.1f} tok/s",

@@ -1,9 +1,10 @@
 """Running a whole ``bench serve`` benchmark: readiness, model, warm-up, each load point, saturation.
 
-Seeding: one ``SeedSequence(seed)`` is split into independent streams for arrivals, measured requests and
-warm-up requests. Every load point restarts the arrival and request streams from their seeds, so all
-points of a sweep send the same prompts in the same order and (at another rate) the same arrival pattern
-rescaled -- the points differ only in load.
+Seeding: one ``SeedSequence(seed)`` is split into independent streams for arrivals, tenants' system
+prompts, warm-up requests and each load point's requests. Every point restarts the arrival stream, so all
+points see the same arrival pattern rescaled to their rate. Each point gets fresh prompts from the same
+length distribution: repeating the previous point's prompts would let a prefix cache serve them from
+cache and flatter every later point. Shared-prefix tenants keep their system prompts for the whole run.
 """
 
 from __future__ import annotations
@@ -73,8 +74,9 @@ async def run_serve_benchmark(config: ServeBenchConfig,
     """
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     endpoint = config.endpoint
-    workload = Workload(config.workload)
-    arrival_seed, request_seed, warmup_seed = np.random.SeedSequence(config.seed).spawn(3)
+    arrival_seed, tenant_seed, warmup_seed, request_root = np.random.SeedSequence(config.seed).spawn(4)
+    workload = Workload(config.workload, tenant_seed)
+    request_seeds = request_root.spawn(len(config.load.levels))
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     # No connection-pool cap: a hidden cap would queue requests where the send-lag figures cannot see it.
     connector = aiohttp.TCPConnector(limit=0)
@@ -88,7 +90,7 @@ async def run_serve_benchmark(config: ServeBenchConfig,
         warmup = await run_warmup(client, workload.stream(np.random.default_rng(warmup_seed)),
                                   config.load.warmup_requests)
         points = []
-        for load in config.load.levels:
+        for load, request_seed in zip(config.load.levels, request_seeds, strict=True):
             point = await _run_point(config, client, workload, load, arrival_seed, request_seed)
             points.append(point)
             if on_point is not None:

@@ -84,8 +84,7 @@ class OpenAIStreamClient:
                                max_tokens=spec.max_tokens, tenant=spec.tenant, scheduled_s=scheduled_s,
                                sent_s=clock() - t0)
         try:
-            events = await self._stream(body, headers, t0)
-            record.end_s = clock() - t0
+            events, record.end_s = await self._stream(body, headers, t0)
             _apply_events(record, events, chat=self._endpoint.api == "chat")
         except _Failure as failure:
             record.end_s = clock() - t0
@@ -93,8 +92,9 @@ class OpenAIStreamClient:
             record.error_type, record.error_detail = failure.error_type, failure.detail[:_DETAIL_CHARS]
         return record
 
-    async def _stream(self, body: dict, headers: dict, t0: float) -> list[tuple[float, bytes]]:
-        """Timestamped SSE data payloads of one request, up to (not including) ``[DONE]``."""
+    async def _stream(self, body: dict, headers: dict, t0: float) -> tuple[list[tuple[float, bytes]], float]:
+        """Timestamped SSE data payloads of one request up to (not including) ``[DONE]``, and the time
+        ``[DONE]`` arrived."""
         clock = time.perf_counter
         events: list[tuple[float, bytes]] = []
         got_response = False
@@ -112,7 +112,7 @@ class OpenAIStreamClient:
                         if line.startswith(b"data:"):
                             payload = line[5:].strip()
                             if payload == b"[DONE]":
-                                return events
+                                return events, now
                             events.append((now, payload))
         except aiohttp.ConnectionTimeoutError as exc:
             raise _Failure(ERROR_CONNECTION, f"connect timeout: {exc}") from None

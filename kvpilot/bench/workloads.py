@@ -5,7 +5,8 @@ Three workloads, all deterministic for a given seed and endless (the runner take
   ``output_len_range``.
 - ``shared-prefix``: ``num_tenants`` tenants, each with one fixed system prompt of ``system_prompt_len``
   words shared by all its requests (the prefix-cache case), then a random user part as above; requests pick
-  a tenant uniformly at random and carry it (``x-tenant`` header and ``user`` field).
+  a tenant uniformly at random and carry it (``x-tenant`` header and ``user`` field). The system prompts
+  are drawn once per :class:`Workload` (from ``tenant_seed``), so every stream of it shares them.
 - ``sharegpt``: prompts of a ShareGPT-style file in a seeded random order (reshuffled when used up), with
   ``max_tokens`` = the words of the recorded answer, capped.
 """
@@ -35,9 +36,12 @@ class RequestSpec:
 class Workload:
     """Builds seeded request streams for one workload config; a dataset file is read once, here."""
 
-    def __init__(self, config: WorkloadConfig):
+    def __init__(self, config: WorkloadConfig, tenant_seed: np.random.SeedSequence | int = 0):
         self.config = config
         self._pairs: list[ConversationTurnPair] = []
+        self.system_prompts: list[str] = []  # one per tenant (shared-prefix only)
+        if config.kind == "shared-prefix":
+            self.system_prompts = tenant_system_prompts(config, np.random.default_rng(tenant_seed))
         if config.kind == "sharegpt":
             if config.dataset_path is None:
                 raise ValueError("the sharegpt workload needs a dataset path")
@@ -50,7 +54,7 @@ class Workload:
         if self.config.kind == "random":
             return _random_stream(self.config, rng)
         if self.config.kind == "shared-prefix":
-            return _shared_prefix_stream(self.config, rng)
+            return _shared_prefix_stream(self.config, self.system_prompts, rng)
         return _sharegpt_stream(self._pairs, self.config.sharegpt_output_cap, rng)
 
 
@@ -74,8 +78,8 @@ def tenant_system_prompts(config: WorkloadConfig, rng: np.random.Generator) -> l
     return [f"tenant-{t}: " + random_words(rng, config.system_prompt_len) for t in range(config.num_tenants)]
 
 
-def _shared_prefix_stream(config: WorkloadConfig, rng: np.random.Generator) -> Iterator[RequestSpec]:
-    system_prompts = tenant_system_prompts(config, rng)
+def _shared_prefix_stream(config: WorkloadConfig, system_prompts: list[str],
+                          rng: np.random.Generator) -> Iterator[RequestSpec]:
     # "tenant-k:" adds one word to each system prompt.
     system_words = config.system_prompt_len + 1
     index = 0

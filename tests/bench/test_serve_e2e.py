@@ -35,8 +35,11 @@ def test_open_loop_sweep_writes_report_and_plots(fake_server, tmp_path, capsys):
     assert len(server.requests) == 2 + 12 + 12
 
     first, second = (p["records"] for p in report["points"])
-    # Same seed per point: the same requests at both loads.
-    assert [(r["prompt_words"], r["max_tokens"]) for r in first] == [(r["prompt_words"], r["max_tokens"]) for r in second]
+    # Each point (and the warm-up) gets fresh prompts, so no point is served from another's prefix cache.
+    prompts = [body["prompt"] for _, body in server.requests]
+    assert not set(prompts[:2]) & set(prompts[2:14]) and not set(prompts[2:14]) & set(prompts[14:])
+    # The arrival pattern is the same at both rates, rescaled (80 req/s: half the gaps of 40 req/s).
+    assert [r["scheduled_s"] / 2 for r in first] == pytest.approx([r["scheduled_s"] for r in second], rel=1e-12)
     for record in first + second:
         assert record["phase"] == "measured" and 4 <= record["max_tokens"] <= 6
         if not record["ok"]:
@@ -74,7 +77,7 @@ def test_closed_loop_chat_shared_prefix_without_usage_classifies_errors(fake_ser
     code = main(["serve", "--base-url", server.url, "--api", "chat", "--model", "explicit-model",
                  "--workload", "shared-prefix", "--num-tenants", "2", "--system-prompt-len", "20",
                  "--input-len", "3:5", "--output-len", "3", "--concurrency", "2", "--num-requests", "10",
-                 "--warmup-requests", "0", "--no-usage", "--request-timeout", "0.5",
+                 "--warmup-requests", "0", "--no-usage", "--request-timeout", "0.5", "--api-key", "s3cret",
                  "--output-json", str(report_path), "--no-progress"])
     assert code == 0
     report = json.loads(report_path.read_text())
@@ -86,12 +89,18 @@ def test_closed_loop_chat_shared_prefix_without_usage_classifies_errors(fake_ser
     # The role-only first event is no token; without usage, tokens are counted from chunks.
     assert all((r["output_tokens"], r["output_token_source"]) == (3, "chunks") for r in ok)
     assert point["summary"]["prompt_token_source"] == "word-count estimate (5/5)"
+    assert report["config"]["endpoint"]["api_key"] == "<redacted>"
+    assert "s3cret" not in report_path.read_text()
+    system_prompts = {}
     for headers, body in server.requests:
+        assert headers["Authorization"] == "Bearer s3cret"
         assert body["model"] == "explicit-model" and "stream_options" not in body
         assert headers["x-tenant"] == body["user"] in ("tenant-0", "tenant-1")
         system, user = body["messages"]
         assert system["role"] == "system" and system["content"].startswith(body["user"] + ": ")
+        assert system_prompts.setdefault(body["user"], system["content"]) == system["content"]
         assert user["role"] == "user"
+    assert len(set(system_prompts.values())) == len(system_prompts)
 
 
 def test_sharegpt_file_with_a_duration_bound(fake_server, tmp_path):

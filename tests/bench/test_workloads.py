@@ -56,6 +56,16 @@ def test_shared_prefix_tenants_share_one_system_prompt_each():
     assert len(set(s.prompt for s in specs)) == 200  # user parts differ
 
 
+def test_streams_of_one_workload_share_tenant_prompts_but_not_user_parts():
+    workload = Workload(WorkloadConfig(kind="shared-prefix", num_tenants=2, system_prompt_len=10), tenant_seed=9)
+    first = list(itertools.islice(workload.stream(np.random.default_rng(1)), 30))
+    second = list(itertools.islice(workload.stream(np.random.default_rng(2)), 30))
+    assert {s.system_prompt for s in first} == {s.system_prompt for s in second} == set(workload.system_prompts)
+    assert not {s.prompt for s in first} & {s.prompt for s in second}
+    other_tenants = Workload(workload.config, tenant_seed=10).system_prompts
+    assert not set(other_tenants) & set(workload.system_prompts)
+
+
 def _write_sharegpt(tmp_path, entries) -> WorkloadConfig:
     path = tmp_path / "conv.json"
     path.write_text(json.dumps(entries))
