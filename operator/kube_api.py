@@ -64,15 +64,18 @@ class KubeApi:
 
     def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
               content_type: str = "application/json") -> dict[str, Any]:
+        method, url, headers, body, _ = self._client.param_serialize(
+            method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
+            header_params={"Accept": "application/json", "Content-Type": content_type})
         try:
-            response = self._client.call_api(
-                path, method, query_params=query or [], body=body,
-                header_params={"Accept": "application/json", "Content-Type": content_type},
-                auth_settings=["BearerToken"], _preload_content=False, _return_http_data_only=True,
-                _request_timeout=self._timeout)
-        except client.ApiException as error:
-            raise _api_error(error) from None
-        return json.loads(response.data or b"{}")
+            response = self._client.call_api(method, url, header_params=headers, body=body,
+                                             _request_timeout=self._timeout)
+        except client.ApiException as error:  # transport-level failures (TLS, connection)
+            raise KubeApiError(int(error.status or 0), str(error.reason), str(error.body)) from None
+        data = response.read() or b"{}"
+        if not 200 <= response.status < 300:
+            raise _api_error(response.status, response.reason, data)
+        return json.loads(data)
 
     def get(self, ref: ObjectRef) -> dict[str, Any] | None:
         try:
@@ -95,10 +98,12 @@ class KubeApi:
         return self._call("GET", ref.path, query=[("labelSelector", label_selector)]).get("items", [])
 
 
-def _api_error(error: client.ApiException) -> KubeApiError:
+def _api_error(status_code: int, reason: str, data: bytes) -> KubeApiError:
     try:
-        status = json.loads(error.body or "{}")
+        status = json.loads(data)
     except ValueError:
         status = {}
-    return KubeApiError(int(error.status or 0), status.get("reason") or str(error.reason),
-                        status.get("message") or str(error.body))
+    if not isinstance(status, dict):
+        status = {}
+    return KubeApiError(status_code, status.get("reason") or str(reason),
+                        status.get("message") or data.decode(errors="replace"))
