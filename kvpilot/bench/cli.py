@@ -15,13 +15,25 @@ import sys
 SUBCOMMAND_MODULES: tuple[str, ...] = ("kvpilot.bench.serve_cli",)
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Appends an option's default to its help unless there is none or the help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        # Identity checks: a default of 0 is worth showing, a default of False (a store_true flag) is not.
+        if "default" in text or action.default is None or action.default is False \
+                or action.default == argparse.SUPPRESS:
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpilot bench", description="kvpilot benchmarks.")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         module = importlib.import_module(module_name)
         sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
-                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                    formatter_class=_HelpWithDefaults)
         module.add_arguments(sub)
         sub.set_defaults(run_subcommand=module.run, subcommand_parser=sub)
     return parser

@@ -73,8 +73,8 @@ def _broken_rule(index: int, point: SweepPoint, points: Sequence[SweepPoint], ba
     if index == 0:
         return None
     if baseline is not None and point.latency_s > rule.latency_factor * baseline:
-        return (f"{label}: {rule.latency} {point.latency_s:.4g} s is {point.latency_s / baseline:.2f}× its "
-                f"lowest-load value {baseline:.4g} s (limit {rule.latency_factor:g}×)")
+        return (f"{label}: {rule.latency} {point.latency_s * 1e3:.1f} ms is {point.latency_s / baseline:.2f}× "
+                f"its lowest-load value {baseline * 1e3:.1f} ms (limit {rule.latency_factor:g}×)")
     previous = points[index - 1].achieved_rps
     if point.achieved_rps < (1.0 + rule.min_throughput_gain) * previous:
         gain = point.achieved_rps / previous - 1.0 if previous > 0 else 0.0

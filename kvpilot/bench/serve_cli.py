@@ -82,12 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ep.add_argument("--ignore-eos", action="store_true", help="send ignore_eos=true (vLLM extra param)")
     ep.add_argument("--min-tokens-equal-max", action="store_true",
                     help="send min_tokens=max_tokens (vLLM extra param) to fix output lengths")
-    ep.add_argument("--temperature", type=float, default=0.0)
+    ep.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
 
     load = parser.add_argument_group("load (open loop by default)")
     mode = load.add_mutually_exclusive_group()
     mode.add_argument("--request-rate", type=_rates, default=(math.inf,), metavar="R[,R...]",
-                      help="open loop: mean arrivals per second, 'inf' = all at once; a list is a sweep")
+                      help="open loop: mean arrivals per second, 'inf' = all at once; a list is a sweep (default: inf)")
     mode.add_argument("--concurrency", type=_levels, metavar="C[,C...]",
                       help="closed loop: clients each keeping one request in flight; a list is a sweep")
     load.add_argument("--burstiness", type=float, default=1.0,
@@ -101,11 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sequential requests before measuring; excluded, reported as cold start")
 
     wl = parser.add_argument_group("workload")
-    wl.add_argument("--workload", choices=WORKLOAD_KINDS, default="random")
+    wl.add_argument("--workload", choices=WORKLOAD_KINDS, default="random",
+                    help="random lengths, shared-prefix tenants, or a ShareGPT file")
     wl.add_argument("--input-len", type=_length_range, default=(128, 512), metavar="MIN:MAX",
-                    help="prompt length in words (≈ tokens), uniform")
+                    help="prompt length in words (≈ tokens), uniform (default: 128:512)")
     wl.add_argument("--output-len", type=_length_range, default=(32, 128), metavar="MIN:MAX",
-                    help="max_tokens, uniform")
+                    help="max_tokens, uniform (default: 32:128)")
     wl.add_argument("--num-tenants", type=int, default=4, help="shared-prefix: tenants")
     wl.add_argument("--system-prompt-len", type=int, default=1024, metavar="WORDS",
                     help="shared-prefix: words of each tenant's shared system prompt")
@@ -116,8 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     slo = parser.add_argument_group("SLO and saturation")
     slo.add_argument("--slo-ttft", type=float, metavar="S", help="TTFT SLO in seconds")
     slo.add_argument("--slo-tpot", type=float, metavar="S", help="TPOT SLO in seconds")
-    slo.add_argument("--saturation-latency", choices=SATURATION_LATENCIES, default="ttft_p50",
-                     help="latency figure the saturation rule watches")
+    slo.add_argument("--saturation-latency", choices=SATURATION_LATENCIES, default="ttft_p50", metavar="NAME",
+                     help="latency figure the saturation rule watches: {ttft,tpot,itl,e2e}_{p50,p90,p99}")
     slo.add_argument("--saturation-latency-factor", type=float, default=2.0,
                      help="saturated once that latency exceeds this multiple of its lowest-load value")
     slo.add_argument("--saturation-min-gain", type=float, default=0.05,

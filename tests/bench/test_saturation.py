@@ -30,7 +30,7 @@ def test_latency_turning_up_is_the_knee():
     points = _sweep([1, 2, 4, 8], [1.0, 2.0, 3.9, 7.5], [0.10, 0.11, 0.12, 0.35])
     result = find_saturation(points, RULE, open_loop=True)
     assert (result.knee_index, result.saturation_index) == (3, 2)
-    assert "ttft_p50 0.35 s is 3.50× its lowest-load value 0.1 s" in result.reason
+    assert "ttft_p50 350.0 ms is 3.50× its lowest-load value 100.0 ms (limit 2×)" in result.reason
 
 
 def test_open_loop_falling_behind_arrivals_is_the_knee():
