@@ -159,8 +159,9 @@ class EngineArgs:
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.max_num_batched_tokens >= 1,
              f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        need(self.max_num_batched_tokens >= self.max_num_seqs or self.enable_chunked_prefill,
-             "max_num_batched_tokens must be >= max_num_seqs")
+        need(self.max_num_batched_tokens >= self.max_num_seqs,
+             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+             f"({self.max_num_seqs}): every running sequence needs at least one token of each step's budget")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"max_model_len must be >= 1, got {self.max_model_len}")
         need(self.preemption_mode in PREEMPTION_MODES,

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
-from kvpilot.engine.model.rope import RotaryEmbedding
 from safetensors import safe_open
+from torch import nn
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -42,16 +44,30 @@ def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@contextlib.contextmanager
+def _uninitialized_parameters(dtype: torch.dtype) -> Iterator[None]:
+    """Allocate parameters in ``dtype`` without running their random initialisers: every parameter is
+    overwritten by the checkpoint, and initialising 100M+ weights costs seconds. (The meta-device route
+    would import torch's whole decomposition machinery, which costs more than it saves.)"""
+    saved = [(cls, cls.reset_parameters) for cls in (nn.Linear, nn.Embedding)]
+    old_dtype = torch.get_default_dtype()
+    try:
+        for cls, _ in saved:
+            cls.reset_parameters = lambda self: None
+        torch.set_default_dtype(dtype)
+        yield
+    finally:
+        torch.set_default_dtype(old_dtype)
+        for cls, fn in saved:
+            cls.reset_parameters = fn
+
+
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                backend: AttentionBackend) -> LlamaForCausalLM:
     arch = ModelArchConfig.from_dir(model_dir)
-    # parameters are allocated uninitialised (meta, then to_empty): every one is overwritten by the checkpoint
-    with torch.device("meta"):
+    with _uninitialized_parameters(dtype):
         model = LlamaForCausalLM(arch, dtype, backend)
-    model = model.to_empty(device=device).to(dtype)
-    # buffers are computed, not loaded: rebuild the RoPE tables for real (the meta ones hold no data)
-    model.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                   arch.rope_scaling, dtype).to(device)
     model.load_hf_weights(read_safetensors(model_dir))
+    model.to(device)
     model.eval()
     return model

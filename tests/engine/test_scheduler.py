@@ -1,0 +1,177 @@
+"""Scheduler behaviour from the engine's own scheduler, with the model replaced by a unit-cost stub:
+completion ticks of static vs continuous batching (seed [D04]), priorities, preemption victims with exact
+block ids, two-phase admission, and a randomized property test of the KV invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from kvpilot.engine import LLMEngine, SamplingParams
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.request import RequestStatus
+
+
+def stub_engine(monkeypatch_logits=None, **args) -> LLMEngine:
+    """A real engine (scheduler, KV manager, sampler, reclaim) whose forward pass is a unit-cost stub:
+    each step is one tick, and the stub's logits favour token 7 (never EOS) unless given a function."""
+    engine = LLMEngine(EngineArgs.from_kwargs(model="tiny-random", **args).create_config())
+    vocab = engine.arch.vocab_size
+
+    def execute(batch):
+        n = len(batch.sampling_requests)
+        if monkeypatch_logits is not None:
+            return monkeypatch_logits(batch)
+        logits = torch.zeros(n, vocab)
+        logits[:, 7] = 1.0
+        return logits
+
+    engine.runner.execute = execute
+    return engine
+
+
+def completion_ticks(engine: LLMEngine, check=True) -> dict[str, int]:
+    done: dict[str, int] = {}
+    tick = 0
+    while engine.has_unfinished_requests():
+        tick += 1
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = tick
+        if check:
+            engine.check_invariants()
+    return done
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("static", {"A": 1, "B": 4, "C": 5}),
+    ("continuous", {"A": 1, "C": 2, "B": 4}),
+])
+def test_static_vs_continuous_completion_ticks(mode, expected):
+    engine = stub_engine(max_num_seqs=2, batching_mode=mode, num_kv_blocks=32, block_size=4)
+    for rid, n in (("A", 1), ("B", 4), ("C", 1)):
+        engine.add_request(rid, [11, 12, 13], SamplingParams(temperature=0, max_tokens=n))
+    ticks = completion_ticks(engine)
+    assert ticks == expected
+    assert list(ticks) == list(expected)  # completion order too
+    # slot utilisation: 6 serviced tokens / (capacity 2 × makespan)
+    assert 6 / (2 * max(ticks.values())) == pytest.approx(0.60 if mode == "static" else 0.75)
+
+
+def test_equal_lengths_make_static_and_continuous_tie():
+    results = []
+    for mode in ("static", "continuous"):
+        engine = stub_engine(max_num_seqs=2, batching_mode=mode, num_kv_blocks=32, block_size=4)
+        for rid in ("A", "B"):
+            engine.add_request(rid, [5, 6], SamplingParams(temperature=0, max_tokens=3))
+        results.append(completion_ticks(engine))
+    assert results[0] == results[1] == {"A": 3, "B": 3}
+
+
+def test_priority_orders_the_queue_fcfs_within_a_priority():
+    engine = stub_engine(max_num_seqs=1, num_kv_blocks=32, block_size=4)
+    for rid, prio in (("low-1", 5), ("high-1", 0), ("low-2", 5), ("high-2", 0)):
+        engine.add_request(rid, [3, 4], SamplingParams(temperature=0, max_tokens=1), priority=prio)
+    assert list(completion_ticks(engine)) == ["high-1", "high-2", "low-1", "low-2"]
+
+
+def test_recompute_preemption_picks_lowest_priority_latest_arrival_with_exact_blocks():
+    # 7 usable blocks of 4 tokens. Three requests of 8 prompt tokens take 3 × 2 blocks + growth.
+    engine = stub_engine(num_kv_blocks=8, block_size=4, enable_prefix_caching=False, max_num_seqs=4)
+    p = SamplingParams(temperature=0, max_tokens=6)
+    engine.add_request("a", list(range(10, 18)), p, arrival_time=1.0)
+    engine.add_request("b", list(range(20, 28)), p, arrival_time=2.0)
+    engine.add_request("c", list(range(30, 38)), p, arrival_time=3.0)
+    engine.step()  # prefill all three: 6 blocks, first tokens sampled
+    tables = {r: list(engine.kv.block_table(engine.requests[r])) for r in "abc"}
+    assert tables == {"a": [1, 2], "b": [3, 4], "c": [5, 6]}
+    engine.step()  # 9th token of each: a takes block 7, b has none left -> c (latest) is preempted
+    assert engine.requests["c"].status is RequestStatus.PREEMPTED
+    assert engine.requests["c"].num_computed_tokens == 0
+    assert engine.kv.block_table(engine.requests["a"]) == [1, 2, 7]
+    # c's blocks were freed tail first (6 then 5), so b got 6
+    assert engine.kv.block_table(engine.requests["b"]) == [3, 4, 6]
+    assert engine.scheduler.num_preemptions == 1
+    engine.check_invariants()
+    ticks = completion_ticks(engine)
+    assert set(ticks) == {"a", "b", "c"}
+    assert engine.pool.num_in_use == 0
+
+
+def test_waiting_requests_hold_a_reservation_until_scheduled():
+    engine = stub_engine(num_kv_blocks=64, block_size=4, max_num_seqs=1)
+    engine.add_request("a", list(range(3, 13)), SamplingParams(temperature=0, max_tokens=2))
+    engine.add_request("b", list(range(3, 9)), SamplingParams(temperature=0, max_tokens=2))
+    # prompt 10 tokens + 1 → 3 blocks; prompt 6 + 1 → 2 blocks
+    assert engine.kv.num_reserved_blocks == 5
+    headroom_before = engine.kv.admission_headroom()
+    engine.step()  # a scheduled: its reservation turns into 3 physical blocks
+    assert engine.kv.num_reserved_blocks == 2
+    assert engine.kv.admission_headroom() == headroom_before  # promised 3, took 3
+    engine.abort_request("b")  # cancelled while queued: only the reservation rolls back
+    assert engine.kv.num_reserved_blocks == 0
+    assert engine.terminal_records[-1].status == "cancelled"
+
+
+def test_chunked_prefill_lets_decodes_flow():
+    engine = stub_engine(num_kv_blocks=128, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    engine.add_request("short", [3, 4], SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.add_request("long", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=1))
+    out = engine.scheduler.schedule()
+    # one decode token for "short" and a 7-token chunk of "long" share the 8-token budget
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
+
+
+def test_prompt_longer_than_budget_without_chunking_is_refused():
+    engine = stub_engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
+                         enable_chunked_prefill=False)
+    with pytest.raises(ValueError, match="chunked prefill disabled"):
+        engine.add_request("x", list(range(3, 20)), SamplingParams())
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_randomized_scheduler_keeps_kv_invariants(seed):
+    """Random arrivals, lengths, budgets, pool sizes, priorities, EOS stops, cancels and preemption mode:
+    invariants hold after every step; at the end every block is free or cached and every request left
+    exactly one terminal record."""
+    rng = random.Random(seed)
+    block_size = rng.choice([2, 4, 8])
+    args = dict(num_kv_blocks=rng.randint(8, 30), block_size=block_size,
+                max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=rng.randint(1, 6),
+                enable_prefix_caching=rng.random() < 0.7, enable_chunked_prefill=True,
+                preemption_mode=rng.choice(["recompute", "swap"]), swap_space=0.001)
+    gen = torch.Generator().manual_seed(seed)
+
+    def random_logits(batch):
+        return torch.randn(len(batch.sampling_requests), 512, generator=gen) * 3
+
+    engine = stub_engine(random_logits, **args)
+    capacity = (args["num_kv_blocks"] - 1) * block_size
+    prefixes = [[rng.randrange(3, 500) for _ in range(rng.randint(1, 12))] for _ in range(3)]
+    pending = []
+    for i in range(rng.randint(5, 20)):
+        body = rng.choice(prefixes) + [rng.randrange(3, 500) for _ in range(rng.randint(0, 10))]
+        max_tokens = rng.randint(1, 24)
+        body = body[: max(1, capacity - max_tokens - 1)]
+        pending.append((rng.randint(0, 15), f"r{i}", body, max_tokens, rng.randint(0, 2)))
+    pending.sort()
+    submitted, tick = [], 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= tick:
+            _, rid, body, mt, prio = pending.pop(0)
+            engine.add_request(rid, body, SamplingParams(temperature=1.0, max_tokens=mt), priority=prio)
+            submitted.append(rid)
+        if submitted and rng.random() < 0.08:
+            engine.abort_request(rng.choice(submitted))  # may hit a finished one: must be a no-op
+        engine.step()
+        engine.check_invariants()
+        tick += 1
+        assert tick < 2000, "engine made no progress"
+    assert engine.pool.num_in_use == 0
+    assert engine.pool.num_free == engine.pool.num_usable
+    records = [r.request_id for r in engine.terminal_records]
+    assert sorted(records) == sorted(submitted)  # exactly one terminal record each
+    if engine.kv.swap is not None:
+        assert engine.kv.swap.num_free == engine.kv.swap.num_blocks
