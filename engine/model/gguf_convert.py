@@ -152,7 +152,10 @@ def convert_gguf(
     gguf_path: Path, out_dir: Path, progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> None:
     """Write the HF-format directory for ``gguf_path`` into the existing, empty ``out_dir``."""
-    reader = GGUFReader(gguf_path, "r")
+    try:
+        reader = GGUFReader(gguf_path, "r")
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{gguf_path} is not a readable GGUF file: {error}") from None
     metadata = read_metadata(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if "token_embd.weight" not in tensors:
