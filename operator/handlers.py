@@ -49,6 +49,8 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
             metrics.serve(config.metrics_port)
 
     def reconcile_into(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
+        if body.metadata.get("deletionTimestamp"):
+            return  # going away: garbage collection takes the children; never re-create them now
         try:
             result = reconcile(api(), dict(body), config)
         except KubeApiError as error:

@@ -20,11 +20,13 @@ class FakePodRunner:
     def __init__(self, default_stage: str = "ready", engine_port: int = 8000) -> None:
         self.default_stage = default_stage
         self.engine_port = engine_port
-        self.stages: dict[str, str] = {}  # pod name -> stage; unset pods use default_stage
+        self.stages: dict[str, str] = {}  # pod name -> stage
+        self.namespace_stages: dict[str, str] = {}  # namespace -> stage, for pods without their own
         self._sites: dict[str, aiohttp.web.AppRunner] = {}
 
     def stage(self, pod: dict[str, Any]) -> str:
-        return self.stages.get(pod["metadata"]["name"], self.default_stage)
+        namespace_stage = self.namespace_stages.get(pod["metadata"].get("namespace", ""), self.default_stage)
+        return self.stages.get(pod["metadata"]["name"], namespace_stage)
 
     async def start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]

@@ -1,0 +1,159 @@
+"""End to end: kubectl → harness API server ← kvpilot operator (Kopf), with the fake pod lifecycle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness.cluster import HarnessCluster
+
+pytestmark = pytest.mark.e2e
+
+ISVC = "kvpilot.dev/v1alpha1/inferenceservices"
+DEPLOYMENTS = "apps/v1/deployments"
+
+
+def manifest(namespace: str, name: str, scaling: str, extra: str = "") -> str:
+    return (f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\n"
+            f"metadata: {{name: {name}, namespace: {namespace}}}\n"
+            f"spec:\n  model: {{source: smollm2-135m, servedName: smol}}\n  scaling: {scaling}\n{extra}")
+
+
+def status_of(cluster: HarnessCluster, namespace: str, name: str) -> dict:
+    return (cluster.get(ISVC, namespace, name) or {}).get("status", {})
+
+
+def wait_phase(cluster: HarnessCluster, namespace: str, name: str, phase: str, timeout: float = 20) -> dict:
+    return cluster.wait_for(f"phase {phase}",
+                            lambda: (s := status_of(cluster, namespace, name)).get("phase") == phase and s,
+                            timeout=timeout)
+
+
+def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namespace):
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 2}"))
+    status = wait_phase(cluster, namespace, "smol", "Ready")
+    assert (status["desiredReplicas"], status["readyReplicas"], status["replicas"]) == (3, 3, 3)
+    assert status["sizing"]["formula"] == "clamp(2 + 1, 1, 100) = 3"
+    assert status["endpoint"] == f"http://smol.{namespace}.svc.cluster.local"
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "ReplicasReady")
+    assert status["coldStart"]["samples"] == 3
+
+    isvc_uid = cluster.get(ISVC, namespace, "smol")["metadata"]["uid"]
+    children = {("apps/v1/deployments", "smol"), ("v1/services", "smol"), ("v1/services", "smol-engines"),
+                ("policy/v1/poddisruptionbudgets", "smol"), ("v1/serviceaccounts", "smol-router"),
+                ("rbac.authorization.k8s.io/v1/roles", "smol-router"),
+                ("rbac.authorization.k8s.io/v1/rolebindings", "smol-router")}
+    for resource, name in children:
+        owners = cluster.get(resource, namespace, name)["metadata"]["ownerReferences"]
+        assert [(o["kind"], o["uid"], o["controller"]) for o in owners] == [("InferenceService", isvc_uid, True)]
+
+    deployment = json.loads(kubectl("get", "deployment", "smol", "-n", namespace, "-o", "json").stdout)
+    engine, router = deployment["spec"]["template"]["spec"]["containers"]
+    assert deployment["spec"]["replicas"] == 3
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
+    assert engine["args"][:6] == ["--model", "smollm2-135m", "--port", "8000", "--served-model-name", "smol"]
+    assert router["args"] == ["--port", "8080", "--endpointslices", "smol-engines", "--namespace", namespace,
+                              "--policy", "cache_aware"]
+    assert cluster.get("policy/v1/poddisruptionbudgets", namespace, "smol")["spec"]["maxUnavailable"] == 1
+
+    table = kubectl("get", "kvis", "-n", namespace).stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "DESIRED", "READY", "PHASE", "AGE"]
+    assert table[1].split()[:5] == ["smol", "smollm2-135m", "3", "3", "Ready"]
+
+
+def test_scaling_change_resizes_by_the_n_plus_one_rule(cluster, kubectl, namespace):
+    rate = "{{targetRequestsPerSecond: {}, perReplicaGoodput: 4, headroom: 0.2}}"
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", rate.format(10)))
+    status = wait_phase(cluster, namespace, "smol", "Ready")
+    assert status["sizing"]["desiredReplicas"] == 4  # ceil(10 × 1.2 / 4) = 3, + 1 spare
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", rate.format(20)))
+    cluster.wait_for("7 replicas", lambda: cluster.get(DEPLOYMENTS, namespace, "smol")["spec"]["replicas"] == 7)
+    status = wait_phase(cluster, namespace, "smol", "Ready")
+    assert status["sizing"]["formula"] == "clamp(ceil(20 × (1 + 0.2) / 4) + 1, 1, 100) = 7"
+    assert (status["readyReplicas"], status["observedGeneration"]) == (7, 2)
+
+
+def test_rollout_never_drops_below_the_serving_replicas(cluster, kubectl, namespace):
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 3}"))
+    wait_phase(cluster, namespace, "smol", "Ready")
+    start = len(cluster.history("v1/pods", namespace, ""))  # nothing: pods are keyed by name
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 3}",
+                                                  "  engine: {maxNumSeqs: 32}\n"))
+    lowest = 4
+    def rolled() -> bool:
+        nonlocal lowest
+        pods = cluster.list("v1/pods", namespace)
+        ready = sum(any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get(
+            "conditions", [])) for p in pods)
+        lowest = min(lowest, ready)
+        args = [p["spec"]["containers"][0]["args"] for p in pods]
+        return len(pods) == 4 and all("32" in a for a in args) and ready == 4
+    cluster.wait_for("the new template on every pod", rolled, timeout=30, interval=0.05)
+    assert start == 0 and lowest >= 3  # at most the one spare replica was ever down
+
+
+def test_invalid_specs_are_refused_or_reported(cluster, kubectl, namespace):
+    refused = kubectl("apply", "-f", "-", check=False,
+                      stdin=manifest(namespace, "bad", "{replicas: 2, spare: -1}"))
+    assert refused.returncode != 0
+    assert "spec.scaling.spare" in refused.stderr
+    assert cluster.get(ISVC, namespace, "bad") is None
+    # Both sizing forms at once: a CEL rule on a real cluster; the harness has no CEL, so the operator reports.
+    kubectl("apply", "-f", "-", stdin=manifest(
+        namespace, "both", "{replicas: 2, targetRequestsPerSecond: 5, perReplicaGoodput: 1}"))
+    status = wait_phase(cluster, namespace, "both", "Failed")
+    ready = next(c for c in status["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
+    assert ready["message"] == ("spec.scaling.replicas: set either scaling.replicas or "
+                                "scaling.targetRequestsPerSecond, not both")
+    assert cluster.get(DEPLOYMENTS, namespace, "both") is None
+
+
+def test_phases_follow_warm_up_and_failures(cluster, kubectl, namespace):
+    cluster.runner.namespace_stages[namespace] = "loading"
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 1}"))
+    status = wait_phase(cluster, namespace, "smol", "Loading")
+    assert status["engines"]["loading"] == 2
+    assert "engine loading (40%)" not in status["conditions"][0]["message"]  # the message summarizes counts
+    cluster.runner.namespace_stages[namespace] = "warmingUp"
+    assert wait_phase(cluster, namespace, "smol", "WarmingUp")["engines"]["warmingUp"] == 2
+    cluster.runner.namespace_stages[namespace] = "ready"
+    wait_phase(cluster, namespace, "smol", "Ready")
+    pods = cluster.list("v1/pods", namespace)
+    cluster.runner.stages[pods[0]["metadata"]["name"]] = "crashing"
+    status = wait_phase(cluster, namespace, "smol", "Degraded")
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True" and "CrashLoopBackOff" in degraded["message"]
+    cluster.runner.stages[pods[1]["metadata"]["name"]] = "crashing"
+    wait_phase(cluster, namespace, "smol", "Failed")
+
+
+def test_reconcile_is_idempotent_and_reverts_manual_edits(cluster, kubectl, namespace):
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 1}"))
+    wait_phase(cluster, namespace, "smol", "Ready")
+    def operator_writes() -> int:
+        return sum(1 for r in cluster.api if r.method.value in ("POST", "PATCH", "PUT")
+                   and f"/namespaces/{namespace}/" in r.url.path and "/inferenceservices/" not in r.url.path)
+    before = operator_writes()
+    cluster.wait_for("a few status refreshes", lambda: len([r for r in cluster.api if r.method.value == "GET"
+                     and r.url.path.endswith(f"/namespaces/{namespace}/deployments/smol")]) > 6)
+    assert operator_writes() == before  # reconciles without a single write to any child
+
+    kubectl("patch", "deployment", "smol", "-n", namespace, "--type=merge",
+            "-p", '{"spec": {"replicas": 5, "template": {"spec": {"terminationGracePeriodSeconds": 1}}}}')
+    kubectl("label", "service", "smol", "-n", namespace, "--overwrite", "app.kubernetes.io/instance=other")
+    cluster.wait_for("the managed fields put back", lambda: (
+        (d := cluster.get(DEPLOYMENTS, namespace, "smol"))["spec"]["replicas"] == 2
+        and d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+        and cluster.get("v1/services", namespace, "smol")["metadata"]["labels"]["app.kubernetes.io/instance"]
+        == "smol"))
+
+
+def test_delete_removes_every_child(cluster, kubectl, namespace):
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 1}"))
+    wait_phase(cluster, namespace, "smol", "Ready")
+    kubectl("delete", "inferenceservice", "smol", "-n", namespace)
+    for resource in ("apps/v1/deployments", "v1/services", "v1/pods", "policy/v1/poddisruptionbudgets",
+                     "v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles"):
+        cluster.wait_for(f"no {resource}", lambda resource=resource: not cluster.list(resource, namespace))
