@@ -84,8 +84,10 @@ def operator(cluster: HarnessCluster, kubectl: Kubectl) -> Iterator[subprocess.P
 
 
 @pytest.fixture()
-def namespace(cluster: HarnessCluster, operator: subprocess.Popen[str]) -> str:
+def namespace(cluster: HarnessCluster, kubectl: Kubectl, operator: subprocess.Popen[str]) -> Iterator[str]:
     name = f"e2e-{next(_namespace_numbers)}"
     cluster.create_namespace(name)
     assert operator.poll() is None, "the operator process exited"
-    return name
+    yield name
+    # Leave nothing for the operator to keep reconciling while the next tests run.
+    kubectl("delete", "inferenceservices", "--all", "-n", name, "--wait=false", check=False)

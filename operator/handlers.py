@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -48,11 +49,13 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
         if config.metrics_port is not None:
             metrics.serve(config.metrics_port)
 
-    def reconcile_into(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
+    async def reconcile_into(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger) -> None:
         if body.metadata.get("deletionTimestamp"):
             return  # going away: garbage collection takes the children; never re-create them now
         try:
-            result = reconcile(api(), dict(body), config)
+            # Blocking API calls run in a thread; the handler stays async so Kopf can cancel a timer at once
+            # when the object is deleted (a sync timer would hold the deletion until it returns).
+            result = await asyncio.to_thread(reconcile, api(), dict(body), config)
         except KubeApiError as error:
             metrics.RECONCILIATIONS.labels("error").inc()
             raise kopf.TemporaryError(str(error), delay=RETRY_DELAY_SECONDS) from error
@@ -64,13 +67,13 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
     @kopf.on.resume(*RESOURCE, registry=registry)
     @kopf.on.create(*RESOURCE, registry=registry)
     @kopf.on.update(*RESOURCE, field="spec", registry=registry)
-    def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-        reconcile_into(body, patch, logger)
+    async def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        await reconcile_into(body, patch, logger)
 
     @kopf.timer(*RESOURCE, interval=config.status_interval_seconds, initial_delay=config.status_interval_seconds,
                 registry=registry)
-    def refresh(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
-        reconcile_into(body, patch, logger)
+    async def refresh(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
+        await reconcile_into(body, patch, logger)
 
     @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
     def on_delete(namespace: str, name: str, **_: Any) -> None:

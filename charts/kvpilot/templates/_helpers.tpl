@@ -1,0 +1,65 @@
+{{- define "kvpilot.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvpilot.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "kvpilot.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end -}}
+
+{{- define "kvpilot.serviceAccountName" -}}
+{{- default (include "kvpilot.fullname" .) .Values.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "kvpilot.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* What the operator may do with InferenceServices and their children, in one namespace or all. */}}
+{{- define "kvpilot.operatorRules" -}}
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch, update]
+# Owner references with blockOwnerDeletion need update on the owner's finalizers subresource.
+- apiGroups: [kvpilot.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, create, patch]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [list]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch]
+# Granting the router's EndpointSlice watch requires holding it (RBAC escalation prevention).
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}
