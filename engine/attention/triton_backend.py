@@ -3,7 +3,8 @@
 Triton decides per kernel, when its module is imported, whether to compile it or interpret it (the
 ``TRITON_INTERPRET`` environment variable at that moment). ``load_kernels`` therefore owns the import of
 the kernel modules: for a CPU device it sets ``TRITON_INTERPRET=1`` first, and refuses with a clear
-error when something already imported them for compilation. Nothing here queries CUDA at import time.
+error when something already imported them for compilation. This module imports neither triton nor the
+kernels at import time, and queries CUDA only for a CUDA device.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from types import ModuleType
 import torch
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from triton import knobs
 
 _KERNEL_PACKAGE = "kvpilot.engine.attention.kernels"
 #: modules that define @triton.jit functions, in import order
 _JIT_MODULES = ("tile_ops", "split_kv", "kv_write", "decode", "prefill")
 #: the head sizes the kernels keep in registers (padded to a power of two)
 MAX_HEAD_DIM = 256
+#: values of TRITON_INTERPRET that Triton reads as "on"
+_TRUTHY = ("1", "true", "on")
+
+
+def _interpreter_requested() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUTHY
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,7 @@ def load_kernels(device: torch.device) -> TritonKernels:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"the Triton backend runs on CUDA, or on CPU in the interpreter; got {device}")
     names = [f"{_KERNEL_PACKAGE}.{name}" for name in _JIT_MODULES]
-    if device.type == "cpu" and not knobs.runtime.interpret:
+    if device.type == "cpu" and not _interpreter_requested():
         imported = [name for name in names if name in sys.modules]
         if imported:
             raise RuntimeError(

@@ -129,3 +129,26 @@ def test_kernels_imported_for_compilation_are_refused_on_cpu():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                             timeout=120, check=True)
     assert "REFUSED:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
+
+
+def test_backend_runs_on_cpu_even_when_triton_was_imported_first():
+    """transformers and torch._dynamo import triton before any TRITON_INTERPRET=1; the kernels must still
+    run in the interpreter (they avoid triton's own @jit helpers, which that import compiled)."""
+    script = (
+        "import triton.language\n"
+        "import torch\n"
+        "from kvpilot.engine.attention.kernels.reference import reference_paged_attention\n"
+        "from kvpilot.engine.attention.kernels.synthetic import make_paged_batch\n"
+        "from kvpilot.engine.attention.triton_backend import TritonAttentionBackend\n"
+        "batch = make_paged_batch([0, 40, 0], [1, 1, 9], 4, 2, 64, 16, torch.float32)\n"
+        "backend = TritonAttentionBackend(4, 2, 64, 0.125)\n"
+        "out = backend.attend(batch.query, None, None, batch.key_cache, batch.value_cache, batch.metadata(2))\n"
+        "expected = reference_paged_attention(batch.query, batch.key_cache, batch.value_cache,\n"
+        "                                     batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)\n"
+        "print('MAX_ERROR', (out - expected).abs().max().item())\n"
+    )
+    env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.split("MAX_ERROR")[1]) < 2e-5

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from kvpilot.engine.attention.kernels.split_kv import merge_splits
 from kvpilot.engine.attention.kernels.tile_ops import (
+    ceil_div,
     dot_in_fp32,
     load_kv_tile,
     online_softmax_step,
@@ -56,8 +57,8 @@ def paged_decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
         first_key = tl.maximum(seq_len - sliding_window, 0)
     # tiles are aligned to TILE_N from the first attended tile, so split 0 always holds first_key
     range_start = (first_key // TILE_N) * TILE_N
-    num_tiles = tl.cdiv(seq_len - range_start, TILE_N)
-    tiles_per_split = tl.cdiv(num_tiles, num_kv_splits)
+    num_tiles = ceil_div(seq_len - range_start, TILE_N)
+    tiles_per_split = ceil_div(num_tiles, num_kv_splits)
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
@@ -72,9 +73,9 @@ def paged_decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     query = query.to(key_cache_ptr.dtype.element_ty)
 
     block_table_row = block_tables_ptr + seq * stride_bt_seq
-    acc = tl.zeros((GROUP_PADDED, HEAD_DIM_PADDED), dtype=tl.float32)
+    acc = tl.full((GROUP_PADDED, HEAD_DIM_PADDED), 0.0, dtype=tl.float32)
     row_max = tl.full((GROUP_PADDED,), float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros((GROUP_PADDED,), dtype=tl.float32)
+    row_sum = tl.full((GROUP_PADDED,), 0.0, dtype=tl.float32)
     for tile in range(tile_begin, tile_end):
         token_pos = range_start + tile * TILE_N + tl.arange(0, TILE_N)
         token_valid = (token_pos < seq_len) & (token_pos >= first_key)

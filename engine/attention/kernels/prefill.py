@@ -75,9 +75,9 @@ def paged_prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
         key_begin = (tl.maximum(context_len + first_token - sliding_window + 1, 0) // TILE_N) * TILE_N
 
     block_table_row = block_tables_ptr + seq * stride_bt_seq
-    acc = tl.zeros((BLOCK_M, HEAD_DIM_PADDED), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, HEAD_DIM_PADDED), 0.0, dtype=tl.float32)
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    row_sum = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     for tile_start in range(key_begin, key_end, TILE_N):
         token_pos = tile_start + tl.arange(0, TILE_N)
         token_valid = token_pos < key_end

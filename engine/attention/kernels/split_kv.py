@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from kvpilot.engine.attention.kernels.tile_ops import reduce_max, reduce_sum
 
 #: a split shorter than this costs more in the reduction than it gains in parallelism
 MIN_TOKENS_PER_SPLIT = 256
@@ -51,11 +52,11 @@ def merge_splits_kernel(out_ptr, partial_out_ptr, partial_lse_ptr, num_kv_splits
     # split 0 always holds the first attended key, so the max is finite; empty splits have lse -inf
     lse = tl.load(partial_lse_ptr + seq * stride_pl_seq + head * stride_pl_head + splits,
                   mask=split_valid, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = tl.exp2(lse - reduce_max(lse, 0))
     partial = tl.load(partial_out_ptr + seq * stride_po_seq + head * stride_po_head
                       + splits[:, None].to(tl.int64) * stride_po_split + dims[None, :],
                       mask=split_valid[:, None] & dim_valid[None, :], other=0.0)
-    merged = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    merged = reduce_sum(partial * weights[:, None], 0) / reduce_sum(weights, 0)
     tl.store(out_ptr + seq * stride_o_token + head * stride_o_head + dims * stride_o_dim,
              merged.to(out_ptr.dtype.element_ty), mask=dim_valid)
 

@@ -40,6 +40,30 @@ def dot_in_fp32(cache_dtype: torch.dtype, interpreted: bool) -> bool:
     return cache_dtype == torch.float32 or (interpreted and cache_dtype == torch.bfloat16)
 
 
+# tl.zeros, tl.cdiv, tl.max and tl.sum are themselves @triton.jit functions, created when triton is first
+# imported. If that import happened before TRITON_INTERPRET=1 was set (transformers and torch._dynamo
+# import triton), they are compiler-only objects the interpreter cannot call, and every kernel using them
+# fails on CPU. The kernels therefore use builtins only: tl.full, integer arithmetic, and tl.reduce with
+# the same combine functions tl.max/tl.sum use (which the interpreter also runs with numpy).
+
+
+@triton.jit
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def reduce_max(x, axis: tl.constexpr):
+    """``tl.max(x, axis)`` for fp32 ``x``."""
+    return tl.reduce(x, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def reduce_sum(x, axis: tl.constexpr):
+    """``tl.sum(x, axis)`` for fp32 ``x``."""
+    return tl.reduce(x, axis, tl.standard._sum_combine)
+
+
 @triton.jit
 def load_kv_tile(cache_ptr, block_table_row_ptr, token_pos, token_valid, kv_head,
                  stride_block, stride_slot, stride_head, stride_dim, dim_offsets, dim_valid,
@@ -73,10 +97,10 @@ def online_softmax_step(acc, row_max, row_sum, scores, values, DOT_FP32: tl.cons
     Masked scores are -inf. A row that has seen only masked keys keeps max -inf; using 0 as its
     reference keeps exp2 finite (exp2(-inf) = 0) instead of producing inf - inf = NaN.
     """
-    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    new_max = tl.maximum(row_max, reduce_max(scores, 1))
     reference = tl.where(new_max == float("-inf"), 0.0, new_max)
     probs = tl.exp2(scores - reference[:, None])
     correction = tl.exp2(row_max - reference)
-    row_sum = row_sum * correction + tl.sum(probs, 1)
+    row_sum = row_sum * correction + reduce_sum(probs, 1)
     acc = acc * correction[:, None] + tile_dot(probs, values, DOT_FP32)
     return acc, new_max, row_sum
