@@ -73,7 +73,10 @@ def resolve_model(
         return _converted_gguf(path.resolve(), models_dir, progress, name=_safe_name(path.stem))
     if path.is_dir():
         return _checked_hf_dir(path.resolve())
-    raise ValueError(f"cannot resolve model {spec!r}: no such model name or file; accepted: {ACCEPTED_FORMS}")
+    raise ValueError(
+        f"cannot resolve model {spec!r}: not a known name, an existing .gguf file or a model directory; "
+        f"accepted: {ACCEPTED_FORMS}"
+    )
 
 
 def bundled_smollm2_gguf() -> Path:
