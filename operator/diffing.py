@@ -28,8 +28,10 @@ def _same_quantity(want: str, have: str) -> bool:
 def contains(want: Any, have: Any, parent_key: str = "") -> bool:
     """True when every field in ``want`` is present in ``have`` with the same value."""
     if isinstance(want, dict):
+        # A nested object is judged in its own key's context; a scalar in its parent's ("requests").
         return isinstance(have, dict) and all(
-            key in have and contains(value, have[key], key) for key, value in want.items())
+            key in have and contains(value, have[key], key if isinstance(value, dict | list) else parent_key)
+            for key, value in want.items())
     if isinstance(want, list):
         return (isinstance(have, list) and len(want) == len(have)
                 and all(contains(w, h, parent_key) for w, h in zip(want, have, strict=True)))

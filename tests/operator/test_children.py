@@ -1,0 +1,68 @@
+"""The objects the operator applies, with exact values for the contract fields."""
+
+from __future__ import annotations
+
+from kvpilot.operator.children import build_children
+from kvpilot.operator.spec import InferenceService
+
+
+def children(spec: dict, uid: str = "u-1") -> dict:
+    manifest = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "smol", "namespace": "ml", "uid": uid, "generation": 1}, "spec": spec}
+    built = build_children(InferenceService.from_manifest(manifest), "img:1")
+    return {(o["kind"], o["metadata"]["name"]): o for o in built.objects}
+
+
+def test_engine_and_router_command_lines_follow_the_contracts():
+    objects = children({"model": {"source": "smollm2-135m", "servedName": "smol-chat"},
+                        "engine": {"enablePrefixCaching": False, "extraArgs": ["--seed", "7"]},
+                        "router": {"policy": "least_loaded", "weights": {"prefill": 1.5, "decode": 2}}})
+    pod = objects[("Deployment", "smol")]["spec"]["template"]["spec"]
+    engine, router = pod["containers"]
+    assert engine["command"] == ["kvpilot", "serve"]
+    assert engine["args"] == [
+        "--model", "smollm2-135m", "--port", "8000", "--served-model-name", "smol-chat", "--dtype", "auto",
+        "--block-size", "16", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
+        "--no-enable-prefix-caching", "--enable-chunked-prefill", "--kv-cache-memory-bytes", "1073741824",
+        "--slo-ttft", "2", "--slo-tpot", "0.1", "--seed", "7"]
+    assert router["args"] == ["--port", "8080", "--endpointslices", "smol-engines", "--namespace", "ml",
+                              "--policy", "least_loaded", "--weights", "decode=2,prefill=1.5"]
+    assert engine["startupProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
+                                      "failureThreshold": 16, "timeoutSeconds": 5}
+    assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert [c["topologyKey"] for c in pod["topologySpreadConstraints"]] == [
+        "topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+
+
+def test_services_budget_and_access():
+    objects = children({"model": {"source": "tiny-random"}, "scaling": {"replicas": 3, "spare": 2}})
+    engines = objects[("Service", "smol-engines")]["spec"]
+    assert (engines["clusterIP"], engines["publishNotReadyAddresses"], engines["ports"][0]["port"]) == ("None", True, 8000)
+    client = objects[("Service", "smol")]["spec"]["ports"][0]
+    assert (client["port"], client["targetPort"]) == (80, "http-router")
+    assert objects[("PodDisruptionBudget", "smol")]["spec"]["maxUnavailable"] == 2
+    deployment = objects[("Deployment", "smol")]["spec"]
+    assert (deployment["replicas"], deployment["strategy"]["rollingUpdate"]) == (5, {"maxUnavailable": 2, "maxSurge": 0})
+    assert objects[("Role", "smol-router")]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+    for obj in objects.values():
+        assert obj["metadata"]["ownerReferences"] == [{
+            "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "smol", "uid": "u-1",
+            "controller": True, "blockOwnerDeletion": True}]
+
+
+def test_no_spare_rolls_by_surging_and_gpu_pvc_pods_get_their_devices_and_volume():
+    objects = children({"model": {"source": "pvc://weights/llama"}, "scaling": {"replicas": 2, "spare": 0,
+                                                                                 "requireHostSpread": True},
+                        "resources": {"gpus": 2, "gpuType": "H100", "memory": "32Gi"}})
+    deployment = objects[("Deployment", "smol")]["spec"]
+    assert deployment["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert objects[("PodDisruptionBudget", "smol")]["spec"]["maxUnavailable"] == 0
+    pod = deployment["template"]["spec"]
+    engine = pod["containers"][0]
+    assert engine["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "2"}
+    assert engine["args"][1] == "/models/weights/llama"
+    assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in engine["volumeMounts"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert pod["topologySpreadConstraints"][1]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert deployment["progressDeadlineSeconds"] == 1800 + 300  # unknown size: the generous default

@@ -1,0 +1,91 @@
+"""The CRD is generated from the one schema source, and the operator validates specs by the same rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from kvpilot.operator.crd import crd_manifest, crd_yaml
+from kvpilot.operator.crd_rules import RULES
+from kvpilot.operator.spec import InferenceService, SpecError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def isvc(spec: dict, name: str = "smol") -> dict:
+    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": name, "namespace": "ml"}, "spec": spec}
+
+
+@pytest.mark.parametrize("path", ["crds/inferenceservices.kvpilot.dev.yaml",
+                                  "charts/kvpilot/crds/inferenceservices.kvpilot.dev.yaml"])
+def test_checked_in_crds_are_exactly_the_generated_one(path):
+    assert (REPO / path).read_text() == crd_yaml(), f"regenerate with: kvpilot operator crd > {path}"
+
+
+def test_crd_names_columns_and_status_subresource():
+    crd = yaml.safe_load(crd_yaml())
+    assert crd == crd_manifest()
+    assert crd["metadata"]["name"] == "inferenceservices.kvpilot.dev"
+    assert crd["spec"]["names"]["shortNames"] == ["kvis"]
+    version = crd["spec"]["versions"][0]
+    assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}})
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Desired", "Ready", "Phase", "Age"]
+
+
+def _validations(schema: dict, path: str = "") -> set[tuple[str, str, str]]:
+    found = {(path, v["rule"], v["fieldPath"]) for v in schema.get("x-kubernetes-validations", [])}
+    for key, sub in schema.get("properties", {}).items():
+        found |= _validations(sub, f"{path}.{key}".lstrip("."))
+    return found
+
+
+def test_every_cross_field_rule_is_in_the_crd_as_cel_at_its_node():
+    schema = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    expected = {(".".join(rule.node), rule.cel, f".{rule.field}") for rule in RULES}
+    assert _validations(schema) == expected
+
+
+def test_defaults_fill_the_spec():
+    spec = InferenceService.from_manifest(isvc({"model": {"source": "smollm2-135m"}})).spec
+    assert spec.model.served_name == "smol"
+    assert (spec.engine.block_size, spec.engine.max_num_seqs, spec.engine.kv_cache_memory) == (16, 64, "1Gi")
+    assert (spec.scaling.replicas, spec.scaling.spare, spec.scaling.headroom) == (None, 1, 0.2)
+    assert (spec.router.policy, spec.resources.gpus, spec.slo.ttft_seconds) == ("cache_aware", 0, 2.0)
+
+
+@pytest.mark.parametrize(("spec", "field", "message"), [
+    ({}, "spec.model", "Required value"),
+    ({"model": {"source": "gpt-9"}}, "spec.model.source", "does not match"),
+    ({"model": {"source": "smollm2-135m"}, "scaling": {"spare": -1}}, "spec.scaling.spare", "less than the minimum"),
+    ({"model": {"source": "smollm2-135m"}, "router": {"policy": "random"}}, "spec.router.policy", "is not one of"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"blockSize": 12}}, "spec.engine.blockSize", "is not one of"),
+    ({"model": {"source": "smollm2-135m"}, "scaling": {"replicas": 2, "targetRequestsPerSecond": 3,
+                                                        "perReplicaGoodput": 1}},
+     "spec.scaling.replicas", "set either scaling.replicas or scaling.targetRequestsPerSecond, not both"),
+    ({"model": {"source": "smollm2-135m"}, "scaling": {"targetRequestsPerSecond": 3}},
+     "spec.scaling.perReplicaGoodput", "given together"),
+    ({"model": {"source": "smollm2-135m"}, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
+     "spec.scaling.minReplicas", "must not exceed"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
+     "spec.engine.maxNumBatchedTokens", "at least engine.maxNumSeqs"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--port=9000"]}},
+     "spec.engine.extraArgs", "must not repeat a flag"),
+    ({"model": {"source": "smollm2-135m"}, "resources": {"gpuType": "H100"}}, "spec.resources.gpuType", "gpus > 0"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"kvCacheMemory": "8Gi"}},
+     "spec.engine.kvCacheMemory", "less than resources.memory"),
+    ({"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}}, "spec.router.weights", "snake"),
+])
+def test_invalid_specs_name_the_field(spec, field, message):
+    with pytest.raises(SpecError) as error:
+        InferenceService.from_manifest(isvc(spec))
+    assert error.value.field == field
+    assert message in error.value.message
+
+
+def test_gpu_kv_memory_may_exceed_pod_memory_and_pvc_source_maps_to_its_mount():
+    spec = InferenceService.from_manifest(isvc({
+        "model": {"source": "pvc://models/llama/8b"}, "resources": {"gpus": 1, "memory": "16Gi"},
+        "engine": {"kvCacheMemory": "40Gi"}})).spec
+    assert (spec.model.pvc_claim, spec.model.engine_path) == ("models", "/models/models/llama/8b")

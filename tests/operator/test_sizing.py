@@ -1,0 +1,60 @@
+"""N+1 sizing: exact examples and the invariants that must hold for every input."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from hypothesis import given
+from hypothesis import strategies as st
+from kvpilot.operator.sizing import size_replicas
+from kvpilot.operator.spec import ScalingSpec
+
+
+def test_rate_mode_example_and_formula():
+    result = size_replicas(ScalingSpec(target_requests_per_second=10, per_replica_goodput=4, headroom=0.2))
+    assert (result.mode, result.serving, result.unclamped, result.desired) == ("Rate", 3, 4, 4)
+    assert result.formula == "clamp(ceil(10 × (1 + 0.2) / 4) + 1, 1, 100) = 4"
+    assert result.to_status()["desiredReplicas"] == 4
+
+
+def test_exact_multiples_do_not_round_up():
+    # 0.1 × 3 × (1 + 0) / 0.3 is exactly 1 in decimal, 1.0000000000000002 in floats
+    result = size_replicas(ScalingSpec(target_requests_per_second=0.3, per_replica_goodput=0.1, headroom=0.0))
+    assert result.serving == 3
+
+
+def test_replicas_mode_and_clamps():
+    assert size_replicas(ScalingSpec(replicas=2)).desired == 3
+    assert size_replicas(ScalingSpec(replicas=2, spare=0, min_replicas=4)).desired == 4
+    clamped = size_replicas(ScalingSpec(replicas=9, spare=2, max_replicas=10))
+    assert (clamped.desired, clamped.disruption_allowance) == (10, 1)  # only one spare survived the clamp
+    assert size_replicas(ScalingSpec()).desired == 2  # neither form: one replica plus the spare
+
+
+rates = st.decimals(min_value=0, max_value=10_000, places=2).map(float)
+goodputs = st.decimals(min_value=Fraction(1, 100), max_value=1000, places=2).map(float)
+
+
+@given(rate=rates, goodput=goodputs, headroom=st.sampled_from([0.0, 0.1, 0.2, 0.5, 1.0]),
+       spare=st.integers(0, 5), low=st.integers(0, 50), span=st.integers(0, 100))
+def test_desired_is_the_clamped_n_plus_spare(rate, goodput, headroom, spare, low, span):
+    scaling = ScalingSpec(target_requests_per_second=rate, per_replica_goodput=goodput, headroom=headroom,
+                          spare=spare, min_replicas=low, max_replicas=max(1, low + span))
+    result = size_replicas(scaling)
+    exact = Fraction(str(rate)) * (1 + Fraction(str(headroom))) / Fraction(str(goodput))
+    assert result.serving == math.ceil(exact)
+    assert result.serving * Fraction(str(goodput)) >= Fraction(str(rate)) * (1 + Fraction(str(headroom)))
+    assert scaling.min_replicas <= result.desired or result.desired == scaling.max_replicas
+    assert result.desired <= scaling.max_replicas
+    if scaling.min_replicas <= result.unclamped <= scaling.max_replicas:
+        assert result.desired == result.serving + spare
+    assert 0 <= result.disruption_allowance <= spare
+    assert result.desired - result.disruption_allowance >= min(result.serving, result.desired)
+
+
+@given(rate=rates, more=st.decimals(min_value=0, max_value=100, places=2).map(float), goodput=goodputs)
+def test_more_load_never_means_fewer_replicas(rate, more, goodput):
+    def desired(target):
+        return size_replicas(ScalingSpec(target_requests_per_second=target, per_replica_goodput=goodput)).desired
+    assert desired(rate + more) >= desired(rate)
