@@ -22,6 +22,14 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model=model, **engine_args).create_config())
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an engine built from an already validated ``EngineConfig``."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm._ids = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -1,0 +1,63 @@
+"""Engine-arg CLI flags with vLLM's names, shared by ``kvpilot generate`` and ``kvpilot serve``."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvpilot.engine.config import (
+    ATTENTION_BACKENDS,
+    BATCHING_MODES,
+    DTYPES,
+    LOGPROBS_MODES,
+    PREEMPTION_MODES,
+    ConfigError,
+    EngineArgs,
+)
+
+_BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    d = EngineArgs()
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=d.model,
+                   help="smollm2-135m (bundled, default), tiny-random, a .gguf path or an HF safetensors directory")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA")
+    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                   help="context limit in tokens (default: the model's, capped by KV capacity)")
+    g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    g.add_argument("--download-dir", default=d.download_dir, help="cache for converted weights")
+    g.add_argument("--seed", type=int, default=d.seed, help="engine RNG seed for unseeded requests")
+    g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks", type=int,
+                   default=d.num_kv_blocks, help="exact number of KV blocks (overrides the memory budget)")
+    g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
+                   help="KV cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on CUDA)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
+    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget per step (prefill chunks + decodes)")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d.enable_chunked_prefill)
+    g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
+    g.add_argument("--batching-mode", default=d.batching_mode, choices=BATCHING_MODES)
+    g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
+    g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES)
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:
+    names = [f for f in EngineArgs.__dataclass_fields__ if f != "extra"]
+    values = {n: getattr(ns, n) for n in names if hasattr(ns, n)}
+    values.update(overrides)
+    return EngineArgs.from_kwargs(**values)
+
+
+def config_from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace, **overrides):
+    """Validated ``EngineConfig``; an invalid argument exits with a CLI message (status 2), no traceback."""
+    try:
+        return engine_args_from_namespace(ns, **overrides).create_config()
+    except ConfigError as err:
+        parser.error(str(err))
