@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+
 from kvpilot.engine.attention.backend import select_backend
 from kvpilot.engine.config import DEFAULT_CPU_KV_CACHE_BYTES, ConfigError, EngineConfig
 from kvpilot.engine.kv.block_hash import root_hash

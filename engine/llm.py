@@ -6,11 +6,12 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling.params import SamplingParams
-from tqdm.auto import tqdm
 
 PromptLike = str | Sequence[int] | dict
 

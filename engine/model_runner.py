@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.kv.kv_cache import KVCache
 from kvpilot.engine.model.llama import LlamaForCausalLM

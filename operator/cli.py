@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 import yaml
+
 from kvpilot.operator.api_names import DEFAULT_IMAGE
 from kvpilot.operator.config import OperatorConfig
 
@@ -67,6 +68,7 @@ def _kopf_args(args: argparse.Namespace) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     import kopf.cli  # the operator's heavy imports stay out of render and crd
+
     from kvpilot.operator.handlers import register
 
     try:

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 import kopf
+
 from kvpilot.operator import api_names, metrics
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.kube_api import KubeApi, KubeApiError, load_client_configuration

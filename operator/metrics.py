@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 
-from kvpilot.operator.crd_schema import PHASES
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvpilot.operator.crd_schema import PHASES
 
 REGISTRY = CollectorRegistry()
 LABELS = ("namespace", "inferenceservice")

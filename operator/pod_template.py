@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kubernetes.utils import parse_quantity
+
 from kvpilot.operator import api_names
 from kvpilot.operator.spec import MODELS_MOUNT, InferenceService
 from kvpilot.operator.startup import PROBE_PERIOD_SECONDS, startup_budget

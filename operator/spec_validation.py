@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jsonschema
+
 from kvpilot.operator.crd_rules import RULES
 from kvpilot.operator.crd_schema import spec_schema
 

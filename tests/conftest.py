@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvpilot.engine.model.registry import resolve_model
 
 

@@ -7,6 +7,7 @@ attention backend reads; see ``attention/metadata.py``).
 from __future__ import annotations
 
 import torch
+
 from kvpilot.engine.kv.capacity import kv_bytes_per_token
 
 

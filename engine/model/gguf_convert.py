@@ -25,9 +25,10 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
-from kvpilot.engine.model.gguf_tokenizer import tokenizer_files_from_gguf
 from safetensors.numpy import save_file
 from tqdm import tqdm
+
+from kvpilot.engine.model.gguf_tokenizer import tokenizer_files_from_gguf
 
 # Part of the conversion cache key: bump whenever the files this module writes would change.
 CONVERTER_VERSION = 1

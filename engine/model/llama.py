@@ -13,11 +13,12 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.rope import RotaryEmbedding
-from torch import nn
 
 
 class RMSNorm(nn.Module):

@@ -7,11 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
+
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
-from safetensors import safe_open
-from torch import nn
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvpilot.engine.model.gguf_tokenizer import TokenizerFiles, build_byte_level_bpe, tokenizer_config
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
+
+from kvpilot.engine.model.gguf_tokenizer import TokenizerFiles, build_byte_level_bpe, tokenizer_config
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2

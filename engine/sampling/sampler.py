@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
 from kvpilot.engine.sampling.params import SamplingParams
 
 

@@ -1,6 +1,7 @@
 """Block pool: reference counts, LRU free queue, hash map, events, invariants."""
 
 import pytest
+
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, hash_block, root_hash
 from kvpilot.engine.kv.block_pool import BlockPool, OutOfBlocks
 from kvpilot.engine.kv.events import KVEventLog

@@ -8,8 +8,9 @@ import random
 
 import pytest
 import torch
-from kvpilot.engine import LLM, SamplingParams
 from transformers import LlamaForCausalLM as HFLlama
+
+from kvpilot.engine import LLM, SamplingParams
 
 MAX_NEW = 10
 

@@ -1,6 +1,7 @@
 """The seed's KV numbers (§4.1, §8(c), [D06]–[D08]) from the engine's own code."""
 
 import pytest
+
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.capacity import (
     kv_bytes_per_token,

@@ -17,12 +17,13 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
+
 from kvpilot.engine.model import registry
 from kvpilot.engine.model.gguf_convert import convert_gguf, hf_tensor_name, llama_config, unpermute_rope_rows
 from kvpilot.engine.model.registry import default_cache_dir, model_fingerprint, resolve_model
 from kvpilot.engine.model.tiny import tiny_config, write_tiny_llama
 from kvpilot.engine.tokenizer import Tokenizer
-from safetensors.numpy import load_file
 
 # llama.cpp tensor names, written out independently of the converter's own table.
 _LLAMA_CPP_NAMES = {

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+
 from kvpilot.engine import LLMEngine, SamplingParams
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.request import RequestStatus

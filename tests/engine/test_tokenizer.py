@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tokenizers import pre_tokenizers
+
 from kvpilot.engine.model import registry
 from kvpilot.engine.model.gguf_tokenizer import build_byte_level_bpe, tokenizer_files_from_gguf
 from kvpilot.engine.model.tiny import SPECIAL_TOKENS, bytes_to_unicode
 from kvpilot.engine.tokenizer import Tokenizer
-from tokenizers import pre_tokenizers
 
 ROUND_TRIP_TEXTS = [
     "Hello, world!",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 import yaml
+
 from kvpilot.operator.cli import main
 from kvpilot.operator.crd import crd_yaml
 

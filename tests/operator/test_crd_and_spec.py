@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from kvpilot.operator.crd import crd_manifest, crd_yaml
 from kvpilot.operator.crd_rules import RULES
 from kvpilot.operator.spec import InferenceService, SpecError

@@ -7,6 +7,7 @@ from fractions import Fraction
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvpilot.operator.sizing import size_replicas
 from kvpilot.operator.spec import ScalingSpec
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import pytest
+
 from kvpilot.operator.replicas import EngineReport, ReplicaObservation, observe_pod
 from kvpilot.operator.status import Observed, cold_start_status, conditions, decide_phase
 
