@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from kvpilot.engine.attention.kernels.synthetic import PagedBatch, make_paged_batch
 from kvpilot.engine.attention.triton_backend import TritonKernels, load_kernels
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "torch", "triton")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+
 from kvpilot.engine.attention.backend import select_backend
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch

@@ -11,6 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+
 from kvpilot.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.triton

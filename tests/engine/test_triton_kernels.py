@@ -13,6 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
+
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
 from kvpilot.engine.attention.kernels.tuning import KernelConfig

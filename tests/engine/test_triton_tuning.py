@@ -6,6 +6,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
+from triton.runtime.errors import OutOfResources
+
 from kvpilot.engine.attention.kernels import split_kv
 from kvpilot.engine.attention.kernels.tuning import (
     DECODE_DEFAULT,
@@ -14,7 +16,6 @@ from kvpilot.engine.attention.kernels.tuning import (
     decode_candidates,
     prefill_candidates,
 )
-from triton.runtime.errors import OutOfResources
 
 pytestmark = pytest.mark.triton
 

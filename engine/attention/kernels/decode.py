@@ -19,6 +19,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.engine.attention.kernels.split_kv import merge_splits
 from kvpilot.engine.attention.kernels.tile_ops import (
     ceil_div,

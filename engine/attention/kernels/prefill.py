@@ -19,6 +19,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.engine.attention.kernels.tile_ops import (
     dot_in_fp32,
     load_kv_tile,

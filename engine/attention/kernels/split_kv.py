@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from kvpilot.engine.attention.kernels.tile_ops import reduce_max, reduce_sum
 
 #: a split shorter than this costs more in the reduction than it gains in parallelism

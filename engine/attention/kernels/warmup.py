@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import triton
+
 from kvpilot.engine.attention.kernels.decode import paged_decode
 from kvpilot.engine.attention.kernels.prefill import paged_prefill
 from kvpilot.engine.attention.kernels.split_kv import allocate_partials, choose_num_kv_splits
