@@ -85,7 +85,7 @@ def test_prefix_caching_with_shared_prefixes_matches_hf(hf_tiny):
 
 def test_chunked_prefill_budget_32_matches_hf(hf_tiny):
     prompts = mixed_prompts(2, 6, 30, 90)
-    llm = LLM("tiny-random", num_kv_blocks=512, block_size=8, max_num_batched_tokens=32,
+    llm = LLM("tiny-random", num_kv_blocks=512, block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
               enable_chunked_prefill=True)
     outs = run_checked(llm, prompts, GREEDY)
     assert_matches_hf(hf_tiny, prompts, outs)
