@@ -1,0 +1,243 @@
+"""The router's HTTP surface (aiohttp): the proxied OpenAI endpoints, its own ``/health``, ``/ready``,
+``/metrics``, and the start/stop of discovery, pollers and client sessions.
+
+aiohttp serves and proxies on one event loop without an ASGI layer in between, which keeps the routing
+overhead (arrival → upstream headers sent) to the work routing itself needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from kvpilot.engine.tenancy import TenantError, tenant_from_headers
+from kvpilot.router.config import RouterConfig
+from kvpilot.router.endpointslices import Endpoint, EndpointSliceWatcher, SliceApi
+from kvpilot.router.errors import error_response
+from kvpilot.router.fleet import Fleet
+from kvpilot.router.metrics import CONTENT_TYPE, RouterMetrics
+from kvpilot.router.picker import ReplicaPicker
+from kvpilot.router.proxy import (
+    REPLICA_HEADER,
+    Forwarder,
+    OverheadProbe,
+    UpstreamFailure,
+    overhead_trace_config,
+)
+from kvpilot.router.replica import Dispatch, Replica
+from kvpilot.router.request_profile import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    PromptError,
+    RequestProfile,
+    RequestProfiler,
+)
+from kvpilot.router.scoring import Decision
+
+log = logging.getLogger(__name__)
+MODELS = "/v1/models"
+ATTEMPTS = 2  # the first try and one retry elsewhere
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """Where the app gets replicas: a static list, or EndpointSlices through ``slice_api``."""
+
+    static: tuple[str, ...] = ()
+    slice_api: Callable[[], SliceApi] | None = None
+
+
+class RouterApp:
+    def __init__(self, config: RouterConfig, profiler: RequestProfiler | None, discovery: Discovery) -> None:
+        self.config = config
+        self.metrics = RouterMetrics(config.policy)
+        self.picker = ReplicaPicker(config.policy, config.weights, config.prefill_rate_prior)
+        self._profiler = profiler
+        self._discovery = discovery
+        self.fleet: Fleet | None = None
+        self._watcher: EndpointSliceWatcher | None = None
+        self._sessions: list[aiohttp.ClientSession] = []
+        self._forwarder: Forwarder | None = None
+
+    def build(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.upstream.max_body_bytes)
+        app.router.add_post(COMPLETIONS, self.inference)
+        app.router.add_post(CHAT_COMPLETIONS, self.inference)
+        app.router.add_get(MODELS, self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.prometheus)
+        app.router.add_route("*", "/{tail:.*}", self.unknown)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        upstream = self.config.upstream
+        proxy_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),  # no pool cap: a queued connection is routing delay
+            timeout=aiohttp.ClientTimeout(total=upstream.request_timeout_s, sock_connect=upstream.connect_timeout_s),
+            auto_decompress=False,  # bytes pass through as the engine encoded them
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            trace_configs=[overhead_trace_config()])
+        poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
+        self._sessions = [proxy_session, poll_session]
+        self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics)
+        self._forwarder = Forwarder(proxy_session, self.fleet.eject)
+        if self._discovery.slice_api is not None:
+            self._watcher = self._start_watcher(self._discovery.slice_api)
+        else:
+            self.fleet.set_endpoints(Endpoint(url) for url in self._discovery.static)
+
+    def _start_watcher(self, slice_api: Callable[[], SliceApi]) -> EndpointSliceWatcher:
+        loop, fleet, discovery = asyncio.get_running_loop(), self.fleet, self.config.discovery
+        assert fleet is not None and discovery.endpointslice_service and discovery.namespace
+
+        def publish(endpoints: list[Endpoint]) -> None:
+            loop.call_soon_threadsafe(fleet.set_endpoints, endpoints)
+
+        watcher = EndpointSliceWatcher(discovery.endpointslice_service, discovery.namespace, discovery.port_name,
+                                       publish, slice_api)
+        watcher.start()
+        return watcher
+
+    async def _stop(self, app: web.Application) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self.fleet is not None:
+            await self.fleet.close()
+        for session in self._sessions:
+            await session.close()
+
+    # --- proxied endpoints ---------------------------------------------------------------------------
+
+    async def inference(self, request: web.Request) -> web.StreamResponse:
+        arrival = time.perf_counter()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(error_response(413, f"request body exceeds {self.config.upstream.max_body_bytes} "
+                                                   "bytes", "request_too_large"))
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
+        if not isinstance(body, dict):
+            return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
+        try:
+            tenant = tenant_from_headers(request.headers)
+        except TenantError as error:
+            return self._count(error_response(400, str(error), "invalid_tenant"))
+        profile = None
+        if self._profiler is not None:
+            try:
+                profile = self._profiler.profile(request.path, body, tenant)
+            except PromptError as error:
+                log.debug("routing without locality: %s", error)
+        return self._count(await self._route(request, raw, arrival, profile))
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return self._count(await self._route(request, b"", None, None))
+
+    async def _route(self, request: web.Request, raw: bytes, arrival: float | None,
+                     profile: RequestProfile | None) -> web.StreamResponse:
+        """Pick, forward, and on a failure before the first byte retry once on another replica."""
+        assert self.fleet is not None and self._forwarder is not None
+        tried: set[str] = set()
+        failure: UpstreamFailure | None = None
+        for attempt in range(ATTEMPTS):
+            candidates = [r for r in self.fleet.routable() if r.url not in tried]
+            if not candidates:
+                break
+            inference = arrival is not None
+            if inference:
+                replica, decision = self.picker.pick(candidates, profile)
+                self._count_decision(decision, profile, retry=attempt > 0)
+            else:  # /v1/models: any ready replica; not a routing decision
+                replica, decision = min(candidates, key=lambda r: (len(r.in_flight), r.url)), Decision("", "")
+            tried.add(replica.url)
+            dispatch = Dispatch(time.perf_counter(), decision.prefill_work_tokens, decision.uncached_tokens,
+                                decision.kv_blocks)
+            if profile is not None:
+                dispatch.block_hashes = set(replica.block_hashes(profile, complete=False))
+            replica.begin(dispatch)
+            self.metrics.in_flight.labels(replica.url).inc()
+            probe = OverheadProbe(arrival, self.metrics) if inference and attempt == 0 else None
+            try:
+                return await self._forwarder.forward(request, raw, replica, dispatch, probe,
+                                                     self._first_byte_hook(replica, dispatch, profile, inference))
+            except UpstreamFailure as error:
+                log.warning("request failed before its first byte: %s", error)
+                self.fleet.eject(replica, error.reason)
+                failure = error
+            finally:
+                replica.finish(dispatch, time.perf_counter())
+                if replica.url in self.fleet.replicas:
+                    self.metrics.in_flight.labels(replica.url).dec()
+        return self._no_answer(failure)
+
+    def _first_byte_hook(self, replica: Replica, dispatch: Dispatch, profile: RequestProfile | None,
+                         inference: bool) -> Callable[[], None]:
+        def hook() -> None:
+            if inference and dispatch.first_byte_at is not None:
+                self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
+            if profile is not None:
+                # Now, off the routing path: the unique tail's hashes, so followers of this prefix find it.
+                replica.hold(dispatch, replica.block_hashes(profile, complete=True))
+        return hook
+
+    def _count_decision(self, decision: Decision, profile: RequestProfile | None, retry: bool) -> None:
+        self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
+        if retry:
+            self.metrics.retries.inc()
+        if decision.estimated_ttft_s is not None:
+            self.metrics.estimated_ttft.observe(decision.estimated_ttft_s)
+        if profile is not None:
+            self.metrics.prompt_tokens.inc(profile.prompt_tokens)
+            self.metrics.cached_prompt_tokens.inc(decision.cached_tokens)
+
+    def _no_answer(self, failure: UpstreamFailure | None) -> web.Response:
+        if failure is None:
+            return error_response(503, "no engine replica is ready", "no_ready_replica")
+        if failure.response is not None:  # the replica's own 502/503/504: pass it on as it said it
+            status, headers, body = failure.response
+            response = web.Response(status=status, body=body, headers=headers)
+            response.headers[REPLICA_HEADER] = failure.replica_url or ""
+            return response
+        return error_response(502, f"engine replica failed: {failure}", "upstream_failed",
+                              headers={REPLICA_HEADER: failure.replica_url or ""})
+
+    def _count(self, response: web.StreamResponse) -> web.StreamResponse:
+        self.metrics.responses.labels(str(response.status)).inc()
+        return response
+
+    # --- the router's own endpoints ------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """200 when at least one engine replica is routable (the pod's readiness rule)."""
+        replicas = list(self.fleet.replicas.values()) if self.fleet is not None else []
+        routable = sum(1 for r in replicas if r.routable)
+        body = {"ready": routable > 0, "routable": routable, "replicas": [
+            {"url": r.url, "zone": r.zone, "routable": r.routable,
+             "phase": r.load.phase if r.load is not None else None, "ejected": r.eject_reason}
+            for r in replicas]}
+        return web.json_response(body, status=200 if routable else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def unknown(self, request: web.Request) -> web.Response:
+        if request.path in (COMPLETIONS, CHAT_COMPLETIONS, MODELS, "/health", "/ready", "/metrics"):
+            return error_response(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
+        return error_response(404, f"no route for {request.path}", "not_found")

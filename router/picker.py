@@ -1,0 +1,55 @@
+"""Applies the configured policy to the live replicas: builds scoring's inputs from replica state (with the
+fleet-wide prefill-rate fallback) and hands back the chosen replica with its decision."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvpilot.router.config import ScoringWeights
+from kvpilot.router.replica import Replica
+from kvpilot.router.request_profile import RequestProfile
+from kvpilot.router.scoring import (
+    FALLBACK,
+    Candidate,
+    Decision,
+    RequestShape,
+    choose_cache_aware,
+    choose_least_loaded,
+    choose_round_robin,
+)
+
+
+class ReplicaPicker:
+    def __init__(self, policy: str, weights: ScoringWeights, prefill_rate_prior: float) -> None:
+        self.policy = policy
+        self.weights = weights
+        self._prior = prefill_rate_prior
+        self._rotation = itertools.count()
+
+    def fleet_prefill_rate(self, replicas: Sequence[Replica]) -> float:
+        """Mean of the replicas' known rates (peers share model and hardware), else the prior."""
+        rates = [rate for rate in (r.rate.rate() for r in replicas) if rate]
+        return sum(rates) / len(rates) if rates else self._prior
+
+    def pick(self, replicas: Sequence[Replica], profile: RequestProfile | None) -> tuple[Replica, Decision]:
+        """Choose among routable ``replicas``; ``profile`` is None when the request's prompt is unknown."""
+        if not replicas:
+            raise ValueError("no routable replicas")
+        by_url = {r.url: r for r in replicas}
+        if self.policy == "round_robin":
+            decision = choose_round_robin(list(by_url), next(self._rotation))
+            return by_url[decision.key], decision
+        fallback_rate = self.fleet_prefill_rate(replicas)
+        snapshots = [r.snapshot(fallback_rate) for r in replicas]
+        if self.policy == "least_loaded" or profile is None:
+            decision = choose_least_loaded([Candidate(s, 0) for s in snapshots], next(self._rotation))
+            if self.policy != "least_loaded":  # cache-aware without a prompt: load only
+                decision = replace(decision, reason=FALLBACK)
+            return by_url[decision.key], decision
+        candidates = [Candidate(s, by_url[s.key].cached_tokens(profile)) for s in snapshots]
+        shape = RequestShape(prompt_tokens=profile.prompt_tokens, max_output_tokens=profile.max_output_tokens,
+                             tie_key=profile.tie_key(min(s.block_size for s in snapshots)))
+        decision = choose_cache_aware(shape, candidates, self.weights)
+        return by_url[decision.key], decision

@@ -1,0 +1,119 @@
+"""What the router needs to know about one OpenAI request to score replicas: tenant, prompt token ids (exactly
+as the engine derives them, through the shared ``kvpilot.engine`` functions), output budget, block hashes.
+
+A request the router cannot derive a prompt from (a malformed body, a chat template that refuses the
+messages) is not rejected here: it is routed without locality and the engine gives the authoritative error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpilot.engine.kv.block_hash import encode_extra_keys, hash_block
+from kvpilot.engine.prompt_render import completion_prompt_ids
+from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.router.block_chain import BlockChain
+from kvpilot.router.segment_tokenizer import SegmentTokenizer
+
+COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
+# Parent of the tie-break key: a constant, so the key does not depend on which replica's root is known.
+_TIE_ROOT = b"kvpilot-router-tie-v1"
+
+
+class PromptError(ValueError):
+    """The router cannot derive the prompt's token ids from this request body."""
+
+
+@dataclass
+class RequestProfile:
+    tenant: str | None
+    #: token ids of each prompt (a completions request may carry several)
+    prompts: tuple[list[int], ...]
+    #: output tokens the request may generate (max_tokens × n), for the KV headroom check
+    max_output_tokens: int
+    #: encoded extra keys (the tenant's cache salt) of every block hash
+    extra: bytes
+    _chains: dict[tuple[bytes, int], list[BlockChain]] = field(default_factory=dict, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompts)
+
+    def chains(self, root: bytes, block_size: int) -> list[BlockChain]:
+        """Each prompt's block chain under one replica's root and block size (shared by replicas alike)."""
+        key = (root, block_size)
+        chains = self._chains.get(key)
+        if chains is None:
+            chains = self._chains[key] = [BlockChain(ids, block_size, root, self.extra) for ids in self.prompts]
+        return chains
+
+    def tie_key(self, block_size: int) -> bytes:
+        """Rendezvous key: the first prompt's first block of tokens and the tenant salt (so two routers, and
+        two requests sharing a first block, agree)."""
+        first = self.prompts[0][:block_size] if self.prompts else []
+        return hash_block(_TIE_ROOT, first, self.extra)
+
+
+class RequestProfiler:
+    def __init__(self, tokenizer: Tokenizer, segments: SegmentTokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._segments = segments
+
+    def profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
+        """Raises :class:`PromptError` when the body does not give a prompt the router can tokenize."""
+        if path == CHAT_COMPLETIONS:
+            prompts: tuple[list[int], ...] = (self._chat_ids(body),)
+        elif path == COMPLETIONS:
+            prompts = tuple(completion_prompt_ids(self._tokenizer, p) for p in _completion_prompts(body))
+        else:
+            raise PromptError(f"no prompt on {path}")
+        return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
+                              extra=encode_extra_keys(cache_salt=tenant))
+
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise PromptError("'messages' must be a non-empty list")
+        add_generation_prompt = body.get("add_generation_prompt", True)
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict) or not isinstance(add_generation_prompt, bool):
+            raise PromptError("'chat_template_kwargs' must be an object, 'add_generation_prompt' a boolean")
+        if "tools" in body:
+            kwargs = {**kwargs, "tools": body["tools"]}
+        # kvpilot.engine.prompt_render.chat_prompt_ids renders and then encodes the whole text; the router
+        # renders with the same template and encodes through its segment cache, which gives the same ids
+        # (tests/router/test_request_profile.py holds the two paths equal).
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       **kwargs)
+        except ValueError as error:
+            raise PromptError(str(error)) from None
+        return self._segments.encode_rendered(text)
+
+
+def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt:
+        if all(_is_token_id(t) for t in prompt):
+            return [prompt]
+        if all(isinstance(p, str) for p in prompt):
+            return list(prompt)
+        if all(isinstance(p, list) and all(_is_token_id(t) for t in p) for p in prompt):
+            return list(prompt)
+    raise PromptError("'prompt' must be a string, a list of token ids, or a list of either")
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _output_budget(body: dict[str, Any]) -> int:
+    limit = body.get("max_tokens", body.get("max_completion_tokens"))
+    samples = body.get("n", 1)
+    limit = limit if _is_token_id(limit) else 0
+    samples = samples if _is_token_id(samples) and samples > 0 else 1
+    return limit * samples

@@ -1,0 +1,59 @@
+"""Runs a :class:`RouterApp` on a TCP port: in-process start/stop (tests, benchmarks) or until SIGTERM (CLI)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+from aiohttp import web
+
+from kvpilot.engine.model.registry import resolve_model
+from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.router.app import RouterApp
+from kvpilot.router.request_profile import RequestProfiler
+from kvpilot.router.segment_tokenizer import SegmentTokenizer
+
+
+def load_profiler(model: str) -> RequestProfiler:
+    """The engine's tokenizer and chat template for ``model`` (same spec forms as ``kvpilot serve``)."""
+    model_dir = resolve_model(model, progress=False)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    return RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, model_dir))
+
+
+class RouterServer:
+    def __init__(self, router: RouterApp, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.router = router
+        self._host = host
+        self._port = port
+        # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
+        # request, so the engine stops generating for nobody.
+        self._runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=5.0)
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._host}:{self.port}"
+
+    async def start(self) -> RouterServer:
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._host, self._port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def serve_until_signalled(self) -> None:
+        """Serve until SIGTERM or SIGINT, then stop cleanly (in-flight streams get the shutdown timeout)."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()

@@ -1,0 +1,156 @@
+"""Failure handling: eject at once, retry once elsewhere before the first byte, the client gets errors after
+it, re-admission, resync after an engine restart, and no lost request when an engine dies mid-run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+
+from kvpilot.router.proxy import REPLICA_HEADER
+
+SLOW = {"queued_prefill_tokens": 1_000_000}  # /load override: this replica looks far slower (chosen second)
+
+
+def sample(router, name: str, **labels: str) -> float:
+    value = router.router.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def completion(text: str = "hello there", stream: bool = True) -> dict:
+    return {"prompt": text, "max_tokens": 4, "stream": stream}
+
+
+async def test_a_503_before_the_first_byte_is_retried_elsewhere_and_ejects(fake_engines, routers, http, until):
+    failing, healthy = await fake_engines(2)
+    healthy.behavior.load = SLOW
+    failing.behavior.inference_status = 503
+    router = await routers([failing.url, healthy.url])
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        assert (response.status, response.headers[REPLICA_HEADER]) == (200, healthy.url)
+        assert (await response.read()).endswith(b"data: [DONE]\n\n")
+    assert len(failing.received) == len(healthy.received) == 1
+    assert sample(router, "kvpilot_router_retries_total") == 1
+    assert sample(router, "kvpilot_router_ejections_total", replica=failing.url, reason="not_ready") == 1
+    assert sample(router, "kvpilot_router_decisions_total", policy="cache_aware", reason="cold") == 2
+    # Its /load still says ready, so the next poll sent after the ejection re-admits it.
+    await until(lambda: len(router.router.fleet.routable()) == 2)
+
+
+async def test_a_dead_replica_is_retried_elsewhere_and_stays_ejected(fake_engines, routers, http, until):
+    dead, healthy = await fake_engines(2)
+    healthy.behavior.load = SLOW
+    router = await routers([dead.url, healthy.url], poll_interval_s=30.0)  # polls cannot notice first
+    await dead.crash()
+    async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
+        assert (response.status, response.headers[REPLICA_HEADER]) == (200, healthy.url)
+    assert sample(router, "kvpilot_router_ejections_total", replica=dead.url, reason="error") == 1
+    assert [r.url for r in router.router.fleet.routable()] == [healthy.url]
+
+
+async def test_a_hanging_replica_times_out_and_the_retry_answers(fake_engines, routers, http):
+    hanging, healthy = await fake_engines(2)
+    healthy.behavior.load = SLOW
+    hanging.behavior.hang = True
+    router = await routers([hanging.url, healthy.url], request_timeout_s=0.5)
+    async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
+        assert (response.status, response.headers[REPLICA_HEADER]) == (200, healthy.url)
+    assert sample(router, "kvpilot_router_ejections_total", replica=hanging.url, reason="timeout") == 1
+
+
+async def test_when_every_try_fails_the_client_gets_the_last_answer_or_a_502(fake_engines, routers, http):
+    first, second = await fake_engines(2, inference_status=503)
+    second.behavior.load = SLOW
+    router = await routers([first.url, second.url])
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        assert (response.status, response.headers[REPLICA_HEADER]) == (503, second.url)
+        assert (await response.json())["error"]["message"] == "fake failure"  # the engine's own body
+    router = await routers([first.url, second.url], poll_interval_s=30.0)
+    await first.crash()
+    await second.crash()
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        body = await response.json()
+        assert (response.status, body["error"]["code"], body["error"]["type"]) == (502, "upstream_failed",
+                                                                                   "bad_gateway")
+    assert sample(router, "kvpilot_router_retries_total") == 1  # one retry, never more
+
+
+async def test_after_the_first_byte_the_client_gets_the_error(fake_engines, routers, http, until):
+    (engine,) = await fake_engines(1, output_tokens=50, token_delay_s=0.05)
+    router = await routers([engine.url])
+    received = b""
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        assert response.status == 200
+        first = await response.content.readany()
+        await engine.crash()
+        try:
+            async for chunk in response.content.iter_any():
+                received += chunk
+            broken = False
+        except aiohttp.ClientPayloadError:
+            broken = True
+    assert first.startswith(b"data: ")
+    assert broken, "a stream cut by a dead replica must not end like a complete one"
+    events = [json.loads(line[6:]) for line in received.decode().splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "bad_gateway"
+    assert b"[DONE]" not in received
+    assert sample(router, "kvpilot_router_retries_total") == 0
+    await until(lambda: not router.router.fleet.routable())
+
+
+async def test_a_client_that_leaves_cancels_the_upstream_request(fake_engines, routers, until):
+    (engine,) = await fake_engines(1, hang=True)
+    router = await routers([engine.url])
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as impatient:
+        try:
+            async with impatient.post(router.url + "/v1/completions", json=completion()) as response:
+                await response.read()
+        except TimeoutError:
+            pass
+    await until(lambda: engine.cancelled == 1)
+    await until(lambda: not router.router.fleet.replicas[engine.url].in_flight)
+    assert sample(router, "kvpilot_router_in_flight_requests", replica=engine.url) == 0
+
+
+async def test_an_engine_restart_resyncs_the_prefix_index(fake_engines, routers, http, until):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    replica = router.router.fleet.replicas[engine.url]
+    async with http.post(router.url + "/v1/completions", json=completion("a prompt " * 20)) as response:
+        await response.read()
+    await until(lambda: replica.index.hashes == engine.cached and replica.index.seq == 1)
+    old_epoch = replica.index.epoch
+    engine.restart()
+    await until(lambda: replica.index.epoch == engine.epoch and replica.index.synced)
+    assert replica.index.epoch != old_epoch and replica.index.hashes == set()
+    assert sample(router, "kvpilot_router_kv_resyncs_total", replica=engine.url) == 2  # start + restart
+
+
+async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_streaming(fake_engines, routers):
+    engines = await fake_engines(3, first_byte_s=0.15, output_tokens=6, token_delay_s=0.03)
+    first, second = await routers([e.url for e in engines]), await routers([e.url for e in engines])
+    victim = engines[0]
+    outcomes: dict[str, str] = {}
+
+    async def client(i: int, session: aiohttp.ClientSession) -> None:
+        router = (first, second)[i % 2]
+        await asyncio.sleep(0.01 * i)
+        try:
+            async with session.post(router.url + "/v1/completions", json=completion(f"request {i} " * 5),
+                                    headers={"x-request-id": str(i), "x-tenant": f"t{i % 5}"}) as response:
+                raw = await response.read()
+                outcomes[str(i)] = "ok" if response.status == 200 and raw.endswith(b"[DONE]\n\n") else "bad"
+        except aiohttp.ClientPayloadError:
+            outcomes[str(i)] = "broken"
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
+        clients = [asyncio.create_task(client(i, session)) for i in range(40)]
+        await asyncio.sleep(0.25)
+        await victim.crash()
+        await asyncio.gather(*clients)
+    lost = {i for i, outcome in outcomes.items() if outcome != "ok"}
+    assert lost <= victim.first_bytes, f"lost requests that had not started streaming: {lost - victim.first_bytes}"
+    retried = sample(first, "kvpilot_router_retries_total") + sample(second, "kvpilot_router_retries_total")
+    assert retried >= 1, "the crash should have caught requests before their first byte"
+    assert len(outcomes) == 40

@@ -1,0 +1,129 @@
+"""The router over HTTP against fake engines: passthrough, its own endpoints, client errors, affinity."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+from kvpilot.router.proxy import REPLICA_HEADER
+
+SYSTEM = "You are the support assistant of tenant alpha. " * 12  # about 30 blocks of the tiny tokenizer
+
+
+def chat(user: str, stream: bool = True, system: str = SYSTEM) -> dict:
+    return {"model": "fake-model", "stream": stream, "max_tokens": 8,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+
+
+def sse_texts(raw: bytes) -> list[str]:
+    texts = []
+    for line in raw.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            texts += [c["text"] for c in json.loads(line[6:])["choices"]]
+    return texts
+
+
+async def test_streams_through_byte_for_byte_and_names_the_replica(fake_engines, routers, http):
+    (engine,) = await fake_engines(1, output_tokens=4)
+    router = await routers([engine.url])
+    async with http.post(router.url + "/v1/chat/completions", json=chat("hi"),
+                         headers={"x-tenant": "alpha", "x-request-id": "r1"}) as response:
+        assert response.status == 200
+        assert response.headers[REPLICA_HEADER] == engine.url
+        assert response.headers["Content-Type"] == "text/event-stream"
+        raw = await response.read()
+    assert sse_texts(raw) == ["t0", "t1", "t2", "t3"]
+    assert raw.endswith(b"data: [DONE]\n\n")
+    path, headers, body = engine.received[0]
+    assert (path, headers["x-tenant"], headers["x-request-id"], body) == (
+        "/v1/chat/completions", "alpha", "r1", chat("hi"))
+
+
+async def test_non_streaming_and_models_pass_through(fake_engines, routers, http):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    async with http.post(router.url + "/v1/completions?trace=1",
+                         json={"prompt": "hello world", "max_tokens": 3}) as response:
+        assert response.status == 200 and response.headers[REPLICA_HEADER] == engine.url
+        assert (await response.json())["served_by"] == engine.port
+    async with http.get(router.url + "/v1/models") as response:
+        assert response.headers[REPLICA_HEADER] == engine.url
+        assert (await response.json())["data"][0]["id"] == "fake-model"
+
+
+async def test_router_endpoints_health_ready_and_json_errors(fake_engines, routers, http, until):
+    (engine,) = await fake_engines(1, ready=False)
+    router = await routers([engine.url], ready=0)
+    async with http.get(router.url + "/health") as response:
+        assert (response.status, await response.json()) == (200, {"status": "ok"})
+    async with http.get(router.url + "/ready") as response:
+        body = await response.json()
+        assert response.status == 503 and body["ready"] is False
+        assert body["replicas"] == [{"url": engine.url, "zone": None, "routable": False, "phase": "loading",
+                                     "ejected": None}]
+    async with http.post(router.url + "/v1/completions", json={"prompt": "x"}) as response:
+        assert response.status == 503
+        assert (await response.json())["error"]["code"] == "no_ready_replica"
+    engine.behavior.ready = True
+    await until(lambda: router.router.fleet.routable())
+    async with http.get(router.url + "/ready") as response:
+        assert response.status == 200 and (await response.json())["routable"] == 1
+    for payload, status, code in ((b"{not json", 400, "invalid_json"), (b"[1, 2]", 400, "invalid_json")):
+        async with http.post(router.url + "/v1/completions", data=payload) as response:
+            error = (await response.json())["error"]
+            assert (response.status, error["code"], error["type"]) == (status, code, "invalid_request_error")
+    async with http.post(router.url + "/v1/completions", json={"prompt": "x"},
+                         headers={"x-tenant": "t" * 200}) as response:
+        assert (response.status, (await response.json())["error"]["code"]) == (400, "invalid_tenant")
+    async with http.get(router.url + "/v2/nothing") as response:
+        assert (response.status, (await response.json())["error"]["code"]) == (404, "not_found")
+    async with http.get(router.url + "/v1/completions") as response:
+        assert (response.status, (await response.json())["error"]["code"]) == (405, "method_not_allowed")
+    assert engine.received == []  # none of the rejected requests reached the engine
+
+
+async def test_a_shared_prefix_follows_its_cache_and_tenants_do_not_share(fake_engines, routers, http, until):
+    engines = await fake_engines(3)
+    router = await routers([e.url for e in engines])
+    served = []
+    for i in range(6):
+        async with http.post(router.url + "/v1/chat/completions", json=chat(f"question {i}"),
+                             headers={"x-tenant": "alpha"}) as response:
+            served.append(response.headers[REPLICA_HEADER])
+            await response.read()
+    assert len(set(served)) == 1  # every alpha request went where alpha's system prompt is cached
+    home = next(e for e in engines if e.url == served[0])
+    metrics = router.router.metrics
+    assert metrics.decisions.labels("cache_aware", "cold")._value.get() == 1
+    assert metrics.decisions.labels("cache_aware", "affinity")._value.get() == 5
+    # Another tenant's identical prompt shares no block (salted hashes): a cold decision again.
+    async with http.post(router.url + "/v1/chat/completions", json=chat("question 0"),
+                         headers={"x-tenant": "beta"}) as response:
+        await response.read()
+    assert metrics.decisions.labels("cache_aware", "cold")._value.get() == 2
+    assert home.received[0][2] == chat("question 0")
+
+
+async def test_metrics_are_exposed_and_promtool_clean(fake_engines, routers, http):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    async with http.post(router.url + "/v1/chat/completions", json=chat("hi")) as response:
+        await response.read()
+    async with http.get(router.url + "/metrics") as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = await response.text()
+    for name in ("kvpilot_router_decisions_total", "kvpilot_router_estimated_ttft_seconds_bucket",
+                 "kvpilot_router_observed_ttft_seconds_bucket", "kvpilot_router_in_flight_requests",
+                 "kvpilot_router_routing_overhead_seconds_bucket", "kvpilot_router_retries_total",
+                 "kvpilot_router_routable_replicas", "kvpilot_router_kv_resyncs_total"):
+        assert name in text, name
+    assert 'kvpilot_router_decisions_total{policy="cache_aware",reason="cold"} 1.0' in text
+    assert "kvpilot_router_routing_overhead_seconds_count 1.0" in text
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: run `bash scripts/setup.sh` (Debian's prometheus package)", pytrace=False)
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
