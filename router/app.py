@@ -27,9 +27,9 @@ from kvpilot.router.picker import ReplicaPicker
 from kvpilot.router.proxy import (
     REPLICA_HEADER,
     Forwarder,
-    OverheadProbe,
+    SendProbe,
     UpstreamFailure,
-    overhead_trace_config,
+    send_trace_config,
 )
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import (
@@ -86,7 +86,7 @@ class RouterApp:
             timeout=aiohttp.ClientTimeout(total=upstream.request_timeout_s, sock_connect=upstream.connect_timeout_s),
             auto_decompress=False,  # bytes pass through as the engine encoded them
             skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            trace_configs=[overhead_trace_config()])
+            trace_configs=[send_trace_config()])
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
         self._sessions = [proxy_session, poll_session]
@@ -170,10 +170,11 @@ class RouterApp:
                 dispatch.block_hashes = set(replica.block_hashes(profile, complete=False))
             replica.begin(dispatch)
             self.metrics.in_flight.labels(replica.url).inc()
-            probe = OverheadProbe(arrival, self.metrics) if inference and attempt == 0 else None
+            probe = SendProbe(self.metrics, arrival if inference and attempt == 0 else None,
+                              self._hold_prompt(replica, dispatch, profile))
             try:
                 return await self._forwarder.forward(request, raw, replica, dispatch, probe,
-                                                     self._first_byte_hook(replica, dispatch, profile, inference))
+                                                     self._first_byte_hook(dispatch, inference))
             except UpstreamFailure as error:
                 log.warning("request failed before its first byte: %s", error)
                 self.fleet.eject(replica, error.reason)
@@ -184,14 +185,18 @@ class RouterApp:
                     self.metrics.in_flight.labels(replica.url).dec()
         return self._no_answer(failure)
 
-    def _first_byte_hook(self, replica: Replica, dispatch: Dispatch, profile: RequestProfile | None,
-                         inference: bool) -> Callable[[], None]:
+    @staticmethod
+    def _hold_prompt(replica: Replica, dispatch: Dispatch, profile: RequestProfile | None) -> Callable[[], None] | None:
+        """Once the request is on the wire: hash the rest of its prompt (its unique tail was not needed to
+        choose) and count it as held there, so the next request with this prefix follows it at once."""
+        if profile is None:
+            return None
+        return lambda: replica.hold(dispatch, replica.block_hashes(profile, complete=True))
+
+    def _first_byte_hook(self, dispatch: Dispatch, inference: bool) -> Callable[[], None]:
         def hook() -> None:
             if inference and dispatch.first_byte_at is not None:
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
-            if profile is not None:
-                # Now, off the routing path: the unique tail's hashes, so followers of this prefix find it.
-                replica.hold(dispatch, replica.block_hashes(profile, complete=True))
         return hook
 
     def _count_decision(self, decision: Decision, profile: RequestProfile | None, retry: bool) -> None:

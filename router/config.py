@@ -27,8 +27,11 @@ class ScoringWeights:
 
     #: multiplier on the prefill tokens already queued at the replica (work ahead of this request)
     queue: float = 1.0
-    #: multiplier on this request's own uncached prompt tokens there (the work a cache hit saves)
-    prefill: float = 1.0
+    #: multiplier on this request's own uncached prompt tokens there (the work a cache hit saves). Above 1
+    #: because recomputing a prefix costs more than this request's wait: the work also delays everyone queued
+    #: behind it there and puts a second copy of the prefix in another cache. At 2, a prefix stays on its
+    #: replica until that replica's queue costs more than computing the prefix twice.
+    prefill: float = 2.0
     #: multiplier on the decode term: one decode step of the replica's running batch, which the first
     #: token waits for (0 on an idle replica)
     decode: float = 1.0
@@ -36,7 +39,7 @@ class ScoringWeights:
     #: ceil((1 + balance) × (all outstanding + 1) / replicas) takes no new request while others can
     balance: float = 0.5
     #: ... unless it has fewer outstanding requests than this (low load never breaks affinity)
-    balance_floor: float = 4.0
+    balance_floor: float = 8.0
     #: costs within this many milliseconds of the best are tied; the rendezvous hash of the request's
     #: first block breaks the tie, so independent routers pick the same replica
     tie_ms: float = 5.0

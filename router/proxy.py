@@ -44,22 +44,31 @@ class UpstreamFailure(Exception):
 
 
 @dataclass
-class OverheadProbe:
-    """Carried through aiohttp's tracing to time arrival → upstream request headers sent."""
+class SendProbe:
+    """Rides aiohttp's tracing into the moment the upstream request is written to the socket (aiohttp
+    coalesces headers with the body, so that is the first body chunk): there it records the routing
+    overhead (arrival → sent) and runs ``after_send``, work that must not delay the request itself."""
 
-    arrival: float
     metrics: RouterMetrics
+    arrival: float | None = None
+    after_send: Callable[[], None] | None = None
+    fired: bool = False
 
 
-async def on_request_headers_sent(session: Any, trace_context: Any, params: Any) -> None:
+async def on_request_chunk_sent(session: Any, trace_context: Any, params: Any) -> None:
     probe = trace_context.trace_request_ctx
-    if isinstance(probe, OverheadProbe):
+    if not isinstance(probe, SendProbe) or probe.fired:
+        return
+    probe.fired = True
+    if probe.arrival is not None:
         probe.metrics.overhead.observe(time.perf_counter() - probe.arrival)
+    if probe.after_send is not None:
+        probe.after_send()
 
 
-def overhead_trace_config() -> aiohttp.TraceConfig:
+def send_trace_config() -> aiohttp.TraceConfig:
     config = aiohttp.TraceConfig()
-    config.on_request_headers_sent.append(on_request_headers_sent)
+    config.on_request_chunk_sent.append(on_request_chunk_sent)
     return config
 
 
@@ -73,7 +82,7 @@ class Forwarder:
         self._eject = eject  # called when a replica fails mid-response (earlier failures raise instead)
 
     async def forward(self, request: web.Request, body: bytes, replica: Replica, dispatch: Dispatch,
-                      probe: OverheadProbe | None,
+                      probe: SendProbe | None,
                       on_first_byte: Callable[[], None] | None = None) -> web.StreamResponse:
         """Send ``request`` to ``replica`` and stream its answer; raises :class:`UpstreamFailure` before
         the first byte. ``on_first_byte()`` runs once that byte has been relayed."""
@@ -84,7 +93,7 @@ class Forwarder:
             raise
 
     async def _forward(self, request: web.Request, body: bytes, replica: Replica, dispatch: Dispatch,
-                       probe: OverheadProbe | None,
+                       probe: SendProbe | None,
                        on_first_byte: Callable[[], None] | None) -> web.StreamResponse:
         url = replica.url + str(request.rel_url)
         try:

@@ -77,7 +77,8 @@ class RequestProfiler:
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list")
         add_generation_prompt = body.get("add_generation_prompt", True)
-        kwargs = body.get("chat_template_kwargs") or {}
+        kwargs = body.get("chat_template_kwargs")
+        kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict) or not isinstance(add_generation_prompt, bool):
             raise PromptError("'chat_template_kwargs' must be an object, 'add_generation_prompt' a boolean")
         if "tools" in body:

@@ -45,22 +45,25 @@ def test_affinity_wins_when_the_hit_replica_is_cheap():
     candidates = [Candidate(replica("a"), FULL_HIT), Candidate(replica("b"), 0), Candidate(replica("c"), 0)]
     decision = choose_cache_aware(REQUEST, candidates, WEIGHTS)
     assert (decision.key, decision.reason, decision.cached_tokens, decision.uncached_tokens) == ("a", AFFINITY, 1088, 12)
-    assert decision.estimated_ttft_s == 12 / 1000
+    assert decision.estimated_ttft_s == 12 / 1000  # physics; the cost counts own uncached tokens twice
+    assert cost(candidates[0], REQUEST, WEIGHTS) == 2 * 12 / 1000
     assert decision.prefill_work_tokens == 12
     assert decision.kv_blocks == 1
 
 
 def test_affinity_still_wins_while_its_queue_costs_less_than_the_miss():
-    # a: (1000 queued + 12) / 1000 = 1.012 s; b: 1100 / 1000 = 1.1 s.
-    candidates = [Candidate(replica("a", queued=1000), FULL_HIT), Candidate(replica("b"), 0)]
+    # Costs: a (2000 queued + 2 × 12) / 1000 = 2.024; b 2 × 1100 / 1000 = 2.2.
+    candidates = [Candidate(replica("a", queued=2000), FULL_HIT), Candidate(replica("b"), 0)]
     decision = choose_cache_aware(REQUEST, candidates, WEIGHTS)
     assert (decision.key, decision.reason) == ("a", AFFINITY)
-    assert math.isclose(decision.estimated_ttft_s, 1.012)
+    assert math.isclose(decision.estimated_ttft_s, 2.012)
+    # Counting the uncached tokens once (prefill=1), b's 1.1 s beats a's 2.012 s.
+    assert choose_cache_aware(REQUEST, candidates, ScoringWeights(prefill=1.0)).key == "b"
 
 
 def test_load_wins_when_the_hit_replicas_queue_makes_it_slower():
-    # a: (2000 + 12) / 1000 = 2.012 s; b: (500 + 1100) / 1000 = 1.6 s; c: (800 + 1100) / 1000 = 1.9 s.
-    candidates = [Candidate(replica("a", queued=2000), FULL_HIT), Candidate(replica("b", queued=500), 0),
+    # Costs: a (3000 + 2 × 12) / 1000 = 3.024; b (500 + 2 × 1100) / 1000 = 2.7; c (800 + 2200) / 1000 = 3.0.
+    candidates = [Candidate(replica("a", queued=3000), FULL_HIT), Candidate(replica("b", queued=500), 0),
                   Candidate(replica("c", queued=800), 0)]
     decision = choose_cache_aware(REQUEST, candidates, WEIGHTS)
     assert (decision.key, decision.reason, decision.cached_tokens) == ("b", LOAD, 0)
@@ -103,7 +106,7 @@ def test_decode_load_breaks_an_otherwise_equal_choice():
 
 
 def test_costs_within_the_tie_tolerance_go_to_the_rendezvous_winner():
-    # a: 12 / 1000 = 12 ms, b: (3 + 12) / 1000 = 15 ms: 3 ms apart, inside the default 5 ms.
+    # a: 2 × 12 / 1000 = 24 ms, b: (3 + 2 × 12) / 1000 = 27 ms: 3 ms apart, inside the default 5 ms.
     candidates = [Candidate(replica("a"), FULL_HIT), Candidate(replica("b", queued=3), FULL_HIT)]
     for tie_key in (b"one", b"two", b"three", b"four"):
         request = RequestShape(1100, 0, tie_key)
@@ -131,9 +134,9 @@ def test_hot_spot_guard_moves_a_popular_prefix_off_an_overloaded_replica():
     assert hot_spot_cap(hot, WEIGHTS) == 13
     decision = choose_cache_aware(REQUEST, hot, WEIGHTS)
     assert (decision.key, decision.reason) == ("b", LOAD)
-    # Below the floor (4 outstanding) affinity is never broken, however uneven the spread.
-    calm = [Candidate(replica("a", outstanding=3), FULL_HIT), Candidate(replica("b"), 0), Candidate(replica("c"), 0)]
-    assert hot_spot_cap(calm, WEIGHTS) == 4
+    # Below the floor (8 outstanding) affinity is never broken, however uneven the spread.
+    calm = [Candidate(replica("a", outstanding=7), FULL_HIT), Candidate(replica("b"), 0), Candidate(replica("c"), 0)]
+    assert hot_spot_cap(calm, WEIGHTS) == 8
     assert choose_cache_aware(REQUEST, calm, WEIGHTS).reason == AFFINITY
     # A large balance slack switches the guard off.
     assert choose_cache_aware(REQUEST, hot, ScoringWeights(balance=1000.0)).key == "a"

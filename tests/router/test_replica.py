@@ -1,0 +1,136 @@
+"""Per-replica state: what the scoring snapshot adds for requests the last /load cannot include, the
+held-hash overlay, ejection and re-admission, restarts, the learned prefill rate, the /load contract."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine.kv.block_hash import block_hashes
+from kvpilot.router.config import ScoringWeights
+from kvpilot.router.engine_load import EngineLoad, LoadFormatError
+from kvpilot.router.picker import ReplicaPicker
+from kvpilot.router.prefill_rate import PrefillRateEstimator
+from kvpilot.router.replica import Dispatch, Replica
+from kvpilot.router.request_profile import RequestProfile
+
+ROOT = bytes(16)
+LOAD = {"model": "m", "epoch": "e1", "ready": True, "phase": "ready", "waiting": 2, "running": 3, "swapped": 0,
+        "queued_prefill_tokens": 500, "running_decode_tokens": 3, "kv_blocks_total": 100, "kv_blocks_free": 60,
+        "kv_blocks_cached": 10, "kv_blocks_reserved": 10, "kv_usage": 0.4, "block_size": 16, "max_num_seqs": 8,
+        "max_num_batched_tokens": 512, "prefill_tokens_per_second": 0.0, "decode_step_seconds": 0.02}
+
+
+def load(**changes) -> EngineLoad:
+    return EngineLoad.from_json({**LOAD, **changes})
+
+
+def profile(tokens: int, tenant: str | None = None) -> RequestProfile:
+    return RequestProfile(tenant=tenant, prompts=(list(range(tokens)),), max_output_tokens=0, extra=b"")
+
+
+def synced_replica(url: str = "http://r:8000", cached: list[bytes] = ()) -> Replica:
+    replica = Replica(url)
+    replica.accept_load(load(), sent_at=10.0)
+    replica.index.apply_snapshot({"epoch": "e1", "seq": 0, "block_size": 16, "root": ROOT.hex(),
+                                  "block_hashes": [h.hex() for h in cached]})
+    return replica
+
+
+def test_snapshot_counts_only_requests_the_last_load_cannot_include():
+    replica = synced_replica()
+    reported = Dispatch(sent_at=9.0, prefill_work_tokens=0, uncached_tokens=300, kv_blocks=20)
+    prefilling = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=200, kv_blocks=13)
+    decoding = Dispatch(sent_at=12.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7, first_byte_at=12.5)
+    for dispatch in (reported, prefilling, decoding):
+        replica.begin(dispatch)
+    snap = replica.snapshot(fallback_rate=1500.0)
+    assert snap.queued_prefill_tokens == 500 + 200  # the decoding one has finished its prefill
+    assert snap.outstanding_requests == 2 + 3 + 2
+    assert snap.running_decodes == 3 + 1
+    assert snap.kv_headroom_blocks == 60 - 10 - 13 - 7
+    assert snap.prefill_tokens_per_second == 1500.0  # the engine has not measured one yet
+    replica.accept_load(load(prefill_tokens_per_second=900.0), sent_at=13.0)  # now it includes all three
+    snap = replica.snapshot(fallback_rate=1500.0)
+    assert (snap.queued_prefill_tokens, snap.outstanding_requests, snap.prefill_tokens_per_second) == (500, 5, 900.0)
+
+
+def test_blocks_count_as_held_while_in_flight_and_until_an_events_poll_confirms():
+    replica = synced_replica()
+    request = profile(100)  # 6 full blocks, a hit can cover (100 - 1) // 16 = 6
+    hashes = block_hashes(request.prompts[0], 16, ROOT)
+    assert replica.cached_tokens(request) == 0
+    dispatch = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7,
+                        block_hashes=set(replica.block_hashes(request, complete=False)))
+    assert dispatch.block_hashes == {hashes[0]}  # only what the (missed) lookup computed
+    replica.begin(dispatch)
+    assert replica.cached_tokens(request) == 16
+    replica.first_byte(dispatch, 11.5)
+    replica.hold(dispatch, replica.block_hashes(request, complete=True))
+    assert replica.cached_tokens(request) == 96
+    replica.finish(dispatch, now=12.0)
+    assert replica.cached_tokens(request) == 96  # finished, not yet in the index
+    replica.kv_applied(sent_at=11.9)  # a poll sent before the finish does not confirm it
+    assert replica.cached_tokens(request) == 96
+    replica.kv_applied(sent_at=12.1)
+    assert replica.cached_tokens(request) == 0  # the index (which never got the events) is the truth now
+
+
+def test_a_hit_stops_at_the_first_missing_block_and_never_covers_the_last_token():
+    request = profile(64)  # 4 full blocks; a hit covers at most (64 - 1) // 16 = 3
+    hashes = block_hashes(request.prompts[0], 16, ROOT)
+    assert synced_replica(cached=hashes).cached_tokens(request) == 48
+    assert synced_replica(cached=[hashes[0], hashes[2], hashes[3]]).cached_tokens(request) == 16
+    tenant = RequestProfile("acme", request.prompts, 0, extra=b"salt")
+    assert synced_replica(cached=hashes).cached_tokens(tenant) == 0
+
+
+def test_ejection_lasts_until_a_poll_sent_after_it_finds_the_replica_ready():
+    replica = synced_replica()
+    assert replica.routable
+    assert replica.eject("error", now=20.0) is True
+    assert replica.eject("timeout", now=20.5) is False  # already out: counted once
+    replica.accept_load(load(), sent_at=19.0)  # answered late, but sent before the failure
+    assert not replica.routable and replica.eject_reason == "timeout"
+    replica.accept_load(load(ready=False), sent_at=21.0)
+    assert not replica.routable
+    replica.accept_load(load(), sent_at=22.0)
+    assert replica.routable and replica.eject_reason is None
+
+
+def test_a_new_epoch_forgets_the_cache_and_the_measured_rates():
+    replica = synced_replica(cached=[b"\x01" * 16])
+    replica.accept_load(load(prefill_tokens_per_second=800.0), sent_at=11.0)
+    replica.rate.observe(1000, 0.5)
+    replica.accept_load(load(epoch="e2"), sent_at=12.0)
+    assert (replica.index.synced, replica.index.hashes, replica.rate.rate()) == (False, set(), None)
+
+
+def test_prefill_rate_prefers_the_engine_then_learns_from_first_bytes():
+    rate = PrefillRateEstimator(smoothing=0.5, min_sample_tokens=256)
+    assert rate.rate() is None
+    rate.observe(100, 0.01)  # too little work to say anything about prefill speed
+    assert rate.rate() is None
+    rate.observe(1000, 1.0)
+    rate.observe(2000, 1.0)
+    assert rate.rate() == 1500.0  # 1000, then halfway to 2000
+    rate.report_engine(0.0)  # "not measured yet" never overrides
+    assert rate.rate() == 1500.0
+    rate.report_engine(3000.0)
+    assert rate.rate() == 3000.0
+
+
+def test_the_fleet_rate_covers_replicas_that_have_not_measured_yet():
+    picker = ReplicaPicker("cache_aware", ScoringWeights(), prefill_rate_prior=2000.0)
+    fresh, measured = synced_replica("http://a:1"), synced_replica("http://b:1")
+    assert picker.fleet_prefill_rate([fresh, measured]) == 2000.0
+    measured.accept_load(load(prefill_tokens_per_second=600.0), sent_at=11.0)
+    assert picker.fleet_prefill_rate([fresh, measured]) == 600.0
+
+
+@pytest.mark.parametrize("change", [{"ready": "yes"}, {"waiting": -1}, {"block_size": 0}, {"epoch": None},
+                                    {"prefill_tokens_per_second": float("nan")}, {"running": True}])
+def test_a_load_body_that_breaks_the_contract_is_refused(change):
+    with pytest.raises(LoadFormatError):
+        EngineLoad.from_json({**LOAD, **change})
+    with pytest.raises(LoadFormatError):
+        EngineLoad.from_json([LOAD])

@@ -1,0 +1,125 @@
+"""The router derives exactly the engine's prompt ids and block hashes (shared functions), including through
+its segment token cache, and routes what it cannot tokenize without locality instead of rejecting it."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash
+from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
+from kvpilot.router.block_chain import BlockChain
+from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS, PromptError
+from kvpilot.router.segment_tokenizer import SegmentTokenizer
+
+ROOT = root_hash("test-model")
+MESSAGES = [{"role": "system", "content": "You answer briefly. " * 20},
+            {"role": "user", "content": "What is a KV cache?"},
+            {"role": "assistant", "content": "Keys and values of past tokens."},
+            {"role": "user", "content": "and <|im_start|> inside text?"}]
+
+
+def test_chat_and_completion_ids_equal_the_engines(tiny_profiler, tiny_tokenizer):
+    chat = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES}, tenant=None)
+    assert chat.prompts == (chat_prompt_ids(tiny_tokenizer, MESSAGES),)
+    again = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES}, tenant=None)  # from the cache
+    assert again.prompts == chat.prompts
+    no_generation = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES, "add_generation_prompt": False},
+                                          tenant=None)
+    assert no_generation.prompts == (chat_prompt_ids(tiny_tokenizer, MESSAGES, add_generation_prompt=False),)
+    text = tiny_profiler.profile(COMPLETIONS, {"prompt": "Once upon a time"}, tenant=None)
+    assert text.prompts == (completion_prompt_ids(tiny_tokenizer, "Once upon a time"),)
+    batch = tiny_profiler.profile(COMPLETIONS, {"prompt": ["a b", "c d"], "max_tokens": 5, "n": 2}, tenant=None)
+    assert batch.prompts == tuple(completion_prompt_ids(tiny_tokenizer, p) for p in ("a b", "c d"))
+    assert (batch.max_output_tokens, batch.prompt_tokens) == (10, sum(len(p) for p in batch.prompts))
+    ids = tiny_profiler.profile(COMPLETIONS, {"prompt": [[5, 6, 7], [8]]}, tenant=None)
+    assert ids.prompts == ([5, 6, 7], [8])
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    (CHAT_COMPLETIONS, {}), (CHAT_COMPLETIONS, {"messages": []}), (CHAT_COMPLETIONS, {"messages": "hi"}),
+    (CHAT_COMPLETIONS, {"messages": MESSAGES, "chat_template_kwargs": []}),
+    (CHAT_COMPLETIONS, {"messages": [{"role": "user"}]}),
+    (COMPLETIONS, {}), (COMPLETIONS, {"prompt": 3}), (COMPLETIONS, {"prompt": ["a", 1]}),
+    (COMPLETIONS, {"prompt": [-1]}), (COMPLETIONS, {"prompt": []}),
+])
+def test_bodies_without_a_usable_prompt_raise_prompt_error(tiny_profiler, path, body):
+    with pytest.raises(PromptError):
+        tiny_profiler.profile(path, body, tenant=None)
+
+
+def test_block_hashes_equal_the_engines_and_are_salted_per_tenant(tiny_profiler):
+    body = {"messages": MESSAGES}
+    shared, acme = (tiny_profiler.profile(CHAT_COMPLETIONS, body, tenant=t) for t in (None, "acme"))
+    ids = shared.prompts[0]
+    assert shared.chains(ROOT, 16)[0].all_hashes() == block_hashes(ids, 16, ROOT)
+    assert acme.chains(ROOT, 16)[0].all_hashes() == block_hashes(ids, 16, ROOT, encode_extra_keys(cache_salt="acme"))
+    assert not set(acme.chains(ROOT, 16)[0].all_hashes()) & set(shared.chains(ROOT, 16)[0].all_hashes())
+    assert acme.tie_key(16) != shared.tie_key(16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 511), max_size=200), st.sampled_from([1, 4, 16]), st.binary(max_size=8))
+def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra):
+    chain = BlockChain(tokens, block_size, ROOT, extra)
+    expected = block_hashes(tokens, block_size, ROOT, extra)
+    held = set(expected[:len(expected) // 2])
+    assert chain.cached_blocks(held.__contains__) == min(len(held), chain.hittable_blocks)
+    assert chain.computed_hashes() == expected[:len(chain.computed_hashes())]
+    assert chain.all_hashes() == expected
+    assert chain.hittable_blocks == (max(len(tokens), 1) - 1) // block_size
+
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>"]
+texts = st.lists(st.one_of(st.text(max_size=80), st.sampled_from(SPECIALS), st.sampled_from([" ", "\n", "\n\n"])),
+                 max_size=12).map("".join)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(texts, min_size=1, max_size=4))
+def test_segment_cache_encodes_exactly_like_the_tokenizer(tiny_tokenizer, tiny_model_dir, pieces):
+    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, min_segment_chars=8)
+    assert segments.segmenting
+    for text in pieces + pieces:  # the second round comes from the cache
+        assert segments.encode_rendered(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_segment_cache_stays_within_its_token_budget(tiny_tokenizer, tiny_model_dir):
+    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, max_cached_tokens=400, min_segment_chars=8)
+    for i in range(30):
+        segments.encode_rendered(f"<|im_start|>system\nprompt number {i} " * 3 + "<|im_end|>")
+    assert 0 < segments._cached_tokens <= 400
+
+
+def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(tiny_tokenizer, tiny_model_dir, tmp_path):
+    spec = (tiny_model_dir / "tokenizer.json").read_text()
+    (tmp_path / "tokenizer.json").write_text(spec.replace('"lstrip": false', '"lstrip": true', 1))
+    segments = SegmentTokenizer(tiny_tokenizer, tmp_path)
+    assert not segments.segmenting
+    assert segments.encode_rendered("a<|im_end|> b") == tiny_tokenizer.encode("a<|im_end|> b", add_special_tokens=False)
+
+
+@pytest.mark.slow
+def test_segment_cache_matches_smollm2s_tokenizer_on_chat_prompts(smollm2_dir):
+    from kvpilot.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(smollm2_dir)
+    segments = SegmentTokenizer(tokenizer, smollm2_dir, min_segment_chars=8)
+    for messages in (MESSAGES, [{"role": "user", "content": "héllo  wörld\n\n  tabs\tand spaces  "}]):
+        text = tokenizer.apply_chat_template(messages)
+        assert segments.encode_rendered(text) == chat_prompt_ids(tokenizer, messages)
+
+
+def test_router_hashes_equal_the_blocks_a_real_engine_caches(tiny_profiler):
+    from kvpilot.engine import EngineArgs, LLMEngine, SamplingParams
+
+    engine = LLMEngine(EngineArgs.from_kwargs(model="tiny-random", num_kv_blocks=64).create_config())
+    body = {"messages": MESSAGES}
+    profile = tiny_profiler.profile(CHAT_COMPLETIONS, body, tenant="acme")
+    engine.add_request("r1", profile.prompts[0], SamplingParams(max_tokens=2), cache_salt="acme")
+    while engine.has_unfinished_requests():
+        engine.step()
+    stored = {h for e in engine.kv_events.since(0).events if e.kind == "stored" for h in e.hashes}
+    router_hashes = [h.hex() for h in profile.chains(engine.kv.root_hash, engine.kv.block_size)[0].all_hashes()]
+    assert router_hashes and set(router_hashes) <= stored
