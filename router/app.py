@@ -31,7 +31,7 @@ from kvpilot.router.proxy import (
     UpstreamFailure,
     send_trace_config,
 )
-from kvpilot.router.replica import Dispatch, Replica
+from kvpilot.router.replica import Dispatch
 from kvpilot.router.request_profile import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -167,11 +167,10 @@ class RouterApp:
             dispatch = Dispatch(time.perf_counter(), decision.prefill_work_tokens, decision.uncached_tokens,
                                 decision.kv_blocks)
             if profile is not None:
-                dispatch.block_hashes = set(replica.block_hashes(profile, complete=False))
+                dispatch.chains = replica.chains(profile)
             replica.begin(dispatch)
             self.metrics.in_flight.labels(replica.url).inc()
-            probe = SendProbe(self.metrics, arrival if inference and attempt == 0 else None,
-                              self._hold_prompt(replica, dispatch, profile))
+            probe = SendProbe(self.metrics, arrival) if inference and attempt == 0 else None
             try:
                 return await self._forwarder.forward(request, raw, replica, dispatch, probe,
                                                      self._first_byte_hook(dispatch, inference))
@@ -184,14 +183,6 @@ class RouterApp:
                 if replica.url in self.fleet.replicas:
                     self.metrics.in_flight.labels(replica.url).dec()
         return self._no_answer(failure)
-
-    @staticmethod
-    def _hold_prompt(replica: Replica, dispatch: Dispatch, profile: RequestProfile | None) -> Callable[[], None] | None:
-        """Once the request is on the wire: hash the rest of its prompt (its unique tail was not needed to
-        choose) and count it as held there, so the next request with this prefix follows it at once."""
-        if profile is None:
-            return None
-        return lambda: replica.hold(dispatch, replica.block_hashes(profile, complete=True))
 
     def _first_byte_hook(self, dispatch: Dispatch, inference: bool) -> Callable[[], None]:
         def hook() -> None:

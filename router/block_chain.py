@@ -40,10 +40,6 @@ class BlockChain:
             count += 1
         return count
 
-    def computed_hashes(self) -> list[bytes]:
-        """The hashes computed so far (a prefix of :meth:`all_hashes`)."""
-        return list(self._hashes)
-
     def all_hashes(self) -> list[bytes]:
         if self.full_blocks:
             self.hash_at(self.full_blocks - 1)

@@ -46,24 +46,18 @@ class UpstreamFailure(Exception):
 @dataclass
 class SendProbe:
     """Rides aiohttp's tracing into the moment the upstream request is written to the socket (aiohttp
-    coalesces headers with the body, so that is the first body chunk): there it records the routing
-    overhead (arrival → sent) and runs ``after_send``, work that must not delay the request itself."""
+    coalesces headers with the body, so that is the first body chunk) to record the routing overhead."""
 
     metrics: RouterMetrics
-    arrival: float | None = None
-    after_send: Callable[[], None] | None = None
+    arrival: float
     fired: bool = False
 
 
 async def on_request_chunk_sent(session: Any, trace_context: Any, params: Any) -> None:
     probe = trace_context.trace_request_ctx
-    if not isinstance(probe, SendProbe) or probe.fired:
-        return
-    probe.fired = True
-    if probe.arrival is not None:
+    if isinstance(probe, SendProbe) and not probe.fired:
+        probe.fired = True
         probe.metrics.overhead.observe(time.perf_counter() - probe.arrival)
-    if probe.after_send is not None:
-        probe.after_send()
 
 
 def send_trace_config() -> aiohttp.TraceConfig:

@@ -4,23 +4,22 @@ its learned prefill rate, and the requests this router has in flight there.
 Staleness is the classic failure of load-aware routers: between two polls every router sees the same old
 numbers and herds onto the replica that looked idle. So the snapshot handed to scoring adds this router's
 requests that the last ``/load`` cannot include yet (sent after that poll was sent): their prefill tokens,
-their count, their KV blocks; and a request's block hashes count as held by its replica from the moment it
-is sent (the engine caches them as it computes them), and after it ends until a ``/kv/events`` poll sent
-later has been applied (which then reports them, or their eviction), so a burst of one prefix follows the
-first request without a gap.
+their count, their KV blocks; and the prompts this router sent count as cached there before the events say
+so (``sent_prompts``), so a burst of one prefix follows its first request.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from kvpilot.router.block_chain import BlockChain
 from kvpilot.router.engine_load import EngineLoad
 from kvpilot.router.prefill_rate import PrefillRateEstimator
 from kvpilot.router.prefix_index import PrefixIndex
 from kvpilot.router.request_profile import RequestProfile
 from kvpilot.router.scoring import ReplicaSnapshot
+from kvpilot.router.sent_prompts import SentPrompts
 
 
 @dataclass(eq=False)
@@ -32,8 +31,8 @@ class Dispatch:
     prefill_work_tokens: int
     uncached_tokens: int
     kv_blocks: int
-    #: block hashes counted as held by the replica while this request is in flight
-    block_hashes: set[bytes] = field(default_factory=set)
+    #: the request's prompts as block chains under this replica's root (empty if the root is unknown)
+    chains: tuple[BlockChain, ...] = ()
     first_byte_at: float | None = None
 
 
@@ -47,9 +46,7 @@ class Replica:
         self.index = PrefixIndex()
         self.rate = PrefillRateEstimator()
         self.in_flight: set[Dispatch] = set()
-        self._pending: Counter[bytes] = Counter()
-        #: hashes of finished requests → when they finished, until a later events poll confirms them
-        self._recent: dict[bytes, float] = {}
+        self.sent = SentPrompts()
         self.ejected_at: float | None = None
         self.eject_reason: str | None = None
 
@@ -76,30 +73,34 @@ class Replica:
             self.ejected_at = None
             self.eject_reason = None
 
-    def holds(self, block_hash: bytes) -> bool:
-        return (block_hash in self._pending or block_hash in self._recent
-                or (self.index.synced and block_hash in self.index.hashes))
-
     def kv_applied(self, sent_at: float) -> None:
-        """The index now reflects the engine as of a poll sent at ``sent_at``: drop what it now covers."""
-        if self._recent:
-            self._recent = {h: t for h, t in self._recent.items() if t >= sent_at}
+        """The index now reflects the engine as of a poll sent at ``sent_at``."""
+        self.sent.confirmed(sent_at)
+
+    def chains(self, profile: RequestProfile) -> tuple[BlockChain, ...]:
+        """The request's block chains under this replica's hash root (none while the root is unknown)."""
+        root, block_size = self.index.root, self.index.block_size
+        if root is None or block_size is None:
+            return ()
+        return tuple(profile.chains(root, block_size))
 
     def cached_tokens(self, profile: RequestProfile) -> int:
         """Prompt tokens of ``profile`` a request sent here now would find cached (exact chain matches)."""
-        root, block_size = self.index.root, self.index.block_size
-        if root is None or block_size is None:
-            return 0
-        return sum(chain.cached_blocks(self.holds) * block_size for chain in profile.chains(root, block_size))
+        block_size = self.index.block_size or 0
+        return sum(self._cached_blocks(chain) * block_size for chain in self.chains(profile))
 
-    def block_hashes(self, profile: RequestProfile, complete: bool) -> list[bytes]:
-        """The request's full-block hashes under this replica's chain root: all of them (``complete``), or
-        only those already computed (empty while the root is unknown)."""
-        root, block_size = self.index.root, self.index.block_size
-        if root is None or block_size is None:
-            return []
-        chains = profile.chains(root, block_size)
-        return [h for chain in chains for h in (chain.all_hashes() if complete else chain.computed_hashes())]
+    def _cached_blocks(self, chain: BlockChain) -> int:
+        if chain.hittable_blocks == 0:
+            return 0
+        cached = self.index.hashes if self.index.synced else frozenset()
+        first = chain.hash_at(0)
+        count = 0
+        while count < chain.hittable_blocks:
+            block_hash = chain.hash_at(count)
+            if block_hash not in cached and not self.sent.holds(count, block_hash, first):
+                break
+            count += 1
+        return count
 
     def snapshot(self, fallback_rate: float) -> ReplicaSnapshot:
         """Scoring's view, including this router's requests the last ``/load`` cannot include yet."""
@@ -122,16 +123,7 @@ class Replica:
 
     def begin(self, dispatch: Dispatch) -> None:
         self.in_flight.add(dispatch)
-        self._pending.update(dispatch.block_hashes)
-
-    def hold(self, dispatch: Dispatch, block_hashes: list[bytes]) -> None:
-        """Count more of ``dispatch``'s blocks as held here (the router hashes a prompt's unique tail only
-        after the request is on its way, off the routing path)."""
-        if dispatch not in self.in_flight:
-            return
-        new = set(block_hashes) - dispatch.block_hashes
-        dispatch.block_hashes |= new
-        self._pending.update(new)
+        self.sent.add(dispatch.chains)
 
     def first_byte(self, dispatch: Dispatch, now: float) -> None:
         dispatch.first_byte_at = now
@@ -141,9 +133,5 @@ class Replica:
         if dispatch not in self.in_flight:
             return
         self.in_flight.discard(dispatch)
-        if dispatch.first_byte_at is not None:  # it was computed there: cached until a poll says otherwise
-            self._recent.update(dict.fromkeys(dispatch.block_hashes, now))
-        self._pending.subtract(dispatch.block_hashes)
-        for block_hash in dispatch.block_hashes:
-            if self._pending[block_hash] <= 0:
-                del self._pending[block_hash]
+        # A first byte means its prefill ran there: its blocks are cached until a poll says otherwise.
+        self.sent.finish(dispatch.chains, now, computed=dispatch.first_byte_at is not None)

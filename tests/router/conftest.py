@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class FakeEngineBehavior:
     output_tokens: int = 3
     ready: bool = True
     caching: bool = True  # keep computed prompt blocks (and publish them)
+    cache_blocks: int = 100_000  # prefix-cache capacity; the least recently used blocks go first
     inference_status: int = 200  # answer inference requests with this status instead (e.g. 503)
     hang: bool = False  # never answer inference requests
     load: dict[str, Any] = field(default_factory=dict)  # /load fields to override
@@ -54,11 +56,12 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.behavior = behavior
         self.epoch = uuid.uuid4().hex
-        self.cached: set[bytes] = set()
+        self.cached: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
         self.events: list[dict[str, Any]] = []
         self.received: list[tuple[str, CIMultiDict[str], dict[str, Any]]] = []  # path, headers, body
         self.first_bytes: set[str] = set()  # x-request-id of requests that got a first byte from here
         self.cancelled = 0  # inference handlers cancelled by a client disconnect
+        self.prompt_tokens = self.cached_prompt_tokens = 0  # over all inference requests served
         self.waiting = self.running = self.queued_prefill_tokens = 0
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
@@ -103,13 +106,19 @@ class FakeEngine:
 
     def store(self, hashes: list[bytes]) -> None:
         new = [h for h in hashes if h not in self.cached]
-        if new:
-            self.cached.update(new)
-            self.events.append({"seq": self.seq + 1, "type": "stored", "block_hashes": [h.hex() for h in new]})
+        for h in hashes:
+            self.cached[h] = None
+            self.cached.move_to_end(h)
+        evicted = []
+        while len(self.cached) > self.behavior.cache_blocks:
+            evicted.append(self.cached.popitem(last=False)[0])
+        for kind, changed in (("stored", new), ("removed", evicted)):
+            if changed:
+                self.events.append({"seq": self.seq + 1, "type": kind, "block_hashes": [h.hex() for h in changed]})
 
     def restart(self) -> None:
         """A new process on the same address: new epoch, empty cache, sequence numbers from 0."""
-        self.epoch, self.cached, self.events = uuid.uuid4().hex, set(), []
+        self.epoch, self.cached, self.events = uuid.uuid4().hex, OrderedDict(), []
 
     def prompt_hashes(self, ids: list[int], tenant: str | None) -> list[bytes]:
         return block_hashes(ids, self.behavior.block_size, FAKE_ROOT, encode_extra_keys(cache_salt=tenant))
@@ -165,6 +174,8 @@ class FakeEngine:
         while hit < (len(ids) - 1) // b.block_size and hashes[hit] in self.cached:
             hit += 1
         uncached = len(ids) - hit * b.block_size
+        self.prompt_tokens += len(ids)
+        self.cached_prompt_tokens += hit * b.block_size
         self.waiting += 1
         self.queued_prefill_tokens += uncached
         try:

@@ -119,7 +119,7 @@ async def test_an_engine_restart_resyncs_the_prefix_index(fake_engines, routers,
     replica = router.router.fleet.replicas[engine.url]
     async with http.post(router.url + "/v1/completions", json=completion("a prompt " * 20)) as response:
         await response.read()
-    await until(lambda: replica.index.hashes == engine.cached and replica.index.seq == 1)
+    await until(lambda: replica.index.hashes == set(engine.cached) and replica.index.seq == 1)
     old_epoch = replica.index.epoch
     engine.restart()
     await until(lambda: replica.index.epoch == engine.epoch and replica.index.synced)

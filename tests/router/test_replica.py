@@ -54,25 +54,36 @@ def test_snapshot_counts_only_requests_the_last_load_cannot_include():
     assert (snap.queued_prefill_tokens, snap.outstanding_requests, snap.prefill_tokens_per_second) == (500, 5, 900.0)
 
 
-def test_blocks_count_as_held_while_in_flight_and_until_an_events_poll_confirms():
+def test_sent_prompts_count_as_cached_while_in_flight_and_until_an_events_poll_confirms():
     replica = synced_replica()
-    request = profile(100)  # 6 full blocks, a hit can cover (100 - 1) // 16 = 6
-    hashes = block_hashes(request.prompts[0], 16, ROOT)
-    assert replica.cached_tokens(request) == 0
+    leader = profile(100)  # 6 full blocks; a hit can cover (100 - 1) // 16 = 6
+    follower = RequestProfile(None, (list(range(90)) + [7] * 30,), 0, b"")  # shares 5 blocks, then differs
+    assert replica.cached_tokens(follower) == 0
     dispatch = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7,
-                        block_hashes=set(replica.block_hashes(request, complete=False)))
-    assert dispatch.block_hashes == {hashes[0]}  # only what the (missed) lookup computed
+                        chains=replica.chains(leader))
     replica.begin(dispatch)
-    assert replica.cached_tokens(request) == 16
+    assert replica.cached_tokens(leader) == 96
+    assert replica.cached_tokens(follower) == 80
+    replica.kv_applied(sent_at=11.5)  # an events poll cannot confirm a request still in flight
+    assert replica.cached_tokens(follower) == 80
     replica.first_byte(dispatch, 11.5)
-    replica.hold(dispatch, replica.block_hashes(request, complete=True))
-    assert replica.cached_tokens(request) == 96
     replica.finish(dispatch, now=12.0)
-    assert replica.cached_tokens(request) == 96  # finished, not yet in the index
+    assert replica.cached_tokens(follower) == 80  # finished, not yet in the index
     replica.kv_applied(sent_at=11.9)  # a poll sent before the finish does not confirm it
-    assert replica.cached_tokens(request) == 96
+    assert replica.cached_tokens(follower) == 80
     replica.kv_applied(sent_at=12.1)
-    assert replica.cached_tokens(request) == 0  # the index (which never got the events) is the truth now
+    assert replica.cached_tokens(follower) == 0  # the index (which never got the events) is the truth now
+    assert len(replica.sent) == 0
+
+
+def test_a_request_that_failed_before_its_first_byte_leaves_nothing_held():
+    replica = synced_replica()
+    request = profile(100)
+    dispatch = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7,
+                        chains=replica.chains(request))
+    replica.begin(dispatch)
+    replica.finish(dispatch, now=12.0)
+    assert replica.cached_tokens(request) == 0 and len(replica.sent) == 0
 
 
 def test_a_hit_stops_at_the_first_missing_block_and_never_covers_the_last_token():
