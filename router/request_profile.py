@@ -13,7 +13,7 @@ from typing import Any
 from kvpilot.engine.kv.block_hash import encode_extra_keys, hash_block
 from kvpilot.engine.prompt_render import completion_prompt_ids
 from kvpilot.engine.tokenizer import Tokenizer
-from kvpilot.router.block_chain import BlockChain
+from kvpilot.router.block_chain import BlockChain, HashMemo
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -35,6 +35,7 @@ class RequestProfile:
     max_output_tokens: int
     #: encoded extra keys (the tenant's cache salt) of every block hash
     extra: bytes
+    memo: HashMemo | None = field(default=None, repr=False)
     _chains: dict[tuple[bytes, int], list[BlockChain]] = field(default_factory=dict, repr=False)
 
     @property
@@ -46,7 +47,8 @@ class RequestProfile:
         key = (root, block_size)
         chains = self._chains.get(key)
         if chains is None:
-            chains = self._chains[key] = [BlockChain(ids, block_size, root, self.extra) for ids in self.prompts]
+            chains = self._chains[key] = [BlockChain(ids, block_size, root, self.extra, self.memo)
+                                          for ids in self.prompts]
         return chains
 
     def tie_key(self, block_size: int) -> bytes:
@@ -60,6 +62,7 @@ class RequestProfiler:
     def __init__(self, tokenizer: Tokenizer, segments: SegmentTokenizer) -> None:
         self._tokenizer = tokenizer
         self._segments = segments
+        self._memo = HashMemo()
 
     def profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
         """Raises :class:`PromptError` when the body does not give a prompt the router can tokenize."""
@@ -70,7 +73,7 @@ class RequestProfiler:
         else:
             raise PromptError(f"no prompt on {path}")
         return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
-                              extra=encode_extra_keys(cache_salt=tenant))
+                              extra=encode_extra_keys(cache_salt=tenant), memo=self._memo)
 
     def _chat_ids(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")

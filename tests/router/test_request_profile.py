@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash
 from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
-from kvpilot.router.block_chain import BlockChain
+from kvpilot.router.block_chain import BlockChain, HashMemo
 from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS, PromptError
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
@@ -59,10 +59,14 @@ def test_block_hashes_equal_the_engines_and_are_salted_per_tenant(tiny_profiler)
     assert acme.tie_key(16) != shared.tie_key(16)
 
 
+MEMO = HashMemo(max_blocks=64)  # small: the property runs through its evictions too
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 511), max_size=200), st.sampled_from([1, 4, 16]), st.binary(max_size=8))
-def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra):
-    chain = BlockChain(tokens, block_size, ROOT, extra)
+@given(st.lists(st.integers(0, 511), max_size=200), st.sampled_from([1, 4, 16]), st.binary(max_size=8),
+       st.booleans())
+def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra, memoized):
+    chain = BlockChain(tokens, block_size, ROOT, extra, MEMO if memoized else None)
     expected = block_hashes(tokens, block_size, ROOT, extra)
     held = set(expected[:len(expected) // 2])
     assert chain.cached_blocks(held.__contains__) == min(len(held), chain.hittable_blocks)
@@ -79,17 +83,18 @@ texts = st.lists(st.one_of(st.text(max_size=80), st.sampled_from(SPECIALS), st.s
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(texts, min_size=1, max_size=4))
 def test_segment_cache_encodes_exactly_like_the_tokenizer(tiny_tokenizer, tiny_model_dir, pieces):
-    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, min_segment_chars=8)
+    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, max_cached_stretches=16)
     assert segments.segmenting
     for text in pieces + pieces:  # the second round comes from the cache
         assert segments.encode_rendered(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_segment_cache_stays_within_its_token_budget(tiny_tokenizer, tiny_model_dir):
-    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, max_cached_tokens=400, min_segment_chars=8)
+    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, max_cached_tokens=400, max_cached_stretches=20)
     for i in range(30):
         segments.encode_rendered(f"<|im_start|>system\nprompt number {i} " * 3 + "<|im_end|>")
-    assert 0 < segments._cached_tokens <= 400
+    stretches, tokens = segments.cache_size
+    assert 0 < tokens <= 400 and stretches <= 20
 
 
 def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(tiny_tokenizer, tiny_model_dir, tmp_path):
@@ -105,7 +110,7 @@ def test_segment_cache_matches_smollm2s_tokenizer_on_chat_prompts(smollm2_dir):
     from kvpilot.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(smollm2_dir)
-    segments = SegmentTokenizer(tokenizer, smollm2_dir, min_segment_chars=8)
+    segments = SegmentTokenizer(tokenizer, smollm2_dir)
     for messages in (MESSAGES, [{"role": "user", "content": "héllo  wörld\n\n  tabs\tand spaces  "}]):
         text = tokenizer.apply_chat_template(messages)
         assert segments.encode_rendered(text) == chat_prompt_ids(tokenizer, messages)

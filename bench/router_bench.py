@@ -1,0 +1,302 @@
+"""Router benchmark: cache_aware vs least_loaded vs round_robin on a multi-tenant workload whose tenants share
+long system prompts, with the same arrivals and prompts for every policy.
+
+For each policy it starts fresh engine replicas (cold caches, so no policy inherits another's hits), one
+``kvpilot router`` in front of them, drives the router with ``kvpilot bench serve --workload shared-prefix``,
+scrapes the router's ``/metrics``, and stops everything. It prints each policy's TTFT, throughput, routing
+overhead and decisions, the ratios to round_robin, and the issue's targets (TTFT p50 ≤ 1/3 of round robin's,
+throughput ≥ round robin's, routing overhead p99 < 2 ms).
+
+Engines (``--engine``):
+- ``serve``: ``kvpilot serve --model M`` replicas, the real measurement;
+- ``null``: this script's null engine (``--null-engine PORT``): speaks the engine ⇄ router contract, answers
+  at once, caches the blocks of every prompt it receives. Latency through it is the router's own cost
+  (compare the ``direct`` row, the same load sent straight to one null engine), and it exercises the whole
+  pipeline without a model.
+
+The routing overhead is the router's ``kvpilot_router_routing_overhead_seconds`` histogram (arrival →
+upstream request written); its quantiles are reported as bucket upper bounds ("≤").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+KVPILOT = str(Path(sys.executable).with_name("kvpilot"))
+OVERHEAD = "kvpilot_router_routing_overhead_seconds"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, ""
+    except OSError:
+        return 0, ""
+
+
+class Processes:
+    """Child processes with their logs; all stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.running: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = self.log_dir / f"{name}.log"
+        process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.running.append((process, log))
+        return process
+
+    def wait_ready(self, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while http_get(url)[0] != 200:
+            for process, log in self.running:
+                if process.poll() is not None:
+                    raise SystemExit(f"{process.args[:3]} exited ({process.returncode}); log {log}:\n"
+                                     + log.read_text()[-2000:])
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{url} not ready after {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+    def stop_all(self) -> None:
+        for process, _ in self.running:
+            process.terminate()
+        for process, _ in self.running:
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.running.clear()
+
+
+def engine_argv(args: argparse.Namespace, port: int) -> list[str]:
+    if args.engine == "null":
+        return [sys.executable, __file__, "--null-engine", str(port), "--model", args.model]
+    serve_help = subprocess.run([KVPILOT, "serve", "--help"], capture_output=True, text=True).stdout
+    host = ["--host", "127.0.0.1"] if "--host" in serve_help else []
+    return [KVPILOT, "serve", "--model", args.model, *host, "--port", str(port), *shlex.split(args.engine_args)]
+
+
+def bench_serve(args: argparse.Namespace, base_url: str, output: Path) -> dict:
+    argv = [KVPILOT, "bench", "serve", "--base-url", base_url, "--api", "chat", "--workload", "shared-prefix",
+            "--num-tenants", str(args.num_tenants), "--system-prompt-len", str(args.system_prompt_len),
+            "--input-len", args.input_len, "--output-len", args.output_len, "--request-rate", args.request_rate,
+            "--num-requests", str(args.num_requests), "--seed", str(args.seed), "--ignore-eos",
+            "--output-json", str(output), "--no-progress"]
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(output.read_text())["points"][0]["summary"]
+
+
+def histogram_quantile(metrics: str, name: str, q: float) -> float | None:
+    """Upper bound of the bucket holding quantile ``q`` of a Prometheus text-format histogram."""
+    buckets = []
+    for line in metrics.splitlines():
+        if line.startswith(name + "_bucket{"):
+            bound = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(line.rsplit(" ", 1)[1])))
+    if not buckets or buckets[-1][1] == 0:
+        return None
+    total = buckets[-1][1]
+    return next(bound for bound, count in sorted(buckets) if count >= q * total)
+
+
+def sample_value(metrics: str, prefix: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix))
+
+
+def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
+    """Fresh engines, a router of ``policy`` (None: straight to the first engine), the load, the figures."""
+    processes = Processes(out)
+    tag = policy or "direct"
+    try:
+        ports = [free_port() for _ in range(args.replicas if policy else 1)]
+        for i, port in enumerate(ports):
+            processes.start(f"{tag}-engine{i}", engine_argv(args, port))
+        for port in ports:
+            processes.wait_ready(f"http://127.0.0.1:{port}/ready", args.ready_timeout)
+        base_url, metrics = f"http://127.0.0.1:{ports[0]}", ""
+        if policy:
+            router_port = free_port()
+            processes.start(f"{tag}-router", [
+                KVPILOT, "router", "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy,
+                "--model", args.model, "--replicas", ",".join(f"http://127.0.0.1:{p}" for p in ports),
+                *(["--weights", args.weights] if args.weights else [])])
+            base_url = f"http://127.0.0.1:{router_port}"
+            processes.wait_ready(base_url + "/ready", 60)
+        summary = bench_serve(args, base_url, out / f"{tag}.json")
+        if policy:
+            metrics = http_get(base_url + "/metrics")[1]
+    finally:
+        processes.stop_all()
+    decisions = {reason: sample_value(metrics, f'kvpilot_router_decisions_total{{policy="{policy}",reason="{reason}"}}')
+                 for reason in ("affinity", "load", "cold", "fallback")}
+    prompt = sample_value(metrics, "kvpilot_router_prompt_tokens_total")
+    return {"policy": tag, "ttft_p50": summary["ttft_s"]["p50"], "ttft_p99": summary["ttft_s"]["p99"],
+            "rps": summary["request_throughput_rps"], "out_tps": summary["output_token_throughput_tps"],
+            "overhead_p50": histogram_quantile(metrics, OVERHEAD, 0.5),
+            "overhead_p99": histogram_quantile(metrics, OVERHEAD, 0.99),
+            "cached": sample_value(metrics, "kvpilot_router_cached_prompt_tokens_total") / prompt if prompt else None,
+            "decisions": {k: int(v) for k, v in decisions.items() if v}}
+
+
+def report(rows: list[dict]) -> None:
+    def ms(value: float | None, bound: bool = False) -> str:
+        return "-" if value is None else ("≤" if bound else "") + f"{value * 1000:.2f}"
+
+    print(f"{'policy':<13}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'req/s':>8}{'out tok/s':>10}"
+          f"{'ovh p50 ms':>11}{'ovh p99 ms':>11}{'cached':>8}  decisions")
+    for r in rows:
+        cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
+        print(f"{r['policy']:<13}{ms(r['ttft_p50']):>12}{ms(r['ttft_p99']):>12}{r['rps']:>8.2f}{r['out_tps']:>10.1f}"
+              f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}{cached:>8}  {r['decisions']}")
+    by_policy = {r["policy"]: r for r in rows}
+    baseline = by_policy.get("round_robin")
+    if baseline:
+        print("\nratios to round_robin (TTFT p50: lower is better; throughput: higher is better)")
+        for r in rows:
+            if r["policy"] != "round_robin":
+                print(f"  {r['policy']:<13} TTFT p50 x{r['ttft_p50'] / baseline['ttft_p50']:.3f}   "
+                      f"throughput x{r['rps'] / baseline['rps']:.3f}")
+    if "direct" in by_policy:
+        for r in rows:
+            if r["policy"] != "direct":
+                print(f"  {r['policy']:<13} TTFT p50 through the router / direct: "
+                      f"x{r['ttft_p50'] / by_policy['direct']['ttft_p50']:.3f}")
+    aware = by_policy.get("cache_aware")
+    if aware and baseline:
+        print("\ntargets (issue 6):")
+        print(f"  TTFT p50 <= 1/3 of round robin's: {aware['ttft_p50'] <= baseline['ttft_p50'] / 3}")
+        print(f"  throughput >= round robin's:      {aware['rps'] >= baseline['rps']}")
+    if aware and aware["overhead_p99"] is not None:
+        print(f"  routing overhead p99 < 2 ms:      {aware['overhead_p99'] < 0.002}")
+
+
+def run_null_engine(port: int, model: str) -> None:
+    """A contract-complete engine that computes nothing: instant answers, a prefix cache of what it saw."""
+    from aiohttp import web
+
+    from kvpilot.engine.kv.block_hash import encode_extra_keys, root_hash
+    from kvpilot.engine.model.registry import resolve_model
+    from kvpilot.engine.prompt_render import completion_prompt_ids
+    from kvpilot.engine.tenancy import tenant_from_headers
+    from kvpilot.engine.tokenizer import Tokenizer
+    from kvpilot.router.block_chain import BlockChain, HashMemo
+    from kvpilot.router.segment_tokenizer import SegmentTokenizer
+
+    # The router's exact token cache and hash memo: the null engine must cost the shared host little.
+    model_dir = resolve_model(model, progress=False)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    segments, memo, root, epoch = SegmentTokenizer(tokenizer, model_dir), HashMemo(), root_hash("null"), uuid.uuid4().hex
+    cached: set[str] = set()
+    events: list[dict] = []
+    head = {"epoch": epoch, "root": root.hex(), "block_size": 16}
+
+    async def load(request: web.Request) -> web.Response:
+        return web.json_response({
+            "model": model, "epoch": epoch, "ready": True, "phase": "ready", "waiting": 0, "running": 0,
+            "swapped": 0, "queued_prefill_tokens": 0, "running_decode_tokens": 0, "kv_blocks_total": 100000,
+            "kv_blocks_free": 100000, "kv_blocks_cached": len(cached), "kv_blocks_reserved": 0, "kv_usage": 0.0,
+            "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+            "prefill_tokens_per_second": 0.0, "decode_step_seconds": 0.0})
+
+    async def kv_events(request: web.Request) -> web.Response:
+        since = int(request.query.get("since", "0"))
+        return web.json_response({**head, "seq": len(events), "gap": since > len(events), "events": events[since:]})
+
+    async def kv_snapshot(request: web.Request) -> web.Response:
+        return web.json_response({**head, "seq": len(events), "block_hashes": sorted(cached)})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        chat = "messages" in body
+        ids = (segments.encode_rendered(tokenizer.apply_chat_template(body["messages"])) if chat
+               else completion_prompt_ids(tokenizer, body["prompt"]))
+        salt = encode_extra_keys(cache_salt=tenant_from_headers(request.headers))
+        new = [h.hex() for h in BlockChain(ids, 16, root, salt, memo).all_hashes() if h.hex() not in cached]
+        if new:
+            cached.update(new)
+            events.append({"seq": len(events) + 1, "type": "stored", "block_hashes": new})
+        choice = {"index": 0, "delta": {"content": "ok"}} if chat else {"index": 0, "text": "ok"}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": 1}
+        payload = f"data: {json.dumps({'choices': [choice]})}\n\ndata: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        return web.Response(text=payload + "data: [DONE]\n\n", content_type="text/event-stream")
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "phase": "ready"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
+
+    app = web.Application()
+    for path, handler in (("/load", load), ("/kv/events", kv_events), ("/kv/snapshot", kv_snapshot),
+                          ("/health", ok), ("/ready", ok), ("/v1/models", models)):
+        app.router.add_get(path, handler)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--engine", choices=("serve", "null"), default="serve")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware")
+    parser.add_argument("--engine-args", default="--kv-cache-memory-bytes 300000000",
+                        help="extra kvpilot serve flags (a small KV cache makes tenants compete for it)")
+    parser.add_argument("--weights", default="", help="router --weights for cache_aware")
+    parser.add_argument("--num-tenants", type=int, default=12)
+    parser.add_argument("--system-prompt-len", type=int, default=600, help="words per tenant system prompt")
+    parser.add_argument("--input-len", default="32:96", help="user words MIN:MAX")
+    parser.add_argument("--output-len", default="16:32", help="max_tokens MIN:MAX")
+    parser.add_argument("--request-rate", default="1.0", help="Poisson arrivals per second")
+    parser.add_argument("--num-requests", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--output-dir", type=Path, help="logs and bench JSON (default: a temporary folder)")
+    parser.add_argument("--null-engine", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.null_engine is not None:
+        run_null_engine(args.null_engine, args.model)
+        return 0
+    if args.engine == "serve" and subprocess.run([KVPILOT, "serve", "--help"], capture_output=True).returncode:
+        print("kvpilot serve is not available yet: nothing to benchmark (try --engine null)", file=sys.stderr)
+        return 2
+    out = args.output_dir or Path(tempfile.mkdtemp(prefix="router-bench-"))
+    out.mkdir(parents=True, exist_ok=True)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    print(f"router bench: {args.replicas} x {args.engine} ({args.model}), {args.num_tenants} tenants x "
+          f"{args.system_prompt_len}-word system prompts, {args.num_requests} requests at {args.request_rate}/s; "
+          f"logs in {out}", flush=True)
+    rows = [run_policy(args, None, out)] if args.engine == "null" else []
+    for policy in policies:
+        rows.append(run_policy(args, policy, out))
+        print(f"  {policy}: done", flush=True)
+    report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
