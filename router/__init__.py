@@ -13,10 +13,11 @@ Package map:
 - ``errors``            OpenAI-style JSON error responses
 - ``request_profile``   request → tenant, prompt token ids (shared engine functions), output budget
 - ``segment_tokenizer`` exact per-segment token cache for rendered chat prompts
-- ``block_chain``       a prompt's block hashes (shared engine hash), computed lazily up to the first miss
+- ``block_chain``       a prompt's block hashes (shared engine hash), lazily up to the first miss; hash memo
 - ``scoring``           pure policy functions: cost, headroom filter, hot-spot guard, rendezvous ties
 - ``picker``            applies the policy to live replica state
 - ``replica``           per-replica state: readiness, last ``/load``, cached hashes, in-flight requests
+- ``sent_prompts``      prompts this router sent to a replica, counted as cached before its events say so
 - ``engine_load``       typed ``/load`` snapshot
 - ``prefix_index``      a replica's exact cached-hash set from ``/kv/events`` and ``/kv/snapshot``
 - ``prefill_rate``      a replica's prefill rate: engine-measured, else learned from observed first bytes

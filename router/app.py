@@ -31,7 +31,7 @@ from kvpilot.router.proxy import (
     UpstreamFailure,
     send_trace_config,
 )
-from kvpilot.router.replica import Dispatch
+from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import (
     CHAT_COMPLETIONS,
     COMPLETIONS,
@@ -44,6 +44,8 @@ from kvpilot.router.scoring import Decision
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
 ATTEMPTS = 2  # the first try and one retry elsewhere
+#: picks one of the candidate replicas; the decision is None for requests that are not routing decisions
+Choose = Callable[[list[Replica]], tuple[Replica, Decision | None]]
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,8 @@ class RouterApp:
         assert fleet is not None and discovery.endpointslice_service and discovery.namespace
 
         def publish(endpoints: list[Endpoint]) -> None:
-            loop.call_soon_threadsafe(fleet.set_endpoints, endpoints)
+            if not loop.is_closed():  # the watch thread may outlive a stopping router by one event
+                loop.call_soon_threadsafe(fleet.set_endpoints, endpoints)
 
         watcher = EndpointSliceWatcher(discovery.endpointslice_service, discovery.namespace, discovery.port_name,
                                        publish, slice_api)
@@ -142,14 +145,18 @@ class RouterApp:
                 profile = self._profiler.profile(request.path, body, tenant)
             except PromptError as error:
                 log.debug("routing without locality: %s", error)
-        return self._count(await self._route(request, raw, arrival, profile))
+        return self._count(await self._route(request, raw, lambda candidates: self.picker.pick(candidates, profile),
+                                             arrival, profile))
 
     async def models(self, request: web.Request) -> web.StreamResponse:
-        return self._count(await self._route(request, b"", None, None))
+        # Any ready replica answers; not a routing decision (nothing counted, nothing estimated).
+        def least_busy(candidates: list[Replica]) -> tuple[Replica, None]:
+            return min(candidates, key=lambda r: (len(r.in_flight), r.url)), None
+        return self._count(await self._route(request, b"", least_busy, None, None))
 
-    async def _route(self, request: web.Request, raw: bytes, arrival: float | None,
+    async def _route(self, request: web.Request, raw: bytes, choose: Choose, arrival: float | None,
                      profile: RequestProfile | None) -> web.StreamResponse:
-        """Pick, forward, and on a failure before the first byte retry once on another replica."""
+        """Choose, forward, and on a failure before the first byte retry once on another replica."""
         assert self.fleet is not None and self._forwarder is not None
         tried: set[str] = set()
         failure: UpstreamFailure | None = None
@@ -157,23 +164,23 @@ class RouterApp:
             candidates = [r for r in self.fleet.routable() if r.url not in tried]
             if not candidates:
                 break
-            inference = arrival is not None
-            if inference:
-                replica, decision = self.picker.pick(candidates, profile)
-                self._count_decision(decision, profile, retry=attempt > 0)
-            else:  # /v1/models: any ready replica; not a routing decision
-                replica, decision = min(candidates, key=lambda r: (len(r.in_flight), r.url)), Decision("", "")
+            if attempt:
+                self.metrics.retries.inc()
+            replica, decision = choose(candidates)
             tried.add(replica.url)
-            dispatch = Dispatch(time.perf_counter(), decision.prefill_work_tokens, decision.uncached_tokens,
-                                decision.kv_blocks)
+            dispatch = Dispatch(time.perf_counter(), 0, 0, 0)
+            if decision is not None:
+                self._count_decision(decision, profile)
+                dispatch = Dispatch(dispatch.sent_at, decision.prefill_work_tokens, decision.uncached_tokens,
+                                    decision.kv_blocks)
             if profile is not None:
                 dispatch.chains = replica.chains(profile)
             replica.begin(dispatch)
             self.metrics.in_flight.labels(replica.url).inc()
-            probe = SendProbe(self.metrics, arrival) if inference and attempt == 0 else None
+            probe = SendProbe(self.metrics, arrival) if arrival is not None and attempt == 0 else None
             try:
                 return await self._forwarder.forward(request, raw, replica, dispatch, probe,
-                                                     self._first_byte_hook(dispatch, inference))
+                                                     self._observe_ttft(dispatch) if decision else None)
             except UpstreamFailure as error:
                 log.warning("request failed before its first byte: %s", error)
                 self.fleet.eject(replica, error.reason)
@@ -184,16 +191,14 @@ class RouterApp:
                     self.metrics.in_flight.labels(replica.url).dec()
         return self._no_answer(failure)
 
-    def _first_byte_hook(self, dispatch: Dispatch, inference: bool) -> Callable[[], None]:
-        def hook() -> None:
-            if inference and dispatch.first_byte_at is not None:
+    def _observe_ttft(self, dispatch: Dispatch) -> Callable[[], None]:
+        def observe() -> None:
+            if dispatch.first_byte_at is not None:
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
-        return hook
+        return observe
 
-    def _count_decision(self, decision: Decision, profile: RequestProfile | None, retry: bool) -> None:
+    def _count_decision(self, decision: Decision, profile: RequestProfile | None) -> None:
         self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
-        if retry:
-            self.metrics.retries.inc()
         if decision.estimated_ttft_s is not None:
             self.metrics.estimated_ttft.observe(decision.estimated_ttft_s)
         if profile is not None:

@@ -247,11 +247,13 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
     started: list[RouterServer] = []
 
     async def make(urls: list[str], policy: str = "cache_aware", weights: str = "", ready: int | None = None,
-                   poll_interval_s: float = 0.02, request_timeout_s: float = 20.0) -> RouterServer:
+                   poll_interval_s: float = 0.02, request_timeout_s: float = 20.0,
+                   max_body_bytes: int = 1 << 20) -> RouterServer:
         config = RouterConfig(DiscoveryConfig(replicas=tuple(urls)), policy=policy,
                               weights=ScoringWeights.parse(weights),
                               poll=PollConfig(interval_s=poll_interval_s, timeout_s=0.5),
-                              upstream=UpstreamConfig(request_timeout_s=request_timeout_s))
+                              upstream=UpstreamConfig(request_timeout_s=request_timeout_s,
+                                                      max_body_bytes=max_body_bytes))
         server = await RouterServer(RouterApp(config, tiny_profiler, Discovery(static=tuple(urls)))).start()
         started.append(server)
         await wait_for(lambda: len(server.router.fleet.routable()) == (len(urls) if ready is None else ready))

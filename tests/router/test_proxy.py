@@ -85,6 +85,27 @@ async def test_router_endpoints_health_ready_and_json_errors(fake_engines, route
     assert engine.received == []  # none of the rejected requests reached the engine
 
 
+async def test_an_oversized_body_is_refused_before_routing(fake_engines, routers, http):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], max_body_bytes=1000)
+    async with http.post(router.url + "/v1/completions", json={"prompt": "x" * 2000}) as response:
+        error = (await response.json())["error"]
+        assert (response.status, error["code"], error["type"]) == (413, "request_too_large", "invalid_request_error")
+    assert engine.received == []
+
+
+async def test_models_is_answered_by_a_ready_replica_and_is_not_a_routing_decision(fake_engines, routers, http):
+    broken, healthy = await fake_engines(2)
+    router = await routers([broken.url, healthy.url], poll_interval_s=30.0)
+    await broken.crash()
+    for _ in range(2):
+        async with http.get(router.url + "/v1/models") as response:
+            assert (response.status, response.headers[REPLICA_HEADER]) == (200, healthy.url)
+    registry = router.router.metrics.registry
+    assert registry.get_sample_value("kvpilot_router_decisions_total",
+                                     {"policy": "cache_aware", "reason": "cold"}) == 0
+
+
 async def test_a_shared_prefix_follows_its_cache_and_tenants_do_not_share(fake_engines, routers, http, until):
     engines = await fake_engines(3)
     router = await routers([e.url for e in engines])
