@@ -49,6 +49,7 @@ class FakeEngineBehavior:
     inference_status: int = 200  # answer inference requests with this status instead (e.g. 503)
     hang: bool = False  # never answer inference requests
     load: dict[str, Any] = field(default_factory=dict)  # /load fields to override
+    load_delay_s: float = 0.0  # /load answers this late
 
 
 class FakeEngine:
@@ -132,6 +133,7 @@ class FakeEngine:
 
     async def _load(self, request: web.Request) -> web.Response:
         b = self.behavior
+        await asyncio.sleep(b.load_delay_s)
         body = {"model": "fake-model", "epoch": self.epoch, "ready": b.ready,
                 "phase": "ready" if b.ready else "loading", "waiting": self.waiting, "running": self.running,
                 "swapped": 0, "queued_prefill_tokens": self.queued_prefill_tokens,

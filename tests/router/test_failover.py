@@ -49,6 +49,22 @@ async def test_a_dead_replica_is_retried_elsewhere_and_stays_ejected(fake_engine
     assert [r.url for r in router.router.fleet.routable()] == [healthy.url]
 
 
+async def test_a_replica_that_stops_being_ready_or_answers_load_too_slowly_is_ejected(fake_engines, routers, http,
+                                                                                      until):
+    draining, slow, healthy = await fake_engines(3)
+    router = await routers([draining.url, slow.url, healthy.url])
+    draining.behavior.ready = False
+    slow.behavior.load_delay_s = 1.0  # the routers' poll timeout is 0.5 s
+    await until(lambda: [r.url for r in router.router.fleet.routable()] == [healthy.url])
+    assert sample(router, "kvpilot_router_ejections_total", replica=draining.url, reason="not_ready") == 1
+    assert sample(router, "kvpilot_router_ejections_total", replica=slow.url, reason="timeout") == 1
+    for _ in range(3):
+        async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
+            assert response.headers[REPLICA_HEADER] == healthy.url
+    draining.behavior.ready, slow.behavior.load_delay_s = True, 0.0
+    await until(lambda: len(router.router.fleet.routable()) == 3)  # re-admitted once ready and prompt
+
+
 async def test_a_hanging_replica_times_out_and_the_retry_answers(fake_engines, routers, http):
     hanging, healthy = await fake_engines(2)
     healthy.behavior.load = SLOW

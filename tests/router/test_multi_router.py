@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from kvpilot.router.proxy import REPLICA_HEADER
 
@@ -107,3 +107,17 @@ async def test_round_robin_and_least_loaded_ignore_the_cache(fake_engines, route
     await until(lambda: all(least_loaded.router.fleet.replicas[u].load.waiting == 5 for u in urls[:2]))
     served = [await post(http, least_loaded, tenant_chat(1, f"q{i}"), 1) for i in range(3)]
     assert served == [engines[2].url] * 3 and decisions(least_loaded, "load") == 3
+
+
+async def test_a_very_popular_prefix_spreads_instead_of_queueing_on_one_replica(fake_engines, routers, http):
+    # 24 requests of one prefix at once, each outstanding for the whole burst. The bounded-load guard caps a
+    # replica at ceil((1 + balance) × 24 / 3) outstanding requests; without it, cost alone piles most on one.
+    largest_share = {}
+    for weights in ("", "balance=0,balance_floor=0", "balance=1000"):
+        engines = await fake_engines(3, first_byte_s=0.5)
+        router = await routers([e.url for e in engines], weights=weights)
+        served = await asyncio.gather(*(post(http, router, tenant_chat(1, f"q{i}"), 1) for i in range(24)))
+        largest_share[weights] = max(Counter(served).values())
+    assert largest_share[""] <= 12  # the default balance=0.5: at most 1.5 × the mean
+    assert largest_share["balance=0,balance_floor=0"] == 8  # strict: an even spread
+    assert largest_share["balance=1000"] > 12  # guard off: the popular prefix's replica takes most
