@@ -8,6 +8,7 @@ from kvpilot.engine.config import (
     ATTENTION_BACKENDS,
     BATCHING_MODES,
     DTYPES,
+    LINEAR_BACKENDS,
     LOGPROBS_MODES,
     PREEMPTION_MODES,
     ConfigError,
@@ -44,6 +45,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
     g.add_argument("--batching-mode", default=d.batching_mode, choices=BATCHING_MODES)
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
+    g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
+                   help="auto = oneDNN-packed weights for float32 on CPU")
     g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES)
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
 

@@ -15,6 +15,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
 
@@ -78,6 +79,9 @@ class EngineConfig:
     scheduler: SchedulerConfig
     #: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``
     attention_backend: str = "auto"
+    #: GEMMs of the decoder layers: ``auto`` (oneDNN-packed weights for float32 on CPU, torch otherwise),
+    #: ``torch`` (plain ``F.linear``) or ``onednn``
+    linear_backend: str = "auto"
     #: what ``logprobs`` report: the model's raw distribution or the one the sampler drew from
     logprobs_mode: str = "raw_logprobs"
     #: most logprobs a request may ask for
@@ -107,6 +111,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     batching_mode: str = "continuous"
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
     extra: dict = field(default_factory=dict, repr=False)
@@ -134,7 +139,8 @@ class EngineArgs:
                                       enable_chunked_prefill=self.enable_chunked_prefill,
                                       preemption_mode=self.preemption_mode,
                                       batching_mode=self.batching_mode),
-            attention_backend=self.attention_backend, logprobs_mode=self.logprobs_mode,
+            attention_backend=self.attention_backend, linear_backend=self.linear_backend,
+            logprobs_mode=self.logprobs_mode,
             max_logprobs=self.max_logprobs,
         )
 
@@ -172,6 +178,8 @@ class EngineArgs:
              f"batching_mode must be one of {BATCHING_MODES}, got {self.batching_mode!r}")
         need(self.attention_backend in ATTENTION_BACKENDS,
              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        need(self.linear_backend in LINEAR_BACKENDS,
+             f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         need(self.logprobs_mode in LOGPROBS_MODES,
              f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")

@@ -22,7 +22,7 @@ from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.manager import KVCacheManager
 from kvpilot.engine.model.arch import ModelArchConfig
-from kvpilot.engine.model.loader import load_model, resolve_device, resolve_dtype
+from kvpilot.engine.model.loader import load_model, resolve_device, resolve_dtype, resolve_linear_backend
 from kvpilot.engine.model.registry import model_fingerprint, resolve_model
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TerminalRecord
@@ -54,7 +54,9 @@ class LLMEngine:
         self.backend = select_backend(config.attention_backend, self.device, num_heads=arch.num_attention_heads,
                                       num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
                                       scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend, self.linear_backend,
+                                batch_hint=min(config.scheduler.max_num_seqs, 64))
 
         self.kv_bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads,
                                                      arch.head_dim, self.dtype.itemsize)
@@ -62,7 +64,7 @@ class LLMEngine:
         capacity_tokens = (num_blocks - 1) * cc.block_size
         self.max_model_len = self._max_model_len(capacity_tokens)
         self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, cc.block_size, arch.num_key_value_heads,
-                                arch.head_dim, self.dtype, self.device)
+                                arch.head_dim, self.dtype, self.device, layout=self.backend.kv_cache_layout)
         swap = None
         if cc.swap_space > 0:
             swap_blocks = int(cc.swap_space * (1 << 30)) // (self.kv_bytes_per_token * cc.block_size)

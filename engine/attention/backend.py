@@ -20,6 +20,9 @@ class AttentionBackend(ABC):
     """Paged attention for one model: same head counts and head_dim in every layer."""
 
     name: str = "abstract"
+    #: per-layer cache layout this backend reads: "NHD" = [num_blocks, block_size, kv_heads, head_dim]
+    #: (the layout GPU kernels use), "HND" = [num_blocks, kv_heads, block_size, head_dim]
+    kv_cache_layout: str = "NHD"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None) -> None:

@@ -6,8 +6,11 @@ causal triangle over the new tokens). Token ``t`` of the flat batch belongs to s
 ``query_start_loc[b] <= t < query_start_loc[b + 1]``.
 
 KV cache layout (per layer): ``key_cache`` and ``value_cache`` are ``[num_blocks, block_size,
-num_kv_heads, head_dim]``; block 0 is reserved and pads block tables. A token at absolute position
-``p`` of sequence ``b`` lives in slot ``block_tables[b, p // block_size] * block_size + p % block_size``.
+num_kv_heads, head_dim]`` ("NHD", the default, which the Triton kernels read) or, for a backend that
+declares ``kv_cache_layout = "HND"``, ``[num_blocks, num_kv_heads, block_size, head_dim]``. Block 0 is
+reserved and pads block tables. A token at absolute position ``p`` of sequence ``b`` lives in slot
+``block_tables[b, p // block_size] * block_size + p % block_size`` (block = slot // block_size, offset
+= slot % block_size, whatever the layout).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """Preallocated per-layer K/V tensors on the device, and the host swap space for preempted requests.
 
-Layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for K and for V (the layout every
-attention backend reads; see ``attention/metadata.py``).
+Layout per layer, for K and for V, as the attention backend asks (see ``attention/metadata.py``): "NHD"
+``[num_blocks, block_size, num_kv_heads, head_dim]`` or "HND" ``[num_blocks, num_kv_heads, block_size,
+head_dim]``. Dimension 0 is always the block, so block copies and swaps do not depend on the layout.
+Tensors start zeroed: padded key positions are masked, but a masked NaN would still poison softmax·V.
 """
 
 from __future__ import annotations
@@ -13,8 +15,12 @@ from kvpilot.engine.kv.capacity import kv_bytes_per_token
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+                 dtype: torch.dtype, device: torch.device, layout: str = "NHD") -> None:
+        if layout not in ("NHD", "HND"):
+            raise ValueError(f"KV cache layout must be 'NHD' or 'HND', got {layout!r}")
+        shape = ((num_blocks, block_size, num_kv_heads, head_dim) if layout == "NHD"
+                 else (num_blocks, num_kv_heads, block_size, head_dim))
+        self.layout = layout
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -12,6 +12,7 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
 from kvpilot.engine.model.llama import LlamaForCausalLM
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,6 +23,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return TORCH_DTYPES[dtype]
+
+
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` = oneDNN-packed weights for float32 on CPU (when torch has oneDNN), plain torch otherwise."""
+    if name == "auto":
+        return "onednn" if device.type == "cpu" and dtype == torch.float32 and onednn_available() else "torch"
+    if name == "onednn" and (device.type != "cpu" or not onednn_available()):
+        raise ValueError("linear_backend 'onednn' needs a CPU device and a torch build with oneDNN")
+    return name
 
 
 def resolve_device(device: str) -> torch.device:
@@ -63,12 +73,19 @@ def _uninitialized_parameters(dtype: torch.dtype) -> Iterator[None]:
             cls.reset_parameters = fn
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               backend: AttentionBackend) -> LlamaForCausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
+               linear_backend: str = "torch", batch_hint: int = 32) -> LlamaForCausalLM:
     arch = ModelArchConfig.from_dir(model_dir)
     with _uninitialized_parameters(dtype):
         model = LlamaForCausalLM(arch, dtype, backend)
     model.load_hf_weights(read_safetensors(model_dir))
     model.to(device)
+    if linear_backend == "onednn":
+        pack_linears(model.layers, batch_hint)
+        # the LM head is the widest GEMM of a decode step; with tied embeddings the packed copy costs
+        # vocab × hidden floats more memory (113 MB for SmolLM2) and the lookup keeps the plain weight
+        head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
+        head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+        model.packed_lm_head = PackedLinear(head, batch_hint)
     model.eval()
     return model

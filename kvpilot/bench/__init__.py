@@ -3,6 +3,7 @@
 Package map (one responsibility per module):
 - ``cli``              ``kvpilot bench`` argparse assembly; one module per subcommand
 - ``serve_cli``        ``bench serve`` flags -> config -> run -> tables / JSON / plots, exit codes
+- ``offline_cli``      ``bench offline``: engine-only batch throughput (no HTTP), seeded token workloads
 - ``config``           typed, documented, validated configuration dataclasses
 - ``arrivals``         open-loop arrival schedules (Poisson / gamma with burstiness), seeded
 - ``wordlist``         tokenizer-independent prompt text (one word ≈ one token)

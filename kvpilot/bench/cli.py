@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-SUBCOMMAND_MODULES: tuple[str, ...] = ("kvpilot.bench.serve_cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("kvpilot.bench.serve_cli", "kvpilot.bench.offline_cli")
 
 
 class _HelpWithDefaults(argparse.HelpFormatter):
