@@ -15,7 +15,9 @@ Engines (``--engine``):
   pipeline without a model.
 
 The routing overhead is the router's ``kvpilot_router_routing_overhead_seconds`` histogram (arrival →
-upstream request written); its quantiles are reported as bucket upper bounds ("≤").
+upstream request written); its quantiles are reported as bucket upper bounds ("≤"). On a host shared with
+the engines and the load generator that wall time includes waiting for a core, so the router's CPU time per
+request (its whole work: polls, routing, relaying) is printed too.
 """
 
 from __future__ import annotations
@@ -120,6 +122,12 @@ def histogram_quantile(metrics: str, name: str, q: float) -> float | None:
     return next(bound for bound, count in sorted(buckets) if count >= q * total)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc): the router's cost, whatever else shares the host."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sample_value(metrics: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix))
 
@@ -134,17 +142,19 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
             processes.start(f"{tag}-engine{i}", engine_argv(args, port))
         for port in ports:
             processes.wait_ready(f"http://127.0.0.1:{port}/ready", args.ready_timeout)
-        base_url, metrics = f"http://127.0.0.1:{ports[0]}", ""
+        base_url, metrics, router, cpu = f"http://127.0.0.1:{ports[0]}", "", None, None
         if policy:
             router_port = free_port()
-            processes.start(f"{tag}-router", [
+            router = processes.start(f"{tag}-router", [
                 KVPILOT, "router", "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy,
                 "--model", args.model, "--replicas", ",".join(f"http://127.0.0.1:{p}" for p in ports),
                 *(["--weights", args.weights] if args.weights else [])])
             base_url = f"http://127.0.0.1:{router_port}"
             processes.wait_ready(base_url + "/ready", 60)
+        cpu_before = cpu_seconds(router.pid) if router else 0.0
         summary = bench_serve(args, base_url, out / f"{tag}.json")
-        if policy:
+        if router:
+            cpu = (cpu_seconds(router.pid) - cpu_before) / (args.num_requests + 2)  # + bench serve's warm-up
             metrics = http_get(base_url + "/metrics")[1]
     finally:
         processes.stop_all()
@@ -154,7 +164,7 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
     return {"policy": tag, "ttft_p50": summary["ttft_s"]["p50"], "ttft_p99": summary["ttft_s"]["p99"],
             "rps": summary["request_throughput_rps"], "out_tps": summary["output_token_throughput_tps"],
             "overhead_p50": histogram_quantile(metrics, OVERHEAD, 0.5),
-            "overhead_p99": histogram_quantile(metrics, OVERHEAD, 0.99),
+            "overhead_p99": histogram_quantile(metrics, OVERHEAD, 0.99), "cpu_per_request": cpu,
             "cached": sample_value(metrics, "kvpilot_router_cached_prompt_tokens_total") / prompt if prompt else None,
             "decisions": {k: int(v) for k, v in decisions.items() if v}}
 
@@ -164,11 +174,12 @@ def report(rows: list[dict]) -> None:
         return "-" if value is None else ("≤" if bound else "") + f"{value * 1000:.2f}"
 
     print(f"{'policy':<13}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'req/s':>8}{'out tok/s':>10}"
-          f"{'ovh p50 ms':>11}{'ovh p99 ms':>11}{'cached':>8}  decisions")
+          f"{'ovh p50 ms':>11}{'ovh p99 ms':>11}{'CPU ms/req':>11}{'cached':>8}  decisions")
     for r in rows:
         cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
         print(f"{r['policy']:<13}{ms(r['ttft_p50']):>12}{ms(r['ttft_p99']):>12}{r['rps']:>8.2f}{r['out_tps']:>10.1f}"
-              f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}{cached:>8}  {r['decisions']}")
+              f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}{ms(r['cpu_per_request']):>11}"
+              f"{cached:>8}  {r['decisions']}")
     by_policy = {r["policy"]: r for r in rows}
     baseline = by_policy.get("round_robin")
     if baseline:
