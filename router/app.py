@@ -2,7 +2,7 @@
 ``/metrics``, and the start/stop of discovery, pollers and client sessions.
 
 aiohttp serves and proxies on one event loop without an ASGI layer in between, which keeps the routing
-overhead (arrival → upstream headers sent) to the work routing itself needs.
+overhead (arrival → upstream request written) to the work routing itself needs.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -48,21 +47,18 @@ ATTEMPTS = 2  # the first try and one retry elsewhere
 Choose = Callable[[list[Replica]], tuple[Replica, Decision | None]]
 
 
-@dataclass(frozen=True)
-class Discovery:
-    """Where the app gets replicas: a static list, or EndpointSlices through ``slice_api``."""
-
-    static: tuple[str, ...] = ()
-    slice_api: Callable[[], SliceApi] | None = None
-
-
 class RouterApp:
-    def __init__(self, config: RouterConfig, profiler: RequestProfiler | None, discovery: Discovery) -> None:
+    def __init__(self, config: RouterConfig, profiler: RequestProfiler | None,
+                 slice_api: Callable[[], SliceApi] | None = None) -> None:
+        """``profiler`` derives prompts (None: route without locality, as the baselines do); ``slice_api``
+        makes the EndpointSlice client when ``config.discovery`` names a Service."""
+        if config.discovery.endpointslice_service and slice_api is None:
+            raise ValueError("EndpointSlice discovery needs a slice_api")
         self.config = config
         self.metrics = RouterMetrics(config.policy)
         self.picker = ReplicaPicker(config.policy, config.weights, config.prefill_rate_prior)
         self._profiler = profiler
-        self._discovery = discovery
+        self._slice_api = slice_api
         self.fleet: Fleet | None = None
         self._watcher: EndpointSliceWatcher | None = None
         self._sessions: list[aiohttp.ClientSession] = []
@@ -94,10 +90,11 @@ class RouterApp:
         self._sessions = [proxy_session, poll_session]
         self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics)
         self._forwarder = Forwarder(proxy_session, self.fleet.eject)
-        if self._discovery.slice_api is not None:
-            self._watcher = self._start_watcher(self._discovery.slice_api)
+        if self.config.discovery.endpointslice_service:
+            assert self._slice_api is not None
+            self._watcher = self._start_watcher(self._slice_api)
         else:
-            self.fleet.set_endpoints(Endpoint(url) for url in self._discovery.static)
+            self.fleet.set_endpoints(Endpoint(url) for url in self.config.discovery.replicas)
 
     def _start_watcher(self, slice_api: Callable[[], SliceApi]) -> EndpointSliceWatcher:
         loop, fleet, discovery = asyncio.get_running_loop(), self.fleet, self.config.discovery

@@ -12,7 +12,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from kvpilot.router.app import Discovery, RouterApp
+from kvpilot.router.app import RouterApp
 from kvpilot.router.config import (
     POLICIES,
     ConfigError,
@@ -100,14 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
         # Only cache_aware needs prompts; the baselines route without tokenizing.
         profiler = load_profiler(config.model) if config.policy == "cache_aware" else None
-        discovery = Discovery(static=config.discovery.replicas)
-        if config.discovery.endpointslice_service:
-            discovery = Discovery(slice_api=_kubernetes_api())
+        slice_api = _kubernetes_api() if config.discovery.endpointslice_service else None
     except (ConfigError, ValueError, OSError) as error:
         print(f"kvpilot router: error: {error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = RouterServer(RouterApp(config, profiler, discovery), config.host, config.port)
+    server = RouterServer(RouterApp(config, profiler, slice_api), config.host, config.port)
     try:
         asyncio.run(server.serve_until_signalled())
     except OSError as error:  # e.g. the port is taken

@@ -28,7 +28,7 @@ from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_h
 from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
 from kvpilot.engine.tenancy import tenant_from_headers
 from kvpilot.engine.tokenizer import Tokenizer
-from kvpilot.router.app import Discovery, RouterApp
+from kvpilot.router.app import RouterApp
 from kvpilot.router.config import DiscoveryConfig, PollConfig, RouterConfig, ScoringWeights, UpstreamConfig
 from kvpilot.router.request_profile import RequestProfiler
 from kvpilot.router.server import RouterServer, load_profiler
@@ -256,7 +256,7 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
                               poll=PollConfig(interval_s=poll_interval_s, timeout_s=0.5),
                               upstream=UpstreamConfig(request_timeout_s=request_timeout_s,
                                                       max_body_bytes=max_body_bytes))
-        server = await RouterServer(RouterApp(config, tiny_profiler, Discovery(static=tuple(urls)))).start()
+        server = await RouterServer(RouterApp(config, tiny_profiler)).start()
         started.append(server)
         await wait_for(lambda: len(server.router.fleet.routable()) == (len(urls) if ready is None else ready))
         return server

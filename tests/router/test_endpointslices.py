@@ -98,3 +98,27 @@ def test_watch_applies_changes_and_relists_after_gone_and_errors():
     finally:
         watcher.stop()
     assert not any(t.name == "endpointslices-svc-engines" and t.is_alive() for t in threading.enumerate())
+
+
+async def test_a_router_follows_its_services_slices(fake_engines, tiny_profiler, http, until):
+    from kvpilot.router.app import RouterApp
+    from kvpilot.router.config import DiscoveryConfig, PollConfig, RouterConfig
+    from kvpilot.router.proxy import REPLICA_HEADER
+    from kvpilot.router.server import RouterServer
+
+    first, second = await fake_engines(2)
+    api = FakeSliceApi([slice_(f"s{i}", [endpoint("127.0.0.1")], ports=[{"name": "http", "port": e.port}])
+                        for i, e in enumerate((first, second))])
+    config = RouterConfig(DiscoveryConfig(endpointslice_service="svc-engines", namespace="ns"),
+                          poll=PollConfig(interval_s=0.02))
+    server = await RouterServer(RouterApp(config, tiny_profiler, lambda: api)).start()
+    try:
+        fleet = server.router.fleet
+        await until(lambda: len(fleet.routable()) == 2)
+        assert {r.zone for r in fleet.replicas.values()} == {"zone-a"}
+        api.events.put({"type": "DELETED", "object": slice_("s0", [], version="101")})
+        await until(lambda: list(fleet.replicas) == [second.url])
+        async with http.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as response:
+            assert response.headers[REPLICA_HEADER] == second.url
+    finally:
+        await server.stop()
