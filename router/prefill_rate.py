@@ -7,7 +7,7 @@ Sources, best first:
    request (queued + uncached tokens) over the time to its first byte, smoothed by an EMA. Only requests
    with enough work count, since a short prefill's first byte is mostly fixed latency;
 3. the fleet's mean rate (replicas of one InferenceService share model and hardware), then a prior;
-   both are applied by the fleet, which sees all replicas.
+   both are applied by the picker, which sees all replicas.
 """
 
 from __future__ import annotations
