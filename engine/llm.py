@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.prompt_render import chat_prompt_ids
 from kvpilot.engine.sampling.params import SamplingParams
 
 PromptLike = str | Sequence[int] | dict
@@ -64,8 +65,7 @@ class LLM:
         """Apply the model's chat template (with the generation prompt) and generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.engine.tokenizer
-        prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(c, add_generation_prompt=True),
-                                                   add_special_tokens=False)} for c in conversations]
+        prompts = [{"prompt_token_ids": chat_prompt_ids(tok, c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, order: dict[str, int], use_tqdm: bool) -> list[RequestOutput]:

@@ -17,9 +17,12 @@ class StepBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
-    #: flat-batch row of the last new token of each sequence that samples this step
+    #: flat-batch rows whose logits are computed: the last new token of each sequence that samples this
+    #: step, then the prompt positions of sequences that asked for prompt logprobs
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
+    #: (request, first logits row, number of rows, prompt position of the first row) per prompt-logprob span
+    prompt_spans: list[tuple[Request, int, int, int]]
 
 
 class ModelRunner:
@@ -35,6 +38,8 @@ class ModelRunner:
         starts, seq_lens, query_lens = [0], [], []
         logits_rows: list[int] = []
         sampling: list[Request] = []
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Request, int, int, int]] = []
         num_decodes = 0
         for req, n in scheduled:
             c = req.num_computed_tokens
@@ -47,6 +52,12 @@ class ModelRunner:
             if c + n >= req.num_tokens:
                 logits_rows.append(starts[-1] - 1)
                 sampling.append(req)
+            if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
+                # position p's logits score prompt token p + 1; the last prompt position samples instead
+                last = min(c + n, req.num_prompt_tokens - 1)
+                if last > c:
+                    prompt_spans.append((req, len(prompt_rows), last - c, c))
+                    prompt_rows.extend(range(starts[-2], starts[-2] + last - c))
         dev = self.device
         width = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
@@ -62,12 +73,14 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=lens,
                                  block_tables=block_tables, num_decodes=num_decodes,
                                  query_lens_host=query_lens, seq_lens_host=seq_lens, block_size=self.block_size)
+        prompt_spans = [(r, len(logits_rows) + off, cnt, pos) for r, off, cnt, pos in prompt_spans]
         return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
-                         torch.tensor(logits_rows, dtype=torch.long, device=dev), sampling)
+                         torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev), sampling,
+                         prompt_spans)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Run the forward pass; float32 logits ``[len(batch.sampling_requests), vocab]``."""
+        """Run the forward pass; float32 logits for ``batch.logits_indices`` (sampling rows first)."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta)
-        if not batch.sampling_requests:
+        if not batch.logits_indices.numel():
             return hidden.new_empty((0, self.model.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -6,13 +6,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One entry of a token's logprob report."""
+
+    logprob: float
+    #: 1-based rank of the token in its distribution
+    rank: int
+    #: the token's text (filled by the output processor)
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    #: per generated token: {token_id: logprob} of the top-N (and the sampled token), when requested
-    logprobs: list[dict[int, float]] | None = None
+    #: per generated token: {token_id: Logprob} of the top-N and the sampled token, when requested
+    logprobs: list[dict[int, Logprob]] | None = None
     #: "stop", "length", "abort", "timeout", "error" — None while running
     finish_reason: str | None = None
     #: the stop string or stop token id that ended the sample
@@ -52,7 +63,8 @@ class RequestOutput:
     #: prompt tokens served from the prefix cache
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    #: per prompt token: {token_id: Logprob} (the prompt token and the top-N); None for the first token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

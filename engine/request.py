@@ -126,6 +126,13 @@ class Request:
         self.stop_reason: str | int | None = None
         #: monotonically increasing number for FCFS ties
         self.seq_no = 0
+        #: the user request this sequence belongs to (a ``SequenceGroup``), set by the engine
+        self.group = None
+        #: token sequences ``bad_words`` bans, and the n-gram index ``no_repeat_ngram_size`` consults
+        self.bad_word_ids: list[list[int]] = []
+        self.ngram_index: dict[tuple[int, ...], set[int]] = {}
+        #: the client is not draining its stream: do not schedule decode steps (BACKPRESSURED)
+        self.paused = False
 
     # ---- tokens --------------------------------------------------------------------------------------
     @property
@@ -151,6 +158,28 @@ class Request:
     @property
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def fork(self, child_id: str) -> Request:
+        """A new sequence that continues from this one's tokens and computed KV (parallel samples, beams).
+        It starts in this sequence's state; the KV manager shares the blocks by reference count."""
+        child = Request(child_id, self.prompt_token_ids, self.params, arrival_time=self.times.arrival,
+                        priority=self.priority, cache_salt=self.cache_salt, adapter_id=self.adapter_id,
+                        prompt=self.prompt, eos_token_ids=self.eos_token_ids, deadline=self.deadline)
+        child.output_token_ids = list(self.output_token_ids)
+        child._all_token_ids = list(self._all_token_ids)
+        child.status = self.status
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.times.first_scheduled = self.times.first_scheduled
+        child.times.first_token = self.times.first_token
+        child.times.last_token = self.times.last_token
+        child.times.token_times = list(self.times.token_times)
+        child.seq_no = self.seq_no
+        child.group = self.group
+        child.bad_word_ids = self.bad_word_ids
+        child.ngram_index = {k: set(v) for k, v in self.ngram_index.items()}
+        child.paused = self.paused
+        return child
 
     # ---- state machine -------------------------------------------------------------------------------
     def transition(self, new: RequestStatus) -> None:

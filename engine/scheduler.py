@@ -60,14 +60,19 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------------------
     def reservation_for(self, req: Request) -> int:
-        """Blocks a queued request is promised: its uncached prompt plus the block its first token needs."""
+        """Blocks a queued request is promised: its uncached prompt and first token, plus one block for
+        each further parallel sample (they share the prompt's blocks: M_prompt + n·M_generated)."""
         uncached = req.num_tokens - self.kv.count_prefix_hit_tokens(req)
-        return blocks_for_tokens(uncached + 1, self.block_size)
+        return blocks_for_tokens(uncached + 1, self.block_size) + req.params.num_samples - 1
 
     def add_request(self, req: Request) -> None:
         req.seq_no = next(self._counter)
         self.kv.reserve(req, self.reservation_for(req))
         bisect.insort(self.waiting, req, key=Request.sort_key)
+
+    def add_running(self, req: Request) -> None:
+        """A forked sequence that already holds (shared) blocks joins the running set."""
+        bisect.insort(self.running, req, key=Request.sort_key)
 
     @property
     def num_unfinished(self) -> int:
@@ -84,7 +89,10 @@ class Scheduler:
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req.status is S.BACKPRESSURED or req.request_id in preempted_ids:
+            if req.request_id in preempted_ids or req.status is S.BACKPRESSURED:
+                continue
+            if req.paused and req.status is S.DECODE:
+                req.transition(S.BACKPRESSURED)  # holds its blocks, gets no decode steps until drained
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if n <= 0:
@@ -119,7 +127,8 @@ class Scheduler:
         if not out.preempted and not self.swapped and not static_busy:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
-                hits = self.kv.lookup_prefix(req)
+                # prompt logprobs need every prompt position's logits, so such requests compute it all
+                hits = [] if req.params.prompt_logprobs is not None else self.kv.lookup_prefix(req)
                 remaining = req.num_tokens - len(hits) * self.block_size
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break

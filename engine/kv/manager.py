@@ -68,13 +68,19 @@ class KVCacheManager:
         return len(self.lookup_prefix(req)) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------------------
+    def _needs_copy_on_write(self, req: Request, table: list[int]) -> bool:
+        """The next token goes into a partially filled last block that another sequence also references."""
+        return bool(table) and req.num_computed_tokens % self.block_size != 0 \
+            and req.num_computed_tokens // self.block_size == len(table) - 1 and self.pool.ref_cnt[table[-1]] > 1
+
     def blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens would consume (hits that are now
-        cached-free count too: reviving them takes them out of the free queue)."""
+        cached-free count too: reviving them takes them out of the free queue; a shared partial last
+        block that must be copied before it is written counts one)."""
         table = self.tables.get(req.request_id, [])
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         new = max(0, blocks_for_tokens(total, self.block_size) - len(table) - len(hits))
-        return new + sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        return new + sum(1 for b in hits if self.pool.ref_cnt[b] == 0) + self._needs_copy_on_write(req, table)
 
     def allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
         """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
@@ -82,6 +88,8 @@ class KVCacheManager:
         if self.blocks_to_allocate(req, num_new_tokens, hits) > self.pool.num_free:
             return False
         table = self.tables.setdefault(req.request_id, [])
+        if self._needs_copy_on_write(req, table):
+            self._copy_on_write(table)
         if hits:
             self.pool.touch(list(hits))
             table.extend(hits)
@@ -91,6 +99,24 @@ class KVCacheManager:
         if need > 0:
             table.extend(self.pool.allocate(need))
         return True
+
+    def _copy_on_write(self, table: list[int]) -> None:
+        """Give the table a private copy of its shared last block (seed §4.2: never write a shared block)."""
+        if self.cache is None:
+            raise RuntimeError("copy-on-write needs the KV cache tensors")
+        (private,) = self.pool.allocate(1)
+        self.cache.copy_blocks([table[-1]], [private])
+        self.pool.free([table[-1]])
+        table[-1] = private
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """``child`` shares every block of ``parent`` (reference counts, no copies); the shared partial last
+        block is copied on the first write of either sequence."""
+        table = list(self.tables.get(parent.request_id, []))
+        self.pool.touch(table)
+        self.tables[child.request_id] = table
+        self._num_committed_blocks[child.request_id] = self._num_committed_blocks.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes[: child.num_tokens // self.block_size])
 
     def commit_computed(self, req: Request, num_computed_tokens: int) -> None:
         """Register the blocks that ``num_computed_tokens`` fill completely in the prefix cache."""

@@ -1,62 +1,117 @@
-"""Batched logits → token sampling.
+"""The logits → token pipeline, batched, in one fixed and documented order:
 
-Greedy rows take the argmax (ties → lowest token id, the first maximum). Other rows are scaled by 1/T,
-filtered by top-k (ties broken by lower token id via a stable sort) and top-p (the smallest prefix whose
-mass reaches p; the boundary token stays), then sampled by the exponential race ``argmax(p / E)``,
-E ~ Exp(1), which draws exactly from p. Each seeded request draws its noise from its own generator, so
-its tokens do not depend on what else is in the batch.
+1. constraints: allowed_token_ids → logit_bias (±100) → bad_words → min_tokens → no_repeat_ngram_size
+2. penalties: repetition (prompt + output) → frequency / presence (output)
+3. temperature: T = 0 is a separate greedy branch (argmax of the constrained logits, ties → lowest id);
+   the truncation filters do not apply to it, and nothing is ever divided by zero
+4. truncation on z/T: min_p → top_k → top_p → typical_p (``filters.py``)
+5. sampling by the exponential race ``argmax(p_i / E_i)``, E_i ~ Exp(1), an exact draw from p. A seeded
+   request draws E from its own generator, so its tokens do not depend on what else is in the batch.
+
+Fast paths: an all-greedy batch without constraints, penalties or logprobs is a single argmax; steps
+2–4 run only for the rows whose parameters use them.
+
+Logprobs: ``raw_logprobs`` report the model's own distribution (log-softmax of the raw logits);
+``processed_logprobs`` report the distribution the token was drawn from (after steps 1–4; for greedy rows
+after steps 1–2).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.outputs import Logprob
+from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
+from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    vocab = logits.shape[-1]
-    if top_k is not None:
-        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-    if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # exclusive prefix sum
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    #: logprob of each sampled token under the reported distribution (None where not requested)
+    sampled_logprobs: list[float | None]
+    #: per row: {token_id: Logprob} for the top-N and the sampled token (None where not requested)
+    top_logprobs: list[dict[int, Logprob] | None]
+    #: per row that asked for it (``RowState``-parallel): the whole log-distribution, for beam search
+    full_logprobs: dict[int, torch.Tensor]
+
+
+def top_logprobs_of(logprobs: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
+    """Top-``top_n`` entries of one log-distribution plus ``token``, each with its 1-based rank."""
+    out: dict[int, Logprob] = {}
+    if top_n > 0:
+        values, ids = logprobs.topk(min(top_n, logprobs.shape[-1]))
+        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
+            out[t] = Logprob(v, rank)
+    if token not in out:
+        lp = float(logprobs[token])
+        out[token] = Logprob(lp, int((logprobs > lp).sum()) + 1)
+    return out
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
-        #: draws noise for requests without their own seed
+    def __init__(self, generator: torch.Generator, logprobs_mode: str = "raw_logprobs") -> None:
+        #: draws noise for rows without their own generator
         self.generator = generator
+        self.logprobs_mode = logprobs_mode
 
-    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-        """One token id per row of ``logits`` [N, V] (float32)."""
-        greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        if bool(greedy.all()):
-            return logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params],
-                             device=logits.device, dtype=logits.dtype)
-        scaled = logits / temps.unsqueeze(1)
-        vocab = logits.shape[-1]
-        top_k = top_p = None
-        if any(0 < p.top_k < vocab for p in params):
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=logits.device)
-        if any(p.top_p < 1.0 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=logits.dtype)
-        if top_k is not None or top_p is not None:
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        noise.exponential_(generator=self.generator)
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+    def sample(self, logits: torch.Tensor, states: Sequence[RowState], *, want_sampled_logprob: Sequence[bool] = (),
+               want_full: Sequence[bool] = ()) -> SamplerOutput:
+        """One token per row of ``logits`` [N, V] (float32). ``want_sampled_logprob[i]`` asks for the sampled
+        token's logprob (cumulative scores of parallel samples); ``want_full[i]`` for the whole row."""
+        n = logits.shape[0]
+        want_lp = [st.params.logprobs is not None or (want_sampled_logprob[i] if want_sampled_logprob else False)
+                   for i, st in enumerate(states)]
+        want_full = list(want_full) or [False] * n
+        need_constraints = any(st.params.needs_masks or st.bad_word_ids for st in states)
+        need_penalties = any(st.params.needs_penalties for st in states)
+        greedy = [st.params.is_greedy for st in states]
+        if all(greedy) and not (need_constraints or need_penalties or any(want_lp) or any(want_full)):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n, {})
+
+        raw_lp = logits.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" and any(want_lp) else None
+        proc = logits.clone() if (need_constraints or need_penalties) else logits
+        if need_constraints:
+            apply_constraints(proc, states)
+        if need_penalties:
+            apply_penalties(proc, states)
+
+        tokens = proc.argmax(dim=-1)
+        final = proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
+        sample_rows = [i for i, g in enumerate(greedy) if not g]
+        if sample_rows:
+            idx = torch.tensor(sample_rows, device=logits.device)
+            dev = logits.device
+            pick = [states[i].params for i in sample_rows]
+            scaled = proc.index_select(0, idx) / torch.tensor([p.temperature for p in pick], device=dev).unsqueeze(1)
+            apply_min_p(scaled, torch.tensor([p.min_p for p in pick], device=dev))
+            apply_top_k(scaled, torch.tensor([p.top_k for p in pick], device=dev))
+            apply_top_p(scaled, torch.tensor([p.top_p for p in pick], device=dev))
+            apply_typical_p(scaled, torch.tensor([p.typical_p for p in pick], device=dev))
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            for j, i in enumerate(sample_rows):
+                if states[i].generator is not None:
+                    noise[j].exponential_(generator=states[i].generator)
+            tokens.index_copy_(0, idx, (probs / noise).argmax(dim=-1))
+            if any(want_lp) or any(want_full):
+                final = proc.clone()
+                final.index_copy_(0, idx, scaled)
+        token_list = tokens.tolist()
+
+        sampled_lp: list[float | None] = [None] * n
+        top: list[dict[int, Logprob] | None] = [None] * n
+        full: dict[int, torch.Tensor] = {}
+        proc_lp = final.log_softmax(dim=-1) if (raw_lp is None and any(want_lp)) or any(want_full) else None
+        for i, st in enumerate(states):
+            if want_full[i]:
+                full[i] = proc_lp[i]  # beam search scores the constrained, penalised distribution
+            if want_lp[i]:
+                row = raw_lp[i] if raw_lp is not None else proc_lp[i]
+                sampled_lp[i] = float(row[token_list[i]])
+                if st.params.logprobs is not None:
+                    top[i] = top_logprobs_of(row, token_list[i], st.params.logprobs)
+        return SamplerOutput(token_list, sampled_lp, top, full)

@@ -1,0 +1,122 @@
+"""Hard constraints and penalties, applied in the pipeline's fixed order (see ``sampler.py``):
+
+allowed_token_ids → logit_bias (±100) → bad_words → min_tokens → no_repeat_ngram_size →
+repetition_penalty → frequency/presence penalties.
+
+Masks set logits to -inf (constrained decoding is a mask, seed §3.6). Penalties: repetition is sign-aware
+(z/r if z > 0, z·r if z < 0) over tokens seen in prompt or output; frequency/presence subtract
+``α_f·c_i + α_p·1[c_i > 0]`` with c_i counted over generated tokens. Rows are processed only where their
+parameter is active; penalties use batched count tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpilot.engine.sampling.params import SamplingParams
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class RowState:
+    """What the processors need to know about the sequence behind one row of logits."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: frozenset[int] = frozenset()
+    #: banned token sequences (the tokenized ``bad_words``); a length-1 sequence bans a token everywhere
+    bad_word_ids: Sequence[Sequence[int]] = ()
+    #: (n-1)-gram → next tokens already generated after it, for ``no_repeat_ngram_size``
+    ngram_index: dict[tuple[int, ...], set[int]] = field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+
+def banned_by_bad_words(output: Sequence[int], banned: Sequence[Sequence[int]]) -> set[int]:
+    """Tokens that would complete a banned sequence right now (sequence-aware)."""
+    out: set[int] = set()
+    for seq in banned:
+        k = len(seq)
+        if k == 1 or (len(output) >= k - 1 and list(output[len(output) - (k - 1):]) == list(seq[:-1])):
+            out.add(seq[-1])
+    return out
+
+
+def update_ngram_index(index: dict[tuple[int, ...], set[int]], output: Sequence[int], n: int) -> None:
+    """Record the n-gram that ends at the newest output token (call once per appended token)."""
+    if n >= 1 and len(output) >= n:
+        index.setdefault(tuple(output[len(output) - n:len(output) - 1]), set()).add(output[-1])
+
+
+def banned_by_ngrams(index: dict[tuple[int, ...], set[int]], output: Sequence[int], n: int) -> set[int]:
+    if n < 1 or len(output) < n - 1:
+        return set()
+    return index.get(tuple(output[len(output) - (n - 1):]) if n > 1 else (), set())
+
+
+def _mask(logits: torch.Tensor, row: int, tokens: set[int] | list[int]) -> None:
+    ids = [t for t in tokens if 0 <= t < logits.shape[1]]
+    if ids:
+        logits[row, ids] = NEG_INF
+
+
+def _counts(rows: list[int], id_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[len(rows), vocab] float counts of token ids per row (one batched scatter-add)."""
+    width = max((len(ids) for ids in id_lists), default=0)
+    padded = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long, device=device)
+    for i, ids in enumerate(id_lists):
+        if ids:
+            padded[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long, device=device)
+    counts = torch.zeros(len(rows), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab]
+
+
+def apply_constraints(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
+    """Masks and biases, in order, in place on ``logits`` [N, V]."""
+    vocab = logits.shape[1]
+    for i, st in enumerate(states):
+        p = st.params
+        if p.allowed_token_ids is not None:
+            allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            allowed[[t for t in p.allowed_token_ids if t < vocab]] = True
+            logits[i].masked_fill_(~allowed, NEG_INF)
+        if p.logit_bias:
+            bias = p.clamped_logit_bias
+            ids = [t for t in bias if t < vocab]
+            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+        if st.bad_word_ids:
+            _mask(logits, i, banned_by_bad_words(st.output_token_ids, st.bad_word_ids))
+        if len(st.output_token_ids) < p.min_tokens:
+            _mask(logits, i, set(st.eos_token_ids) | set(p.stop_token_ids))
+        if p.no_repeat_ngram_size:
+            _mask(logits, i, banned_by_ngrams(st.ngram_index, st.output_token_ids, p.no_repeat_ngram_size))
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
+    """Repetition (prompt + output) then frequency/presence (output), batched over the rows that use them."""
+    vocab, dev = logits.shape[1], logits.device
+    rep_rows = [i for i, st in enumerate(states) if st.params.repetition_penalty != 1.0]
+    if rep_rows:
+        seen = _counts(rep_rows, [list(states[i].prompt_token_ids) + list(states[i].output_token_ids)
+                                  for i in rep_rows], vocab, dev) > 0
+        r = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], device=dev).unsqueeze(1)
+        idx = torch.tensor(rep_rows, device=dev)
+        z = logits.index_select(0, idx)
+        penalised = torch.where(z > 0, z / r, z * r)
+        logits.index_copy_(0, idx, torch.where(seen, penalised, z))
+    fp_rows = [i for i, st in enumerate(states)
+               if st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0]
+    if fp_rows:
+        counts = _counts(fp_rows, [states[i].output_token_ids for i in fp_rows], vocab, dev)
+        freq = torch.tensor([states[i].params.frequency_penalty for i in fp_rows], device=dev).unsqueeze(1)
+        pres = torch.tensor([states[i].params.presence_penalty for i in fp_rows], device=dev).unsqueeze(1)
+        idx = torch.tensor(fp_rows, device=dev)
+        z = logits.index_select(0, idx)
+        logits.index_copy_(0, idx, z - freq * counts - pres * (counts > 0).to(z.dtype))
+    return logits

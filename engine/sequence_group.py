@@ -1,0 +1,134 @@
+"""A user request and its sequences: one for plain sampling, ``best_of`` parallel samples, or the beams of
+a beam search. Samples share the prompt's KV blocks by reference count (forked after the prompt's
+prefill); each keeps its own detokenizer, stop-string buffer and logprobs. The group builds the
+``RequestOutput`` the caller sees (cumulative, stop-safe text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.engine.beam_search import BeamSearch
+from kvpilot.engine.detokenizer import IncrementalDetokenizer, StopStringBuffer
+from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpilot.engine.request import FinishReason, Request
+from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.tokenizer import Tokenizer
+
+
+@dataclass
+class SampleState:
+    """Output-side state of one sequence."""
+
+    index: int
+    seq: Request
+    detok: IncrementalDetokenizer | None
+    stops: StopStringBuffer
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    #: tokens whose text has been released (all of it, not held back)
+    num_emitted: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def text(self) -> str:
+        return self.stops.released
+
+
+@dataclass
+class SequenceGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tokenizer: Tokenizer
+    samples: list[SampleState] = field(default_factory=list)
+    beam: BeamSearch | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished: bool = False
+    #: terminal status of the whole request once ``finished``
+    status: str | None = None
+
+    @property
+    def primary(self) -> Request:
+        return self.samples[0].seq
+
+    def new_sample(self, seq: Request, index: int) -> SampleState:
+        p = self.params
+        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.skip_special_tokens) \
+            if p.detokenize and self.beam is None else None
+        state = SampleState(index, seq, detok, StopStringBuffer(p.stop, p.include_stop_str_in_output),
+                            logprobs=[] if p.logprobs is not None else None)
+        self.samples.append(state)
+        return state
+
+    def sample_of(self, seq: Request) -> SampleState:
+        for s in self.samples:
+            if s.seq is seq:
+                return s
+        raise KeyError(seq.request_id)
+
+    def live_samples(self) -> list[SampleState]:
+        return [s for s in self.samples if s.finish_reason is None]
+
+    # ---- per token -------------------------------------------------------------------------------------
+    def on_token(self, sample: SampleState, token: int, logprob: float | None,
+                 top: dict[int, Logprob] | None) -> str | None:
+        """Record a generated token; returns a matched stop string, if the text now contains one."""
+        if logprob is not None:
+            sample.cumulative_logprob += logprob
+        if sample.logprobs is not None and top is not None:
+            for tok, lp in top.items():
+                lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+            sample.logprobs.append(top)
+        if sample.detok is None:
+            sample.num_emitted += 1
+            return None
+        matched = sample.stops.push(sample.detok.push(token))
+        if not sample.stops.pending and matched is None:
+            sample.num_emitted = sample.seq.num_output_tokens
+        return matched
+
+    def on_finish(self, sample: SampleState, reason: FinishReason, stop_reason: str | int | None) -> None:
+        sample.finish_reason = reason
+        sample.stop_reason = stop_reason
+        if sample.detok is not None and sample.stops.matched is None:
+            sample.stops.push(sample.detok.flush())
+            sample.stops.flush()
+        sample.num_emitted = sample.seq.num_output_tokens
+
+    # ---- outputs ---------------------------------------------------------------------------------------
+    def completions(self) -> list[CompletionOutput]:
+        """The ``n`` outputs: every sample, or for ``best_of``/beam search the best ``n`` when finished."""
+        n = self.params.n
+        if self.beam is not None:
+            return self.beam.completions(n, self.tokenizer, self.params) if self.finished else []
+        samples = self.samples
+        if len(samples) > n:
+            if not self.finished:
+                return []
+            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
+        return [CompletionOutput(index=i, text=s.text, token_ids=list(s.seq.output_token_ids),
+                                 cumulative_logprob=s.cumulative_logprob if self.wants_scores else None,
+                                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                                 finish_reason=s.finish_reason.value if s.finish_reason else None,
+                                 stop_reason=s.stop_reason)
+                for i, s in enumerate(samples)]
+
+    @property
+    def wants_scores(self) -> bool:
+        p = self.params
+        return p.logprobs is not None or p.num_samples > p.n
+
+    def make_output(self, num_cached_tokens: int) -> RequestOutput:
+        t = self.primary.times
+        last = max((s.seq.times.last_token or 0.0 for s in self.samples), default=0.0) or None
+        metrics = RequestMetrics(arrival_time=t.arrival, first_scheduled_time=t.first_scheduled,
+                                 first_token_time=t.first_token, last_token_time=last,
+                                 finished_time=max((s.seq.times.finished or 0.0 for s in self.samples),
+                                                   default=0.0) or None)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             outputs=self.completions(), finished=self.finished,
+                             num_cached_tokens=num_cached_tokens, metrics=metrics,
+                             prompt_logprobs=self.prompt_logprobs)

@@ -1,0 +1,202 @@
+"""The second half of an engine tick, as a mixin of ``LLMEngine``: logits → tokens → outputs.
+
+- parallel samples: when a request with ``best_of``/``n`` > 1 finishes its prompt, the one logits row is
+  sampled once per sample; samples 1.. are forked sequences sharing the prompt's KV blocks by reference
+  count (copy-on-write of the shared partial block on first write): KV grows as M_prompt + n·M_generated.
+- beams: each live beam reports its log-distribution; when all have, the beam search selects, forks the
+  beams that continue with several tokens and releases those that continue with none.
+- per token: detokenize incrementally, hold back possible stop strings, check EOS / stop tokens / stop
+  strings / max_tokens / context limit, release a finished sequence's blocks at once.
+- ``_reclaim`` is the one routine every terminal state of a request goes through: idempotent, releases
+  blocks by reference count, rolls back a queued reservation, frees the batch slot, writes exactly one
+  terminal record.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvpilot.engine.outputs import Logprob, RequestOutput, TerminalRecord
+from kvpilot.engine.request import FinishReason, Request, RequestStatus
+from kvpilot.engine.sampling.logits_processors import RowState, update_ngram_index
+from kvpilot.engine.sampling.sampler import top_logprobs_of
+from kvpilot.engine.sequence_group import SequenceGroup
+
+S = RequestStatus
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a seeded request draws from seed + i·stride (mod 2^63)
+
+
+class StepOutputs:
+    # ---- prompt logprobs -----------------------------------------------------------------------------
+    def _record_prompt_logprobs(self, batch, logits: torch.Tensor) -> None:
+        for seq, first_row, count, first_pos in batch.prompt_spans:
+            group = seq.group
+            lp = logits[first_row:first_row + count].log_softmax(dim=-1)
+            for i in range(count):
+                pos = first_pos + i + 1  # the prompt token these logits score
+                group.prompt_logprobs[pos] = self._decoded(
+                    top_logprobs_of(lp[i], seq.prompt_token_ids[pos], seq.params.prompt_logprobs))
+
+    def _decoded(self, entries: dict[int, Logprob]) -> dict[int, Logprob]:
+        for tok, lp in entries.items():
+            lp.decoded_token = self.tokenizer.decode([tok], skip_special_tokens=False)
+        return entries
+
+    # ---- sampling ------------------------------------------------------------------------------------
+    def _sample(self, seqs: list[Request], logits: torch.Tensor) -> None:
+        rows: list[tuple[Request, str]] = []  # (sequence, kind: sample | beam)
+        sources: list[int] = []
+        for src, seq in enumerate(seqs):
+            group: SequenceGroup = seq.group
+            if group.beam is not None:
+                rows.append((seq, "beam"))
+                sources.append(src)
+            elif seq.num_output_tokens == 0 and len(group.samples) == 1 and group.params.num_samples > 1:
+                rows.append((seq, "sample"))
+                sources.append(src)
+                for i in range(1, group.params.num_samples):  # fork before any token is appended
+                    rows.append((self._fork(seq, f"{group.request_id}#{i}", i), "sample"))
+                    sources.append(src)
+            else:
+                rows.append((seq, "sample"))
+                sources.append(src)
+        row_logits = logits if len(sources) == len(seqs) else logits.index_select(0, torch.tensor(sources))
+        states = [RowState(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.bad_word_ids,
+                           s.ngram_index, self._generators.get(s.request_id)) for s, _ in rows]
+        res = self.sampler.sample(row_logits, states,
+                                  want_sampled_logprob=[s.group.wants_scores for s, _ in rows],
+                                  want_full=[kind == "beam" for _, kind in rows])
+        now = time.monotonic()
+        beams_ready: list[SequenceGroup] = []
+        for i, (seq, kind) in enumerate(rows):
+            if kind == "beam":
+                if seq.group.beam.report(seq.request_id, res.full_logprobs[i]):
+                    beams_ready.append(seq.group)
+            else:
+                self._append(seq, res.token_ids[i], now, res.sampled_logprobs[i], res.top_logprobs[i])
+        for group in beams_ready:
+            self._beam_step(group, now)
+
+    def _fork(self, parent: Request, child_id: str, sample_index: int) -> Request:
+        child = parent.fork(child_id)
+        self.kv.fork(parent, child)
+        seed = parent.params.seed
+        if seed is not None:
+            gen_seed = (seed + sample_index * _SEED_STRIDE) % (1 << 63)
+            self._generators[child_id] = torch.Generator(device=self.device).manual_seed(gen_seed)
+        self.requests[child_id] = child
+        self.scheduler.add_running(child)
+        parent.group.new_sample(child, len(parent.group.samples))
+        return child
+
+    # ---- per token -----------------------------------------------------------------------------------
+    def _append(self, seq: Request, token: int, now: float, logprob: float | None,
+                top: dict[int, Logprob] | None) -> None:
+        seq.append_output_token(token)
+        self.stats.generation_tokens += 1
+        times = seq.times
+        if times.first_token is None:
+            times.first_token = now
+        times.last_token = now
+        times.token_times.append(now)
+        if seq.status in (S.PREFILL, S.RUNNABLE):
+            seq.transition(S.DECODE)
+        if seq.params.no_repeat_ngram_size:
+            update_ngram_index(seq.ngram_index, seq.output_token_ids, seq.params.no_repeat_ngram_size)
+        group: SequenceGroup = seq.group
+        self._pending_outputs[group.request_id] = group
+        if group.beam is not None:
+            return
+        sample = group.sample_of(seq)
+        matched = group.on_token(sample, token, logprob, top)
+        reason, stop_reason = self._stop_reason(seq, token, matched)
+        if reason is not None:
+            group.on_finish(sample, reason, stop_reason)
+            self._release(seq, S.FINISHED, reason)
+            if not group.live_samples():
+                self._reclaim(group, S.FINISHED, reason)
+
+    def _stop_reason(self, seq: Request, token: int, matched: str | None) -> tuple[FinishReason | None, str | int | None]:
+        p = seq.params
+        if matched is not None:
+            return FinishReason.STOP, matched
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in seq.eos_token_ids:
+                return FinishReason.STOP, None
+            if token in p.stop_token_ids:
+                return FinishReason.STOP, token
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # ---- beams ---------------------------------------------------------------------------------------
+    def _beam_step(self, group: SequenceGroup, now: float) -> None:
+        beam = group.beam
+        step = beam.select()
+        for key in step.drop:
+            self._release(self.requests[key], S.FINISHED, FinishReason.STOP)
+        targets: list[tuple[Request, int, float]] = []
+        used: set[str] = set()
+        for c in step.continue_with:  # fork duplicates first, while every parent still has its old tokens
+            parent = self.requests[c.parent]
+            seq = parent if c.parent not in used else self._fork(parent, f"{group.request_id}#b{len(group.samples)}",
+                                                                 len(group.samples))
+            used.add(c.parent)
+            targets.append((seq, c.token, c.cum_logprob))
+        for seq, token, _ in targets:
+            self._append(seq, token, now, None, None)
+        beam.rekey({seq.request_id: (list(seq.output_token_ids), cum) for seq, _, cum in targets})
+        if step.done:
+            for seq, _, _ in targets:
+                self._release(seq, S.FINISHED, FinishReason.STOP)
+            self._reclaim(group, S.FINISHED, FinishReason.STOP)
+
+    # ---- release and reclaim -------------------------------------------------------------------------
+    def _release(self, seq: Request, status: RequestStatus, reason: FinishReason) -> None:
+        """Free one sequence's resources (blocks by reference count, reservation, batch slot)."""
+        if seq.is_finished:
+            return
+        seq.transition(status)
+        seq.finish_reason = reason
+        seq.times.finished = time.monotonic()
+        self.scheduler.remove(seq)
+        self.kv.forget(seq)
+        self._generators.pop(seq.request_id, None)
+        self.requests.pop(seq.request_id, None)
+
+    def _reclaim(self, group: SequenceGroup, status: RequestStatus, reason: FinishReason) -> bool:
+        """The single terminal routine of a request. Idempotent: a second call (a cancel racing a timeout,
+        a cancel after completion) changes nothing and returns False."""
+        if group.finished:
+            return False
+        for sample in group.live_samples():
+            group.on_finish(sample, reason, None)
+            self._release(sample.seq, status, reason)
+        for sample in group.samples:  # beams pruned earlier still hold nothing; make sure
+            self._release(sample.seq, status, reason)
+        group.finished = True
+        group.status = status.value
+        self.groups.pop(group.request_id, None)
+        self.stats.finished[reason.value] += 1
+        generated = sum(s.seq.num_output_tokens for s in group.samples)
+        completions = group.completions()
+        committed = sum(len(c.token_ids) for c in completions)
+        primary = group.primary
+        self.terminal_records.append(TerminalRecord(
+            request_id=group.request_id, status=status.value, finish_reason=reason.value, num_generated=generated,
+            num_emitted=sum(s.num_emitted for s in group.samples), num_committed=committed,
+            num_prompt_tokens=primary.num_prompt_tokens, num_cached_tokens=primary.num_cached_tokens,
+            num_preemptions=sum(s.seq.num_preemptions for s in group.samples),
+            timings={"arrival": primary.times.arrival, "first_scheduled": primary.times.first_scheduled,
+                     "first_token": primary.times.first_token, "finished": time.monotonic()}))
+        self._pending_outputs[group.request_id] = group
+        return True
+
+    def _drain_outputs(self) -> list[RequestOutput]:
+        outs = [g.make_output(g.primary.num_cached_tokens) for g in self._pending_outputs.values()]
+        self._pending_outputs = {}
+        return outs

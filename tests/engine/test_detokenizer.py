@@ -1,0 +1,67 @@
+"""Incremental detokenization (multi-byte UTF-8) and stop strings in streams (seed §3.7, [D03])."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStringBuffer
+from kvpilot.engine.tokenizer import Tokenizer
+
+TEXTS = ["héllo wörld", "日本語のテキスト", "emoji 🚀🎉 mixed ✓", "plain ascii text, with punctuation!",
+         "Ωmega → ∞ and ½"]
+
+
+@pytest.fixture(scope="module")
+def tiny_tok(tiny_model_dir):
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_never_shows_a_replacement_character_the_text_lacks(tiny_tok, text):
+    ids = tiny_tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text) // 2  # byte-level pieces: multi-byte characters span several tokens
+    detok = IncrementalDetokenizer(tiny_tok, tiny_tok.encode("prompt: ", add_special_tokens=False))
+    deltas = [detok.push(t) for t in ids]
+    deltas.append(detok.flush())
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == text
+    assert sum(1 for d in deltas if d) < len(ids) or len(text.encode()) == len(text)  # some tokens waited
+
+
+def test_incomplete_character_at_the_end_is_flushed_as_decoded(tiny_tok):
+    ids = tiny_tok.encode("ok 日", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tiny_tok, [])
+    text = "".join(detok.push(t) for t in ids[:-1])
+    assert text == "ok "  # the CJK character's first bytes are held
+    # the sequence really ends mid-character: flushing yields what a full decode of it shows
+    assert detok.flush() == tiny_tok.decode(ids[:-1])[len("ok "):] == REPLACEMENT
+
+
+def test_special_tokens_are_skipped_unless_asked(tiny_tok):
+    ids = tiny_tok.encode("hi<|im_end|>", add_special_tokens=False)
+    assert "".join(IncrementalDetokenizer(tiny_tok, [], True).push(t) for t in ids) == "hi"
+    assert "".join(IncrementalDetokenizer(tiny_tok, [], False).push(t) for t in ids) == "hi<|im_end|>"
+
+
+def test_stop_string_split_across_three_chunks_is_caught_without_leaking():
+    buf = StopStringBuffer(["STOP"])
+    shown = []
+    for chunk in ["ab", "cS", "TO", "P!"]:
+        buf.push(chunk)
+        shown.append(buf.released)
+    assert shown == ["ab", "abc", "abc", "abc"]
+    assert buf.matched == "STOP" and buf.flush() == "abc"
+
+
+def test_no_match_is_fully_recovered_by_flush():
+    buf = StopStringBuffer(["STOP", "END"])
+    for chunk in ["xS", "T", "Ox", "E", "N"]:
+        buf.push(chunk)
+        assert not buf.released.endswith(("S", "ST", "E", "EN"))  # possible starts are held back
+    assert buf.flush() == "xSTOxEN"
+
+
+def test_include_stop_string_and_earliest_match_wins():
+    buf = StopStringBuffer(["world", "lo w"], include_stop=True)
+    buf.push("hello world")
+    assert buf.matched == "lo w" and buf.released == "hello w"

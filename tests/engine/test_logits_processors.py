@@ -1,0 +1,106 @@
+"""Constraints and penalties with exact values (seed §3.4, §3.6), and the logprobs modes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvpilot.engine.sampling.logits_processors import (
+    RowState,
+    apply_constraints,
+    apply_penalties,
+    banned_by_bad_words,
+    banned_by_ngrams,
+    update_ngram_index,
+)
+from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sampling.sampler import Sampler
+
+NEG = float("-inf")
+
+
+def state(prompt=(), output=(), eos=frozenset({0}), bad=(), **kw) -> RowState:
+    st = RowState(SamplingParams(**kw), list(prompt), list(output), eos, [list(b) for b in bad], {})
+    for i in range(1, len(output) + 1):
+        update_ngram_index(st.ngram_index, list(output[:i]), st.params.no_repeat_ngram_size)
+    return st
+
+
+def test_repetition_penalty_is_sign_aware_over_prompt_and_output():
+    z = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
+    out = apply_penalties(z.clone(), [state(prompt=[0, 1], output=[4], repetition_penalty=2.0)])
+    assert out.tolist() == [[1.0, -4.0, 2.0, -2.0, 0.5]]  # z/r if z>0, z·r if z<0, unseen untouched
+
+
+def test_frequency_and_presence_count_generated_tokens_only():
+    z = torch.zeros(1, 4)
+    st = state(prompt=[3, 3, 3], output=[1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(z.clone(), [st])
+    assert out.tolist() == [[0.0, -1.25, -0.75, 0.0]]  # token 3 appears only in the prompt
+
+
+def test_logit_bias_is_clamped_to_100_and_allowed_ids_mask_first():
+    z = torch.zeros(1, 5)
+    out = apply_constraints(z.clone(), [state(logit_bias={1: 250.0, 2: -3.0})])
+    assert out.tolist() == [[0.0, 100.0, -3.0, 0.0, 0.0]]
+    out = apply_constraints(z.clone(), [state(allowed_token_ids=[1, 3], logit_bias={0: 5.0, 3: 1.0})])
+    assert out.tolist() == [[NEG, 0.0, NEG, 1.0, NEG]]  # bias cannot revive a disallowed token
+
+
+def test_bad_words_mask_only_the_token_that_would_complete_a_banned_sequence():
+    banned = [[5, 6, 7], [9]]
+    assert banned_by_bad_words([1, 5, 6], banned) == {7, 9}
+    assert banned_by_bad_words([1, 5], banned) == {9}  # 7 is fine: the sequence is not at its end
+    assert banned_by_bad_words([], banned) == {9}
+    out = apply_constraints(torch.zeros(1, 10), [state(output=[5, 6], bad=banned)])
+    assert support_of(out) == set(range(10)) - {7, 9}
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    z = torch.zeros(1, 6)
+    before = apply_constraints(z.clone(), [state(output=[4], eos=frozenset({0}), min_tokens=2, stop_token_ids=[3])])
+    assert support_of(before) == {1, 2, 4, 5}
+    after = apply_constraints(z.clone(), [state(output=[4, 4], eos=frozenset({0}), min_tokens=2, stop_token_ids=[3])])
+    assert support_of(after) == set(range(6))
+
+
+def test_no_repeat_ngram_bans_completions_of_seen_ngrams():
+    st = state(output=[1, 2, 3, 1, 2], no_repeat_ngram_size=3)
+    assert banned_by_ngrams(st.ngram_index, st.output_token_ids, 3) == {3}  # "1 2 3" already generated
+    out = apply_constraints(torch.zeros(1, 5), [st])
+    assert support_of(out) == {0, 1, 2, 4}
+    st2 = state(output=[4, 4], no_repeat_ngram_size=1)  # unigram: every generated token is banned
+    assert support_of(apply_constraints(torch.zeros(1, 6), [st2])) == {0, 1, 2, 3, 5}
+
+
+def support_of(t: torch.Tensor) -> set[int]:
+    return set(torch.isfinite(t[0]).nonzero(as_tuple=True)[0].tolist())
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_modes_report_raw_or_the_sampled_distribution(mode):
+    z = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=0.5, top_k=2, logprobs=4, seed=1)
+    out = Sampler(torch.Generator().manual_seed(0), mode).sample(z, [RowState(params, [], [])])
+    tok = out.token_ids[0]
+    assert tok in (0, 1)
+    top = out.top_logprobs[0]
+    if mode == "raw_logprobs":
+        expected = torch.log_softmax(z[0], -1)
+        assert [round(top[t].logprob, 5) for t in range(4)] == [round(v, 5) for v in expected.tolist()]
+    else:  # after T = 0.5 and top-k 2: two tokens with p ∝ e^6, e^4; the rest impossible
+        p0 = 1 / (1 + math.exp(-2.0))
+        assert top[0].logprob == pytest.approx(math.log(p0), abs=1e-5)
+        assert top[1].logprob == pytest.approx(math.log(1 - p0), abs=1e-5)
+        assert top[2].logprob == NEG and top[3].logprob == NEG
+    assert top[0].rank == 1 and top[1].rank == 2
+    assert out.sampled_logprobs[0] == top[tok].logprob
+
+
+def test_all_greedy_fast_path_matches_the_full_pipeline():
+    z = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
+    fast = Sampler(torch.Generator()).sample(z, [RowState(SamplingParams(temperature=0), [], [])] * 6)
+    full = Sampler(torch.Generator()).sample(z, [RowState(SamplingParams(temperature=0, logprobs=0), [], [])] * 6)
+    assert fast.token_ids == full.token_ids == z.argmax(-1).tolist()

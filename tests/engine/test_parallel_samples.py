@@ -1,0 +1,91 @@
+"""n > 1 / best_of share the prompt's KV blocks by reference count with copy-on-write of the shared
+partial block (seed §3.6: M_KV ≈ M_prompt + n·M_generated), and beam search on the same blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from kvpilot.engine import LLM, SamplingParams
+
+PROMPT = list(range(40, 50))  # 10 tokens: with block size 4, two full blocks and a partial one
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny-random", num_kv_blocks=64, block_size=4)
+
+
+def test_samples_share_prompt_blocks_and_copy_the_partial_block_on_write(llm):
+    engine = llm.engine
+    engine.add_request("par", PROMPT, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True))
+    engine.step()  # prefill + first token of each sample (samples 1, 2 forked from the prompt)
+    seqs = [s.seq for s in engine.groups["par"].samples]
+    tables = [engine.kv.block_table(s) for s in seqs]
+    assert len(seqs) == 3 and tables[0] == tables[1] == tables[2] and len(tables[0]) == 3
+    assert [engine.pool.ref_cnt[b] for b in tables[0]] == [3, 3, 3]
+    assert engine.pool.num_in_use == 3
+    engine.check_invariants()
+    engine.step()  # each sample writes position 10 into the shared partial block: two copy it
+    tables = [engine.kv.block_table(s) for s in seqs]
+    assert [t[:2] for t in tables] == [tables[0][:2]] * 3  # the full prompt blocks stay shared
+    assert len({t[2] for t in tables}) == 3  # three private last blocks
+    assert engine.pool.num_in_use == 2 + 3  # M_prompt (2 full blocks) + n × 1
+    for _ in range(3):
+        engine.step()
+    engine.check_invariants()
+    # 15 tokens each = 4 blocks; shared: 2 + 3 × 2 = 8 (vs 12 without sharing)
+    assert [s.num_tokens for s in seqs] == [15, 15, 15]
+    assert engine.pool.num_in_use == 8
+    out = engine.step()[0]
+    assert out.finished and [len(c.token_ids) for c in out.outputs] == [6, 6, 6]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3  # independent samples
+    assert engine.pool.num_in_use == 0
+    assert [r.request_id for r in engine.terminal_records] == ["par"]
+
+
+def test_seeded_parallel_samples_are_reproducible(llm):
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
+    a = [c.token_ids for c in llm.generate([PROMPT], p)[0].outputs]
+    b = [c.token_ids for c in llm.generate([PROMPT, list(range(60, 80))], [p, SamplingParams(max_tokens=3)])[0].outputs]
+    assert a == b
+    single = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=5, max_tokens=5, ignore_eos=True))[0]
+    assert single.outputs[0].token_ids == a[0]  # sample 0 draws from the request's own seed
+
+
+def test_best_of_returns_the_n_most_likely_samples(llm):
+    out = llm.generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=4,
+                                                 ignore_eos=True))[0]
+    assert len(out.outputs) == 2
+    scores = [c.cumulative_logprob for c in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    record = llm.engine.terminal_records[-1]
+    assert record.num_generated == 5 * 4 and record.num_committed == 2 * 4
+
+
+def reference_beam_search(hf, prompt: list[int], width: int, steps: int, length_penalty: float) -> list[list[int]]:
+    """Same rules as the engine (2W candidates per beam, ranking by cumulative logprob, ties by beam then
+    token id), computed with full HF forwards."""
+    beams = [([], 0.0)]
+    for _ in range(steps):
+        cands = []
+        for order, (toks, cum) in enumerate(beams):
+            with torch.no_grad():
+                lp = hf(torch.tensor([prompt + toks])).logits[0, -1].log_softmax(-1)
+            values, ids = lp.topk(2 * width)
+            cands += [(cum + v, order, t, toks) for v, t in zip(values.tolist(), ids.tolist(), strict=True)]
+        cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+        beams = [([*toks, t], score) for score, _, t, toks in cands[:width]]
+    ranked = sorted(beams, key=lambda b: -b[1] / len(b[0]) ** length_penalty)
+    return [toks for toks, _ in ranked]
+
+
+def test_beam_search_matches_a_reference_and_frees_every_block(llm, tiny_model_dir):
+    hf = HFLlama.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
+    params = SamplingParams(use_beam_search=True, beam_width=3, n=3, max_tokens=5, ignore_eos=True)
+    out = llm.generate([PROMPT], params)[0]
+    expected = reference_beam_search(hf, PROMPT, 3, 5, 1.0)
+    assert [c.token_ids for c in out.outputs] == expected
+    llm.engine.check_invariants()
+    assert llm.engine.pool.num_in_use == 0
