@@ -130,6 +130,18 @@ class LLMEngine(StepOutputs):
         self.scheduler.add_request(seq)
         return group
 
+    def admission_cost(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+        """KV blocks admitting this request would reserve: its uncached prompt (after a prefix lookup) and
+        the first block of each sample — the exact phase of two-phase admission (seed §1.2)."""
+        probe = Request("admission-probe", token_ids, params, cache_salt=cache_salt)
+        cost = self.scheduler.reservation_for(probe)
+        self.kv.forget(probe)  # drop the probe's cached extra-keys entry
+        return cost
+
+    def admission_headroom(self) -> int:
+        """Blocks not yet promised to queued requests (free blocks minus outstanding reservations)."""
+        return self.kv.admission_headroom()
+
     def abort_request(self, request_id: str, status: RequestStatus = S.CANCELLED) -> bool:
         """Cancel / time out / fail a live request. Idempotent: False when it had already ended."""
         group = self.groups.get(request_id)
