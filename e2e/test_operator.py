@@ -23,7 +23,7 @@ def status_of(cluster: HarnessCluster, namespace: str, name: str) -> dict:
     return (cluster.get(ISVC, namespace, name) or {}).get("status", {})
 
 
-def wait_phase(cluster: HarnessCluster, namespace: str, name: str, phase: str, timeout: float = 20) -> dict:
+def wait_phase(cluster: HarnessCluster, namespace: str, name: str, phase: str, timeout: float = 60) -> dict:
     return cluster.wait_for(f"phase {phase}",
                             lambda: (s := status_of(cluster, namespace, name)).get("phase") == phase and s,
                             timeout=timeout)
@@ -53,8 +53,8 @@ def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namesp
     assert deployment["spec"]["replicas"] == 3
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
     assert engine["args"][:6] == ["--model", "smollm2-135m", "--port", "8000", "--served-model-name", "smol"]
-    assert router["args"] == ["--port", "8080", "--endpointslices", "smol-engines", "--namespace", namespace,
-                              "--policy", "cache_aware"]
+    assert router["args"] == ["--model", "smollm2-135m", "--port", "8080", "--endpointslices", "smol-engines",
+                              "--namespace", namespace, "--policy", "cache_aware"]
     assert cluster.get("policy/v1/poddisruptionbudgets", namespace, "smol")["spec"]["maxUnavailable"] == 1
 
     table = kubectl("get", "kvis", "-n", namespace).stdout.splitlines()

@@ -22,7 +22,6 @@ OPERATOR_OWNED_FLAGS = (
     "(no-)?enable-chunked-prefill",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
-WEIGHT_NAME_PATTERN = "^[a-z][a-z0-9_]*$"
 
 
 @dataclass(frozen=True)
@@ -90,12 +89,6 @@ RULES: tuple[CrossFieldRule, ...] = (
                 "less than resources.memory",
         holds=lambda s: s["resources"]["gpus"] > 0
         or _quantity_less(s["engine"]["kvCacheMemory"], s["resources"]["memory"]),
-    ),
-    CrossFieldRule(
-        node=("spec", "router"), field="weights",
-        cel=f"!has(self.weights) || self.weights.all(k, k.matches('{WEIGHT_NAME_PATTERN}'))",
-        message="router.weights keys are lower_snake_case names",
-        holds=lambda r: all(re.match(WEIGHT_NAME_PATTERN, key) for key in r.get("weights", {})),
     ),
 )
 

@@ -7,9 +7,14 @@ here; cross-field rules live in ``crd_rules.py`` and are attached below as ``x-k
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from kvpilot.operator.crd_rules import rules_for
+from kvpilot.router.config import POLICIES, ScoringWeights
+
+#: the router's cost-term knobs, straight from its config (one source of truth for the CRD and the router)
+ROUTER_WEIGHT_KEYS = tuple(f.name for f in fields(ScoringWeights))
 
 # Kubernetes' own resource.Quantity grammar, without a sign: memory and KV sizes are never negative.
 QUANTITY_PATTERN = (
@@ -22,7 +27,7 @@ DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 PHASES = ("Pending", "Loading", "WarmingUp", "Ready", "Degraded", "Failed")
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
-ROUTER_POLICIES = ("cache_aware", "least_loaded", "round_robin")
+ROUTER_POLICIES = POLICIES
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 
@@ -140,8 +145,11 @@ def _router() -> dict[str, Any]:
     return _object("The routing sidecar in every pod.", {
         "policy": {"type": "string", "enum": list(ROUTER_POLICIES), "default": "cache_aware",
                    "description": "How the router picks a replica."},
-        "weights": {"type": "object", "additionalProperties": {"type": "number", "minimum": 0, "maximum": 1000},
-                    "maxProperties": 16, "description": "Cost-term weights passed as --weights k=v,..."},
+        "weights": {"type": "object", "additionalProperties": False,
+                    "properties": {name: {"type": "number", "minimum": 0, "maximum": 1000}
+                                   for name in ROUTER_WEIGHT_KEYS},
+                    "description": "cache_aware knobs passed as --weights k=v,... (keys: "
+                                   + ", ".join(ROUTER_WEIGHT_KEYS) + ")."},
     }, ("spec", "router"))
 
 

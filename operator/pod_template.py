@@ -24,6 +24,20 @@ TERMINATION_GRACE_SECONDS = 120
 RUN_AS_USER = 10001  # the image's non-root user
 
 
+def _model_mounts(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The writable scratch volume, and the model's PVC read-only when the model lives on one."""
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    if isvc.spec.model.pvc_claim:
+        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{isvc.spec.model.pvc_claim}", "readOnly": True})
+    return mounts
+
+
+# Caches (converted weights, extracted tokenizers, Triton kernels) go to the writable emptyDir; the root
+# filesystem stays read-only.
+_CACHE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
+              {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}]
+
+
 def engine_args(isvc: InferenceService) -> list[str]:
     spec = isvc.spec
     engine = spec.engine
@@ -46,6 +60,8 @@ def engine_args(isvc: InferenceService) -> list[str]:
 
 def router_args(isvc: InferenceService) -> list[str]:
     args = [
+        # the engine's model spec: the router tokenizes prompts exactly as the engine does
+        "--model", isvc.spec.model.engine_path,
         "--port", str(api_names.ROUTER_PORT),
         "--endpointslices", f"{isvc.name}-engines",
         "--namespace", isvc.namespace,
@@ -74,25 +90,20 @@ def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
     if spec.resources.gpus:
         requests[GPU_RESOURCE] = str(spec.resources.gpus)
         limits[GPU_RESOURCE] = str(spec.resources.gpus)
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    if spec.model.pvc_claim:
-        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{spec.model.pvc_claim}", "readOnly": True})
     return {
         "name": api_names.ENGINE_CONTAINER,
         "image": image,
         "command": ["kvpilot", "serve"],
         "args": engine_args(isvc),
         "ports": [{"name": "http", "containerPort": api_names.ENGINE_PORT, "protocol": "TCP"}],
-        # Caches go to the writable emptyDir; the root filesystem stays read-only.
-        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
-                {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}],
+        "env": [dict(e) for e in _CACHE_ENV],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": _http_probe("/health", "http", period=PROBE_PERIOD_SECONDS,
                                     failures=budget.probe_failure_threshold, timeout=5),
         "livenessProbe": _http_probe("/health", "http", period=10, failures=3, timeout=5),
         # /ready turns 200 only after warm-up, so a cold replica never gets traffic.
         "readinessProbe": _http_probe("/ready", "http", period=5, failures=2, timeout=3),
-        "volumeMounts": mounts,
+        "volumeMounts": _model_mounts(isvc),
         "securityContext": _security_context(),
     }
 
@@ -103,6 +114,9 @@ def _router_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "image": image,
         "command": ["kvpilot", "router"],
         "args": router_args(isvc),
+        # the router reads the model's tokenizer (from the same source as the engine) into its cache
+        "env": [dict(e) for e in _CACHE_ENV[:2]],
+        "volumeMounts": _model_mounts(isvc),
         "ports": [{"name": "http-router", "containerPort": api_names.ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},
                       "limits": {"memory": ROUTER_MEMORY}},

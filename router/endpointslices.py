@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -78,7 +79,8 @@ class KubernetesSliceApi:
         try:
             config.load_incluster_config()
         except config.ConfigException:
-            config.load_kube_config()
+            # the client snapshots $KUBECONFIG when it is first imported; read it now instead
+            config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
         self._api = client.DiscoveryV1Api()
         self._watch: Any = None
 

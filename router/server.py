@@ -8,7 +8,7 @@ import signal
 
 from aiohttp import web
 
-from kvpilot.engine.model.registry import resolve_model
+from kvpilot.engine.model.registry import resolve_tokenizer
 from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.app import RouterApp
 from kvpilot.router.request_profile import RequestProfiler
@@ -16,8 +16,9 @@ from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
 
 def load_profiler(model: str) -> RequestProfiler:
-    """The engine's tokenizer and chat template for ``model`` (same spec forms as ``kvpilot serve``)."""
-    model_dir = resolve_model(model, progress=False)
+    """The engine's tokenizer and chat template for ``model`` (same spec forms as ``kvpilot serve``; a GGUF's
+    tokenizer is extracted without converting its weights)."""
+    model_dir = resolve_tokenizer(model)
     tokenizer = Tokenizer.from_dir(model_dir)
     return RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, model_dir))
 

@@ -149,25 +149,38 @@ def generation_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
     return config
 
 
-def convert_gguf(
-    gguf_path: Path, out_dir: Path, progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
-) -> None:
-    """Write the HF-format directory for ``gguf_path`` into the existing, empty ``out_dir``."""
+def _open_gguf(gguf_path: Path) -> GGUFReader:
     try:
-        reader = GGUFReader(gguf_path, "r")
+        return GGUFReader(gguf_path, "r")
     except (ValueError, OSError) as error:
         raise ValueError(f"{gguf_path} is not a readable GGUF file: {error}") from None
+
+
+def _write_metadata_files(reader: GGUFReader, gguf_path: Path, out_dir: Path) -> tuple[dict[str, Any], dict]:
+    """config.json, generation_config.json and the tokenizer files; returns (config, tensors by name)."""
     metadata = read_metadata(reader)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{gguf_path} has no token_embd.weight tensor")
     config = llama_config(metadata, set(tensors), vocab_rows=int(tensors["token_embd.weight"].shape[-1]))
-    _check_complete(set(tensors), config)
-
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
     tokenizer_files_from_gguf(metadata, model_max_length=config["max_position_embeddings"]).write(out_dir)
+    return config, tensors
+
+
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, progress: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> None:
+    """Write the HF-format directory for ``gguf_path`` into the existing, empty ``out_dir``."""
+    config, tensors = _write_metadata_files(_open_gguf(gguf_path), gguf_path, out_dir)
+    _check_complete(set(tensors), config)
     _write_weights(list(tensors.values()), config, out_dir, progress, max_shard_bytes, gguf_path.name)
+
+
+def convert_gguf_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    """Only the tokenizer (and config) of ``gguf_path``: what a router needs, without dequantizing weights."""
+    _write_metadata_files(_open_gguf(gguf_path), gguf_path, out_dir)
 
 
 def _write_weights(

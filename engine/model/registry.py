@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvpilot.engine.model.gguf_convert import CONVERTER_VERSION, convert_gguf
+from kvpilot.engine.model.gguf_convert import CONVERTER_VERSION, convert_gguf, convert_gguf_tokenizer
 
 SMOLLM2_NAME = "smollm2-135m"
 TINY_NAME = "tiny-random"
@@ -77,6 +77,26 @@ def resolve_model(
         f"cannot resolve model {spec!r}: not a known name, an existing .gguf file or a model directory; "
         f"accepted: {ACCEPTED_FORMS}"
     )
+
+
+def resolve_tokenizer(model: str | os.PathLike[str], cache_dir: str | Path | None = None) -> Path:
+    """A directory with ``model``'s tokenizer.json, tokenizer_config.json and config.json, for processes that
+    tokenize but never run the model (the router). A GGUF's tokenizer is extracted without dequantizing
+    its weights; an already converted model directory is reused."""
+    spec = os.fspath(model) if isinstance(model, (str, os.PathLike)) else None
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"model must be a non-empty string or path; accepted: {ACCEPTED_FORMS}")
+    cache = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
+    path = Path(spec).expanduser()
+    if spec == SMOLLM2_NAME or (path.is_file() and path.suffix == ".gguf"):
+        gguf = bundled_smollm2_gguf() if spec == SMOLLM2_NAME else path.resolve()
+        name = SMOLLM2_NAME if spec == SMOLLM2_NAME else _safe_name(path.stem)
+        key = _short_hash(_file_sha256(gguf) + f"converter-v{CONVERTER_VERSION}".encode())
+        converted = cache / "models" / f"{name}-{key}"
+        if converted.is_dir():
+            return converted
+        return _build_once(cache / "tokenizers" / f"{name}-{key}", lambda out: convert_gguf_tokenizer(gguf, out))
+    return resolve_model(spec, cache_dir=cache_dir, progress=False)
 
 
 def bundled_smollm2_gguf() -> Path:

@@ -25,8 +25,9 @@ def test_engine_and_router_command_lines_follow_the_contracts():
         "--block-size", "16", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
         "--no-enable-prefix-caching", "--enable-chunked-prefill", "--kv-cache-memory-bytes", "1073741824",
         "--slo-ttft", "2", "--slo-tpot", "0.1", "--seed", "7"]
-    assert router["args"] == ["--port", "8080", "--endpointslices", "smol-engines", "--namespace", "ml",
-                              "--policy", "least_loaded", "--weights", "decode=2,prefill=1.5"]
+    assert router["args"] == ["--model", "smollm2-135m", "--port", "8080", "--endpointslices", "smol-engines",
+                              "--namespace", "ml", "--policy", "least_loaded", "--weights", "decode=2,prefill=1.5"]
+    assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]  # its tokenizer cache
     assert engine["startupProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                                       "failureThreshold": 16, "timeoutSeconds": 5}
     assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
@@ -63,6 +64,9 @@ def test_no_spare_rolls_by_surging_and_gpu_pvc_pods_get_their_devices_and_volume
     assert engine["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "2"}
     assert engine["args"][1] == "/models/weights/llama"
     assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in engine["volumeMounts"]
+    router = pod["containers"][1]  # the router reads the same model's tokenizer from the PVC
+    assert router["args"][:2] == ["--model", "/models/weights/llama"]
+    assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in router["volumeMounts"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
     assert pod["topologySpreadConstraints"][1]["whenUnsatisfiable"] == "DoNotSchedule"
     assert deployment["progressDeadlineSeconds"] == 1800 + 300  # unknown size: the generous default

@@ -76,7 +76,7 @@ def test_defaults_fill_the_spec():
     ({"model": {"source": "smollm2-135m"}, "resources": {"gpuType": "H100"}}, "spec.resources.gpuType", "gpus > 0"),
     ({"model": {"source": "smollm2-135m"}, "engine": {"kvCacheMemory": "8Gi"}},
      "spec.engine.kvCacheMemory", "less than resources.memory"),
-    ({"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}}, "spec.router.weights", "snake"),
+    ({"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}}, "spec.router.weights", "Prefill"),
 ])
 def test_invalid_specs_name_the_field(spec, field, message):
     with pytest.raises(SpecError) as error:
@@ -90,3 +90,17 @@ def test_gpu_kv_memory_may_exceed_pod_memory_and_pvc_source_maps_to_its_mount():
         "model": {"source": "pvc://models/llama/8b"}, "resources": {"gpus": 1, "memory": "16Gi"},
         "engine": {"kvCacheMemory": "40Gi"}})).spec
     assert (spec.model.pvc_claim, spec.model.engine_path) == ("models", "/models/models/llama/8b")
+
+
+def test_router_weights_accept_exactly_the_router_knobs():
+    import jsonschema
+
+    from kvpilot.operator.crd_schema import ROUTER_WEIGHT_KEYS, spec_schema
+    from kvpilot.router.config import ScoringWeights
+
+    assert ROUTER_WEIGHT_KEYS == ("queue", "prefill", "decode", "balance", "balance_floor", "tie_ms")
+    ScoringWeights.parse(",".join(f"{k}=1" for k in ROUTER_WEIGHT_KEYS))  # every key is one the router takes
+    weights = spec_schema()["properties"]["router"]["properties"]["weights"]
+    jsonschema.validate({"prefill": 1.5, "tie_ms": 3}, weights)
+    with pytest.raises(jsonschema.ValidationError, match="typo"):
+        jsonschema.validate({"typo": 1}, weights)
