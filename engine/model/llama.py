@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.rotate(q, k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -81,8 +81,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch)
 
-    def forward(self, hidden, positions, rotary, backend, kv_cache, meta):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, backend, kv_cache, meta)
+    def forward(self, hidden, rope, backend, kv_cache, meta):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, backend, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -106,9 +106,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         self.backend.prepare(meta)
+        rope = self.rotary.tables(positions)
         hidden = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, positions, self.rotary, self.backend, kv_cache, meta)
+            hidden = layer(hidden, rope, self.backend, kv_cache, meta)
         return self.norm(hidden)
 
     @torch.inference_mode()

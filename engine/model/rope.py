@@ -81,10 +81,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("sin", (emb.sin() * magnitude).to(dtype), persistent=False)
         self.max_position = max_position
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] by their tokens' positions ``positions`` [T]."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows ``[T, 1, D]`` for the tokens' positions; looked up once per step, used by every layer."""
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+
+    @staticmethod
+    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with the step's ``tables``."""
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
