@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 export PATH="$PWD/.tools/bin:$PWD/.venv/bin:$PATH"
 .venv/bin/ruff check .
 if [ "$#" -eq 0 ]; then set -- -m "not slow"; fi
-exec .venv/bin/python -m pytest -q "$@"
+# the console script, not `python -m pytest`: see the note on `operator/` in scripts/setup.sh
+exec .venv/bin/pytest -q "$@"
