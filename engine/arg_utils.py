@@ -52,7 +52,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:
-    names = [f for f in EngineArgs.__dataclass_fields__ if f != "extra"]
+    names = list(EngineArgs.__dataclass_fields__)
     values = {n: getattr(ns, n) for n in names if hasattr(ns, n)}
     values.update(overrides)
     return EngineArgs.from_kwargs(**values)

@@ -7,8 +7,7 @@ every field and returns an ``EngineConfig`` made of one dataclass per area.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -90,7 +89,8 @@ class EngineConfig:
 
 @dataclass
 class EngineArgs:
-    """Flat engine arguments with vLLM's names. See the per-area configs for each field's meaning."""
+    """Flat engine arguments with vLLM's names: the union of the per-area configs' fields (same names and
+    defaults; a test keeps them so). See the per-area configs for each field's meaning."""
 
     model: str = "smollm2-135m"
     dtype: str = "auto"
@@ -114,11 +114,10 @@ class EngineArgs:
     linear_backend: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
-    extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
-        names = {f.name for f in fields(cls)} - {"extra"}
+        names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ConfigError(f"unknown engine argument(s) {unknown}; valid: {sorted(names)}")
@@ -126,23 +125,14 @@ class EngineArgs:
 
     def create_config(self) -> EngineConfig:
         self._validate()
-        return EngineConfig(
-            model=ModelConfig(model=self.model, dtype=self.dtype, max_model_len=self.max_model_len,
-                              device=self.device, download_dir=self.download_dir, seed=self.seed,
-                              served_model_name=self.served_model_name),
-            cache=CacheConfig(block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-                              kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                              gpu_memory_utilization=self.gpu_memory_utilization,
-                              enable_prefix_caching=self.enable_prefix_caching, swap_space=self.swap_space),
-            scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                      max_num_batched_tokens=self.max_num_batched_tokens,
-                                      enable_chunked_prefill=self.enable_chunked_prefill,
-                                      preemption_mode=self.preemption_mode,
-                                      batching_mode=self.batching_mode),
-            attention_backend=self.attention_backend, linear_backend=self.linear_backend,
-            logprobs_mode=self.logprobs_mode,
-            max_logprobs=self.max_logprobs,
-        )
+
+        def pick(area):
+            return area(**{f.name: getattr(self, f.name) for f in fields(area)})
+
+        top = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in ("model", "cache",
+                                                                                             "scheduler")}
+        return EngineConfig(model=pick(ModelConfig), cache=pick(CacheConfig), scheduler=pick(SchedulerConfig),
+                            **top)
 
     def _validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -184,7 +174,3 @@ class EngineArgs:
              f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
 
-
-def replace(config, **changes):
-    """``dataclasses.replace`` re-exported for frozen configs (used when the engine fills in defaults)."""
-    return dataclasses.replace(config, **changes)
