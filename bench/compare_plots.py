@@ -1,0 +1,88 @@
+"""The comparison's PNG plots, drawn from its ``summary.json`` dict.
+
+- ``throughput_by_concurrency.png``: output tok/s against closed-loop concurrency (HF: batch size) for
+  every measured system, the issue's reference figures (dashed) and the fp32 GEMM ceiling.
+- ``open_loop_latency.png``: p50/p99 TTFT and p50 TPOT against the offered Poisson rate, per server.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display; must precede the pyplot import
+import matplotlib.pyplot as plt
+from compare_results import GEMM_CEILING_OUTPUT_TPS, REFERENCE_OUTPUT_TPS, STATUS_OK, output_tps_by_level
+from compare_table import SERVERS, SYSTEM_TITLES
+
+THROUGHPUT_PNG = "throughput_by_concurrency.png"
+OPEN_LOOP_PNG = "open_loop_latency.png"
+COLORS = {"hf": "tab:gray", "vllm": "tab:blue", "kvpilot": "tab:orange"}
+
+
+def plot_throughput(summary: dict, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in ("hf", "vllm", "kvpilot"):
+        measured = output_tps_by_level(summary["systems"].get(name, {}))
+        if measured:
+            levels = sorted(measured)
+            ax.plot(levels, [measured[c] for c in levels], "o-", color=COLORS[name],
+                    label=f"{SYSTEM_TITLES[name]} (measured)")
+        reference = REFERENCE_OUTPUT_TPS.get(name)
+        if reference:
+            levels = sorted(reference)
+            ax.plot(levels, [reference[c] for c in levels], "s--", color=COLORS[name], alpha=0.5,
+                    markerfacecolor="none", label=f"{SYSTEM_TITLES[name]} (issue's figures)")
+    ax.axhline(GEMM_CEILING_OUTPUT_TPS, color="black", linestyle=":", linewidth=1,
+               label=f"fp32 GEMM ceiling ≈ {GEMM_CEILING_OUTPUT_TPS:.0f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(set(summary["plan"]["concurrencies"])))
+    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xlabel("closed-loop concurrency (HF: batch size)")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"SmolLM2-135M fp32, {summary['plan']['output_len']} greedy tokens, "
+                 f"{summary['environment']['cpu_count']} cores")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_open_loop(summary: dict, path: Path) -> Path | None:
+    servers = [name for name in SERVERS if summary["systems"].get(name, {}).get("status") == STATUS_OK
+               and summary["systems"][name].get("open")]
+    if not servers:
+        return None
+    fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in servers:
+        points = sorted(summary["systems"][name]["open"].values(), key=lambda p: p["offered_rps"])
+        x = [p["offered_rps"] for p in points]
+        for stat, style in (("p50", "o-"), ("p99", "s--")):
+            ttft = [_ms(p["ttft_s"][stat]) for p in points]
+            ax_ttft.plot(x, ttft, style, color=COLORS[name], label=f"{SYSTEM_TITLES[name]} TTFT {stat}")
+        ax_tpot.plot(x, [_ms(p["tpot_s"]["p50"]) for p in points], "o-", color=COLORS[name],
+                     label=f"{SYSTEM_TITLES[name]} TPOT p50")
+    for ax, what in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
+        ax.set_yscale("log")
+        ax.set_xlabel("offered request rate (Poisson), req/s")
+        ax.set_ylabel(f"{what}, ms (log)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Open loop: latency from scheduled arrival against offered load")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _ms(seconds: float | None) -> float:
+    return float("nan") if seconds is None else seconds * 1e3
+
+
+def write_plots(summary: dict, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [plot_throughput(summary, out_dir / THROUGHPUT_PNG), plot_open_loop(summary, out_dir / OPEN_LOOP_PNG)]
+    return [path for path in paths if path is not None]

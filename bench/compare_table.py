@@ -1,0 +1,182 @@
+"""The comparison's markdown report, rendered from its ``summary.json`` dict (pure: no I/O, no clock)."""
+
+from __future__ import annotations
+
+import math
+
+from compare_results import (
+    GEMM_CEILING_OUTPUT_TPS,
+    REFERENCE_OUTPUT_TPS,
+    STATUS_OK,
+    output_tps_by_level,
+    thin_p99,
+)
+
+SYSTEM_TITLES = {"hf": "HF generate", "vllm": "vLLM (CPU)", "kvpilot": "kvpilot"}
+SERVERS = ("vllm", "kvpilot")
+BUSY_LOAD_PER_CORE = 0.25  # 1-minute load average per core above which the run is flagged as noisy
+THIN = "†"  # marks a p99 on fewer than P99_MIN_SAMPLES samples
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "—"
+    return f"{seconds * 1e3:.0f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(columns: list[str]) -> list[str]:
+    return [_row(columns), _row(["---"] * len(columns))]
+
+
+def _is_busy(environment: dict) -> bool:
+    cores = environment.get("cpu_count") or 1
+    loads = [environment.get("load_before", [0.0])[0], environment.get("load_after", [0.0])[0]]
+    return max(loads) / cores > BUSY_LOAD_PER_CORE
+
+
+def _environment_lines(summary: dict) -> list[str]:
+    env, plan = summary["environment"], summary["plan"]
+    loads = " → ".join(", ".join(f"{x:.2f}" for x in env[key]) for key in ("load_before", "load_after")
+                       if env.get(key))
+    lines = [
+        f"Run {env['started_at']} on {env['cpu_model']}, {env['cpu_count']} cores; "
+        f"load average (1, 5, 15 min) before → after: {loads}.",
+    ]
+    if _is_busy(env):
+        lines += ["", "> **Noisy:** the machine was shared and busy during this run (load average above "
+                      f"{BUSY_LOAD_PER_CORE:g} per core). Treat every figure as indicative only; the final "
+                      "figures must be re-taken on a quiet machine."]
+    lines += [
+        "",
+        f"Workload (the same for every system): seed {plan['seed']}, prompts of "
+        f"{plan['input_len'][0]}–{plan['input_len'][1]} tokens (random words; one word is one token for this "
+        f"tokenizer), exactly {plan['output_len']} output tokens (greedy, `ignore_eos`), streaming "
+        f"`/v1/completions`; {plan['warmup_requests']} warm-up requests per `bench serve` run, excluded. Model: "
+        f"SmolLM2-135M-Instruct, fp32, weights from `{env['model_dir']}` for all three.",
+    ]
+    for name in ("hf", "vllm", "kvpilot"):
+        system = summary["systems"].get(name, {})
+        if system.get("status") == STATUS_OK and system.get("describe"):
+            lines.append(f"- {SYSTEM_TITLES[name]}: {system['describe']}")
+    return lines
+
+
+def _closed_throughput_lines(summary: dict) -> list[str]:
+    systems = summary["systems"]
+    measured = {name: output_tps_by_level(systems.get(name, {})) for name in ("hf", "vllm", "kvpilot")}
+    levels = sorted(set(summary["plan"]["concurrencies"]))
+    lines = ["## Closed loop: output tokens/s by concurrency (HF: batch size)", ""]
+    lines += _header(["concurrency / batch", *(SYSTEM_TITLES[n] for n in measured),
+                      "kvpilot / vLLM", "issue: HF", "issue: vLLM"])
+    for level in levels:
+        kv, vl = measured["kvpilot"].get(level), measured["vllm"].get(level)
+        ratio = f"{kv / vl:.2f}×" if kv and vl else "—"
+        lines.append(_row([str(level), *(_num(measured[n].get(level)) for n in measured), ratio,
+                           _num(REFERENCE_OUTPUT_TPS["hf"].get(level)),
+                           _num(REFERENCE_OUTPUT_TPS["vllm"].get(level))]))
+    lines += ["", f"fp32 GEMM ceiling on this kind of machine: about {GEMM_CEILING_OUTPUT_TPS:.0f} output "
+                  "tok/s at large batch. A closed loop of c clients is the served analogue of batch c; HF "
+                  "runs one static batch (all prompts together, left-padded, no arrivals)."]
+    return lines
+
+
+def _latency_row(name: str, load: str, figures: dict) -> list[str]:
+    ttft, tpot = figures["ttft_s"], figures["tpot_s"]
+    mark = THIN if thin_p99(figures) else ""
+    errors = ", ".join(f"{k} {v}" for k, v in figures["errors"].items()) or "0"
+    return [SYSTEM_TITLES[name], load, f"{figures['requests_ok']}/{figures['requests_total']}",
+            _num(figures["request_rps"], 2), _num(figures["output_tps"]),
+            _ms(ttft["p50"]), _ms(ttft["p99"]) + mark, _ms(tpot["p50"]), _ms(tpot["p99"]) + mark,
+            _ms(figures["e2e_s"]["p50"]), errors]
+
+
+LATENCY_COLUMNS = ["req ok/all", "req/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+                   "E2E p50", "errors"]
+
+
+def _closed_latency_lines(summary: dict) -> list[str]:
+    lines = ["## Closed loop: latency", ""]
+    lines += _header(["system", "concurrency", *LATENCY_COLUMNS])
+    for name in SERVERS:
+        system = summary["systems"].get(name, {})
+        if system.get("status") != STATUS_OK:
+            continue
+        for level, figures in sorted(system.get("closed", {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(_row(_latency_row(name, level, figures)))
+    hf = summary["systems"].get("hf", {})
+    if hf.get("status") == STATUS_OK:
+        lines += ["", "HF generate (one static batch; no per-request stream, so no TTFT): "
+                  + "; ".join(f"batch {b['batch']}: {b['wall_s']:.1f} s for {b['output_tokens']} tokens, "
+                              f"{_ms(b['step_s'])} per decode step"
+                              for b in sorted(hf["batches"].values(), key=lambda b: b["batch"]))]
+    return lines
+
+
+def _open_loop_lines(summary: dict) -> list[str]:
+    lines = ["## Open loop: Poisson arrivals, rate sweep", ""]
+    lines += _header(["system", "offered req/s", *LATENCY_COLUMNS])
+    saturation_notes = []
+    for name in SERVERS:
+        system = summary["systems"].get(name, {})
+        if system.get("status") != STATUS_OK:
+            continue
+        for _rate, figures in sorted(system.get("open", {}).items(), key=lambda kv: float(kv[0])):
+            lines.append(_row(_latency_row(name, _num(figures["offered_rps"], 2), figures)))
+        saturation = system.get("saturation")
+        if saturation is not None:
+            where = "not saturated within the sweep" if not saturation["saturated"] else (
+                f"saturation point {saturation['load']} req/s offered" if saturation["load"] is not None
+                else "saturated already at the lowest rate")
+            saturation_notes.append(f"- {SYSTEM_TITLES[name]}: {where} ({saturation['reason']})")
+    lines += ["", "Offered req/s is the rate the Poisson schedule actually produced; latency counts from each "
+                  "request's scheduled arrival (no coordinated omission)."]
+    return lines + (["", *saturation_notes] if saturation_notes else [])
+
+
+def _cold_start_lines(summary: dict) -> list[str]:
+    lines = ["## Cold start (reported apart; excluded from every table above)", ""]
+    lines += _header(["system", "spawn → ready", "first request TTFT", "first request E2E",
+                      "last warm-up E2E"])
+    for name in SERVERS:
+        system = summary["systems"].get(name, {})
+        cold = system.get("cold_start")
+        if system.get("status") == STATUS_OK and cold:
+            lines.append(_row([SYSTEM_TITLES[name], _ms(cold["ready_after_s"]), _ms(cold["first_request_ttft_s"]),
+                               _ms(cold["first_request_e2e_s"]), _ms(cold["last_warmup_e2e_s"])]))
+    hf = summary["systems"].get("hf", {})
+    if hf.get("status") == STATUS_OK:
+        lines.append(_row([SYSTEM_TITLES["hf"], _ms(hf["load_s"]) + " (load)", "—",
+                           _ms(hf["warmup_s"]) + " (warm-up generate)", "—"]))
+    return lines
+
+
+def _not_measured_lines(summary: dict) -> list[str]:
+    missing = [f"- {SYSTEM_TITLES[name]}: {system['status']}: {system.get('reason', '')}"
+               for name, system in summary["systems"].items() if system.get("status") != STATUS_OK]
+    return ["## Not measured", "", *missing] if missing else []
+
+
+def render_markdown(summary: dict) -> str:
+    """The whole report; sections of systems that did not run are left out and listed at the end."""
+    sections = [
+        ["# kvpilot vs vLLM (CPU build) vs HF transformers", "", *_environment_lines(summary)],
+        _closed_throughput_lines(summary),
+        _closed_latency_lines(summary),
+        _open_loop_lines(summary),
+        _cold_start_lines(summary),
+        _not_measured_lines(summary),
+        ["## Notes", "",
+         f"- {THIN} p99 on fewer than 100 samples: noisy, shown for shape only.",
+         "- Metric definitions and the system boundary (client side, one monotonic clock): "
+         "`bench/README.md`. Per-request records and server logs: " + f"`{summary['environment']['work_dir']}`.",
+         *(f"- {note}" for note in summary.get("notes", []))],
+    ]
+    return "\n\n".join("\n".join(section) for section in sections if section) + "\n"

