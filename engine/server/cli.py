@@ -1,0 +1,83 @@
+"""``kvpilot serve``: the OpenAI-compatible engine server (the ``engine`` container of every serving pod).
+
+Engine flags carry vLLM's names (``kvpilot.engine.arg_utils``); the server flags below are the HTTP side.
+Exit status: 0 after a clean drain, 1 when the model cannot load or the engine fails, 2 for bad flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
+from kvpilot.engine.server.config import (
+    DEFAULT_WARMUP_BUCKETS,
+    ServerConfig,
+    ServerConfigError,
+    parse_warmup_buckets,
+)
+
+API_KEY_ENV = "KVPILOT_API_KEY"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServerConfig()
+    p = argparse.ArgumentParser(prog="kvpilot serve", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=d.host, help="address to listen on")
+    s.add_argument("--port", type=int, default=d.port)
+    s.add_argument("--served-model-name", default=None,
+                   help="the name clients pass as 'model' (default: the --model value)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help=f"accepted bearer key for /v1/* (repeat for several; also ${API_KEY_ENV})")
+    s.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
+                   help="most requests accepted but not yet scheduled; more get 429")
+    s.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
+                   help="seconds a request may wait to be scheduled before it gets 503 (0 = no limit)")
+    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
+    s.add_argument("--slo-ttft", type=float, default=None, help="TTFT objective in seconds (SLO/goodput metrics)")
+    s.add_argument("--slo-tpot", type=float, default=None, help="TPOT objective in seconds (SLO/goodput metrics)")
+    s.add_argument("--tenant-rate-limit", type=float, default=d.tenant_rate_limit,
+                   help="requests per second per tenant (x-tenant header, else API key); 0 = off")
+    s.add_argument("--tenant-burst", type=float, default=None, help="token-bucket size (default: max(1, rate))")
+    s.add_argument("--drain-grace-seconds", type=float, default=d.drain_grace_s,
+                   help="after SIGTERM, how long in-flight requests may finish")
+    s.add_argument("--warmup-buckets", default=",".join(f"{b.batch_size}x{b.prompt_len}" for b in DEFAULT_WARMUP_BUCKETS),
+                   help="warm-up passes before /ready: BATCHxPROMPT_TOKENS,... ('none' to skip)")
+    s.add_argument("--stream-buffer-chunks", type=int, default=d.stream_buffer_chunks,
+                   help="chunks buffered per request before a slow client's request is paused")
+    s.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 429/503")
+    s.add_argument("--loop-stall-timeout", type=float, default=d.loop_stall_timeout_s,
+                   help="/health fails when one engine iteration runs longer than this")
+    s.add_argument("--log-level", default=d.log_level,
+                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
+    return p
+
+
+def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
+    keys = list(ns.api_key or [])
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV]]
+    return ServerConfig(host=ns.host, port=ns.port, api_keys=tuple(keys), max_queue_len=ns.max_queue_len,
+                        queue_timeout_s=ns.queue_timeout, max_body_bytes=ns.max_body_bytes, slo_ttft_s=ns.slo_ttft,
+                        slo_tpot_s=ns.slo_tpot, tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,
+                        drain_grace_s=ns.drain_grace_seconds, warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
+                        stream_buffer_chunks=ns.stream_buffer_chunks, retry_after_s=ns.retry_after,
+                        loop_stall_timeout_s=ns.loop_stall_timeout, log_level=ns.log_level,
+                        access_log=ns.access_log)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    engine_config = config_from_namespace(parser, ns, served_model_name=ns.served_model_name)
+    try:
+        config = server_config_from_namespace(ns)
+    except ServerConfigError as err:
+        parser.error(str(err))
+    from kvpilot.engine.server.runner import serve  # uvicorn, FastAPI: only once the flags are valid
+
+    return serve(engine_config, config)

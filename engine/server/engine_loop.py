@@ -1,0 +1,255 @@
+"""The engine loop: the one thread that touches the engine (``LLMEngine`` is not thread-safe).
+
+It loads the engine (phase loading), warms it up (warming_up), then serves (ready) by repeating:
+
+    commands (submit / abort / resume / kv snapshot / drain / stop; blocks only when idle)
+    → queue deadlines → pending admissions → one engine step → outputs into request streams
+    → publish the /load snapshot
+
+HTTP handlers talk to it only through commands (a thread-safe queue) and read back immutable things:
+the published ``/load`` dict (replaced, never mutated), ``EngineInfo``, and each request's stream.
+An abort (client gone, queue deadline) reclaims the request's blocks in the engine at once, and the
+snapshot published right after shows it. An exception from the engine is fatal: every open request
+gets a 500, the phase becomes failed, ``on_fatal`` stops the server so the pod restarts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvpilot.engine.request import RequestStatus
+from kvpilot.engine.server.admission import Admission, draining_error
+from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.engine_info import EngineInfo
+from kvpilot.engine.server.engine_telemetry import EngineTelemetry
+from kvpilot.engine.server.errors import APIError
+from kvpilot.engine.server.lifecycle import Lifecycle, Phase
+from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.server.serving_request import ServingRequest
+from kvpilot.engine.server.warmup import effective_buckets, run_warmup
+from kvpilot.engine.stats import load_snapshot
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.25  # longest sleep with nothing to do (bounds heartbeat age and /load staleness)
+QUEUED_WAIT_S = 0.02  # sleep while requests wait for headroom (bounds queue-deadline lateness)
+
+
+@dataclass
+class _Submit:
+    batch: list[ServingRequest]
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Resume:
+    request_id: str
+
+
+@dataclass
+class _Snapshot:
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class _Drain:
+    pass
+
+
+class _Stop:
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine_factory: Callable[[], object], config: ServerConfig, lifecycle: Lifecycle,
+                 metrics: ServerMetrics, initial_load: dict,
+                 on_fatal: Callable[[str], None] = lambda reason: None) -> None:
+        self._engine_factory = engine_factory
+        self._config = config
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._on_fatal = on_fatal
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvpilot-engine-loop", daemon=True)
+        self._active: dict[str, ServingRequest] = {}
+        self._draining = False
+        self._failed = False
+        self.info: EngineInfo | None = None
+        #: the latest /load snapshot (replaced as a whole by the engine thread)
+        self.load: dict = initial_load
+        #: monotonic time the loop last finished an iteration (or a warm-up bucket)
+        self.heartbeat = time.monotonic()
+
+    # ---- thread-safe API ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, batch: list[ServingRequest]) -> None:
+        self._commands.put(_Submit(batch))
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._commands.put(_Abort(list(request_ids)))
+
+    def resume(self, request_id: str) -> None:
+        self._commands.put(_Resume(request_id))
+
+    def drain(self) -> None:
+        self._commands.put(_Drain())
+
+    def kv_snapshot(self) -> concurrent.futures.Future:
+        cmd = _Snapshot()
+        self._commands.put(cmd)
+        return cmd.future
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._commands.put(_Stop())
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def healthy(self, now: float) -> bool:
+        return (self._thread.is_alive() and not self._failed
+                and now - self.heartbeat < self._config.loop_stall_timeout_s)
+
+    # ---- the thread ----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            engine = self._engine_factory()
+            self.info = EngineInfo.from_engine(engine)
+            sc = engine.config.scheduler
+            buckets = effective_buckets(self._config.warmup_buckets, engine.max_model_len, sc.max_num_seqs,
+                                        sc.max_num_batched_tokens, sc.enable_chunked_prefill)
+            self._lifecycle.enter(Phase.WARMING_UP, total=len(buckets))
+            run_warmup(engine, buckets, self._on_warmup_bucket,
+                       lambda seconds: self._lifecycle.record("kernel_tuning", seconds))
+        except Exception as err:  # a model that cannot load: say why, and stop the server
+            log.exception("engine failed to start")
+            self._fail(f"engine failed to start: {type(err).__name__}: {err}")
+            return
+        self._engine = engine
+        self._admission = Admission(engine, self._config, self._active, self._metrics)
+        self._telemetry = EngineTelemetry(engine, self._metrics)
+        self._publish()
+        self._lifecycle.enter(Phase.READY)
+        try:
+            self._serve()
+        except Exception as err:
+            log.exception("engine loop failed")
+            self._fail_requests(APIError(500, f"engine failure: {type(err).__name__}", code="engine_failure"),
+                                "error", reclaim=False)
+            self._fail(f"engine loop failed: {type(err).__name__}: {err}")
+
+    def _on_warmup_bucket(self, index: int, bucket) -> None:
+        self.heartbeat = time.monotonic()
+        self._lifecycle.advance(index, f"warm-up pass {index + 1}: batch {bucket.batch_size} x "
+                                       f"{bucket.prompt_len} prompt tokens")
+
+    def _fail(self, reason: str) -> None:
+        self._failed = True
+        self._lifecycle.fail(reason)
+        self._on_fatal(reason)
+
+    def _serve(self) -> None:
+        busy = False
+        while True:
+            if self._admission.pending or any(not r.scheduled for r in self._active.values()):
+                wait = 0.0 if busy else QUEUED_WAIT_S
+            else:
+                wait = 0.0 if busy else IDLE_WAIT_S
+            if not self._handle_commands(wait):  # the server is stopping: cancel what is left
+                self._fail_requests(draining_error(self._config.retry_after_s), "abort", reclaim=True)
+                return
+            self._admission.expire(time.monotonic())
+            self._admission.admit_pending()
+            busy = False
+            if self._engine.has_unfinished_requests():
+                busy = self._step()
+            self._publish()
+            self.heartbeat = time.monotonic()
+
+    def _step(self) -> bool:
+        """One engine step; False when it could schedule nothing (every live request is backpressured
+        or waits for blocks), so the loop sleeps until a command arrives instead of spinning."""
+        engine = self._engine
+        steps = engine.num_steps
+        outs = engine.step()
+        self._telemetry.after_step(self._active)
+        for out in outs:
+            req = self._active.get(out.request_id)
+            if req is None:
+                continue  # aborted by the server a moment ago; its client was already answered
+            chunk = req.deltas.update(out)
+            if chunk is not None and req.stream.put(chunk):
+                engine.set_backpressure(req.request_id, True)
+                self._metrics.backpressure_pauses.inc()
+            if out.finished:
+                del self._active[out.request_id]
+        return engine.num_steps != steps
+
+    def _handle_commands(self, wait_s: float) -> bool:
+        """Run every queued command (waiting up to ``wait_s`` for the first); False on stop."""
+        try:
+            cmd = self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(cmd, _Stop):
+                return False
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, cmd: object) -> None:
+        engine = self._engine
+        if isinstance(cmd, _Submit):
+            if self._draining:
+                for req in cmd.batch:
+                    req.fail(draining_error(self._config.retry_after_s), None)
+            else:
+                self._admission.submit(cmd.batch)
+        elif isinstance(cmd, _Abort):
+            for rid in cmd.request_ids:
+                if not self._admission.remove_pending(rid) and self._active.pop(rid, None) is not None:
+                    engine.abort_request(rid, RequestStatus.CANCELLED)
+            self._telemetry.consume_terminal_records()
+        elif isinstance(cmd, _Resume):
+            if cmd.request_id in self._active:
+                engine.set_backpressure(cmd.request_id, False)
+        elif isinstance(cmd, _Snapshot):
+            if not cmd.future.set_running_or_notify_cancel():
+                return
+            cmd.future.set_result({"epoch": engine.kv_events.epoch, "seq": engine.kv_events.seq,
+                                   "block_hashes": [h.hex() for h in engine.pool.cached_hashes()]})
+        elif isinstance(cmd, _Drain):
+            self._draining = True
+            self._admission.drain()
+
+    def _fail_requests(self, error: APIError, finish_reason: str, reclaim: bool) -> None:
+        """End every open request with ``error`` (pending ones count as turned away); ``reclaim`` frees
+        their blocks too (not after an engine failure, when the engine's state cannot be trusted)."""
+        for req in self._admission.pending:
+            req.fail(error, None)
+        self._admission.pending.clear()
+        for req in self._active.values():
+            if reclaim:
+                self._engine.abort_request(req.request_id, RequestStatus.CANCELLED)
+            req.fail(error, finish_reason)
+        self._active.clear()
+
+    def _publish(self) -> None:
+        snap = load_snapshot(self._engine)
+        admission = self._admission
+        snap["waiting"] += len(admission.pending)
+        snap["queued_prefill_tokens"] += admission.pending_prompt_tokens
+        snap["pending_admission"] = len(admission.pending)
+        snap["backpressured"] = sum(1 for r in self._active.values() if r.stream.backpressured)
+        self.load = snap

@@ -1,0 +1,92 @@
+"""OpenAI error objects: ``{"error": {"message", "type", "param", "code"}}`` with the right HTTP status.
+
+Every client mistake is an ``APIError`` with a 4xx status; a 500 means a bug in the server, never bad
+input. ``code`` is also the ``reason`` label of ``kvpilot_requests_rejected_total``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          500: "server_error", 503: "service_unavailable"}
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:
+    return APIError(400, message, code=code, param=param)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    # drop "body" and the union-member tags pydantic puts in the path ("str", "list[int]", ...)
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
+    param = ".".join(loc) or None
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return (f"{param}: {first.get('msg', 'invalid value')}{more}" if param else
+            f"{first.get('msg', 'invalid request body')}{more}"), param
+
+
+def install_error_handlers(app: FastAPI, count_rejection: Callable[[str], None]) -> None:
+    """Every error leaves as an OpenAI error object; each is counted by its code."""
+
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        count_rejection(exc.code)
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return await on_api_error(request, bad_request(message, param))
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        error = APIError(exc.status_code, str(exc.detail), code=code)
+        count_rejection(code)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error"))
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

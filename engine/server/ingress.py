@@ -1,0 +1,118 @@
+"""The ingress gate (seed §1.2, phase one): cheap checks on headers and size, before any JSON parsing or
+tokenization, in this order:
+
+1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);
+2. inference POSTs only while ready (503 while loading, warming up or draining, with Retry-After);
+3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread);
+4. the tenant (``x-tenant``, else a digest of the API key) must be well-formed (400) and have a token in
+   its bucket (429 with Retry-After = seconds until it has one).
+
+It also stamps the request's arrival (the boundary of every latency metric) and tenant into the ASGI
+scope, and counts in-flight inference requests for the drain. The body it read is replayed to the app;
+after that, ``receive`` is the server's own again, so disconnects still reach the handler.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvpilot.engine.server.errors import APIError, error_response
+from kvpilot.engine.server.state import SCOPE_KEY, RequestContext, ServerState, not_ready
+from kvpilot.engine.tenancy import TenantError, api_key_from_headers, tenant_from_headers
+
+INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+class IngressGate:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            await self.app(scope, receive, send)
+            return
+        arrival, arrival_ns = time.monotonic(), time.time_ns()
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        inference = scope["method"] == "POST" and scope["path"] in INFERENCE_PATHS
+        try:
+            self._authenticate(headers)
+            if inference:
+                if not self.state.lifecycle.snapshot().ready:
+                    raise not_ready(self.state)
+                body = await self._read_body(headers, receive)
+                tenant = self._admit_tenant(headers)
+        except APIError as err:
+            self.state.metrics.rejected(err.code)
+            await error_response(err)(scope, receive, send)
+            return
+        if not inference:
+            await self.app(scope, receive, send)
+            return
+        scope[SCOPE_KEY] = RequestContext(arrival, arrival_ns, tenant,
+                                          {h: headers[h] for h in _TRACE_HEADERS if h in headers})
+        self.state.inflight += 1
+        try:
+            await self.app(scope, _replay(body, receive), send)
+        finally:
+            self.state.inflight -= 1
+
+    def _authenticate(self, headers: dict[str, str]) -> None:
+        keys = self.state.config.api_keys
+        if not keys:
+            return
+        given = api_key_from_headers(headers) or ""
+        if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        limit = self.state.config.max_body_bytes
+        too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(parts)
+
+    def _admit_tenant(self, headers: dict[str, str]) -> str | None:
+        try:
+            tenant = tenant_from_headers(headers)
+        except TenantError as err:
+            raise APIError(400, str(err), code="invalid_tenant", param="x-tenant") from None
+        limiter = self.state.rate_limiter
+        if limiter is not None:
+            wait = limiter.acquire(tenant)
+            if wait > 0:
+                raise APIError(429, f"tenant over its rate limit ({limiter.rate:g} requests/s, burst "
+                               f"{limiter.burst:g}); retry in {wait:.2f} s", code="rate_limited",
+                               retry_after=limiter.retry_after(wait))
+        return tenant
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    replayed = False
+
+    async def replaying_receive() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replaying_receive

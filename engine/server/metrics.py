@@ -1,0 +1,157 @@
+"""Prometheus metrics of one engine server (``/metrics``; names, definitions and the vLLM mapping are in
+docs/metrics.md). Prefix ``kvpilot_``, units in names, counters end in ``_total``, label ``model_name``.
+
+Three writers, all thread-safe through prometheus_client: the engine thread (token, prefix-cache and
+preemption counters from engine-stat deltas; queue/prefill/decode times from terminal records), the HTTP
+handlers (per-request latencies at emit time, finished/SLO counters, rejections) and the lifecycle
+(startup phases). Gauges are not stored: a collector reads the engine loop's latest ``/load`` snapshot at
+scrape time, so they can never disagree with ``/load``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Buckets: vLLM's, extended downwards (a small model on CPU decodes in a few ms per token).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+STARTUP_PHASES = ("loading", "warming_up", "kernel_tuning")
+FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
+STARTUP_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+
+
+def with_objective(buckets: tuple[float, ...], objective: float | None) -> tuple[float, ...]:
+    """Add the SLO itself as a bucket bound, so attainment can also be read off the histogram exactly."""
+    return buckets if objective is None else tuple(sorted(set(buckets) | {objective}))
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.model_name = m = model_name
+        name = ["model_name"]
+
+        def counter(metric: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(metric, doc, [*name, *labels], registry=r)
+
+        def histogram(metric: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(metric, doc, [*name, *labels], registry=r, buckets=buckets)
+
+        # engine work (engine thread)
+        self.prompt_tokens = counter("kvpilot_prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).").labels(m)
+        self.generation_tokens = counter("kvpilot_generation_tokens_total", "Output tokens generated.").labels(m)
+        self.prefix_queries = counter("kvpilot_prefix_cache_queries_total",
+                                      "Prompt tokens looked up in the prefix cache at first scheduling.").labels(m)
+        self.prefix_hits = counter("kvpilot_prefix_cache_hits_total",
+                                   "Prompt tokens served from the prefix cache.").labels(m)
+        self.preemptions = counter("kvpilot_num_preemptions_total", "Requests preempted to free KV blocks.").labels(m)
+        self.queue_time = histogram("kvpilot_request_queue_time_seconds",
+                                    "Arrival at the server to first scheduling.", REQUEST_TIME_BUCKETS).labels(m)
+        self.prefill_time = histogram("kvpilot_request_prefill_time_seconds",
+                                      "First scheduling to the first generated token.", REQUEST_TIME_BUCKETS).labels(m)
+        self.decode_time = histogram("kvpilot_request_decode_time_seconds",
+                                     "First to last generated token.", REQUEST_TIME_BUCKETS).labels(m)
+        # per request, as the client sees it (HTTP handlers)
+        self.ttft = histogram("kvpilot_time_to_first_token_seconds", "TTFT: first emit minus arrival.",
+                              with_objective(TTFT_BUCKETS, slo_ttft_s)).labels(m)
+        self.itl = histogram("kvpilot_inter_token_latency_seconds", "ITL: emit time of a token minus the previous one's.",
+                             TOKEN_GAP_BUCKETS).labels(m)
+        self.tpot = histogram("kvpilot_time_per_output_token_seconds", "TPOT: (last emit - first emit) / (N - 1).",
+                              with_objective(TOKEN_GAP_BUCKETS, slo_tpot_s)).labels(m)
+        self.e2e = histogram("kvpilot_e2e_request_latency_seconds", "Arrival to the end of the response.",
+                             REQUEST_TIME_BUCKETS).labels(m)
+        self.prompt_len = histogram("kvpilot_request_prompt_tokens", "Prompt length of finished requests.",
+                                    TOKEN_COUNT_BUCKETS).labels(m)
+        self.output_len = histogram("kvpilot_request_generation_tokens", "Output tokens of finished requests.",
+                                    TOKEN_COUNT_BUCKETS).labels(m)
+        self._finished = counter("kvpilot_requests_finished_total", "Accepted requests that ended, by finish reason.",
+                                 ("finished_reason",))
+        self.slo_attained = counter("kvpilot_slo_attained_requests_total",
+                                    "Finished requests that completed and met every configured SLO.").labels(m)
+        self.slo_attained_tokens = counter("kvpilot_slo_attained_generation_tokens_total",
+                                           "Output tokens of the requests counted as SLO-attained.").labels(m)
+        self._rejected = counter("kvpilot_requests_rejected_total", "Error responses, by error code.", ("reason",))
+        self.degraded = counter("kvpilot_requests_degraded_total",
+                                "Requests admitted with best_of shrunk to n to fit the KV headroom.").labels(m)
+        self.backpressure_pauses = counter("kvpilot_backpressure_pauses_total",
+                                           "Times a request was paused because its client was not reading.").labels(m)
+        self._startup = histogram("kvpilot_startup_phase_seconds",
+                                  "Duration of a startup phase (loading, warming_up, kernel_tuning).",
+                                  STARTUP_BUCKETS, ("phase",))
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        # Series that exist from the first scrape at 0, so rate()/increase() see them start, not appear at 1
+        # (/metrics is served while the model still loads).
+        for phase in STARTUP_PHASES:
+            self._startup.labels(m, phase)
+        for reason in FINISH_REASONS:
+            self._finished.labels(m, reason)
+
+    def finished(self, reason: str) -> None:
+        self._finished.labels(self.model_name, reason).inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def startup_phase(self, phase: str, seconds: float) -> None:
+        self._startup.labels(self.model_name, phase).observe(seconds)
+
+    def attach_gauges(self, load: Callable[[], dict], phase: Callable[[], str]) -> None:
+        self.registry.register(_LoadGauges(self, load, phase))
+
+
+class _LoadGauges(Collector):
+    """Gauges read from the engine loop's published ``/load`` snapshot at scrape time."""
+
+    _PHASES = ("loading", "warming_up", "ready", "draining", "failed")
+
+    def __init__(self, metrics: ServerMetrics, load: Callable[[], dict], phase: Callable[[], str]) -> None:
+        self._metrics, self._load, self._phase = metrics, load, phase
+
+    def collect(self):
+        m = self._metrics.model_name
+        snap = self._load()
+
+        def gauge(metric: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([m], value)
+            return g
+
+        yield gauge("kvpilot_num_requests_running", "Requests holding KV blocks (incl. backpressured).", snap.get("running", 0))
+        yield gauge("kvpilot_num_requests_waiting", "Requests queued without KV blocks (incl. pending admission).",
+                    snap.get("waiting", 0))
+        yield gauge("kvpilot_num_requests_swapped", "Requests whose KV is swapped to host memory.", snap.get("swapped", 0))
+        yield gauge("kvpilot_num_requests_backpressured", "Running requests paused for a slow client.",
+                    snap.get("backpressured", 0))
+        yield gauge("kvpilot_kv_cache_usage_ratio", "1 - allocatable KV blocks / usable blocks.", snap.get("kv_usage", 0.0))
+        yield gauge("kvpilot_queued_prefill_tokens", "Prompt tokens still to compute.", snap.get("queued_prefill_tokens", 0))
+        blocks = GaugeMetricFamily("kvpilot_kv_cache_blocks", "KV blocks by state (free includes cached-free).",
+                                   labels=["model_name", "state"])
+        for state in ("total", "free", "cached", "reserved"):
+            blocks.add_metric([m, state], snap.get(f"kv_blocks_{state}", 0))
+        yield blocks
+        info = GaugeMetricFamily("kvpilot_cache_config_info", "KV cache configuration (value 1).",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        if snap.get("block_size"):
+            info.add_metric([m, str(snap["block_size"]), str(snap.get("kv_blocks_total", 0))], 1)
+        yield info
+        phase = GaugeMetricFamily("kvpilot_server_phase", "1 for the server's current phase.", labels=["model_name", "phase"])
+        current = self._phase()
+        for p in self._PHASES:
+            phase.add_metric([m, p], 1.0 if p == current else 0.0)
+        yield phase
+        objectives = GaugeMetricFamily("kvpilot_slo_objective_seconds", "Configured latency objectives.",
+                                       labels=["model_name", "objective"])
+        for objective, value in (("ttft", self._metrics.slo_ttft_s), ("tpot", self._metrics.slo_tpot_s)):
+            if value is not None:
+                objectives.add_metric([m, objective], value)
+        yield objectives

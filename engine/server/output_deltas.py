@@ -1,0 +1,77 @@
+"""Cumulative engine outputs → the deltas a client is sent (computed on the engine thread, so a buffered
+chunk holds only new tokens, never a copy of the whole output).
+
+A sample's new tokens ride with the text they produce: tokens whose text is still held back (a possible
+stop string, an incomplete UTF-8 character) wait for the next chunk that carries text, or for the
+sample's end. So every chunk the handler takes is one *emit* of the tokens it carries (the seed's
+t_emit), and a chunk without text is only ever a sample's final one (or any chunk when the request
+asked for token ids without text, ``detokenize=False``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpilot.engine.outputs import Logprob, RequestOutput
+
+
+@dataclass(frozen=True)
+class SampleDelta:
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    #: per new token: {token id: Logprob} (top-N and the sampled token), when logprobs were requested
+    logprobs: tuple[dict[int, Logprob], ...] | None
+    #: set on the sample's last delta
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    samples: tuple[SampleDelta, ...]
+    #: the whole request is done (every sample has sent its finish reason)
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    #: the prompt's logprobs (``prompt_logprobs``), on the first chunk only
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+class DeltaTracker:
+    """What of each sample has been sent; one per request, used by the engine thread only."""
+
+    def __init__(self, detokenize: bool) -> None:
+        self._detokenize = detokenize
+        self._sent_text: dict[int, int] = {}
+        self._sent_tokens: dict[int, int] = {}
+        self._done: set[int] = set()
+        self._prompt_logprobs_sent = False
+
+    def update(self, out: RequestOutput) -> OutputChunk | None:
+        """The chunk to send for this output, or None when nothing is ready to show."""
+        samples = []
+        for c in out.outputs:
+            if c.index in self._done:
+                continue
+            text_from = self._sent_text.get(c.index, 0)
+            tok_from = self._sent_tokens.get(c.index, 0)
+            new_text = c.text[text_from:]
+            new_tokens = c.token_ids[tok_from:]
+            finished = c.finish_reason is not None
+            if not (new_text or finished or (new_tokens and not self._detokenize)):
+                continue
+            self._sent_text[c.index] = len(c.text)
+            self._sent_tokens[c.index] = len(c.token_ids)
+            if finished:
+                self._done.add(c.index)
+            logprobs = tuple(c.logprobs[tok_from:]) if c.logprobs is not None else None
+            samples.append(SampleDelta(c.index, new_text, tuple(new_tokens), logprobs,
+                                       c.finish_reason, c.stop_reason))
+        if not samples and not out.finished:
+            return None
+        prompt_logprobs = None
+        if out.prompt_logprobs is not None and not self._prompt_logprobs_sent and (samples or out.finished):
+            prompt_logprobs, self._prompt_logprobs_sent = out.prompt_logprobs, True
+        return OutputChunk(tuple(samples), out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
+                           prompt_logprobs)

@@ -1,0 +1,62 @@
+"""Request body → prompt token ids, by exactly the rules the router applies (``router/request_profile.py``),
+through the same shared functions (``kvpilot.engine.prompt_render``), so the router's block hashes are the
+engine's (tests/server/test_prompt_ids.py holds them equal):
+
+- completions ``prompt``: a string, a list of token ids, a list of strings, or a list of token-id lists;
+- chat: ``messages`` through the model's chat template with ``add_generation_prompt`` (default true),
+  ``chat_template_kwargs`` as template variables, and ``tools`` (when the body has the key) on top.
+
+Tokenization runs on a worker thread (it can take milliseconds for long prompts); any failure to render
+or encode is the request's fault: 400.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
+from kvpilot.engine.server.errors import bad_request
+from kvpilot.engine.server.protocol import ChatCompletionRequest
+from kvpilot.engine.tokenizer import Tokenizer
+
+# apply_chat_template's own parameters: as template variables they would change how it runs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    #: the prompt as text, when the client sent text (for ``echo``); None for token ids
+    text: str | None
+    token_ids: list[int]
+
+
+def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[PromptInput]:
+    if isinstance(prompt, str):
+        return [PromptInput(prompt, completion_prompt_ids(tokenizer, prompt))]
+    if not prompt:
+        raise bad_request("prompt must not be an empty list", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [PromptInput(None, completion_prompt_ids(tokenizer, prompt))]
+    return [PromptInput(p if isinstance(p, str) else None, completion_prompt_ids(tokenizer, p)) for p in prompt]
+
+
+def chat_template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    kwargs = dict(body.chat_template_kwargs or {})
+    clash = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if clash:
+        raise bad_request(f"chat_template_kwargs may not set {clash}", "chat_template_kwargs")
+    if "tools" in body.model_fields_set:
+        kwargs["tools"] = body.tools
+    return kwargs
+
+
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> PromptInput:
+    kwargs = chat_template_kwargs(body)
+    add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
+    try:
+        ids = chat_prompt_ids(tokenizer, body.messages, add_generation_prompt, **kwargs)
+    except Exception as err:  # the template decides what it accepts; whatever it refuses is bad input
+        raise bad_request(f"messages could not be rendered with the model's chat template: {err}",
+                          "messages") from None
+    return PromptInput(None, ids)

@@ -1,0 +1,59 @@
+"""Warm-up before ``/ready``: kernel tuning (Triton on CUDA) and forward passes over the configured
+batch/length buckets through the real engine path (add_request → step → sample → detokenize → reclaim),
+so the first real requests do not pay for lazy initialisation, allocator growth or kernel compilation
+(seed §1.5). Runs on the engine thread, before the engine loop serves anything.
+
+Warm-up prompts carry their own cache salt, so their cached blocks can never be hit by a real request;
+they are the least recently used blocks and are evicted first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.server.config import WarmupBucket
+
+WARMUP_SALT = "kvpilot-warmup"
+
+
+def effective_buckets(buckets: tuple[WarmupBucket, ...], max_model_len: int, max_num_seqs: int,
+                      max_num_batched_tokens: int, chunked_prefill: bool) -> list[WarmupBucket]:
+    """The configured buckets clipped to what this engine can run (prompt + 2 output tokens must fit the
+    context, a batch never exceeds max_num_seqs, a prompt fits one step when prefill is not chunked)."""
+    longest = max_model_len - 2 if chunked_prefill else min(max_model_len - 2, max_num_batched_tokens)
+    out: list[WarmupBucket] = []
+    for b in buckets:
+        clipped = WarmupBucket(min(b.batch_size, max_num_seqs), max(1, min(b.prompt_len, longest)))
+        if clipped not in out:
+            out.append(clipped)
+    return out
+
+
+def warmup_prompt(bucket: WarmupBucket, index: int, vocab_size: int) -> list[int]:
+    """Distinct deterministic token ids per request (no shared prefix, so every prompt is computed)."""
+    return [(index * 7919 + 31 * j + 3) % vocab_size for j in range(bucket.prompt_len)]
+
+
+def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, WarmupBucket], None],
+               on_kernel_tuning: Callable[[float], None]) -> None:
+    """Tune kernels (when the backend has anything to tune), then run each bucket to completion.
+    ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_kernel_tuning(seconds)`` after tuning."""
+    if engine.device.type == "cuda":
+        start = time.monotonic()
+        key_cache, value_cache = engine.kv_cache.layers[0]
+        sc = engine.config.scheduler
+        engine.backend.warmup(key_cache, value_cache, sc.max_num_seqs, sc.max_num_batched_tokens,
+                              engine.max_model_len)
+        on_kernel_tuning(time.monotonic() - start)
+    params = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0, ignore_eos=True, detokenize=True)
+    vocab = engine.arch.vocab_size
+    for i, bucket in enumerate(buckets):
+        on_bucket(i, bucket)
+        ids = [f"warmup-{i}-{j}" for j in range(bucket.batch_size)]
+        for j, rid in enumerate(ids):
+            engine.add_request(rid, warmup_prompt(bucket, i * 1000 + j, vocab), params, cache_salt=WARMUP_SALT)
+        while engine.has_unfinished_requests():
+            engine.step()
+    engine.terminal_records.clear()

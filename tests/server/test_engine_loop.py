@@ -1,0 +1,115 @@
+"""The engine loop thread without HTTP: a slow consumer backpressures its request (bounded buffer, no
+decode steps, blocks kept) until it drains; an abort reclaims blocks at once; the warm-up runs first and
+stays out of the steady-state counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.server.config import ServerConfig, WarmupBucket
+from kvpilot.engine.server.engine_info import placeholder_load
+from kvpilot.engine.server.engine_loop import EngineLoop
+from kvpilot.engine.server.lifecycle import Lifecycle, Phase
+from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.server.output_deltas import OutputChunk
+from kvpilot.engine.server.request_stream import RequestStream
+from kvpilot.engine.server.serving_request import ServingRequest
+from kvpilot.engine.server.tracing import NO_SPAN
+
+CAPACITY, RESUME = 4, 2
+
+
+def make_loop(**config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
+    engine_config = EngineArgs(model="tiny-random", num_kv_blocks=64).create_config()
+    metrics = ServerMetrics("tiny-random")
+    lifecycle = Lifecycle(metrics.startup_phase)
+    from kvpilot.engine.engine_core import LLMEngine
+
+    loop = EngineLoop(lambda: LLMEngine(engine_config),
+                      ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY, **config),
+                      lifecycle, metrics, placeholder_load(engine_config))
+    return loop, lifecycle, metrics
+
+
+async def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+def request(loop: EngineLoop, rid: str, max_tokens: int) -> ServingRequest:
+    stream = RequestStream(asyncio.get_running_loop(), CAPACITY, RESUME, lambda: loop.resume(rid))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+    return ServingRequest(rid, [5, 6, 7, 8, 9], params, None, 0, time.monotonic(), stream, NO_SPAN)
+
+
+def test_slow_consumer_is_backpressured_then_resumes(tiny_model_dir):
+    async def main() -> None:
+        loop, lifecycle, metrics = make_loop()
+        loop.start()
+        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        req = request(loop, "slow", 60)
+        loop.submit([req])
+        await wait_for(lambda: loop.load["backpressured"] == 1)
+        # paused: the buffer stays bounded and no more tokens are generated while nobody reads
+        depth = req.stream.depth
+        await asyncio.sleep(0.2)
+        assert req.stream.depth == depth and CAPACITY <= depth <= CAPACITY + 1
+        assert loop.load["running"] == 1 and loop.load["kv_blocks_free"] < loop.load["kv_blocks_total"]
+        assert metrics.backpressure_pauses._value.get() == 1
+        tokens = 0
+        while True:
+            chunk: OutputChunk = await req.stream.get()
+            tokens += sum(len(d.token_ids) for d in chunk.samples)
+            if chunk.finished:
+                break
+        assert tokens == 60 and chunk.samples[-1].finish_reason == "length"
+        await wait_for(lambda: loop.load["running"] == 0)
+        assert loop.load["backpressured"] == 0 and loop.load["kv_blocks_free"] == loop.load["kv_blocks_total"]
+        # warm-up (2 requests x 8 prompt tokens, 2 output tokens each) is not in the steady-state counters
+        assert metrics.generation_tokens._value.get() == 60 and metrics.prompt_tokens._value.get() == 5
+        loop.stop()
+
+    asyncio.run(main())
+
+
+def test_abort_reclaims_blocks_in_the_next_snapshot(tiny_model_dir):
+    async def main() -> None:
+        loop, lifecycle, _ = make_loop()
+        loop.start()
+        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        reqs = [request(loop, f"r{i}", 400) for i in range(3)]
+        loop.submit(reqs)
+        for req in reqs:
+            await req.stream.get()  # each has started
+        assert loop.load["running"] == 3
+        loop.abort([r.request_id for r in reqs])
+        start = time.monotonic()
+        await wait_for(lambda: loop.load["running"] == 0, timeout_s=1.0)
+        assert time.monotonic() - start < 1.0
+        assert loop.load["kv_blocks_free"] == loop.load["kv_blocks_total"] and loop.load["kv_blocks_reserved"] == 0
+        loop.stop()
+
+    asyncio.run(main())
+
+
+def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path):
+    reasons: list[str] = []
+    metrics = ServerMetrics("missing")
+    lifecycle = Lifecycle(metrics.startup_phase)
+    config = EngineArgs(model=str(tmp_path / "nope")).create_config()
+
+    def factory():
+        from kvpilot.engine.engine_core import LLMEngine
+
+        return LLMEngine(config)
+
+    loop = EngineLoop(factory, ServerConfig(), lifecycle, metrics, placeholder_load(config), reasons.append)
+    loop.start()
+    loop.stop()
+    assert lifecycle.phase is Phase.FAILED and not loop.healthy(time.monotonic())
+    assert len(reasons) == 1 and reasons[0].startswith("engine failed to start: ValueError: cannot resolve model")

@@ -1,0 +1,123 @@
+"""Bad input never gets a 500: every client mistake is an OpenAI error object with the right status, code
+and param (400, 401, 404, 405, 413 here; 429 and 503 in test_admission_limits.py and test_lifecycle.py)."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+MODEL = "tiny-random"
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _error(exc: pytest.ExceptionInfo) -> tuple[int, str | None, str | None]:
+    return exc.value.status_code, exc.value.code, exc.value.param
+
+
+@pytest.mark.parametrize(("kwargs", "code", "param"), [
+    ({"temperature": -1.0}, "invalid_request", "temperature"),
+    ({"top_p": 0.0}, "invalid_request", "top_p"),
+    ({"n": 0}, "invalid_request", "n"),
+    ({"max_tokens": 0}, "invalid_request", "max_tokens"),
+    ({"max_tokens": 600}, "context_length_exceeded", "max_tokens"),
+    ({"logprobs": 21}, "invalid_request", None),
+    ({"stream": True, "best_of": 3}, "invalid_request", "stream"),
+    ({"prompt": [100000]}, "invalid_request", "prompt"),
+    ({"prompt": [7] * 600}, "context_length_exceeded", "prompt"),
+    ({"prompt": []}, "invalid_request", "prompt"),
+    ({"logit_bias": {"abc": 1.0}}, "invalid_request", "logit_bias"),
+    ({"extra_body": {"max_tokens": "5"}}, "invalid_request", "max_tokens"),
+    ({"extra_body": {"top_k": -5}}, "invalid_request", "top_k"),
+    ({"extra_body": {"seed": 1 << 70}}, "invalid_request", "seed"),
+    ({"extra_body": {"stream_options": {"include_usage": True}}}, "invalid_request", "stream_options"),
+    ({"suffix": "tail"}, "invalid_request", "suffix"),
+])
+def test_completion_400s(client, kwargs, code, param):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **kwargs}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(**body)
+    assert _error(exc) == (400, code, param)
+    assert exc.value.type == "invalid_request_error"
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"messages": [{"role": "robot", "content": "beep"}]}, "messages"),  # the template refuses the role
+    ({"messages": []}, "messages"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}}, "chat_template_kwargs"),
+])
+def test_chat_400s(client, kwargs, param):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(**body)
+    assert (exc.value.status_code, exc.value.param) == (400, param)
+
+
+@pytest.mark.parametrize(("raw", "param"), [
+    (b'{"prompt": "x", "max_tokens": 2', None),  # truncated JSON
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),  # a lone surrogate
+    (b'[1, 2]', None),
+    (b'{"max_tokens": 2}', "prompt"),
+])
+def test_malformed_bodies_are_400(tiny_server, raw, param):
+    r = httpx.post(tiny_server.url + "/v1/completions", content=raw,
+                   headers={**tiny_server.headers, "content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
+
+
+def test_bad_tenant_header_is_400(tiny_server):
+    r = tiny_server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"x-tenant": "t" * 200})
+    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (400, "invalid_tenant", "x-tenant")
+
+
+def test_401_without_or_with_a_wrong_key(tiny_server):
+    for key in ("wrong-key", ""):
+        client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=key or "x", max_retries=0,
+                               default_headers={} if key else {"Authorization": ""})
+        with pytest.raises(openai.AuthenticationError) as exc:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert (exc.value.status_code, exc.value.code) == (401, "invalid_api_key")
+    assert httpx.get(tiny_server.url + "/health").status_code == 200  # probes need no key
+    assert httpx.get(tiny_server.url + "/v1/models").status_code == 401
+
+
+def test_404_unknown_model_and_route(client, tiny_server):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert (exc.value.code, exc.value.param) == ("model_not_found", "model")
+    r = tiny_server.get("/v1/nothing-here")
+    assert (r.status_code, r.json()["error"]["code"]) == (404, "not_found")
+    r = tiny_server.get("/v1/completions")
+    assert (r.status_code, r.json()["error"]["code"]) == (405, "method_not_allowed")
+
+
+def test_413_body_too_large(client, tiny_server):
+    with pytest.raises(openai.APIStatusError) as exc:
+        client.completions.create(model=MODEL, prompt="x" * 70_000, max_tokens=1)
+    assert (exc.value.status_code, exc.value.code) == (413, "request_too_large")
+    # a chunked body (no Content-Length) is cut off at the limit too
+    r = httpx.post(tiny_server.url + "/v1/completions", headers={**tiny_server.headers, "content-type": "application/json"},
+                   content=iter([b'{"prompt": "', b"y" * 70_000, b'"}']))
+    assert r.status_code == 413
+
+
+def test_rejections_are_counted_by_reason(tiny_server):
+    def rejected(reason: str) -> float:
+        prefix = f'kvpilot_requests_rejected_total{{model_name="{MODEL}",reason="{reason}"}} '
+        line = next((li for li in tiny_server.get("/metrics").text.splitlines() if li.startswith(prefix)), None)
+        return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+    before = rejected("model_not_found")
+    tiny_server.post("/v1/completions", {"model": "nope", "prompt": "x"})
+    assert rejected("model_not_found") == before + 1
+
+
+def test_a_wrong_type_names_the_field_not_the_union_member(tiny_server):
+    r = tiny_server.post("/v1/completions", {"prompt": 5})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
