@@ -89,6 +89,10 @@ class LLMEngine(StepOutputs):
         self.terminal_records: list[TerminalRecord] = []
         self.stats = EngineStats()
         self._pending_outputs: dict[str, SequenceGroup] = {}
+        #: what the last step scheduled, for the server's per-request tracing: (request id, tokens computed
+        #: before the step, new tokens) per scheduled sequence, and the ids of the requests it preempted
+        self.last_step_scheduled: list[tuple[str, int, int]] = []
+        self.last_step_preempted: list[str] = []
 
     @property
     def num_steps(self) -> int:
@@ -168,6 +172,8 @@ class LLMEngine(StepOutputs):
         start = time.perf_counter()
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
+        self.last_step_scheduled = [(r.group.request_id, r.num_computed_tokens, n) for r, n in out.scheduled]
+        self.last_step_preempted = [r.group.request_id for r in out.preempted]
         now = time.monotonic()
         for req, _ in out.scheduled:
             if req.times.first_scheduled is None:
