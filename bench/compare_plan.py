@@ -32,10 +32,12 @@ class ComparePlan:
     input_len: tuple[int, int] = (64, 128)  # prompt length, tokens, uniform inclusive
     output_len: int = 64  # max_tokens for every request, exact (ignore_eos)
     concurrencies: tuple[int, ...] = (1, 8, 32)  # closed-loop clients; also the HF batch sizes
-    request_rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)  # open-loop sweep, req/s
+    # Open-loop sweep, req/s, geometric: at 64 output tokens a server here serves ~0.3-3 req/s, so the
+    # sweep brackets the knee of either server.
+    request_rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
     min_requests: int = 16  # closed loop: measured requests per level at least
     rounds_per_client: int = 2  # closed loop: measured requests per client at least
-    open_requests: int = 32  # open loop: measured requests per rate
+    open_requests: int = 24  # open loop: measured requests per rate
     warmup_requests: int = 2  # per bench serve run, sent one at a time first and excluded
     request_timeout_s: float = 300.0  # one request, end to end
 

@@ -36,8 +36,9 @@ def bench_serve(args: list[str], log_path: Path, report_path: Path, timeout_s: f
     argv = [sys.executable, "-m", "kvpilot.cli", "bench", "serve", *args]
     with open(log_path, "w", encoding="utf-8") as log:
         try:
+            # cwd: `python -m` puts it on sys.path, and at the repo root operator/ shadows the stdlib.
             result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                    stdin=subprocess.DEVNULL)
+                                    stdin=subprocess.DEVNULL, cwd=log_path.parent)
         except subprocess.TimeoutExpired:
             raise RunError(f"`bench serve` ran past {timeout_s:g} s (raise --bench-timeout); log: {log_path}") from None
     if result.returncode != 0:
@@ -108,7 +109,7 @@ def measure_hf(plan: ComparePlan, model_dir: Path, threads: int, repeats: int, w
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                    env=env, stdin=subprocess.DEVNULL)
+                                    env=env, stdin=subprocess.DEVNULL, cwd=hf_dir)
         except subprocess.TimeoutExpired:
             raise RunError(f"HF generate ran past {timeout_s:g} s (raise --hf-timeout); log: {log_path}") from None
     if result.returncode != 0:

@@ -80,8 +80,10 @@ class ManagedServer:
         env = {**(os.environ if self.spec.base_env is None else self.spec.base_env), **self.spec.env}
         with open(self.log_path, "wb") as log:
             try:
+                # cwd: `python -m` puts it on sys.path, and at the repo root operator/ shadows the stdlib.
                 self.process = subprocess.Popen(self.spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+                                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+                                                cwd=self.log_path.parent)
             except OSError as exc:
                 raise ServerError(f"{self.spec.name}: cannot run {self.spec.argv[0]}: {exc}") from None
         self.started_at = time.perf_counter()

@@ -8,22 +8,24 @@ vLLM (``python -m vllm.entrypoints.openai.api_server`` from its own venv):
   ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` keeps none back for the front end (with two cores, reserving one
   would halve the GEMM threads). ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes its KV cache: 1 GiB holds ~23k
   tokens of this model, far more than 32 requests here need.
-- torch.compile stays at vLLM's CPU default (Dynamo traced once, Inductor C++ backend); the first start
-  compiles for minutes, later starts load the compiled artefact from ``~/.cache/vllm``. ``--vllm-arg
-  --enforce-eager`` turns it off if it fails.
+- torch.compile stays at vLLM's CPU default (Dynamo traced once, Inductor C++ backend); a start compiles
+  for minutes (vLLM 0.32.0 saves the artefact under ``~/.cache/vllm`` but here fails to load it again, so
+  every start compiles; :func:`vllm_startup_note` reports it). ``--vllm-arg --enforce-eager`` turns it off.
 - Hub access is off (``HF_HUB_OFFLINE``), and so are vLLM's usage statistics.
 
 kvpilot: ``python -m kvpilot.cli serve --model smollm2-135m --port N`` (``smollm2-135m`` resolves to the
 same directory), ready when ``/ready`` answers 200 (weights loaded, warm-up done).
 
-Neither server gets OMP_WAIT_POLICY from this script unless the user asks (``--omp-wait-policy``): each
-runs with its own default (kvpilot sets PASSIVE itself; vLLM and HF leave libgomp's default).
+All three get the same OMP_WAIT_POLICY (``--omp-wait-policy``, PASSIVE unless told otherwise), so the
+OpenMP runtime is not one of the differences being measured.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from compare_servers import ServerSpec
@@ -31,7 +33,6 @@ from compare_servers import ServerSpec
 VLLM_KVCACHE_GIB = 1
 VLLM_MAX_MODEL_LEN = 2048
 SERVED_MODEL_NAME = "smollm2-135m"
-VLLM_COMPILE_CACHE = Path.home() / ".cache" / "vllm" / "torch_compile_cache"
 KVPILOT_CHECK_TIMEOUT_S = 120.0
 
 
@@ -58,6 +59,19 @@ def vllm_spec(python: Path, model_dir: Path, port: int, threads_bind: str, extra
                       env=vllm_env(threads_bind, extra_env), base_env=base_env, start_timeout_s=start_timeout_s)
 
 
+def vllm_startup_note(server_log: str) -> str:
+    """What vLLM's start did about torch.compile, from its log: its own engine-init time, and whether it
+    compiled afresh because the saved artefact failed to load (vLLM 0.32.0 on CPU: "'function' object
+    has no attribute 'finalize_loading'", so every start recompiles)."""
+    init = re.search(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", server_log)
+    reload_failed = re.search(r"Compiling model again due to a load failure.*?reason: ([^\n]*)", server_log)
+    parts = [f"engine init incl. compilation {float(init.group(1)):.0f} s" if init else "engine init time not logged"]
+    if reload_failed:
+        parts.append(f"the saved compile artefact failed to load ({reload_failed.group(1).strip()}), so it "
+                     "compiled again")
+    return "; ".join(parts)
+
+
 def kvpilot_spec(model: str, port: int, extra_args: list[str], extra_env: dict[str, str],
                  start_timeout_s: float) -> ServerSpec:
     argv = [sys.executable, "-m", "kvpilot.cli", "serve", "--model", model, "--port", str(port), *extra_args]
@@ -69,8 +83,9 @@ def kvpilot_serve_missing() -> str | None:
     """Why ``kvpilot serve`` cannot run here (its module missing or broken), or None when it can."""
     argv = [sys.executable, "-m", "kvpilot.cli", "serve", "--help"]
     try:
+        # cwd: `python -m` puts it on sys.path, and at the repo root operator/ shadows the stdlib.
         result = subprocess.run(argv, capture_output=True, text=True, timeout=KVPILOT_CHECK_TIMEOUT_S,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         return f"`kvpilot serve --help` did not answer within {KVPILOT_CHECK_TIMEOUT_S:g} s"
     if result.returncode == 0:

@@ -15,6 +15,7 @@ from compare_results import (
 SYSTEM_TITLES = {"hf": "HF generate", "vllm": "vLLM (CPU)", "kvpilot": "kvpilot"}
 SERVERS = ("vllm", "kvpilot")
 BUSY_LOAD_PER_CORE = 0.25  # 1-minute load average per core above which the run is flagged as noisy
+FEW_OPEN_REQUESTS = 20  # below this, the drain of a rate's last requests dominates its achieved rate
 THIN = "†"  # marks a p99 on fewer than P99_MIN_SAMPLES samples
 
 
@@ -138,6 +139,10 @@ def _open_loop_lines(summary: dict) -> list[str]:
             saturation_notes.append(f"- {SYSTEM_TITLES[name]}: {where} ({saturation['reason']})")
     lines += ["", "Offered req/s is the rate the Poisson schedule actually produced; latency counts from each "
                   "request's scheduled arrival (no coordinated omission)."]
+    if summary["plan"]["open_requests"] < FEW_OPEN_REQUESTS:
+        lines += ["", f"Only {summary['plan']['open_requests']} requests per rate: achieved req/s counts up to the "
+                      "last completion, so draining the last requests weighs heavily and the saturation verdict "
+                      "below is unreliable."]
     return lines + (["", *saturation_notes] if saturation_notes else [])
 
 
@@ -159,9 +164,15 @@ def _cold_start_lines(summary: dict) -> list[str]:
 
 
 def _not_measured_lines(summary: dict) -> list[str]:
-    missing = [f"- {SYSTEM_TITLES[name]}: {system['status']}: {system.get('reason', '')}"
-               for name, system in summary["systems"].items() if system.get("status") != STATUS_OK]
-    return ["## Not measured", "", *missing] if missing else []
+    lines = []
+    for name, system in summary["systems"].items():
+        if system.get("status") == STATUS_OK:
+            continue
+        first, *rest = (system.get("reason") or "").splitlines() or [""]
+        lines.append(f"- {SYSTEM_TITLES[name]}: {system['status']}: {first}")
+        if rest:  # a log tail: keep its lines as they are
+            lines += ["", "  ```", *(f"  {line}" for line in rest), "  ```"]
+    return ["## Not measured", "", *lines] if lines else []
 
 
 def render_markdown(summary: dict) -> str:

