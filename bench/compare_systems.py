@@ -13,7 +13,7 @@ vLLM (``python -m vllm.entrypoints.openai.api_server`` from its own venv):
   every start compiles; :func:`vllm_startup_note` reports it). ``--vllm-arg --enforce-eager`` turns it off.
 - Hub access is off (``HF_HUB_OFFLINE``), and so are vLLM's usage statistics.
 
-kvpilot: ``python -m kvpilot.cli serve --model smollm2-135m --port N`` (``smollm2-135m`` resolves to the
+kvpilot: ``python -m kvpilot.cli serve --model smollm2-135m --host 127.0.0.1 --port N`` (``smollm2-135m`` resolves to the
 same directory), ready when ``/ready`` answers 200 (weights loaded, warm-up done).
 
 All three get the same OMP_WAIT_POLICY (``--omp-wait-policy``, PASSIVE unless told otherwise), so the
@@ -74,7 +74,8 @@ def vllm_startup_note(server_log: str) -> str:
 
 def kvpilot_spec(model: str, port: int, extra_args: list[str], extra_env: dict[str, str],
                  start_timeout_s: float) -> ServerSpec:
-    argv = [sys.executable, "-m", "kvpilot.cli", "serve", "--model", model, "--port", str(port), *extra_args]
+    argv = [sys.executable, "-m", "kvpilot.cli", "serve", "--model", model, "--host", "127.0.0.1",
+            "--port", str(port), *extra_args]
     return ServerSpec(name="kvpilot", argv=argv, port=port, ready_path="/ready", env=extra_env,
                       start_timeout_s=start_timeout_s)
 

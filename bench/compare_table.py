@@ -37,9 +37,12 @@ def _header(columns: list[str]) -> list[str]:
     return [_row(columns), _row(["---"] * len(columns))]
 
 
-def _is_busy(environment: dict) -> bool:
-    cores = environment.get("cpu_count") or 1
-    loads = [environment.get("load_before", [0.0])[0], environment.get("load_after", [0.0])[0]]
+def _is_busy(summary: dict) -> bool:
+    """Busy when others loaded the machine: the load before the run or before any system started (the
+    load after the run still carries the last system's own threads, so it is not a sign of others)."""
+    cores = summary["environment"].get("cpu_count") or 1
+    loads = [summary["environment"].get("load_before", [0.0])[0]]
+    loads += [system["load_at_start"][0] for system in summary["systems"].values() if system.get("load_at_start")]
     return max(loads) / cores > BUSY_LOAD_PER_CORE
 
 
@@ -47,11 +50,15 @@ def _environment_lines(summary: dict) -> list[str]:
     env, plan = summary["environment"], summary["plan"]
     loads = " → ".join(", ".join(f"{x:.2f}" for x in env[key]) for key in ("load_before", "load_after")
                        if env.get(key))
+    starts = ", ".join(f"{SYSTEM_TITLES[name]} {system['load_at_start'][0]:.2f}"
+                       for name, system in summary["systems"].items() if system.get("load_at_start"))
     lines = [
         f"Run {env['started_at']} on {env['cpu_model']}, {env['cpu_count']} cores; "
-        f"load average (1, 5, 15 min) before → after: {loads}.",
+        f"load average (1, 5, 15 min) before → after: {loads}"
+        + (f"; 1-min load average as each system started: {starts}" if starts else "")
+        + ". While a system runs it adds about its own thread count to the load average.",
     ]
-    if _is_busy(env):
+    if _is_busy(summary):
         lines += ["", "> **Noisy:** the machine was shared and busy during this run (load average above "
                       f"{BUSY_LOAD_PER_CORE:g} per core). Treat every figure as indicative only; the final "
                       "figures must be re-taken on a quiet machine."]

