@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # files only, never a display; must precede the pyplot im
 import matplotlib.pyplot as plt
 from compare_results import GEMM_CEILING_OUTPUT_TPS, REFERENCE_OUTPUT_TPS, STATUS_OK, output_tps_by_level
 from compare_table import SERVERS, SYSTEM_TITLES
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
 THROUGHPUT_PNG = "throughput_by_concurrency.png"
 OPEN_LOOP_PNG = "open_loop_latency.png"
@@ -37,8 +38,9 @@ def plot_throughput(summary: dict, path: Path) -> Path:
     ax.axhline(GEMM_CEILING_OUTPUT_TPS, color="black", linestyle=":", linewidth=1,
                label=f"fp32 GEMM ceiling ≈ {GEMM_CEILING_OUTPUT_TPS:.0f}")
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted(set(summary["plan"]["concurrencies"])))
-    ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    reference_levels = {level for figures in REFERENCE_OUTPUT_TPS.values() for level in figures}
+    ax.set_xticks(sorted(set(summary["plan"]["concurrencies"]) | reference_levels))
+    _plain_numbers(ax.xaxis)
     ax.set_xlabel("closed-loop concurrency (HF: batch size)")
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"SmolLM2-135M fp32, {summary['plan']['output_len']} greedy tokens, "
@@ -66,7 +68,12 @@ def plot_open_loop(summary: dict, path: Path) -> Path | None:
         ax_tpot.plot(x, [_ms(p["tpot_s"]["p50"]) for p in points], "o-", color=COLORS[name],
                      label=f"{SYSTEM_TITLES[name]} TPOT p50")
     for ax, what in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
-        ax.set_yscale("log")
+        ax.set_xscale("log", base=2)  # the sweep's rates are geometric
+        ax.set_xticks(sorted(summary["plan"]["request_rates"]))
+        ax.set_yscale("log")  # latency grows by orders of magnitude past the knee
+        ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        _plain_numbers(ax.xaxis)
+        _plain_numbers(ax.yaxis)
         ax.set_xlabel("offered request rate (Poisson), req/s")
         ax.set_ylabel(f"{what}, ms (log)")
         ax.grid(True, which="both", alpha=0.3)
@@ -76,6 +83,12 @@ def plot_open_loop(summary: dict, path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plain_numbers(axis: matplotlib.axis.Axis) -> None:
+    """Log-scaled axes labelled 250, 500, 1000 rather than 2.5 x 10^2."""
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _ms(seconds: float | None) -> float:
