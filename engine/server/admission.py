@@ -64,7 +64,8 @@ class Admission:
                                     code="exceeds_kv_capacity")
                 return self._reject(batch, error)
         if self.queue_length + len(batch) > self._config.max_queue_len:
-            error = APIError(429, f"the request queue is full ({self._config.max_queue_len} waiting); retry later",
+            error = APIError(429, f"the request queue is full ({self._config.max_queue_len} waiting); "
+                             "retry later",
                              code="queue_full", retry_after=self._config.retry_after_s)
             return self._reject(batch, error)
         for req in batch:

@@ -46,9 +46,13 @@ def build_state(engine_config: EngineConfig, config: ServerConfig, *,
     lifecycle = Lifecycle(on_phase_timed=metrics.startup_phase)
     loop = EngineLoop(engine_factory or _load_engine(engine_config), config, lifecycle, metrics,
                       placeholder_load(engine_config), on_fatal)
-    limiter = (TenantRateLimiter(config.tenant_rate_limit, config.effective_tenant_burst, config.max_tracked_tenants)
-               if config.tenant_rate_limit > 0 else None)
-    tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__) if tracer_provider is not None else None
+    limiter = None
+    if config.tenant_rate_limit > 0:
+        limiter = TenantRateLimiter(config.tenant_rate_limit, config.effective_tenant_burst,
+                                    config.max_tracked_tenants)
+    tracer = None
+    if tracer_provider is not None:
+        tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
     metrics.attach_gauges(lambda: loop.load, lambda: lifecycle.phase.value)
     return ServerState(config=config, engine_config=engine_config, model_name=model_name, lifecycle=lifecycle,
                        metrics=metrics, loop=loop, tracer=tracer, rate_limiter=limiter)

@@ -63,7 +63,8 @@ class ChatFormat:
         return events
 
     def usage_event(self) -> dict:
-        return {**self._envelope("chat.completion.chunk", []), "usage": usage(self._gen, self._gen.completion_tokens)}
+        return {**self._envelope("chat.completion.chunk", []),
+                "usage": usage(self._gen, self._gen.completion_tokens)}
 
     def full_response(self, results: list[PromptResult]) -> dict:
         (result,) = results
@@ -76,14 +77,16 @@ class ChatFormat:
             if result.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
             choices.append(choice)
-        return {**self._envelope("chat.completion", choices), "usage": usage(self._gen, self._gen.completion_tokens)}
+        return {**self._envelope("chat.completion", choices),
+                "usage": usage(self._gen, self._gen.completion_tokens)}
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
     if body.tool_choice is not None and body.tool_choice not in ("none", "auto"):
-        raise bad_request("tool_choice may only be 'none' or 'auto': tool calls are not parsed", "tool_choice")
+        raise bad_request("tool_choice may only be 'none' or 'auto': tool calls are not parsed",
+                          "tool_choice")
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
 
@@ -97,9 +100,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         check_text(getattr(body, name), name)
     _check_unsupported(body)
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens=explicit, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=explicit, logprobs=logprobs)
     prompt = await run_in_threadpool(chat_prompt, info.tokenizer, body)
     check_against_engine(prompt.token_ids, params, info, explicit_max_tokens=explicit is not None)
     gen = Generation(state, ctx, "chat", f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority or 0,
                      body.user)
-    return await respond(request, state, gen, ChatFormat(gen, state.model_name, body), stream=bool(body.stream))
+    return await respond(request, state, gen, ChatFormat(gen, state.model_name, body),
+                         stream=bool(body.stream))

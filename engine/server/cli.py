@@ -36,15 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most requests accepted but not yet scheduled; more get 429")
     s.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
                    help="seconds a request may wait to be scheduled before it gets 503 (0 = no limit)")
-    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413")
-    s.add_argument("--slo-ttft", type=float, default=None, help="TTFT objective in seconds (SLO/goodput metrics)")
-    s.add_argument("--slo-tpot", type=float, default=None, help="TPOT objective in seconds (SLO/goodput metrics)")
+    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="larger request bodies get 413")
+    s.add_argument("--slo-ttft", type=float, default=None,
+                   help="TTFT objective in seconds (SLO attainment / goodput metrics)")
+    s.add_argument("--slo-tpot", type=float, default=None,
+                   help="TPOT objective in seconds (SLO attainment / goodput metrics)")
     s.add_argument("--tenant-rate-limit", type=float, default=d.tenant_rate_limit,
                    help="requests per second per tenant (x-tenant header, else API key); 0 = off")
-    s.add_argument("--tenant-burst", type=float, default=None, help="token-bucket size (default: max(1, rate))")
+    s.add_argument("--tenant-burst", type=float, default=None,
+                   help="token-bucket size (default: max(1, rate))")
     s.add_argument("--drain-grace-seconds", type=float, default=d.drain_grace_s,
                    help="after SIGTERM, how long in-flight requests may finish")
-    s.add_argument("--warmup-buckets", default=",".join(f"{b.batch_size}x{b.prompt_len}" for b in DEFAULT_WARMUP_BUCKETS),
+    s.add_argument("--warmup-buckets",
+                   default=",".join(f"{b.batch_size}x{b.prompt_len}" for b in DEFAULT_WARMUP_BUCKETS),
                    help="warm-up passes before /ready: BATCHxPROMPT_TOKENS,... ('none' to skip)")
     s.add_argument("--stream-buffer-chunks", type=int, default=d.stream_buffer_chunks,
                    help="chunks buffered per request before a slow client's request is paused")
@@ -62,9 +67,11 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
     if not keys and os.environ.get(API_KEY_ENV):
         keys = [os.environ[API_KEY_ENV]]
     return ServerConfig(host=ns.host, port=ns.port, api_keys=tuple(keys), max_queue_len=ns.max_queue_len,
-                        queue_timeout_s=ns.queue_timeout, max_body_bytes=ns.max_body_bytes, slo_ttft_s=ns.slo_ttft,
-                        slo_tpot_s=ns.slo_tpot, tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,
-                        drain_grace_s=ns.drain_grace_seconds, warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
+                        queue_timeout_s=ns.queue_timeout, max_body_bytes=ns.max_body_bytes,
+                        slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot,
+                        tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,
+                        drain_grace_s=ns.drain_grace_seconds,
+                        warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
                         stream_buffer_chunks=ns.stream_buffer_chunks, retry_after_s=ns.retry_after,
                         loop_stall_timeout_s=ns.loop_stall_timeout, log_level=ns.log_level,
                         access_log=ns.access_log)

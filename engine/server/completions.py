@@ -58,7 +58,8 @@ class CompletionFormat:
     def chunk_events(self, index: int, chunk: OutputChunk) -> list[dict]:
         events = []
         for d in chunk.samples:
-            choice = self._choice(index, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason)
+            choice = self._choice(index, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
+                                  d.stop_reason)
             if chunk.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             event = self._envelope([choice])
@@ -75,7 +76,8 @@ class CompletionFormat:
         for p, result in enumerate(results):
             for i in sorted(result.samples):
                 s = result.samples[i]
-                choice = self._choice(p, i, "".join(s.text), s.token_ids, s.logprobs, s.finish_reason, s.stop_reason)
+                choice = self._choice(p, i, "".join(s.text), s.token_ids, s.logprobs, s.finish_reason,
+                                      s.stop_reason)
                 if result.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
                 choices.append(choice)
@@ -94,8 +96,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise bad_request("suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", "echo")
-    params = sampling_params(body, max_tokens=DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens,
-                             logprobs=body.logprobs)
+    max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
     prompts = await run_in_threadpool(completion_prompts, info.tokenizer, body.prompt)
     for prompt in prompts:
         check_against_engine(prompt.token_ids, params, info, explicit_max_tokens=body.max_tokens is not None)

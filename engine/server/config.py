@@ -100,10 +100,12 @@ class ServerConfig:
              f"--tenant-rate-limit must be >= 0 requests/s (0 = off), got {self.tenant_rate_limit}")
         need(self.tenant_burst is None or (finite(self.tenant_burst) and self.tenant_burst >= 1),
              f"--tenant-burst must be >= 1 request, got {self.tenant_burst}")
-        need(self.max_tracked_tenants >= 1, f"max_tracked_tenants must be >= 1, got {self.max_tracked_tenants}")
+        need(self.max_tracked_tenants >= 1,
+             f"max_tracked_tenants must be >= 1, got {self.max_tracked_tenants}")
         need(finite(self.drain_grace_s) and self.drain_grace_s >= 0,
              f"--drain-grace-seconds must be >= 0, got {self.drain_grace_s}")
-        need(self.stream_buffer_chunks >= 2, f"--stream-buffer-chunks must be >= 2, got {self.stream_buffer_chunks}")
+        need(self.stream_buffer_chunks >= 2,
+             f"--stream-buffer-chunks must be >= 2, got {self.stream_buffer_chunks}")
         need(self.retry_after_s >= 0, f"--retry-after must be >= 0 seconds, got {self.retry_after_s}")
         need(finite(self.loop_stall_timeout_s) and self.loop_stall_timeout_s > 0,
              f"--loop-stall-timeout must be > 0 seconds, got {self.loop_stall_timeout_s}")

@@ -34,7 +34,8 @@ async def _wait_idle(state: ServerState, seconds: float) -> bool:
 
 
 async def drain(state: ServerState, grace_s: float) -> None:
-    if not state.lifecycle.enter(Phase.DRAINING, detail=f"finishing in-flight requests (grace {grace_s:g} s)"):
+    detail = f"finishing in-flight requests (grace {grace_s:g} s)"
+    if not state.lifecycle.enter(Phase.DRAINING, detail=detail):
         return
     log.info("draining: %d in-flight requests, grace %g s", state.inflight, grace_s)
     state.loop.drain()

@@ -24,7 +24,8 @@ class EngineTelemetry:
 
     def _counts(self) -> tuple[int, ...]:
         s = self._engine.stats
-        return (s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits, s.preemptions)
+        return (s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
+                s.preemptions)
 
     def after_step(self, active: dict[str, ServingRequest]) -> None:
         counts = self._counts()

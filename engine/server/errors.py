@@ -21,6 +21,7 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
           500: "server_error", 503: "service_unavailable"}
 
 
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
@@ -58,7 +59,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     # drop "body" and the union-member tags pydantic puts in the path ("str", "list[int]", ...)
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
+    loc = [str(p) for p in first.get("loc", ())
+           if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (f"{param}: {first.get('msg', 'invalid value')}{more}" if param else
@@ -77,14 +79,15 @@ def install_error_handlers(app: FastAPI, count_rejection: Callable[[str], None])
         return await on_api_error(request, bad_request(message, param))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
         error = APIError(exc.status_code, str(exc.detail), code=code)
         count_rejection(code)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error_response(APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error"))
+        error = APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
+        return error_response(error)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -71,8 +71,8 @@ class Generation:
                 "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
                 "gen_ai.usage.input_tokens": len(prompt.token_ids), "enduser.id": user or "",
                 "kvpilot.tenant": ctx.tenant or ""}, ctx.headers)
-            self.requests.append(ServingRequest(rid, prompt.token_ids, params, ctx.tenant, priority, ctx.arrival,
-                                                stream, span))
+            self.requests.append(ServingRequest(rid, prompt.token_ids, params, ctx.tenant, priority,
+                                                ctx.arrival, stream, span))
             self.timelines.append(RequestTimeline(ctx.arrival))
         self._open = set(range(len(prompts)))
         self._reasons: list[str | None] = [None] * len(prompts)

@@ -1,4 +1,5 @@
-"""``/kv/events`` and ``/kv/snapshot``: the prefix cache's hashes for routers (docs/engine-router-contract.md).
+"""``/kv/events`` and ``/kv/snapshot``: the prefix cache's hashes for routers
+(docs/engine-router-contract.md).
 
 ``/kv/events?since=SEQ`` reads the engine's thread-safe event log directly (ordered, gap-free sequence
 numbers; ``gap: true`` when events after SEQ were dropped or SEQ lies in the future). ``/kv/snapshot``
@@ -23,8 +24,9 @@ SNAPSHOT_TIMEOUT_S = 10.0
 
 def _engine_info(request: Request):
     state = server_state(request)
-    if state.loop.info is None or state.lifecycle.phase not in (Phase.WARMING_UP, Phase.READY, Phase.DRAINING):
-        raise APIError(503, f"the engine is not running (phase {state.lifecycle.phase.value})", code="not_ready",
+    phase = state.lifecycle.phase
+    if state.loop.info is None or phase not in (Phase.WARMING_UP, Phase.READY, Phase.DRAINING):
+        raise APIError(503, f"the engine is not running (phase {phase.value})", code="not_ready",
                        retry_after=state.config.retry_after_s)
     return state, state.loop.info
 
@@ -33,15 +35,17 @@ def _engine_info(request: Request):
 async def kv_events(request: Request, since: int = Query(0, ge=0, description="last seq the reader has")):
     _, info = _engine_info(request)
     batch = info.kv_events.since(since)
-    return JSONResponse({"epoch": batch.epoch, "seq": batch.seq, "gap": batch.gap, "block_size": info.block_size,
-                         "root": info.root_hex, "events": [e.to_json() for e in batch.events]})
+    return JSONResponse({"epoch": batch.epoch, "seq": batch.seq, "gap": batch.gap,
+                         "block_size": info.block_size, "root": info.root_hex,
+                         "events": [e.to_json() for e in batch.events]})
 
 
 @router.get("/kv/snapshot")
 async def kv_snapshot(request: Request):
     state, info = _engine_info(request)
     if state.lifecycle.phase is Phase.WARMING_UP:  # the loop is busy warming up, not taking commands
-        raise APIError(503, "the engine is warming up", code="not_ready", retry_after=state.config.retry_after_s)
+        raise APIError(503, "the engine is warming up", code="not_ready",
+                       retry_after=state.config.retry_after_s)
     try:
         snap = await asyncio.wait_for(asyncio.wrap_future(state.loop.kv_snapshot()), SNAPSHOT_TIMEOUT_S)
     except asyncio.TimeoutError:

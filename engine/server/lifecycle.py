@@ -1,4 +1,5 @@
-"""The server's phase (``/ready``'s truth) and its startup timings (seed §1.5: cold start is not steady state).
+"""The server's phase (``/ready``'s truth) and its startup timings (seed §1.5: cold start is not steady
+state).
 
 loading → warming_up → ready, then draining after SIGTERM; ``failed`` when loading or the engine loop
 broke. Draining and failed are final: a late ``enter(READY)`` from the engine thread cannot undo a drain
@@ -57,7 +58,7 @@ class Lifecycle:
         self._phase_started = clock()
         self._done = 0
         self._total = 0
-        self._detail = "starting"
+        self._detail = "loading the model and allocating the KV cache"
         self._startup: dict[str, float] = {}
 
     def enter(self, phase: Phase, total: int = 0, detail: str = "") -> bool:

@@ -21,7 +21,8 @@ def _text(lp: Logprob | None) -> str:
     return lp.decoded_token or "" if lp is not None else ""
 
 
-def completion_logprobs(token_ids: tuple[int, ...] | list[int], entries, text_offset: int) -> tuple[dict, int]:
+def completion_logprobs(token_ids: tuple[int, ...] | list[int], entries,
+                        text_offset: int) -> tuple[dict, int]:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for these tokens, and the offset after
     them. ``top_logprobs`` lists the top-N and the sampled token (up to N + 1 entries, as OpenAI does)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

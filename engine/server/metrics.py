@@ -47,44 +47,52 @@ class ServerMetrics:
         def histogram(metric: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
             return Histogram(metric, doc, [*name, *labels], registry=r, buckets=buckets)
 
+        def one(family):  # the family's only series (label model_name)
+            return family.labels(m)
+
         # engine work (engine thread)
-        self.prompt_tokens = counter("kvpilot_prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).").labels(m)
-        self.generation_tokens = counter("kvpilot_generation_tokens_total", "Output tokens generated.").labels(m)
-        self.prefix_queries = counter("kvpilot_prefix_cache_queries_total",
-                                      "Prompt tokens looked up in the prefix cache at first scheduling.").labels(m)
-        self.prefix_hits = counter("kvpilot_prefix_cache_hits_total",
-                                   "Prompt tokens served from the prefix cache.").labels(m)
-        self.preemptions = counter("kvpilot_num_preemptions_total", "Requests preempted to free KV blocks.").labels(m)
-        self.queue_time = histogram("kvpilot_request_queue_time_seconds",
-                                    "Arrival at the server to first scheduling.", REQUEST_TIME_BUCKETS).labels(m)
-        self.prefill_time = histogram("kvpilot_request_prefill_time_seconds",
-                                      "First scheduling to the first generated token.", REQUEST_TIME_BUCKETS).labels(m)
-        self.decode_time = histogram("kvpilot_request_decode_time_seconds",
-                                     "First to last generated token.", REQUEST_TIME_BUCKETS).labels(m)
+        self.prompt_tokens = one(counter("kvpilot_prompt_tokens_total",
+                                         "Prompt tokens computed (prefix-cache hits excluded)."))
+        self.generation_tokens = one(counter("kvpilot_generation_tokens_total", "Output tokens generated."))
+        self.prefix_queries = one(counter("kvpilot_prefix_cache_queries_total",
+                                          "Prompt tokens looked up in the prefix cache at first scheduling."))
+        self.prefix_hits = one(counter("kvpilot_prefix_cache_hits_total",
+                                       "Prompt tokens served from the prefix cache."))
+        self.preemptions = one(counter("kvpilot_num_preemptions_total",
+                                       "Requests preempted to free KV blocks."))
+        self.queue_time = one(histogram("kvpilot_request_queue_time_seconds",
+                                        "Arrival at the server to first scheduling.", REQUEST_TIME_BUCKETS))
+        self.prefill_time = one(histogram("kvpilot_request_prefill_time_seconds",
+                                          "First scheduling to the first generated token.",
+                                          REQUEST_TIME_BUCKETS))
+        self.decode_time = one(histogram("kvpilot_request_decode_time_seconds",
+                                         "First generated token to the end.", REQUEST_TIME_BUCKETS))
         # per request, as the client sees it (HTTP handlers)
-        self.ttft = histogram("kvpilot_time_to_first_token_seconds", "TTFT: first emit minus arrival.",
-                              with_objective(TTFT_BUCKETS, slo_ttft_s)).labels(m)
-        self.itl = histogram("kvpilot_inter_token_latency_seconds", "ITL: emit time of a token minus the previous one's.",
-                             TOKEN_GAP_BUCKETS).labels(m)
-        self.tpot = histogram("kvpilot_time_per_output_token_seconds", "TPOT: (last emit - first emit) / (N - 1).",
-                              with_objective(TOKEN_GAP_BUCKETS, slo_tpot_s)).labels(m)
-        self.e2e = histogram("kvpilot_e2e_request_latency_seconds", "Arrival to the end of the response.",
-                             REQUEST_TIME_BUCKETS).labels(m)
-        self.prompt_len = histogram("kvpilot_request_prompt_tokens", "Prompt length of finished requests.",
-                                    TOKEN_COUNT_BUCKETS).labels(m)
-        self.output_len = histogram("kvpilot_request_generation_tokens", "Output tokens of finished requests.",
-                                    TOKEN_COUNT_BUCKETS).labels(m)
-        self._finished = counter("kvpilot_requests_finished_total", "Accepted requests that ended, by finish reason.",
-                                 ("finished_reason",))
-        self.slo_attained = counter("kvpilot_slo_attained_requests_total",
-                                    "Finished requests that completed and met every configured SLO.").labels(m)
-        self.slo_attained_tokens = counter("kvpilot_slo_attained_generation_tokens_total",
-                                           "Output tokens of the requests counted as SLO-attained.").labels(m)
-        self._rejected = counter("kvpilot_requests_rejected_total", "Error responses, by error code.", ("reason",))
-        self.degraded = counter("kvpilot_requests_degraded_total",
-                                "Requests admitted with best_of shrunk to n to fit the KV headroom.").labels(m)
-        self.backpressure_pauses = counter("kvpilot_backpressure_pauses_total",
-                                           "Times a request was paused because its client was not reading.").labels(m)
+        self.ttft = one(histogram("kvpilot_time_to_first_token_seconds", "TTFT: first emit minus arrival.",
+                                  with_objective(TTFT_BUCKETS, slo_ttft_s)))
+        self.itl = one(histogram("kvpilot_inter_token_latency_seconds",
+                                 "ITL: emit time of a token minus the previous one's.", TOKEN_GAP_BUCKETS))
+        self.tpot = one(histogram("kvpilot_time_per_output_token_seconds",
+                                  "TPOT: (last emit - first emit) / (N - 1).",
+                                  with_objective(TOKEN_GAP_BUCKETS, slo_tpot_s)))
+        self.e2e = one(histogram("kvpilot_e2e_request_latency_seconds", "Arrival to the end of the response.",
+                                 REQUEST_TIME_BUCKETS))
+        self.prompt_len = one(histogram("kvpilot_request_prompt_tokens",
+                                        "Prompt length of completed requests.", TOKEN_COUNT_BUCKETS))
+        self.output_len = one(histogram("kvpilot_request_generation_tokens",
+                                        "Output tokens of completed requests.", TOKEN_COUNT_BUCKETS))
+        self._finished = counter("kvpilot_requests_finished_total",
+                                 "Accepted requests that ended, by finish reason.", ("finished_reason",))
+        self.slo_attained = one(counter("kvpilot_slo_attained_requests_total",
+                                        "Finished requests that completed and met every configured SLO."))
+        self.slo_attained_tokens = one(counter("kvpilot_slo_attained_generation_tokens_total",
+                                               "Output tokens of the requests counted as SLO-attained."))
+        self._rejected = counter("kvpilot_requests_rejected_total", "Error responses, by error code.",
+                                 ("reason",))
+        self.degraded = one(counter("kvpilot_requests_degraded_total",
+                                    "Requests admitted with best_of shrunk to n to fit the KV headroom."))
+        self.backpressure_pauses = one(counter("kvpilot_backpressure_pauses_total",
+                                               "Times a request was paused: its client was not reading."))
         self._startup = histogram("kvpilot_startup_phase_seconds",
                                   "Duration of a startup phase (loading, warming_up, kernel_tuning).",
                                   STARTUP_BUCKETS, ("phase",))
@@ -126,15 +134,20 @@ class _LoadGauges(Collector):
             g.add_metric([m], value)
             return g
 
-        yield gauge("kvpilot_num_requests_running", "Requests holding KV blocks (incl. backpressured).", snap.get("running", 0))
-        yield gauge("kvpilot_num_requests_waiting", "Requests queued without KV blocks (incl. pending admission).",
-                    snap.get("waiting", 0))
-        yield gauge("kvpilot_num_requests_swapped", "Requests whose KV is swapped to host memory.", snap.get("swapped", 0))
+        yield gauge("kvpilot_num_requests_running", "Requests holding KV blocks (incl. backpressured).",
+                    snap.get("running", 0))
+        yield gauge("kvpilot_num_requests_waiting",
+                    "Requests queued without KV blocks (incl. pending admission).", snap.get("waiting", 0))
+        yield gauge("kvpilot_num_requests_swapped", "Requests whose KV is swapped to host memory.",
+                    snap.get("swapped", 0))
         yield gauge("kvpilot_num_requests_backpressured", "Running requests paused for a slow client.",
                     snap.get("backpressured", 0))
-        yield gauge("kvpilot_kv_cache_usage_ratio", "1 - allocatable KV blocks / usable blocks.", snap.get("kv_usage", 0.0))
-        yield gauge("kvpilot_queued_prefill_tokens", "Prompt tokens still to compute.", snap.get("queued_prefill_tokens", 0))
-        blocks = GaugeMetricFamily("kvpilot_kv_cache_blocks", "KV blocks by state (free includes cached-free).",
+        yield gauge("kvpilot_kv_cache_usage_ratio", "1 - allocatable KV blocks / usable blocks.",
+                    snap.get("kv_usage", 0.0))
+        yield gauge("kvpilot_queued_prefill_tokens", "Prompt tokens still to compute.",
+                    snap.get("queued_prefill_tokens", 0))
+        blocks = GaugeMetricFamily("kvpilot_kv_cache_blocks",
+                                   "KV blocks by state (free includes cached-free).",
                                    labels=["model_name", "state"])
         for state in ("total", "free", "cached", "reserved"):
             blocks.add_metric([m, state], snap.get(f"kv_blocks_{state}", 0))
@@ -144,7 +157,8 @@ class _LoadGauges(Collector):
         if snap.get("block_size"):
             info.add_metric([m, str(snap["block_size"]), str(snap.get("kv_blocks_total", 0))], 1)
         yield info
-        phase = GaugeMetricFamily("kvpilot_server_phase", "1 for the server's current phase.", labels=["model_name", "phase"])
+        phase = GaugeMetricFamily("kvpilot_server_phase", "1 for the server's current phase.",
+                                  labels=["model_name", "phase"])
         current = self._phase()
         for p in self._PHASES:
             phase.add_metric([m, p], 1.0 if p == current else 0.0)

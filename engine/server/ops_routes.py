@@ -54,6 +54,7 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     state = server_state(request)
     info = state.loop.info
-    card = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "kvpilot",
-            "root": state.engine_config.model.model, "max_model_len": info.max_model_len if info else None}
+    card = {"id": state.model_name, "object": "model", "created": int(state.started_at),
+            "owned_by": "kvpilot", "root": state.engine_config.model.model,
+            "max_model_len": info.max_model_len if info else None}
     return JSONResponse({"object": "list", "data": [card]})

@@ -38,7 +38,8 @@ def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[PromptI
         raise bad_request("prompt must not be an empty list", "prompt")
     if all(isinstance(t, int) for t in prompt):
         return [PromptInput(None, completion_prompt_ids(tokenizer, prompt))]
-    return [PromptInput(p if isinstance(p, str) else None, completion_prompt_ids(tokenizer, p)) for p in prompt]
+    return [PromptInput(p if isinstance(p, str) else None, completion_prompt_ids(tokenizer, p))
+            for p in prompt]
 
 
 def chat_template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:

@@ -81,7 +81,8 @@ class RequestTimeline:
                          num_output_tokens=sum(s.num_tokens for s in self.samples.values()))
 
 
-def slo_attained(lat: Latencies, finish_reason: str, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
+def slo_attained(lat: Latencies, finish_reason: str, slo_ttft_s: float | None,
+                 slo_tpot_s: float | None) -> bool:
     if finish_reason not in COMPLETED:
         return False
     if slo_ttft_s is not None and (lat.ttft is None or lat.ttft > slo_ttft_s):

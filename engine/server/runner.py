@@ -72,9 +72,10 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     holder: list[DrainingServer] = []
     state = build_state(engine_config, config, tracer_provider=tracer_provider,
                         on_fatal=lambda reason: holder[0].fatal(reason))
-    uv_config = uvicorn.Config(create_app(state), host=config.host, port=config.port, log_level=config.log_level,
-                               access_log=config.access_log, timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
-                               lifespan="on", server_header=False)
+    uv_config = uvicorn.Config(create_app(state), host=config.host, port=config.port,
+                               log_level=config.log_level, access_log=config.access_log,
+                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on",
+                               server_header=False)
     server = DrainingServer(uv_config, state, config.drain_grace_s)
     holder.append(server)
     try:

@@ -11,9 +11,9 @@ from kvpilot.engine.server.protocol import SamplingFields
 
 # Body fields that map one-to-one onto SamplingParams (same name, same meaning).
 _SAME_NAME = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "typical_p", "presence_penalty",
-              "frequency_penalty", "repetition_penalty", "length_penalty", "seed", "stop_token_ids", "bad_words",
-              "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "min_tokens", "allowed_token_ids",
-              "no_repeat_ngram_size", "use_beam_search", "prompt_logprobs")
+              "frequency_penalty", "repetition_penalty", "length_penalty", "seed", "stop_token_ids",
+              "bad_words", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "min_tokens",
+              "allowed_token_ids", "no_repeat_ngram_size", "use_beam_search", "prompt_logprobs")
 
 
 def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -24,7 +24,8 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
         try:
             kwargs["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
         except ValueError:
-            raise bad_request("logit_bias keys must be token ids (integers as strings)", "logit_bias") from None
+            raise bad_request("logit_bias keys must be token ids (integers as strings)",
+                              "logit_bias") from None
     kwargs["max_tokens"] = max_tokens
     kwargs["logprobs"] = logprobs
     try:
@@ -48,11 +49,12 @@ def check_against_engine(token_ids: list[int], params: SamplingParams, info: Eng
                         info.enable_chunked_prefill)
         validate_params(params, info.vocab_size, info.max_logprobs)
     except RequestError as err:
-        raise bad_request(str(err), "prompt" if "prompt" in str(err) else None,
-                          code="context_length_exceeded" if "context limit" in str(err) else "invalid_request") \
-            from None
+        message = str(err)
+        code = "context_length_exceeded" if "context limit" in message else "invalid_request"
+        raise bad_request(message, "prompt" if "prompt" in message else None, code=code) from None
     if explicit_max_tokens and params.max_tokens is not None and \
             len(token_ids) + params.max_tokens > info.max_model_len:
-        raise bad_request(f"this model's maximum context length is {info.max_model_len} tokens, but the request "
-                          f"asks for {len(token_ids)} prompt tokens + {params.max_tokens} output tokens",
+        raise bad_request(f"this model's maximum context length is {info.max_model_len} tokens, but the "
+                          f"request asks for {len(token_ids)} prompt tokens + {params.max_tokens} output "
+                          "tokens",
                           "max_tokens", code="context_length_exceeded")

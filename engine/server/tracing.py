@@ -26,11 +26,12 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 
 SERVICE_NAME = "kvpilot-engine"
 INSTRUMENTATION_NAME = "kvpilot.engine.server"
+ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
 
 
 def tracer_provider_from_env() -> TracerProvider | None:
     """An OTLP-exporting provider when the environment configures an endpoint, else None (no tracing)."""
-    if not (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    if not any(os.environ.get(name) for name in ENDPOINT_VARIABLES):
         return None
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

@@ -1,5 +1,6 @@
 """Warm-up before ``/ready``: kernel tuning (Triton on CUDA) and forward passes over the configured
-batch/length buckets through the real engine path (add_request → step → sample → detokenize → reclaim),
+batch/length buckets through the real engine path (add_request → step → sample → detokenize →
+reclaim),
 so the first real requests do not pay for lazy initialisation, allocator growth or kernel compilation
 (seed §1.5). Runs on the engine thread, before the engine loop serves anything.
 
@@ -39,7 +40,8 @@ def warmup_prompt(bucket: WarmupBucket, index: int, vocab_size: int) -> list[int
 def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, WarmupBucket], None],
                on_kernel_tuning: Callable[[float], None]) -> None:
     """Tune kernels (when the backend has anything to tune), then run each bucket to completion.
-    ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_kernel_tuning(seconds)`` after tuning."""
+    ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_kernel_tuning(seconds)`` after
+    tuning."""
     if engine.device.type == "cuda":
         start = time.monotonic()
         key_cache, value_cache = engine.kv_cache.layers[0]
@@ -53,7 +55,8 @@ def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, Wa
         on_bucket(i, bucket)
         ids = [f"warmup-{i}-{j}" for j in range(bucket.batch_size)]
         for j, rid in enumerate(ids):
-            engine.add_request(rid, warmup_prompt(bucket, i * 1000 + j, vocab), params, cache_salt=WARMUP_SALT)
+            prompt = warmup_prompt(bucket, i * 1000 + j, vocab)
+            engine.add_request(rid, prompt, params, cache_salt=WARMUP_SALT)
         while engine.has_unfinished_requests():
             engine.step()
     engine.terminal_records.clear()

@@ -64,7 +64,10 @@ class ServerProcess:
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                *args, *(["--api-key", api_key] if api_key else [])]
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ))
+        # run from the log's folder: a `python -m` in the repo root would put its `operator/` folder first
+        # on sys.path (see scripts/setup.sh)
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ),
+                                        cwd=log_path.parent)
 
     def wait_ready(self, timeout_s: float = 90) -> ServerProcess:
         try:
@@ -109,8 +112,8 @@ class InProcessServer:
     def __init__(self, engine_args: dict, config: ServerConfig | None = None, **build_kwargs) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        engine_config = EngineArgs.from_kwargs(**{"model": "tiny-random", "num_kv_blocks": 256, **engine_args}) \
-            .create_config()
+        engine_args = {"model": "tiny-random", "num_kv_blocks": 256, **engine_args}
+        engine_config = EngineArgs.from_kwargs(**engine_args).create_config()
         self.config = config or ServerConfig(warmup_buckets=(WarmupBucket(1, 8),))
         self.state = build_state(engine_config, self.config, **build_kwargs)
         self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
@@ -162,7 +165,8 @@ def client(tiny_server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def start_process(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+def start_process(tiny_model_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
     """Factory: ``start_process(args, api_key=None, wait=True)``; every server is stopped after the module."""
     started: list[ServerProcess] = []
 

@@ -45,7 +45,8 @@ class Harness:
     def request(self, rid: str, prompt_len: int, arrival: float = 0.0, **params) -> ServingRequest:
         ids = [(7 * len(rid) + 3 * j) % 500 + 3 for j in range(prompt_len)]
         stream = RequestStream(self.loop, 8, 4, lambda: None)
-        return ServingRequest(rid, ids, SamplingParams(max_tokens=4, **params), None, 0, arrival, stream, NO_SPAN)
+        params = SamplingParams(max_tokens=4, **params)
+        return ServingRequest(rid, ids, params, None, 0, arrival, stream, NO_SPAN)
 
 
 def outcome(req: ServingRequest):

@@ -41,8 +41,8 @@ def test_tenant_over_its_rate_gets_429_with_retry_after(limited):
 
 
 def test_full_queue_is_429_and_a_stale_queued_request_is_503(limited):
-    hog = tenant_client(limited, "hog").completions.create(model=MODEL, prompt="hog", max_tokens=480, stream=True,
-                                                           extra_body={"ignore_eos": True})
+    hog = tenant_client(limited, "hog").completions.create(model=MODEL, prompt="hog", max_tokens=480,
+                                                           stream=True, extra_body={"ignore_eos": True})
     next(iter(hog))  # the hog holds the only batch slot now
     waited: dict = {}
 

@@ -29,7 +29,8 @@ def make_loop(**config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
     from kvpilot.engine.engine_core import LLMEngine
 
     loop = EngineLoop(lambda: LLMEngine(engine_config),
-                      ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY, **config),
+                      ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY,
+                                   **config),
                       lifecycle, metrics, placeholder_load(engine_config))
     return loop, lifecycle, metrics
 
@@ -91,7 +92,8 @@ def test_abort_reclaims_blocks_in_the_next_snapshot(tiny_model_dir):
         start = time.monotonic()
         await wait_for(lambda: loop.load["running"] == 0, timeout_s=1.0)
         assert time.monotonic() - start < 1.0
-        assert loop.load["kv_blocks_free"] == loop.load["kv_blocks_total"] and loop.load["kv_blocks_reserved"] == 0
+        load = loop.load
+        assert load["kv_blocks_free"] == load["kv_blocks_total"] and load["kv_blocks_reserved"] == 0
         loop.stop()
 
     asyncio.run(main())
@@ -112,4 +114,5 @@ def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path):
     loop.start()
     loop.stop()
     assert lifecycle.phase is Phase.FAILED and not loop.healthy(time.monotonic())
-    assert len(reasons) == 1 and reasons[0].startswith("engine failed to start: ValueError: cannot resolve model")
+    assert len(reasons) == 1
+    assert reasons[0].startswith("engine failed to start: ValueError: cannot resolve model")

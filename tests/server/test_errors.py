@@ -73,7 +73,8 @@ def test_malformed_bodies_are_400(tiny_server, raw, param):
 
 def test_bad_tenant_header_is_400(tiny_server):
     r = tiny_server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"x-tenant": "t" * 200})
-    assert (r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) == (400, "invalid_tenant", "x-tenant")
+    error = r.json()["error"]
+    assert (r.status_code, error["code"], error["param"]) == (400, "invalid_tenant", "x-tenant")
 
 
 def test_401_without_or_with_a_wrong_key(tiny_server):
@@ -102,15 +103,16 @@ def test_413_body_too_large(client, tiny_server):
         client.completions.create(model=MODEL, prompt="x" * 70_000, max_tokens=1)
     assert (exc.value.status_code, exc.value.code) == (413, "request_too_large")
     # a chunked body (no Content-Length) is cut off at the limit too
-    r = httpx.post(tiny_server.url + "/v1/completions", headers={**tiny_server.headers, "content-type": "application/json"},
-                   content=iter([b'{"prompt": "', b"y" * 70_000, b'"}']))
+    r = httpx.post(tiny_server.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 70_000, b'"}']),
+                   headers={**tiny_server.headers, "content-type": "application/json"})
     assert r.status_code == 413
 
 
 def test_rejections_are_counted_by_reason(tiny_server):
     def rejected(reason: str) -> float:
         prefix = f'kvpilot_requests_rejected_total{{model_name="{MODEL}",reason="{reason}"}} '
-        line = next((li for li in tiny_server.get("/metrics").text.splitlines() if li.startswith(prefix)), None)
+        lines = tiny_server.get("/metrics").text.splitlines()
+        line = next((li for li in lines if li.startswith(prefix)), None)
         return float(line.rsplit(" ", 1)[1]) if line else 0.0
 
     before = rejected("model_not_found")

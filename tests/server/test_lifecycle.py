@@ -44,13 +44,15 @@ def test_not_ready_until_the_engine_has_loaded_and_warmed_up(start_in_process):
     assert httpx.get(server.url + "/kv/events").status_code == 503
     with pytest.raises(openai.InternalServerError) as exc:
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=1)
-    assert (exc.value.status_code, exc.value.code, exc.value.response.headers["retry-after"]) == (503, "not_ready", "1")
+    assert (exc.value.status_code, exc.value.code) == (503, "not_ready")
+    assert exc.value.response.headers["retry-after"] == "1"
     gate.set()
     deadline = time.monotonic() + 30
     while (ready := httpx.get(server.url + "/ready")).status_code != 200:
         assert time.monotonic() < deadline
     body = ready.json()
-    assert (body["phase"], body["ready"], sorted(body["startup_seconds"])) == ("ready", True, ["loading", "warming_up"])
+    assert (body["phase"], body["ready"]) == ("ready", True)
+    assert sorted(body["startup_seconds"]) == ["loading", "warming_up"]
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "phase": "ready"}
     assert server.client().completions.create(model=MODEL, prompt="x", max_tokens=1).choices
     metrics = httpx.get(server.url + "/metrics").text
@@ -63,7 +65,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(start_process):
                             "--drain-grace-seconds", "60"])
     client = server.client()
     stream = iter(client.completions.create(model=MODEL, prompt="drain me", max_tokens=240, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
     next(stream)
     server.signal(signal.SIGTERM)
     deadline = time.monotonic() + 10

@@ -44,7 +44,8 @@ def tokenizers(request):
     return Tokenizer.from_dir(model_dir), load_profiler(str(model_dir))
 
 
-@pytest.mark.parametrize(("path", "body"), BODIES, ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, _) in enumerate(BODIES)])
+@pytest.mark.parametrize(("path", "body"), BODIES,
+                         ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, _) in enumerate(BODIES)])
 def test_server_and_router_derive_the_same_prompt_ids(tokenizers, path, body):
     tokenizer, profiler = tokenizers
     router_ids = profiler.profile(path, body, tenant="t").prompts

@@ -31,7 +31,8 @@ def test_a_span_per_request_with_phase_events(start_in_process):
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     config = ServerConfig(warmup_buckets=(WarmupBucket(1, 8),))
     # a 20-token budget splits the 50-token prompt into three prefill chunks
-    server = start_in_process({"max_num_batched_tokens": 20, "max_num_seqs": 4}, config, tracer_provider=provider)
+    server = start_in_process({"max_num_batched_tokens": 20, "max_num_seqs": 4}, config,
+                              tracer_provider=provider)
     body = {"prompt": list(range(5, 55)), "max_tokens": 3, "ignore_eos": True, "user": "u-1"}
     r = httpx.post(server.url + "/v1/completions", json=body,
                    headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01", "x-tenant": "acme"})
@@ -65,7 +66,8 @@ def test_a_rejected_request_ends_its_span_with_an_error(start_in_process):
     assert r.status_code == 400 and r.json()["error"]["code"] == "exceeds_kv_capacity"
     (span,) = wait_spans(exporter, 1)
     assert span.name == "chat tiny-random" and span.status.status_code is StatusCode.ERROR
-    assert [e.name for e in span.events] == ["finished"] and span.events[0].attributes["finish_reason"] == "rejected"
+    assert [e.name for e in span.events] == ["finished"]
+    assert span.events[0].attributes["finish_reason"] == "rejected"
 
 
 def test_otlp_export_follows_the_environment(monkeypatch):
