@@ -171,6 +171,7 @@ class EngineLoop:
             busy = False
             if self._engine.has_unfinished_requests():
                 busy = self._step()
+            self._telemetry.consume_terminal_records()  # finished, aborted, timed out: one record each
             self._publish()
             self.heartbeat = time.monotonic()
 
@@ -220,7 +221,6 @@ class EngineLoop:
             for rid in cmd.request_ids:
                 if not self._admission.remove_pending(rid) and self._active.pop(rid, None) is not None:
                     engine.abort_request(rid, RequestStatus.CANCELLED)
-            self._telemetry.consume_terminal_records()
         elif isinstance(cmd, _Resume):
             if cmd.request_id in self._active:
                 engine.set_backpressure(cmd.request_id, False)

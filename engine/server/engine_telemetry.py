@@ -47,7 +47,6 @@ class EngineTelemetry:
             req = active.get(request_id)
             if req is not None:
                 req.span.event("preempted")
-        self.consume_terminal_records()
 
     def consume_terminal_records(self) -> None:
         records = self._engine.terminal_records

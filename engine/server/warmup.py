@@ -57,6 +57,12 @@ def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, Wa
         for j, rid in enumerate(ids):
             prompt = warmup_prompt(bucket, i * 1000 + j, vocab)
             engine.add_request(rid, prompt, params, cache_salt=WARMUP_SALT)
-        while engine.has_unfinished_requests():
+        # each step computes at least one of the bucket's tokens (twice that allows for recomputation after
+        # a preemption): a warm-up that cannot finish fails the start instead of hanging it
+        for _ in range(2 * bucket.batch_size * (bucket.prompt_len + params.max_tokens)):
+            if not engine.has_unfinished_requests():
+                break
             engine.step()
+        if engine.has_unfinished_requests():
+            raise RuntimeError(f"warm-up bucket {bucket} did not finish")
     engine.terminal_records.clear()
