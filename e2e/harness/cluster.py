@@ -8,7 +8,10 @@ and steer it through ``call``.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import random
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -19,18 +22,37 @@ import kmock
 import yaml
 from harness.apiserver import ApiServerHarness
 from harness.pod_runners import FakePodRunner
-from harness.workloads import WorkloadControllers
+from harness.workloads import PodRunner, WorkloadControllers
 
 T = TypeVar("T")
 NAMESPACES = kmock.resource("", "v1", "namespaces")
 
 
+def claim_ip_prefix() -> tuple[str, int]:
+    """A random loopback 127.x.y (pods get 127.x.y.N) that no other live harness on this machine holds.
+
+    The claim is an exclusive lock on a file named after the prefix, held until the returned descriptor
+    is closed (or the process dies), so parallel test runs never give two pods the same address and port.
+    """
+    lock_dir = Path(tempfile.gettempdir()) / "kvpilot-e2e-addresses"
+    lock_dir.mkdir(exist_ok=True)
+    for _ in range(100):
+        prefix = f"127.{random.randint(16, 250)}.{random.randint(0, 255)}"
+        descriptor = os.open(lock_dir / prefix, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            continue
+        return prefix, descriptor
+    raise RuntimeError(f"no free loopback prefix after 100 tries (locks in {lock_dir})")
+
+
 class HarnessCluster:
-    def __init__(self, workdir: Path, runner: FakePodRunner | None = None) -> None:
+    def __init__(self, workdir: Path, runner: PodRunner | None = None) -> None:
         self.workdir = workdir
         self.runner = runner or FakePodRunner()
-        # Pods get addresses in a random 127.x.y.0/24: loopback, and unlikely to meet another test run.
-        self.ip_prefix = f"127.{random.randint(16, 250)}.{random.randint(0, 255)}"
+        self.ip_prefix, self._prefix_lock = claim_ip_prefix()
         self.kubeconfig = workdir / "kubeconfig"
         self.api: ApiServerHarness | None = None
         self._loop = asyncio.new_event_loop()
@@ -69,9 +91,12 @@ class HarnessCluster:
             await self._server.__aexit__(None, None, None)
             await self.api.__aexit__(None, None, None)
 
-        self.call(_stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        try:
+            self.call(_stop(), timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+            os.close(self._prefix_lock)
 
     # ---- reading and steering from tests ----------------------------------------------------------
     def get(self, resource: str, namespace: str | None, name: str) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
-"""Pod runners for the harness kubelet: where a pod's containers stand, and who decides it.
+"""``FakePodRunner``: the harness kubelet's pods run no container; the test decides where each one stands.
 
-``FakePodRunner`` runs no container: the test sets each pod's stage (pending, loading, warmingUp, ready,
-crashing), and an HTTP endpoint on the pod's loopback address answers ``/ready`` with the engine's body
-(``{"phase": ..., "progress": ...}``), so the operator reads warm-up progress exactly as from a real engine.
+The test sets each pod's stage (pending, loading, warmingUp, ready, crashing) and the runner reports the
+pod status a kubelet would write for it; an HTTP endpoint on the pod's loopback address answers ``/ready``
+with the engine's body (``{"phase": ..., "progress": ...}``), so the operator reads warm-up progress
+exactly as from a real engine. ``process_runner.ProcessPodRunner`` is the one that runs real processes.
 """
 
 from __future__ import annotations
@@ -11,9 +12,38 @@ import logging
 from typing import Any
 
 import aiohttp.web
+from harness.store import now_timestamp
 
+STAGES = ("pending", "loading", "warmingUp", "ready", "crashing")
 ENGINE_PHASES = {"loading": ("loading", 0.4), "warmingUp": ("warming_up", 0.9), "ready": ("ready", 1.0)}
 log = logging.getLogger(__name__)
+
+
+def pod_status(pod: dict[str, Any], stage: str, previous: dict[str, Any]) -> dict[str, Any]:
+    """The status a kubelet would write for a pod whose engine is at ``stage``."""
+    ready = stage == "ready"
+    was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in previous.get("conditions", []))
+    since = next((c["lastTransitionTime"] for c in previous.get("conditions", []) if c["type"] == "Ready"), None)
+    ready_since = since if was_ready == ready and since else now_timestamp()
+    statuses = []
+    for container in pod["spec"]["containers"]:
+        if stage == "pending":
+            state: dict[str, Any] = {"waiting": {"reason": "ContainerCreating"}}
+        elif stage == "crashing" and container["name"] == "engine":
+            state = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting failed container"}}
+        else:
+            state = {"running": {"startedAt": pod["metadata"]["creationTimestamp"]}}
+        engine_like = container["name"] == "engine"
+        statuses.append({"name": container["name"], "image": container.get("image", ""), "state": state,
+                         "ready": ready, "restartCount": 3 if stage == "crashing" and engine_like else 0,
+                         "started": stage in ("warmingUp", "ready") or (not engine_like and stage != "pending")})
+    return {
+        "phase": "Pending" if stage == "pending" else "Running",
+        "podIP": previous.get("podIP", ""),
+        "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": ready_since},
+                       {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_since}],
+        "containerStatuses": statuses,
+    }
 
 
 class FakePodRunner:
@@ -27,6 +57,9 @@ class FakePodRunner:
     def stage(self, pod: dict[str, Any]) -> str:
         namespace_stage = self.namespace_stages.get(pod["metadata"].get("namespace", ""), self.default_stage)
         return self.stages.get(pod["metadata"]["name"], namespace_stage)
+
+    def status(self, pod: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
+        return pod_status(pod, self.stage(pod), previous)
 
     async def start(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]
@@ -54,3 +87,7 @@ class FakePodRunner:
         runner = self._sites.pop(pod["metadata"]["name"], None)
         if runner is not None:
             await runner.cleanup()
+
+    async def close(self) -> None:
+        for name in list(self._sites):
+            await self._sites.pop(name).cleanup()

@@ -2,12 +2,13 @@
 
 - a Deployment controller that creates pods from the template (labelled with ``pod-template-hash``),
   rolls them honouring ``maxSurge``/``maxUnavailable``, and writes the Deployment's status;
-- a kubelet loop that asks a ``PodRunner`` where each pod's containers stand and writes pod status;
+- a kubelet loop that gives each new pod a loopback IP, has a ``PodRunner`` start it, writes the pod
+  status the runner reports, and has the runner stop deleted pods;
 - an EndpointSlice controller for Services with selectors (what the router sidecar watches).
 
-The ``PodRunner`` is the seam for running real containers later: ``FakePodRunner`` (in ``pod_runners``)
-lets a test set each pod's stage; a process runner would start the engine and router from the pod's
-command/args/env on the pod's loopback address and report what their probes answer.
+``PodRunner`` is the seam: ``FakePodRunner`` (``pod_runners``) lets a test set each pod's stage;
+``ProcessPodRunner`` (``process_runner``) runs the containers as local processes and reports what their
+probes say.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from typing import Any, Protocol
 import kmock
 from harness.apiserver import ApiServerHarness
 from harness.patches import matches_label_selector
-from harness.store import now_timestamp
 
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 PODS = kmock.resource("", "v1", "pods")
 SERVICES = kmock.resource("", "v1", "services")
 SLICES = kmock.resource("discovery.k8s.io", "v1", "endpointslices")
-STAGES = ("pending", "loading", "warmingUp", "ready", "crashing")
+LAST_POD_ADDRESS = 254  # pods get <ip_prefix>.2 … .254
 
 
 class PodRunner(Protocol):
@@ -35,7 +35,10 @@ class PodRunner(Protocol):
 
     async def stop(self, pod: dict[str, Any]) -> None: ...  # the pod is gone: stop them
 
-    def stage(self, pod: dict[str, Any]) -> str: ...  # one of STAGES, from the runner's probes
+    # the pod's status now, given the last one written (which carries the podIP)
+    def status(self, pod: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...  # the harness stops: stop every pod still running
 
 
 def template_hash(template: dict[str, Any]) -> str:
@@ -54,33 +57,6 @@ def is_ready(pod: dict[str, Any]) -> bool:
                for c in pod.get("status", {}).get("conditions", []))
 
 
-def pod_status(pod: dict[str, Any], stage: str, previous: dict[str, Any]) -> dict[str, Any]:
-    """The status a kubelet would write for a pod whose engine is at ``stage``."""
-    ready = stage == "ready"
-    was_ready = is_ready({"status": previous})
-    since = next((c["lastTransitionTime"] for c in previous.get("conditions", []) if c["type"] == "Ready"), None)
-    ready_since = since if was_ready == ready and since else now_timestamp()
-    statuses = []
-    for container in pod["spec"]["containers"]:
-        if stage == "pending":
-            state: dict[str, Any] = {"waiting": {"reason": "ContainerCreating"}}
-        elif stage == "crashing" and container["name"] == "engine":
-            state = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting failed container"}}
-        else:
-            state = {"running": {"startedAt": pod["metadata"]["creationTimestamp"]}}
-        engine_like = container["name"] == "engine"
-        statuses.append({"name": container["name"], "image": container.get("image", ""), "state": state,
-                         "ready": ready, "restartCount": 3 if stage == "crashing" and engine_like else 0,
-                         "started": stage in ("warmingUp", "ready") or (not engine_like and stage != "pending")})
-    return {
-        "phase": "Pending" if stage == "pending" else "Running",
-        "podIP": previous.get("podIP", ""),
-        "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": ready_since},
-                       {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_since}],
-        "containerStatuses": statuses,
-    }
-
-
 class WorkloadControllers:
     def __init__(self, api: ApiServerHarness, runner: PodRunner, ip_prefix: str) -> None:
         self.api, self.runner, self.ip_prefix = api, runner, ip_prefix
@@ -95,9 +71,7 @@ class WorkloadControllers:
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-        for key, pod in self.api.store.all_live():
-            if key[0] == PODS and pod["metadata"]["uid"] in self._started:
-                await self.runner.stop(pod)
+        await self.runner.close()
 
     async def _loop(self, interval: float) -> None:
         while True:
@@ -168,11 +142,13 @@ class WorkloadControllers:
             pod = json.loads(json.dumps(pod))
             status = pod.setdefault("status", {})
             if pod["metadata"]["uid"] not in self._started:
+                if self._next_ip > LAST_POD_ADDRESS:
+                    raise RuntimeError(f"the harness ran out of pod addresses in {self.ip_prefix}.0/24")
                 self._started.add(pod["metadata"]["uid"])
                 status["podIP"] = f"{self.ip_prefix}.{self._next_ip}"
                 self._next_ip += 1
                 await self.runner.start({**pod, "status": status})
-            new_status = pod_status(pod, self.runner.stage(pod), status)
+            new_status = self.runner.status(pod, status)
             if new_status != status:
                 await self.api.update(key, {**pod, "status": new_status}, subresource="status")
         events, self._events_seen = self.api.store.events[self._events_seen:], len(self.api.store.events)
