@@ -69,7 +69,9 @@ def test_scaling_change_resizes_by_the_n_plus_one_rule(cluster, kubectl, namespa
     assert status["sizing"]["desiredReplicas"] == 4  # ceil(10 × 1.2 / 4) = 3, + 1 spare
     kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", rate.format(20)))
     cluster.wait_for("7 replicas", lambda: cluster.get(DEPLOYMENTS, namespace, "smol")["spec"]["replicas"] == 7)
-    status = wait_phase(cluster, namespace, "smol", "Ready")
+    # the status of generation 1 still says Ready until the operator has seen the change
+    status = cluster.wait_for("generation 2 Ready", lambda: (s := status_of(cluster, namespace, "smol")).get(
+        "observedGeneration") == 2 and s["phase"] == "Ready" and s, timeout=60)
     assert status["sizing"]["formula"] == "clamp(ceil(20 × (1 + 0.2) / 4) + 1, 1, 100) = 7"
     assert (status["readyReplicas"], status["observedGeneration"]) == (7, 2)
 
