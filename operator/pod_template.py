@@ -19,6 +19,12 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 ROUTER_CPU = "100m"
 ROUTER_MEMORY = "256Mi"
+# The router imports its HTTP and Kubernetes clients and loads the model's tokenizer before it listens:
+# seconds of CPU, which on a busy node with its small CPU request can outlast the liveness probe's
+# 3 × 10 s. Its startup probe holds liveness off for up to 2 minutes, checking every 5 s so that a
+# router that is up is not kept waiting (readiness also waits for it).
+ROUTER_STARTUP_PERIOD_SECONDS = 5
+ROUTER_STARTUP_FAILURE_THRESHOLD = 24
 # Enough for in-flight requests to finish after the engine stops taking new ones (phase "draining").
 TERMINATION_GRACE_SECONDS = 120
 RUN_AS_USER = 10001  # the image's non-root user
@@ -120,6 +126,8 @@ def _router_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "ports": [{"name": "http-router", "containerPort": api_names.ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},
                       "limits": {"memory": ROUTER_MEMORY}},
+        "startupProbe": _http_probe("/health", "http-router", period=ROUTER_STARTUP_PERIOD_SECONDS,
+                                    failures=ROUTER_STARTUP_FAILURE_THRESHOLD, timeout=3),
         "livenessProbe": _http_probe("/health", "http-router", period=10, failures=3, timeout=3),
         # Ready when at least one engine of the service is ready (the router's own /ready rule).
         "readinessProbe": _http_probe("/ready", "http-router", period=5, failures=2, timeout=3),

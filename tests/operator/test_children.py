@@ -31,6 +31,9 @@ def test_engine_and_router_command_lines_follow_the_contracts():
     assert engine["startupProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
                                       "failureThreshold": 16, "timeoutSeconds": 5}
     assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    # a router slow to start on a busy node is not killed by its liveness probe before it listens
+    assert router["startupProbe"] == {"httpGet": {"path": "/health", "port": "http-router"}, "periodSeconds": 5,
+                                      "failureThreshold": 24, "timeoutSeconds": 3}
     assert [c["topologyKey"] for c in pod["topologySpreadConstraints"]] == [
         "topology.kubernetes.io/zone", "kubernetes.io/hostname"]
 
