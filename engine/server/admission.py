@@ -115,7 +115,7 @@ class Admission:
 
     def _reject(self, batch: list[ServingRequest], error: APIError) -> None:
         for req in batch:
-            req.fail(error, None)
+            req.fail(error, None, whole_batch=True)
 
     def remove_pending(self, request_id: str) -> bool:
         for req in self.pending:

@@ -214,7 +214,7 @@ class EngineLoop:
         if isinstance(cmd, _Submit):
             if self._draining:
                 for req in cmd.batch:
-                    req.fail(draining_error(self._config.retry_after_s), None)
+                    req.fail(draining_error(self._config.retry_after_s), None, whole_batch=True)
             else:
                 self._admission.submit(cmd.batch)
         elif isinstance(cmd, _Abort):

@@ -102,7 +102,8 @@ class Generation:
             index, item = await self._next_of_many()
         now = time.monotonic()
         if isinstance(item, Failure):
-            self._end(index, item.finish_reason, now, error=item.error.message)
+            for i in sorted(self._open) if item.whole_batch else [index]:
+                self._end(i, item.finish_reason, now, error=item.error.message)
             self.close()
             raise item.error
         self._record(index, item, now)
@@ -168,10 +169,26 @@ class Generation:
     def close(self) -> None:
         """Cancel whatever has not finished (the client left, or another prompt failed): the engine loop
         drops it and reclaims its blocks. Idempotent; a no-op once everything finished."""
-        unfinished = sorted(self._open)
-        if not unfinished:
-            return
-        self._state.loop.abort([self.requests[i].request_id for i in unfinished])
         now = time.monotonic()
-        for i in unfinished:
+        cancel = []
+        for i in sorted(self._open):
+            failure = self._buffered_failure(i)
+            if failure is not None:  # it had already ended on its own: account it as it ended
+                self._end(i, failure.finish_reason, now, error=failure.error.message)
+            else:
+                cancel.append(i)
+        if not cancel:
+            return
+        self._state.loop.abort([self.requests[i].request_id for i in cancel])
+        for i in cancel:
             self._end(i, "abort", now, error="cancelled: the client disconnected or the request failed")
+
+    def _buffered_failure(self, index: int) -> Failure | None:
+        task = self._gets.get(index)
+        if task is not None and task.done() and not task.cancelled() and isinstance(task.result(), Failure):
+            return task.result()
+        stream = self.requests[index].stream
+        while (item := stream.take_nowait()) is not None:
+            if isinstance(item, Failure):
+                return item
+        return None

@@ -65,6 +65,11 @@ class RequestStream:
             self._on_drained()
         return item
 
+    def take_nowait(self) -> Any | None:
+        """The next item if one is buffered, else None (for a handler that is giving up on the request)."""
+        with self._lock:
+            return self._items.popleft() if self._items else None
+
     @property
     def depth(self) -> int:
         with self._lock:

@@ -23,6 +23,8 @@ class Failure:
     #: the finish reason to account the request under; None = it was turned away before it was queued
     #: (counted as a rejection, not as a finished request)
     finish_reason: str | None
+    #: every request of the HTTP request's batch was turned away with this same error
+    whole_batch: bool = False
 
 
 @dataclass(eq=False)
@@ -52,5 +54,5 @@ class ServingRequest:
     def num_prompt_tokens(self) -> int:
         return len(self.token_ids)
 
-    def fail(self, error: APIError, finish_reason: str | None) -> None:
-        self.stream.put(Failure(error, finish_reason))
+    def fail(self, error: APIError, finish_reason: str | None, whole_batch: bool = False) -> None:
+        self.stream.put(Failure(error, finish_reason, whole_batch))

@@ -71,3 +71,21 @@ def test_a_request_that_can_never_fit_is_400(limited):
     with pytest.raises(openai.BadRequestError) as exc:
         tenant_client(limited, "big").completions.create(model=MODEL, prompt=[5] * 400, max_tokens=1, n=40)
     assert exc.value.code == "exceeds_kv_capacity"
+
+
+def test_a_batch_turned_away_counts_one_rejection_and_no_finished_request(limited):
+    def samples() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(limited.url + "/metrics").text.splitlines():
+            if line.startswith(("kvpilot_requests_finished_total{", "kvpilot_requests_rejected_total{")):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+    before = samples()
+    with pytest.raises(openai.RateLimitError) as exc:  # two prompts > a queue of one
+        tenant_client(limited, "batch").completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1)
+    assert exc.value.code == "queue_full"
+    after = samples()
+    changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert changed == {'kvpilot_requests_rejected_total{model_name="tiny-random",reason="queue_full"}': 1.0}
