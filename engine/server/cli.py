@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="warm-up passes before /ready: BATCHxPROMPT_TOKENS,... ('none' to skip)")
     s.add_argument("--stream-buffer-chunks", type=int, default=d.stream_buffer_chunks,
                    help="chunks buffered per request before a slow client's request is paused")
+    s.add_argument("--backpressure-timeout", type=float, default=d.backpressure_timeout_s,
+                   help="cancel a request paused this long for a client that does not read (0 = never)")
     s.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 429/503")
     s.add_argument("--loop-stall-timeout", type=float, default=d.loop_stall_timeout_s,
                    help="/health fails when one engine iteration runs longer than this")
@@ -72,7 +74,8 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
                         tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,
                         drain_grace_s=ns.drain_grace_seconds,
                         warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
-                        stream_buffer_chunks=ns.stream_buffer_chunks, retry_after_s=ns.retry_after,
+                        stream_buffer_chunks=ns.stream_buffer_chunks,
+                        backpressure_timeout_s=ns.backpressure_timeout, retry_after_s=ns.retry_after,
                         loop_stall_timeout_s=ns.loop_stall_timeout, log_level=ns.log_level,
                         access_log=ns.access_log)
 

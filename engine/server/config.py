@@ -70,6 +70,9 @@ class ServerConfig:
     #: output chunks buffered per request before the request is backpressured (not scheduled) until the
     #: client drains half of them
     stream_buffer_chunks: int = 16
+    #: a request paused this long for a client that does not read is cancelled, freeing its KV blocks and
+    #: batch slot for clients that do (0 = wait for the client forever)
+    backpressure_timeout_s: float = 120.0
     #: ``Retry-After`` seconds on 429 queue-full and 503 responses
     retry_after_s: int = 1
     #: ``/health`` fails when one engine-loop iteration has run longer than this (a hung device)
@@ -106,6 +109,8 @@ class ServerConfig:
              f"--drain-grace-seconds must be >= 0, got {self.drain_grace_s}")
         need(self.stream_buffer_chunks >= 2,
              f"--stream-buffer-chunks must be >= 2, got {self.stream_buffer_chunks}")
+        need(finite(self.backpressure_timeout_s) and self.backpressure_timeout_s >= 0,
+             f"--backpressure-timeout must be >= 0 seconds (0 = no limit), got {self.backpressure_timeout_s}")
         need(self.retry_after_s >= 0, f"--retry-after must be >= 0 seconds, got {self.retry_after_s}")
         need(finite(self.loop_stall_timeout_s) and self.loop_stall_timeout_s > 0,
              f"--loop-stall-timeout must be > 0 seconds, got {self.loop_stall_timeout_s}")

@@ -166,7 +166,9 @@ class EngineLoop:
             if not self._handle_commands(wait):  # the server is stopping: cancel what is left
                 self._fail_requests(draining_error(self._config.retry_after_s), "abort", reclaim=True)
                 return
-            self._admission.expire(time.monotonic())
+            now = time.monotonic()
+            self._admission.expire(now)
+            self._expire_backpressure(now)
             self._admission.admit_pending()
             busy = False
             if self._engine.has_unfinished_requests():
@@ -189,10 +191,24 @@ class EngineLoop:
             chunk = req.deltas.update(out)
             if chunk is not None and req.stream.put(chunk):
                 engine.set_backpressure(req.request_id, True)
+                req.paused_since = time.monotonic()
                 self._metrics.backpressure_pauses.inc()
             if out.finished:
                 del self._active[out.request_id]
         return engine.num_steps != steps
+
+    def _expire_backpressure(self, now: float) -> None:
+        """Seed §1.7: a full buffer cannot wait forever — a client that stopped reading but keeps its
+        connection open would hold KV blocks and a batch slot indefinitely."""
+        timeout = self._config.backpressure_timeout_s
+        if timeout <= 0:
+            return
+        for req in [r for r in self._active.values()
+                    if r.paused_since is not None and now - r.paused_since > timeout]:
+            self._engine.abort_request(req.request_id, RequestStatus.CANCELLED)
+            del self._active[req.request_id]
+            req.fail(APIError(503, f"the client did not read its stream for {timeout:g} s; request cancelled",
+                              code="client_too_slow"), "abort")
 
     def _handle_commands(self, wait_s: float) -> bool:
         """Run every queued command (waiting up to ``wait_s`` for the first); False on stop."""
@@ -222,8 +238,10 @@ class EngineLoop:
                 if not self._admission.remove_pending(rid) and self._active.pop(rid, None) is not None:
                     engine.abort_request(rid, RequestStatus.CANCELLED)
         elif isinstance(cmd, _Resume):
-            if cmd.request_id in self._active:
+            req = self._active.get(cmd.request_id)
+            if req is not None:
                 engine.set_backpressure(cmd.request_id, False)
+                req.paused_since = None
         elif isinstance(cmd, _Snapshot):
             if not cmd.future.set_running_or_notify_cancel():
                 return

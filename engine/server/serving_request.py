@@ -45,6 +45,8 @@ class ServingRequest:
     scheduled: bool = False
     #: admitted with fewer parallel samples than asked (best_of shrunk to n, the degrade policy)
     degraded: bool = False
+    #: monotonic time the request was paused for a client that does not read (None = not paused)
+    paused_since: float | None = None
     deltas: DeltaTracker = field(init=False)
 
     def __post_init__(self) -> None:

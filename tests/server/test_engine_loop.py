@@ -116,3 +116,27 @@ def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path):
     assert lifecycle.phase is Phase.FAILED and not loop.healthy(time.monotonic())
     assert len(reasons) == 1
     assert reasons[0].startswith("engine failed to start: ValueError: cannot resolve model")
+
+
+def test_a_client_that_never_reads_is_cancelled_after_the_backpressure_timeout(tiny_model_dir):
+    async def main() -> None:
+        loop, lifecycle, _ = make_loop(backpressure_timeout_s=0.3)
+        loop.start()
+        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        req = request(loop, "stalled", 200)
+        loop.submit([req])
+        await wait_for(lambda: loop.load["backpressured"] == 1)
+        paused_at = time.monotonic()
+        await wait_for(lambda: loop.load["running"] == 0)
+        assert time.monotonic() - paused_at >= 0.3
+        assert loop.load["kv_blocks_free"] == loop.load["kv_blocks_total"]
+        items = []
+        while (item := req.stream.take_nowait()) is not None:
+            items.append(item)
+        failure = items[-1]
+        error = failure.error
+        assert (error.status, error.code, failure.finish_reason) == (503, "client_too_slow", "abort")
+        assert all(isinstance(item, OutputChunk) for item in items[:-1])
+        loop.stop()
+
+    asyncio.run(main())
