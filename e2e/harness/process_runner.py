@@ -154,9 +154,10 @@ class ProcessPodRunner:
         """Every container of every pod this runner started in ``namespace``, stopped ones included."""
         return [supervisor for supervisor in self._supervisors if supervisor.namespace == namespace]
 
-    def log_tails(self, namespace: str, chars: int = 3000) -> str:
-        """The end of each container log of the namespace's pods, for failure reports."""
+    def log_tails(self, chars: int = 3000) -> str:
+        """The end of every container log (container output and kubelet events), for failure reports."""
         parts = []
-        for log in sorted((self.pods_dir / namespace).glob("*/*.log")):
-            parts.append(f"--- {log.parent.name}/{log.name} ---\n{log.read_text(errors='replace')[-chars:]}")
+        for log in sorted(self.pods_dir.glob("*/*/*.log")):
+            name = f"{log.parent.parent.name}/{log.parent.name}/{log.name}"
+            parts.append(f"--- {name} ---\n{log.read_text(errors='replace')[-chars:]}")
         return "\n".join(parts)
