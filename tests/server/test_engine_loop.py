@@ -70,7 +70,8 @@ def test_slow_consumer_is_backpressured_then_resumes(tiny_model_dir):
                 break
         assert tokens == 60 and chunk.samples[-1].finish_reason == "length"
         await wait_for(lambda: loop.load["running"] == 0)
-        assert loop.load["backpressured"] == 0 and loop.load["kv_blocks_free"] == loop.load["kv_blocks_total"]
+        load = loop.load
+        assert load["backpressured"] == 0 and load["kv_blocks_free"] == load["kv_blocks_total"]
         # warm-up (2 requests x 8 prompt tokens, 2 output tokens each) is not in the steady-state counters
         assert metrics.generation_tokens._value.get() == 60 and metrics.prompt_tokens._value.get() == 5
         loop.stop()
@@ -87,7 +88,7 @@ def test_abort_reclaims_blocks_in_the_next_snapshot(tiny_model_dir):
         loop.submit(reqs)
         for req in reqs:
             await req.stream.get()  # each has started
-        assert loop.load["running"] == 3
+        await wait_for(lambda: loop.load["running"] == 3)  # the snapshot follows the step that fed the streams
         loop.abort([r.request_id for r in reqs])
         start = time.monotonic()
         await wait_for(lambda: loop.load["running"] == 0, timeout_s=1.0)
