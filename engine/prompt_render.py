@@ -16,9 +16,35 @@ def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> 
     return [int(t) for t in prompt]
 
 
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI content-part arrays (``[{"type": "text", "text": ...}, ...]``) become the string the chat
+    templates expect: the text parts joined by newlines, as vLLM does. Other part types (images, audio)
+    are refused: these models read text only."""
+    out = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"only text content parts are supported, got a {kind!r} part")
+                texts.append(part["text"])
+            message = {**message, "content": "\n".join(texts)}
+        out.append(message)
+    return out
+
+
+def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                       **template_kwargs: Any) -> str:
+    """The chat prompt text: content parts normalized, then the model's chat template."""
+    return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=add_generation_prompt,
+                                         **template_kwargs)
+
+
 def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **template_kwargs: Any) -> list[int]:
-    """``/v1/chat/completions``: the model's chat template, then encoding without extra special tokens
-    (the template already writes them)."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    """``/v1/chat/completions``: the rendered chat prompt, encoded without extra special tokens (the template
+    already writes them)."""
+    text = render_chat_prompt(tokenizer, messages, add_generation_prompt, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)

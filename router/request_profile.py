@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.kv.block_hash import encode_extra_keys, hash_block
-from kvpilot.engine.prompt_render import completion_prompt_ids
+from kvpilot.engine.prompt_render import completion_prompt_ids, render_chat_prompt
 from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.block_chain import BlockChain, HashMemo
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
@@ -90,8 +90,7 @@ class RequestProfiler:
         # renders with the same template and encodes through its segment cache, which gives the same ids
         # (tests/router/test_request_profile.py holds the two paths equal).
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       **kwargs)
+            text = render_chat_prompt(self._tokenizer, messages, add_generation_prompt, **kwargs)
         except ValueError as error:
             raise PromptError(str(error)) from None
         return self._segments.encode_rendered(text)

@@ -29,6 +29,8 @@ BODIES = [
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "tools": TOOLS}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "tools": None}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES[1:2]}),
+    (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                                                  {"type": "text", "text": "a KV cache?"}]}]}),
 ]
 
 
@@ -50,3 +52,14 @@ def test_server_and_router_derive_the_same_prompt_ids(tokenizers, path, body):
     tokenizer, profiler = tokenizers
     router_ids = profiler.profile(path, body, tenant="t").prompts
     assert server_prompt_ids(tokenizer, path, body) == router_ids
+
+
+def test_content_parts_are_joined_text_and_other_parts_are_refused(tokenizers):
+    tokenizer, _ = tokenizers
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "it?"}]}]
+    plain = [{"role": "user", "content": "What is\nit?"}]
+    assert server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": parts}) == \
+        server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": plain})
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(Exception, match="only text content parts"):
+        server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": image})
