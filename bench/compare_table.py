@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from compare_probe import QUIET_GEMM_GFLOPS
 from compare_results import (
     GEMM_CEILING_OUTPUT_TPS,
     REFERENCE_OUTPUT_TPS,
@@ -58,6 +59,11 @@ def _environment_lines(summary: dict) -> list[str]:
         + (f"; 1-min load average as each system started: {starts}" if starts else "")
         + ". While a system runs it adds about its own thread count to the load average.",
     ]
+    probes = ", ".join(f"{SYSTEM_TITLES[name]} {system['gemm_gflops_at_start']:.0f}"
+                       for name, system in summary["systems"].items() if system.get("gemm_gflops_at_start"))
+    if probes:
+        lines[0] += (f" fp32 GEMM GFLOP/s available (1 s probe, {env.get('probe_threads', 2)} threads) as "
+                     f"each system started: {probes}; a quiet machine of this kind gives ~{QUIET_GEMM_GFLOPS:.0f}+.")
     if _is_busy(summary):
         lines += ["", "> **Noisy:** the machine was shared and busy during this run (load average above "
                       f"{BUSY_LOAD_PER_CORE:g} per core). Treat every figure as indicative only; the final "

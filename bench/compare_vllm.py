@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from compare_plan import ComparePlan, PlanError
+from compare_probe import gemm_gflops
 from compare_results import STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
 from compare_runs import RunError, Timeouts, measure_hf, measure_server
 from compare_servers import free_port
@@ -248,19 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     plot_dir = results_dir / "bench_serve_plots"
     work_dir.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"environment": environment_info(model_dir, work_dir), "plan": plan.__dict__,
+    summary = {"environment": {**environment_info(model_dir, work_dir), "probe_threads": args.threads},
+               "plan": plan.__dict__,
                "systems": {name: {"status": STATUS_SKIPPED, "reason": "not selected"} for name in SYSTEMS}}
     print(f"comparing {', '.join(systems)}; load average {summary['environment']['load_before']}; "
           f"logs in {work_dir}", flush=True)
     for name in systems:
-        # Other people's load when this system starts (the benchmark's own processes are not running yet).
+        # Others' load when this system starts (none of the benchmark's own processes run yet), and the
+        # fp32 GEMM rate that load leaves: the figures below are only comparable where these are.
         load_at_start = list(os.getloadavg())
+        gflops_at_start = gemm_gflops(args.threads, {**base_env(), **omp_env(args)})
         try:
             summary["systems"][name] = run_system(name, args, plan, model_dir, work_dir, plot_dir)
         except (RunError, InstallError) as exc:
             print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
             summary["systems"][name] = {"status": STATUS_FAILED, "reason": str(exc)}
-        summary["systems"][name]["load_at_start"] = load_at_start
+        summary["systems"][name].update(load_at_start=load_at_start, gemm_gflops_at_start=gflops_at_start)
     summary["environment"]["load_after"] = list(os.getloadavg())
     from compare_plots import write_plots  # matplotlib only once there is something to draw
 

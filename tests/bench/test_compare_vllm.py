@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))  # the comparison's helpers are sibling modules o
 import compare_vllm  # noqa: E402
 from compare_plan import ComparePlan, PlanError  # noqa: E402
 from compare_plots import OPEN_LOOP_PNG, THROUGHPUT_PNG, write_plots  # noqa: E402
+from compare_probe import gemm_gflops  # noqa: E402
 from compare_results import STATUS_FAILED, STATUS_OK, point_figures  # noqa: E402
 from compare_servers import ManagedServer, ServerError, ServerSpec, free_port  # noqa: E402
 from compare_systems import vllm_startup_note  # noqa: E402
@@ -122,6 +123,7 @@ def _summary(load_1min: float) -> dict:
                       "8": {"batch": 8, "wall_s": 10.0, "output_tokens": 512, "output_tok_per_s": 51.2,
                             "step_s": 0.156}}}
     return {"environment": {"started_at": "2025-01-01T00:00:00+00:00", "cpu_model": "AMD EPYC", "cpu_count": 2,
+                            "probe_threads": 2,
                             "load_before": [load_1min, 1.0, 1.0], "load_after": [0.1, 0.2, 0.3],
                             "model_dir": "/models/smollm2", "work_dir": "/tmp/work"},
             "plan": ComparePlan(concurrencies=(1, 8)).__dict__,
@@ -142,9 +144,10 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
     assert "Noisy" not in text
     assert "Noisy" in render_markdown(_summary(load_1min=1.5))  # 0.75 per core on 2 cores
     busy_later = _summary(load_1min=0.2)
-    busy_later["systems"]["kvpilot"]["load_at_start"] = [1.2, 1.0, 0.8]
-    assert "as each system started: kvpilot 1.20" in render_markdown(busy_later)
-    assert "Noisy" in render_markdown(busy_later)
+    busy_later["systems"]["kvpilot"].update(load_at_start=[1.2, 1.0, 0.8], gemm_gflops_at_start=61.4)
+    text = render_markdown(busy_later)
+    assert "as each system started: kvpilot 1.20" in text and "Noisy" in text
+    assert "fp32 GEMM GFLOP/s available (1 s probe, 2 threads) as each system started: kvpilot 61;" in text
 
 
 def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log():
@@ -155,6 +158,11 @@ def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log()
                                       "load ('function' object has no attribute 'finalize_loading'), so it "
                                       "compiled again")
     assert vllm_startup_note("") == "engine init time not logged"
+
+
+def test_a_failed_speed_probe_is_reported_as_missing_not_raised(tmp_path):
+    (tmp_path / "torch.py").write_text("raise ImportError('no torch here')\n")
+    assert gemm_gflops(2, {**os.environ, "PYTHONPATH": str(tmp_path)}, seconds=0.01) is None
 
 
 def test_plots_are_written_for_the_measured_systems(tmp_path):
