@@ -254,6 +254,25 @@ def main(argv: list[str] | None = None) -> int:
                "systems": {name: {"status": STATUS_SKIPPED, "reason": "not selected"} for name in SYSTEMS}}
     print(f"comparing {', '.join(systems)}; load average {summary['environment']['load_before']}; "
           f"logs in {work_dir}", flush=True)
+    try:
+        run_all(systems, args, plan, model_dir, work_dir, plot_dir, summary)
+    except KeyboardInterrupt:  # the `with ManagedServer` blocks have stopped any server on the way out
+        print("interrupted: servers stopped, no results written", file=sys.stderr)
+        return 130
+    summary["environment"]["load_after"] = list(os.getloadavg())
+    from compare_plots import write_plots  # matplotlib only once there is something to draw
+
+    plots = write_plots(summary, results_dir)
+    (results_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False) + "\n")
+    (results_dir / "results.md").write_text(render_markdown(summary))
+    print(f"wrote {results_dir / 'results.md'}, summary.json, " + ", ".join(p.name for p in plots))
+    failed = [name for name in systems if summary["systems"][name]["status"] != STATUS_OK]
+    return 1 if failed else 0
+
+
+def run_all(systems: list[str], args: argparse.Namespace, plan: ComparePlan, model_dir: Path, work_dir: Path,
+            plot_dir: Path, summary: dict) -> None:
+    """Measure each system in turn into ``summary``; a failed system is recorded and the next one runs."""
     for name in systems:
         # Others' load when this system starts (none of the benchmark's own processes run yet), and the
         # fp32 GEMM rate that load leaves: the figures below are only comparable where these are.
@@ -265,15 +284,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] FAILED: {exc}", file=sys.stderr, flush=True)
             summary["systems"][name] = {"status": STATUS_FAILED, "reason": str(exc)}
         summary["systems"][name].update(load_at_start=load_at_start, gemm_gflops_at_start=gflops_at_start)
-    summary["environment"]["load_after"] = list(os.getloadavg())
-    from compare_plots import write_plots  # matplotlib only once there is something to draw
-
-    plots = write_plots(summary, results_dir)
-    (results_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False) + "\n")
-    (results_dir / "results.md").write_text(render_markdown(summary))
-    print(f"wrote {results_dir / 'results.md'}, summary.json, " + ", ".join(p.name for p in plots))
-    failed = [name for name in systems if summary["systems"][name]["status"] != STATUS_OK]
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":
