@@ -166,17 +166,30 @@ def gone(pid: int) -> bool:
     return False
 
 
+async def seconds_until_gone(pids: list[int], since: float, timeout: float = 10) -> float:
+    while not all(gone(pid) for pid in pids):
+        if time.monotonic() - since > timeout:
+            raise AssertionError(f"processes {[p for p in pids if not gone(p)]} still alive after {timeout}s")
+        await asyncio.sleep(0.02)
+    return time.monotonic() - since
+
+
 async def test_startup_and_readiness_probes_gate_started_and_ready(tmp_path, addresses, script):
     runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
     probes = {"startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1,
-                               "failureThreshold": 5},
+                               "failureThreshold": 5, "initialDelaySeconds": 2},
               "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1}}
-    manifest = pod("gated", next(addresses), script, {"app": ["--ready-after", "2.5"]}, **probes)
+    manifest = pod("gated", next(addresses), script, {"app": ["--ready-after", "4"]}, **probes)
     try:
+        began = time.monotonic()
         await runner.start(manifest)
-        seen = await observe(runner, manifest, lambda s: container(s)["ready"])
+        started = await observe(runner, manifest, lambda s: container(s)["started"])
+        started_s = time.monotonic() - began
+        seen = started + await observe(runner, manifest, lambda s: container(s)["ready"])
         stages = [(container(s)["started"], container(s)["ready"]) for s in seen]
-        # started only when the startup probe passed (a tick after the process came up), ready a tick or two later
+        # the server answers /health at once, but the startup probe waits out its initial delay; /ready
+        # turns 200 later, and the readiness probe notices on its next tick
+        assert 2.0 <= started_s < 4.5, started_s
         assert stages[0] == (False, False) and (True, False) in stages and stages[-1] == (True, True)
         conditions = {c["type"]: c["status"] for c in seen[-1]["conditions"]}
         assert (seen[-1]["phase"], conditions["Ready"], conditions["ContainersReady"]) == ("Running", "True", "True")
@@ -235,12 +248,8 @@ async def test_deletion_sends_sigterm_and_sigkills_what_outlives_the_grace_perio
         polite, stubborn, child = pid_of(seen[-1], 0), pid_of(seen[-1], 1), int(child_pid_file.read_text())
         began = time.monotonic()
         await runner.stop(manifest)
-        while not gone(polite):
-            await asyncio.sleep(0.02)
-        polite_s = time.monotonic() - began
-        while not (gone(stubborn) and gone(child)):
-            await asyncio.sleep(0.02)
-        stubborn_s = time.monotonic() - began
+        polite_s = await seconds_until_gone([polite], began)
+        stubborn_s = await seconds_until_gone([stubborn, child], began)
         assert polite_s < 1.0, polite_s  # it exits on SIGTERM
         assert 1.5 <= stubborn_s < 4.0, stubborn_s  # SIGKILL once the grace period is over, its child too
         states = [c.state["terminated"]["exitCode"] for c in runner.containers("kubelet")]

@@ -130,6 +130,8 @@ class ContainerSupervisor:
             self.container_id = f"process://{process.pid or f'failed-{self.restart_count}'}"
             if process.running:
                 self.state = {"running": {"startedAt": process.started_at}}
+                if STARTUP not in self.verdicts and READINESS in self._triggers:
+                    self._triggers[READINESS].set()  # started as it runs: readiness is asked at once
             if self._stopping:
                 await process.stop(self._grace_s)
                 return
