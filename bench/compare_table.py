@@ -98,7 +98,9 @@ def _closed_throughput_lines(summary: dict) -> list[str]:
                            _num(REFERENCE_OUTPUT_TPS["vllm"].get(level))]))
     lines += ["", f"fp32 GEMM ceiling on this kind of machine: about {GEMM_CEILING_OUTPUT_TPS:.0f} output "
                   "tok/s at large batch. A closed loop of c clients is the served analogue of batch c; HF "
-                  "runs one static batch (all prompts together, left-padded, no arrivals)."]
+                  "runs one static batch (all prompts together, left-padded, no arrivals). Output tok/s "
+                  "here includes the cost of every prompt's prefill; the latency tables also give total "
+                  "(prompt + output) tok/s."]
     return lines
 
 
@@ -107,12 +109,12 @@ def _latency_row(name: str, load: str, figures: dict) -> list[str]:
     mark = THIN if thin_p99(figures) else ""
     errors = ", ".join(f"{k} {v}" for k, v in figures["errors"].items()) or "0"
     return [SYSTEM_TITLES[name], load, f"{figures['requests_ok']}/{figures['requests_total']}",
-            _num(figures["request_rps"], 2), _num(figures["output_tps"]),
+            _num(figures["request_rps"], 2), _num(figures["output_tps"]), _num(figures["total_tps"]),
             _ms(ttft["p50"]), _ms(ttft["p99"]) + mark, _ms(tpot["p50"]), _ms(tpot["p99"]) + mark,
             _ms(figures["e2e_s"]["p50"]), errors]
 
 
-LATENCY_COLUMNS = ["req ok/all", "req/s", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+LATENCY_COLUMNS = ["req ok/all", "req/s", "output tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                    "E2E p50", "errors"]
 
 

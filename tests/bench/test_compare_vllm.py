@@ -136,7 +136,7 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
     text = render_markdown(_summary(load_1min=0.2))
     assert "| 1 | 12.8 | — | 20.0 | — | 14.0 | 24.0 |" in text  # HF, no vLLM, kvpilot, issue's figures
     assert "| 8 | 51.2 | — | 90.0 | — | 60.0 | 109.0 |" in text
-    assert "| kvpilot | 8 | 16/16 | 8.00 | 90.0 | 100 ms | 300 ms† | 50 ms | 300 ms† | 100 ms | 0 |" in text
+    assert "| kvpilot | 8 | 16/16 | 8.00 | 90.0 | 180.0 | 100 ms | 300 ms† | 50 ms | 300 ms† | 100 ms | 0 |" in text
     assert "| kvpilot | 1.10 | 16/16 |" in text  # open loop rows are keyed by the offered rate
     assert "saturation point 1.0 req/s offered (TTFT doubled)" in text
     assert "| kvpilot | 12.5 s | 900 ms | 4.0 s | 3.0 s |" in text
