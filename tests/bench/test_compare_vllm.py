@@ -14,7 +14,7 @@ import pytest
 from kvpilot.bench.cli import main as bench_main
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.insert(0, str(BENCH))  # the comparison's helpers are sibling modules of the script
+sys.path.append(str(BENCH))  # the comparison's helpers are sibling modules of the script (appended: shadows nothing)
 
 import compare_vllm  # noqa: E402
 from compare_plan import ComparePlan, PlanError  # noqa: E402
