@@ -5,7 +5,10 @@ SmolLM2-135M-Instruct fp32 from the directory kvpilot resolves ``smollm2-135m`` 
 same weights). The servers run one at a time, each driven by ``kvpilot bench serve`` with identical
 arguments: greedy, exactly ``--output-len`` tokens (``ignore_eos``), closed loop at each concurrency,
 then an open-loop Poisson rate sweep; warm-up excluded, cold start reported apart. HF ``generate`` runs
-the same prompts as static batches (batch = concurrency) in-process in a child, fp32, ``--threads``.
+the same prompts as static batches (batch = concurrency), in-process (no server) in a child interpreter,
+fp32, ``--threads``. All three get the same OMP_WAIT_POLICY (``--omp-wait-policy``, PASSIVE by default:
+spinning OpenMP workers collapse on shared cores). Before each system a 1 s fp32 GEMM probe and the load
+average record how busy the machine was; figures are comparable only where those are.
 
 Writes ``results.md``, ``summary.json`` and PNG plots to ``--results-dir``; server logs and the full
 ``bench serve`` reports (every request) to ``--work-dir``. Exit: 0 all selected systems measured, 1 one

@@ -6,6 +6,10 @@ Pinned versions (found by installing on this kind of machine: x86-64 with AVX2 a
 torchaudio 2.11 and torchcodec 0.17, which do not match that torch. They are removed after the install:
 vLLM imports them only for multimodal models, and a mismatched one breaks ``import vllm``.
 
+``torch==2.13.0+cpu`` is a local-version wheel that PyPI does not carry: on this kind of machine pip finds
+it in the machine's local wheel store (pip's configured find-links); elsewhere point
+``PIP_EXTRA_INDEX_URL`` at PyTorch's CPU wheel index before running the script.
+
 Errors come back as :class:`InstallError` with the failing command and the tail of pip's output (the
 whole log stays in the work dir), never as a stack trace.
 """
