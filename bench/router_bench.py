@@ -18,6 +18,14 @@ The routing overhead is the router's ``kvpilot_router_routing_overhead_seconds``
 upstream request written); its quantiles are reported as bucket upper bounds ("≤"). On a host shared with
 the engines and the load generator that wall time includes waiting for a core, so the router's CPU time per
 request (its whole work: polls, routing, relaying) is printed too.
+
+Placement on one small host: each engine runs with ``OMP_NUM_THREADS=--engine-threads`` (three 2-thread
+engines on 2 cores thrash each other) and at ``--engine-nice`` so the router and the load generator, which
+a deployment gives their own CPU, are not measured queueing behind engine steps. ``--engine-cpus`` /
+``--router-cpus`` pin them apart (e.g. ``--engine-cpus 0 --router-cpus 1`` with ``--engine null`` gives the
+router a core of its own).
+
+Measured figures and the commands that produced them: ``bench/results/router_bench.md``.
 """
 
 from __future__ import annotations
@@ -55,6 +63,31 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
         return 0, ""
 
 
+def parse_cpus(text: str) -> set[int] | None:
+    """``"0"``, ``"0,2"`` or ``"0-3"`` → CPU ids; ``""`` → None (no pinning)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def placement(nice: int, cpus: set[int] | None):
+    """A ``preexec_fn`` that sets a child's niceness and CPU affinity (None when there is nothing to set)."""
+    if not nice and cpus is None:
+        return None
+
+    def apply() -> None:
+        if nice:
+            os.nice(nice)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+
+    return apply
+
+
 class Processes:
     """Child processes with their logs; all stopped (SIGTERM, then SIGKILL) on exit."""
 
@@ -62,9 +95,11 @@ class Processes:
         self.log_dir = log_dir
         self.running: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, nice: int = 0,
+              cpus: set[int] | None = None) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
-        process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})}, preexec_fn=placement(nice, cpus))
         self.running.append((process, log))
         return process
 
@@ -105,7 +140,7 @@ def bench_serve(args: argparse.Namespace, base_url: str, output: Path) -> dict:
             "--input-len", args.input_len, "--output-len", args.output_len, "--request-rate", args.request_rate,
             "--num-requests", str(args.num_requests), "--seed", str(args.seed), "--ignore-eos",
             "--output-json", str(output), "--no-progress"]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, preexec_fn=placement(0, parse_cpus(args.engine_cpus)))
     return json.loads(output.read_text())["points"][0]["summary"]
 
 
@@ -139,7 +174,9 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
     try:
         ports = [free_port() for _ in range(args.replicas if policy else 1)]
         for i, port in enumerate(ports):
-            processes.start(f"{tag}-engine{i}", engine_argv(args, port))
+            processes.start(f"{tag}-engine{i}", engine_argv(args, port),
+                            env={"OMP_NUM_THREADS": str(args.engine_threads)}, nice=args.engine_nice,
+                            cpus=parse_cpus(args.engine_cpus))
         for port in ports:
             processes.wait_ready(f"http://127.0.0.1:{port}/ready", args.ready_timeout)
         base_url, metrics, router, cpu = f"http://127.0.0.1:{ports[0]}", "", None, None
@@ -148,7 +185,7 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
             router = processes.start(f"{tag}-router", [
                 KVPILOT, "router", "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy,
                 "--model", args.model, "--replicas", ",".join(f"http://127.0.0.1:{p}" for p in ports),
-                *(["--weights", args.weights] if args.weights else [])])
+                *(["--weights", args.weights] if args.weights else [])], cpus=parse_cpus(args.router_cpus))
             base_url = f"http://127.0.0.1:{router_port}"
             processes.wait_ready(base_url + "/ready", 60)
         cpu_before = cpu_seconds(router.pid) if router else 0.0
@@ -274,15 +311,27 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware")
-    parser.add_argument("--engine-args", default="--kv-cache-memory-bytes 300000000",
-                        help="extra kvpilot serve flags (a small KV cache makes tenants compete for it)")
+    parser.add_argument("--engine-args", default="--kv-cache-memory-bytes 200000000 --max-num-batched-tokens 512",
+                        help="extra kvpilot serve flags (a KV cache that holds ~5 of the 12 tenants' system "
+                             "prompts makes them compete for it; a 512-token step budget chunks their prefills)")
+    parser.add_argument("--engine-threads", type=int, default=1,
+                        help="OMP_NUM_THREADS per engine (replicas share this host's cores)")
+    parser.add_argument("--engine-nice", type=int, default=10,
+                        help="niceness of the engines, so the router and the load generator - which a "
+                             "deployment gives their own CPU - do not queue behind engine steps for a core")
+    parser.add_argument("--engine-cpus", default="", metavar="LIST",
+                        help="pin the engines and the load generator to these CPUs (e.g. 0 or 0-2)")
+    parser.add_argument("--router-cpus", default="", metavar="LIST",
+                        help="pin the router to these CPUs: a core of its own, as its Deployment would give it")
     parser.add_argument("--weights", default="", help="router --weights for cache_aware")
     parser.add_argument("--num-tenants", type=int, default=12)
     parser.add_argument("--system-prompt-len", type=int, default=600, help="words per tenant system prompt")
     parser.add_argument("--input-len", default="32:96", help="user words MIN:MAX")
     parser.add_argument("--output-len", default="16:32", help="max_tokens MIN:MAX")
-    parser.add_argument("--request-rate", default="1.0", help="Poisson arrivals per second")
-    parser.add_argument("--num-requests", type=int, default=120)
+    parser.add_argument("--request-rate", default="0.35",
+                        help="Poisson arrivals per second (3 SmolLM2 replicas on 2 cores saturate near 0.5/s "
+                             "without prefix hits; above that every policy only measures its queues)")
+    parser.add_argument("--num-requests", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, help="logs and bench JSON (default: a temporary folder)")

@@ -1,0 +1,195 @@
+"""The router in front of real engines: three ``kvpilot serve`` processes on the tiny model and two
+independent in-process routers.
+
+- Requests that share a tenant's long system prompt land with affinity: after a tenant's first request,
+  every later one (through either router) goes to the replica that served it, and that engine answers
+  from its prefix cache — ``usage.prompt_tokens_details.cached_tokens`` is exactly the shared full blocks.
+- SIGKILL of one engine mid-run loses no request that had not started streaming: every request either
+  completes or had already received bytes from the killed replica; both routers eject it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvpilot.engine.prompt_render import chat_prompt_ids
+from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.router.proxy import REPLICA_HEADER
+
+BLOCK_SIZE = 16
+ENGINE_ARGS = ["--model", "tiny-random", "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE),
+               "--num-kv-blocks", "1024", "--warmup-buckets", "1x8"]
+TENANTS = 3
+
+
+class EngineProcess:
+    """``kvpilot serve`` on a free port, run from ``workdir`` (a ``python -m`` in the repo root would put
+    its ``operator/`` folder first on sys.path)."""
+
+    def __init__(self, port: int, workdir: Path) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / f"engine-{port}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+               *ENGINE_ARGS]
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
+                                        env=dict(os.environ))
+
+    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                break
+            try:
+                async with session.get(self.url + "/ready") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.1)
+        raise RuntimeError(f"{self.url} did not become ready; log:\n{self.log_path.read_text()}")
+
+    async def kv_seq(self, session: aiohttp.ClientSession) -> int:
+        async with session.get(self.url + "/kv/events", params={"since": "0"}) as response:
+            return (await response.json())["seq"]
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def free_ports(count: int) -> list[int]:
+    import socket
+
+    sockets = [socket.socket() for _ in range(count)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock in sockets:
+        sock.close()
+    return ports
+
+
+@pytest.fixture
+async def engines(tiny_model_dir: Path, tmp_path: Path) -> list[EngineProcess]:
+    started = [EngineProcess(port, tmp_path) for port in free_ports(3)]  # start together: load in parallel
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+            for engine in started:
+                await engine.wait_ready(session)
+        yield started
+    finally:
+        for engine in started:
+            engine.stop()
+
+
+def system_prompt(tenant: int) -> str:
+    # the tenant comes first, so no two tenants share even the template's first block
+    return f"{tenant}: you are this tenant's assistant. Follow the tenant {tenant} style guide closely. " * 8
+
+
+def chat(tenant: int, question: str, max_tokens: int = 4, stream: bool = False) -> dict:
+    return {"model": "tiny", "max_tokens": max_tokens, "stream": stream, "temperature": 0,
+            "messages": [{"role": "system", "content": system_prompt(tenant)},
+                         {"role": "user", "content": question}]}
+
+
+def expected_cached_tokens(tokenizer: Tokenizer, first: dict, later: dict) -> int:
+    """Full blocks of the prompt ids two requests share (the engine computes at least the last token)."""
+    a, b = chat_prompt_ids(tokenizer, first["messages"]), chat_prompt_ids(tokenizer, later["messages"])
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return min(common, len(b) - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+async def routers_caught_up(session: aiohttp.ClientSession, engines: list[EngineProcess], routers) -> None:
+    """Wait until every router's prefix index has applied every engine's newest KV event."""
+    seqs = {e.url: await e.kv_seq(session) for e in engines}
+    deadline = time.monotonic() + 10
+    while not all(r.router.fleet.replicas[url].index.seq >= seq for r in routers for url, seq in seqs.items()):
+        assert time.monotonic() < deadline, "routers did not apply the engines' KV events in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_shared_prefixes_land_with_affinity_and_hit_the_engines_prefix_cache(engines, routers,
+                                                                                    tiny_tokenizer):
+    urls = [e.url for e in engines]
+    first, second = await routers(urls), await routers(urls)
+    home: dict[int, str] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        for tenant in range(TENANTS):  # one cold request per tenant
+            async with session.post(first.url + "/v1/chat/completions", json=chat(tenant, "Hello?")) as response:
+                assert response.status == 200, await response.text()
+                home[tenant] = response.headers[REPLICA_HEADER]
+                assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        await routers_caught_up(session, engines, (first, second))
+        for round_ in range(3):
+            for tenant in range(TENANTS):
+                router = (first, second)[(round_ + tenant) % 2]
+                body = chat(tenant, f"Question {round_} from tenant {tenant}: what is new?")
+                async with session.post(router.url + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+                    assert response.headers[REPLICA_HEADER] == home[tenant], (tenant, round_)
+                    usage = (await response.json())["usage"]
+                cached = expected_cached_tokens(tiny_tokenizer, chat(tenant, "Hello?"), body)
+                assert cached >= 4 * BLOCK_SIZE  # the shared system prompt spans several full blocks
+                assert usage["prompt_tokens_details"]["cached_tokens"] >= cached
+
+
+async def test_killing_an_engine_mid_run_loses_no_request_that_had_not_started_streaming(engines, routers):
+    urls = [e.url for e in engines]
+    first, second = await routers(urls), await routers(urls)
+    victim = engines[0]
+    outcomes: dict[int, str] = {}
+    served_by: dict[int, str] = {}
+    started_streaming: set[int] = set()
+
+    async def client(i: int, session: aiohttp.ClientSession) -> None:
+        router = (first, second)[i % 2]
+        await asyncio.sleep(0.02 * i)
+        body = chat(i % 5, f"Request {i}: tell me a story.", max_tokens=24, stream=True)
+        try:
+            async with session.post(router.url + "/v1/chat/completions", json=body) as response:
+                served_by[i] = response.headers.get(REPLICA_HEADER, "")
+                raw = b""
+                async for chunk in response.content.iter_any():
+                    raw += chunk
+                    started_streaming.add(i)
+                outcomes[i] = "ok" if response.status == 200 and raw.endswith(b"data: [DONE]\n\n") else "bad"
+        except aiohttp.ClientError:
+            outcomes[i] = "broken"
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        clients = [asyncio.create_task(client(i, session)) for i in range(40)]
+        await asyncio.sleep(0.3)
+        victim.kill()
+        killed_at = time.monotonic()
+        await asyncio.gather(*clients)
+        assert time.monotonic() - killed_at < 50
+
+    assert len(outcomes) == 40
+    lost = {i for i, outcome in outcomes.items() if outcome != "ok"}
+    assert all(i in started_streaming and served_by[i] == victim.url for i in lost), (
+        f"lost requests that had not started streaming from the killed engine: "
+        f"{ {i: (outcomes[i], served_by.get(i)) for i in lost} }")
+    assert any(served_by.get(i) == victim.url for i in outcomes), "the victim should have served some requests"
+    for router in (first, second):
+        assert victim.url not in [r.url for r in router.router.fleet.routable()]
