@@ -3,7 +3,8 @@ independent in-process routers.
 
 - Requests that share a tenant's long system prompt land with affinity: after a tenant's first request,
   every later one (through either router) goes to the replica that served it, and that engine answers
-  from its prefix cache — ``usage.prompt_tokens_details.cached_tokens`` is exactly the shared full blocks.
+  from its prefix cache — ``usage.prompt_tokens_details.cached_tokens`` covers at least every full block
+  it shares with the tenant's first request (more when an earlier question shares a longer prefix).
 - SIGKILL of one engine mid-run loses no request that had not started streaming: every request either
   completes or had already received bytes from the killed replica; both routers eject it.
 """
