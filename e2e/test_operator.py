@@ -159,3 +159,21 @@ def test_delete_removes_every_child(cluster, kubectl, namespace):
     for resource in ("apps/v1/deployments", "v1/services", "v1/pods", "policy/v1/poddisruptionbudgets",
                      "v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles"):
         cluster.wait_for(f"no {resource}", lambda resource=resource: not cluster.list(resource, namespace))
+
+
+def test_a_dependent_created_after_its_owner_is_gone_is_collected(cluster, kubectl, namespace):
+    """The race behind a lingering child: a controller creates a dependent just after its owner's deletion
+    (and its garbage collection) ran. The harness, like the real collector, deletes the dangling dependent;
+    one whose owner still lives stays."""
+    import kmock
+
+    configmaps = kmock.resource("", "v1", "configmaps")
+    owner = cluster.call(cluster.api.create(configmaps, namespace, {"metadata": {"name": "owner"}}))
+
+    def dependent(name: str, uid: str) -> dict:
+        return {"metadata": {"name": name, "ownerReferences": [
+            {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}]}}
+
+    cluster.call(cluster.api.create(configmaps, namespace, dependent("kept", owner["metadata"]["uid"])))
+    cluster.call(cluster.api.create(configmaps, namespace, dependent("dangling", "uid-of-a-deleted-owner")))
+    assert sorted(cm["metadata"]["name"] for cm in cluster.list("v1/configmaps", namespace)) == ["kept", "owner"]

@@ -236,6 +236,11 @@ class ApiServerHarness(kmock.KubernetesEmulator):
         if resource == CRD_RESOURCE:
             created = await self._establish(key, created)
         self._notify(resource, key)
+        owners = {ref.get("uid") for ref in created["metadata"].get("ownerReferences", [])}
+        if owners and not owners & {o["metadata"]["uid"] for _, o in self.store.all_live()}:
+            # Created after every owner was gone (a controller racing a deletion): the garbage collector
+            # deletes such a dependent, as it would have had it existed when its owner went.
+            await self.delete(key)
         return self._typed(resource, created)
 
     async def _write(self, request: kmock.Request, key: ObjectKey, method: str) -> dict[str, Any]:

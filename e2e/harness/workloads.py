@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import random
 from typing import Any, Protocol
 
 import kmock
 from harness.apiserver import ApiServerHarness
 from harness.patches import matches_label_selector
+
+log = logging.getLogger(__name__)
 
 DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 PODS = kmock.resource("", "v1", "pods")
@@ -75,12 +78,20 @@ class WorkloadControllers:
 
     async def _loop(self, interval: float) -> None:
         while True:
-            await self.step()
+            try:
+                await self.step()
+            except kmock.KubernetesError as error:
+                # An object went away (or changed) under a step - a Deployment deleted while its pods were
+                # being made. Like a real controller, requeue: the next step sees the new state. Letting
+                # the error end this task would stop every pod and probe for the rest of the test.
+                log.info("workload step retried: %s", error)
             await asyncio.sleep(interval)
 
     async def step(self) -> None:
-        for key, deployment in self.api.store.all_live():
-            if key[0] == DEPLOYMENTS:
+        for key, _ in self.api.store.all_live():
+            # re-read each: an earlier roll's awaits may have let a deletion (or its GC) run
+            deployment = self.api.store.get(key) if key[0] == DEPLOYMENTS else None
+            if deployment is not None:
                 await self._roll(key, json.loads(json.dumps(deployment)))
         await self._kubelet()
         await self._endpoint_slices()
