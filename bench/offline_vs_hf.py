@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Issue 2's benchmark: kvpilot's offline engine vs HF transformers ``generate`` on the same workload.
 
-Workload (seeded): 32 requests, prompts of 16–256 random tokens, outputs of 16–128 tokens each, greedy,
-exact lengths (``ignore_eos`` / ``min_new_tokens``). Model: SmolLM2-135M fp32, 2 threads.
+Workload (seeded): 32 requests, prompts of 16–256 random tokens, outputs of 16–128 tokens each (change
+with ``--prompt-len`` / ``--output-len``), greedy, exact lengths (``ignore_eos`` / ``min_new_tokens``). Model: SmolLM2-135M fp32, 2 threads.
 - kvpilot: all requests queued at once (continuous batching, chunked prefill).
 - HF one at a time: ``generate`` per request.
 - HF padded batch: one left-padded ``generate`` of all prompts to the longest output; only the tokens each
@@ -12,6 +12,7 @@ shape with nothing cached (miss), both alone on the engine.
 
 Prints output tokens/s of each and the ratios; writes bench/results/offline_vs_hf.json.
 Run: .venv/bin/python bench/offline_vs_hf.py [--num-requests 32] [--hf-serial-requests N]
+     [--prompt-len 16:256] [--output-len 16:128] [--output-json PATH]
 """
 
 from __future__ import annotations
@@ -76,11 +77,26 @@ def prefix_ttft(prefix_len: int, suffix_len: int, seed: int) -> dict:
             "speedup": ttft_miss / hit.metrics.ttft}
 
 
+def length_range(text: str) -> tuple[int, int]:
+    low, sep, high = text.partition(":")
+    try:
+        bounds = (int(low), int(high if sep else low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN:MAX, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
+    return bounds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--hf-serial-requests", type=int, default=None,
                     help="time HF one-at-a-time on only the first N requests (its tok/s is per request)")
+    ap.add_argument("--prompt-len", type=length_range, default=(16, 256), metavar="MIN:MAX",
+                    help="prompt tokens per request (uniform)")
+    ap.add_argument("--output-len", type=length_range, default=(16, 128), metavar="MIN:MAX",
+                    help="output tokens per request (uniform, exact)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", type=Path, default=Path("bench/results/offline_vs_hf.json"))
@@ -88,9 +104,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
-    wl = make_workload(args.num_requests, (16, 256), (16, 128), args.seed)
-    print(f"workload: {args.num_requests} requests, {wl.num_prompt_tokens} prompt tokens, "
-          f"{wl.num_output_tokens} output tokens (outputs 16–128), SmolLM2-135M fp32, {args.threads} threads")
+    wl = make_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
+    print(f"workload: {args.num_requests} requests, {wl.num_prompt_tokens} prompt tokens "
+          f"({args.prompt_len[0]}–{args.prompt_len[1]}), {wl.num_output_tokens} output tokens "
+          f"({args.output_len[0]}–{args.output_len[1]}), SmolLM2-135M fp32, {args.threads} threads")
     llm = LLM("smollm2-135m", kv_cache_memory_bytes=512 << 20)
     run_kvpilot(llm, make_workload(4, (8, 32), (4, 8), args.seed + 1))  # warm-up
     kv = run_kvpilot(llm, wl)
@@ -119,6 +136,8 @@ def main() -> None:
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
     args.output_json.write_text(json.dumps({"kvpilot": kv, "hf_padded_batch": batch, "hf_one_at_a_time": serial,
                                             "prefix_caching": pref, "ratios": ratios,
+                                            "prompt_len": list(args.prompt_len),
+                                            "output_len": list(args.output_len),
                                             "threads": args.threads, "num_requests": args.num_requests},
                                            indent=2))
 
