@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -79,8 +81,7 @@ class EngineProcess:
 
 
 def free_ports(count: int) -> list[int]:
-    import socket
-
+    """Distinct free ports (all bound at once, so no two are the same)."""
     sockets = [socket.socket() for _ in range(count)]
     for sock in sockets:
         sock.bind(("127.0.0.1", 0))
@@ -91,7 +92,7 @@ def free_ports(count: int) -> list[int]:
 
 
 @pytest.fixture
-async def engines(tiny_model_dir: Path, tmp_path: Path) -> list[EngineProcess]:
+async def engines(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[list[EngineProcess]]:
     started = [EngineProcess(port, tmp_path) for port in free_ports(3)]  # start together: load in parallel
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
