@@ -64,13 +64,20 @@ def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
 
 
 def parse_cpus(text: str) -> set[int] | None:
-    """``"0"``, ``"0,2"`` or ``"0-3"`` → CPU ids; ``""`` → None (no pinning)."""
+    """``"0"``, ``"0,2"`` or ``"0-3"`` → CPU ids; ``""`` → None (no pinning). An argparse type."""
     if not text:
         return None
     cpus: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cpus.update(range(int(low), int(high or low) + 1))
+    try:
+        for part in text.split(","):
+            low, dash, high = part.partition("-")
+            cpus.update(range(int(low), int(high if dash else low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a CPU list such as 0, 0,2 or 0-3, got {text!r}") from None
+    available = os.sched_getaffinity(0)
+    if not cpus or not cpus <= available:
+        raise argparse.ArgumentTypeError(f"CPU list {text!r} is not within this process's CPUs "
+                                         f"{sorted(available)}")
     return cpus
 
 
@@ -140,7 +147,7 @@ def bench_serve(args: argparse.Namespace, base_url: str, output: Path) -> dict:
             "--input-len", args.input_len, "--output-len", args.output_len, "--request-rate", args.request_rate,
             "--num-requests", str(args.num_requests), "--seed", str(args.seed), "--ignore-eos",
             "--output-json", str(output), "--no-progress"]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, preexec_fn=placement(0, parse_cpus(args.engine_cpus)))
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, preexec_fn=placement(0, args.engine_cpus))
     return json.loads(output.read_text())["points"][0]["summary"]
 
 
@@ -176,7 +183,7 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
         for i, port in enumerate(ports):
             processes.start(f"{tag}-engine{i}", engine_argv(args, port),
                             env={"OMP_NUM_THREADS": str(args.engine_threads)}, nice=args.engine_nice,
-                            cpus=parse_cpus(args.engine_cpus))
+                            cpus=args.engine_cpus)
         for port in ports:
             processes.wait_ready(f"http://127.0.0.1:{port}/ready", args.ready_timeout)
         base_url, metrics, router, cpu = f"http://127.0.0.1:{ports[0]}", "", None, None
@@ -185,7 +192,7 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
             router = processes.start(f"{tag}-router", [
                 KVPILOT, "router", "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy,
                 "--model", args.model, "--replicas", ",".join(f"http://127.0.0.1:{p}" for p in ports),
-                *(["--weights", args.weights] if args.weights else [])], cpus=parse_cpus(args.router_cpus))
+                *(["--weights", args.weights] if args.weights else [])], cpus=args.router_cpus)
             base_url = f"http://127.0.0.1:{router_port}"
             processes.wait_ready(base_url + "/ready", 60)
         cpu_before = cpu_seconds(router.pid) if router else 0.0
@@ -319,9 +326,9 @@ def main() -> int:
     parser.add_argument("--engine-nice", type=int, default=10,
                         help="niceness of the engines, so the router and the load generator - which a "
                              "deployment gives their own CPU - do not queue behind engine steps for a core")
-    parser.add_argument("--engine-cpus", default="", metavar="LIST",
+    parser.add_argument("--engine-cpus", type=parse_cpus, default=None, metavar="LIST",
                         help="pin the engines and the load generator to these CPUs (e.g. 0 or 0-2)")
-    parser.add_argument("--router-cpus", default="", metavar="LIST",
+    parser.add_argument("--router-cpus", type=parse_cpus, default=None, metavar="LIST",
                         help="pin the router to these CPUs: a core of its own, as its Deployment would give it")
     parser.add_argument("--weights", default="", help="router --weights for cache_aware")
     parser.add_argument("--num-tenants", type=int, default=12)

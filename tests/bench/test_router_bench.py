@@ -1,0 +1,46 @@
+"""bench/router_bench.py: its CPU-list argument, and a whole run against its null engines with the router
+pinned apart from them (the placement the results file uses to measure the router's own cost)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.append(str(BENCH))  # the script is a sibling module (appended: shadows nothing)
+
+import router_bench  # noqa: E402
+
+
+def test_cpu_lists_parse_to_exact_sets_and_bad_ones_are_argument_errors():
+    assert router_bench.parse_cpus("") is None
+    assert router_bench.parse_cpus("0") == {0}
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert router_bench.parse_cpus("0-1") == {0, 1} == router_bench.parse_cpus("1,0")
+    for bad in ("x", "0-", "1-0", str(max(os.sched_getaffinity(0)) + 1)):
+        with pytest.raises(argparse.ArgumentTypeError):
+            router_bench.parse_cpus(bad)
+
+
+def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path):
+    cpus = sorted(os.sched_getaffinity(0))
+    router_cpu, engine_cpu = str(cpus[-1]), str(cpus[0])
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "router_bench.py"), "--engine", "null", "--policies", "round_robin,cache_aware",
+         "--num-requests", "8", "--request-rate", "20", "--num-tenants", "2", "--system-prompt-len", "40",
+         "--engine-cpus", engine_cpu, "--router-cpus", router_cpu, "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows: dict[str, str] = {}  # each policy's table row (its first line; the ratio lines come later)
+    for line in result.stdout.splitlines():
+        if line.split() and line.split()[0] in ("direct", "round_robin", "cache_aware"):
+            rows.setdefault(line.split()[0], line)
+    assert set(rows) == {"direct", "round_robin", "cache_aware"}
+    assert "'fallback': 10" in rows["round_robin"]  # 8 measured + 2 warm-up requests, all round robin
+    assert "affinity" in rows["cache_aware"] and "cold" in rows["cache_aware"]
+    assert "routing overhead p99 < 2 ms:" in result.stdout
