@@ -37,11 +37,7 @@ class Store:
         self.objects = objects
         self.resource_version = 0
         self.events: list[Event] = []
-        # Resolved (and replaced) by every event; followers wait on it. Not an asyncio.Condition: Python
-        # 3.11's Condition/Lock can lose a wake-up when a waiter is cancelled as it is woken (fixed after
-        # 3.11: python/cpython#112202, #111694). Seen here as kopf's watch missing a deletion until an
-        # unrelated watch was cancelled 60 s later: the e2e tests' intermittent `kubectl delete` timeout.
-        self._next_event: asyncio.Future[None] | None = None
+        self._changed = asyncio.Condition()
 
     def get(self, key: ObjectKey) -> dict[str, Any] | None:
         if key not in self.objects or self.objects[key].deleted:
@@ -58,9 +54,8 @@ class Store:
 
     async def _emit(self, resource: kmock.resource, kind: str, obj: dict[str, Any]) -> None:
         self.events.append(Event(self.resource_version, resource, kind, copy.deepcopy(obj)))
-        waiting, self._next_event = self._next_event, None
-        if waiting is not None and not waiting.done():
-            waiting.set_result(None)
+        async with self._changed:
+            self._changed.notify_all()
 
     def _next_version(self) -> str:
         self.resource_version += 1
@@ -108,7 +103,6 @@ class Store:
             while index < len(self.events):
                 yield self.events[index]
                 index += 1
-            if self._next_event is None:
-                self._next_event = asyncio.get_running_loop().create_future()
-            # asyncio.wait, not await: a follower that is cancelled must not cancel the future all share
-            await asyncio.wait({self._next_event})
+            seen = index
+            async with self._changed:
+                await self._changed.wait_for(lambda seen=seen: seen < len(self.events))
