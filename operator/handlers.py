@@ -3,8 +3,9 @@
 - create / update / resume: reconcile now (children and status);
 - a timer: reconcile again every ``status_interval_seconds``, which refreshes the phase from the pods and
   reverts manual edits of managed fields;
-- delete: children go by owner-reference garbage collection; the handler only drops the metrics series,
-  so it is optional and puts no finalizer in the way of deletion.
+- delete: children go by owner-reference garbage collection; the handler only drops the metrics series.
+  It is optional, but the timer makes Kopf keep a finalizer anyway (to stop the timer first); see
+  ``_configure_kopf`` for how long a deletion can wait on a running timer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from kvpilot.operator.kube_api import KubeApi, KubeApiError, load_client_configu
 from kvpilot.operator.reconcile import reconcile
 
 RETRY_DELAY_SECONDS = 10
+#: how often Kopf re-checks a refresh timer that was mid-reconcile when its InferenceService was deleted
+TIMER_EXIT_POLL_SECONDS = 1.0
 RESOURCE = (api_names.GROUP, api_names.VERSION, api_names.PLURAL)
 
 
@@ -32,6 +35,11 @@ def _configure_kopf(settings: kopf.OperatorSettings) -> None:
         prefix=api_names.GROUP, key="last-handled-configuration")
     settings.posting.level = logging.WARNING  # Kubernetes Events only for what a user must look at
     settings.watching.server_timeout = 300  # reconnect watches regularly, as long-lived clients should
+    # The refresh timer makes Kopf hold a finalizer. A timer that is mid-reconcile when its object is
+    # deleted does not exit within Kopf's instant-exit cycles, and Kopf then re-checks it only every
+    # `cancellation_polling` seconds - 60 by default - keeping the finalizer, the children and a waiting
+    # `kubectl delete` that long. A reconcile takes well under a second: re-check every second.
+    settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
 
 
 def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
