@@ -71,13 +71,14 @@ def test_open_loop_sweep_writes_report_and_plots(fake_server, tmp_path, capsys):
 
 
 def test_closed_loop_chat_shared_prefix_without_usage_classifies_errors(fake_server, tmp_path):
-    # Requests 3, 6, 9 lose their connection mid-stream; 5 and 10 hang past the 0.5 s timeout.
+    # Requests 3, 6, 9 lose their connection mid-stream; 5 and 10 hang (5 s) past the 2 s timeout, which
+    # leaves a loaded CI host room: with 0.5 s an ordinary request once timed out too.
     server = fake_server(token_delay_s=0.001, break_every=3, hang_every=5, hang_s=5.0)
     report_path = tmp_path / "report.json"
     code = main(["serve", "--base-url", server.url, "--api", "chat", "--model", "explicit-model",
                  "--workload", "shared-prefix", "--num-tenants", "2", "--system-prompt-len", "20",
                  "--input-len", "3:5", "--output-len", "3", "--concurrency", "2", "--num-requests", "10",
-                 "--warmup-requests", "0", "--no-usage", "--request-timeout", "0.5", "--api-key", "s3cret",
+                 "--warmup-requests", "0", "--no-usage", "--request-timeout", "2", "--api-key", "s3cret",
                  "--output-json", str(report_path), "--no-progress"])
     assert code == 0
     report = json.loads(report_path.read_text())
