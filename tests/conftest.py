@@ -2,6 +2,7 @@
 
 - Every test session gets its own model cache (``KVPILOT_CACHE_DIR`` under pytest's tmp dir), so tests
   never read or write ``~/.cache/kvpilot`` and each run exercises the first GGUF conversion once.
+- ``tests/support/`` is put on ``sys.path``: helpers shared across folders (``live_server``).
 - ``tiny_model_dir``: the seeded tiny random Llama (``resolve_model("tiny-random")``), written once per session.
 - ``smollm2_dir``: the bundled SmolLM2-135M GGUF converted to HF format, once per session (~10 s on
   2 CPU cores); tests that take it load the real model and are ``@pytest.mark.slow`` unless they are the
@@ -10,12 +11,15 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvpilot.engine.model.registry import resolve_model
+
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # test helpers shared across folders (live_server)
 
 
 @pytest.fixture(scope="session", autouse=True)

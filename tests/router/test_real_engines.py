@@ -12,18 +12,15 @@ independent in-process routers.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from live_server import ServerProcess
 
 from kvpilot.engine.prompt_render import chat_prompt_ids
 from kvpilot.engine.tokenizer import Tokenizer
@@ -35,74 +32,23 @@ ENGINE_ARGS = ["--model", "tiny-random", "--served-model-name", "tiny", "--block
 TENANTS = 3
 
 
-class EngineProcess:
-    """``kvpilot serve`` on a free port, run from ``workdir`` (a ``python -m`` in the repo root would put
-    its ``operator/`` folder first on sys.path)."""
-
-    def __init__(self, port: int, workdir: Path) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = workdir / f"engine-{port}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-               *ENGINE_ARGS]
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir,
-                                        env=dict(os.environ))
-
-    async def wait_ready(self, session: aiohttp.ClientSession, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                break
-            try:
-                async with session.get(self.url + "/ready") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-        raise RuntimeError(f"{self.url} did not become ready; log:\n{self.log_path.read_text()}")
-
-    async def kv_seq(self, session: aiohttp.ClientSession) -> int:
-        async with session.get(self.url + "/kv/events", params={"since": "0"}) as response:
-            return (await response.json())["seq"]
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports (all bound at once, so no two are the same)."""
-    sockets = [socket.socket() for _ in range(count)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [sock.getsockname()[1] for sock in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
-
-
 @pytest.fixture
-async def engines(tiny_model_dir: Path, tmp_path: Path) -> AsyncIterator[list[EngineProcess]]:
-    started = [EngineProcess(port, tmp_path) for port in free_ports(3)]  # start together: load in parallel
+def engines(tiny_model_dir: Path, tmp_path: Path) -> Iterator[list[ServerProcess]]:
+    """Three fresh engines per test (no test inherits another's prefix caches), started together so their
+    model loads overlap."""
+    started = [ServerProcess(ENGINE_ARGS, tmp_path / f"engine{i}.log") for i in range(3)]
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
-            for engine in started:
-                await engine.wait_ready(session)
+        for engine in started:
+            engine.wait_ready(timeout_s=120)
         yield started
     finally:
         for engine in started:
             engine.stop()
+
+
+async def kv_seq(session: aiohttp.ClientSession, engine: ServerProcess) -> int:
+    async with session.get(engine.url + "/kv/events", params={"since": "0"}) as response:
+        return (await response.json())["seq"]
 
 
 def system_prompt(tenant: int) -> str:
@@ -123,9 +69,9 @@ def expected_cached_tokens(tokenizer: Tokenizer, first: dict, later: dict) -> in
     return min(common, len(b) - 1) // BLOCK_SIZE * BLOCK_SIZE
 
 
-async def routers_caught_up(session: aiohttp.ClientSession, engines: list[EngineProcess], routers) -> None:
+async def routers_caught_up(session: aiohttp.ClientSession, engines: list[ServerProcess], routers) -> None:
     """Wait until every router's prefix index has applied every engine's newest KV event."""
-    seqs = {e.url: await e.kv_seq(session) for e in engines}
+    seqs = {e.url: await kv_seq(session, e) for e in engines}
     deadline = time.monotonic() + 10
     while not all(r.router.fleet.replicas[url].index.seq >= seq for r in routers for url, seq in seqs.items()):
         assert time.monotonic() < deadline, "routers did not apply the engines' KV events in time"
@@ -189,7 +135,8 @@ async def test_killing_an_engine_mid_run_loses_no_request_that_had_not_started_s
         # the victim: the replica with the most requests in flight right now (routing decides which)
         in_flight = Counter(url for i, url in served_by.items() if i not in outcomes)
         victim = by_url[(in_flight or Counter(served_by.values())).most_common(1)[0][0]]
-        victim.kill()
+        victim.signal(signal.SIGKILL)
+        victim.process.wait()
         killed_at = time.monotonic()
         await asyncio.gather(*clients)
         assert time.monotonic() - killed_at < 50
