@@ -26,6 +26,7 @@ import torch
 
 import kvpilot  # noqa: F401 - sets OpenMP defaults before torch loads
 from kvpilot.bench.offline_cli import make_workload, run_kvpilot
+from kvpilot.bench.serve_cli import length_range
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.registry import resolve_model
 
@@ -77,17 +78,6 @@ def prefix_ttft(prefix_len: int, suffix_len: int, seed: int) -> dict:
             "speedup": ttft_miss / hit.metrics.ttft}
 
 
-def length_range(text: str) -> tuple[int, int]:
-    low, sep, high = text.partition(":")
-    try:
-        bounds = (int(low), int(high if sep else low))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MIN:MAX, got {text!r}") from None
-    if not 1 <= bounds[0] <= bounds[1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {text!r}")
-    return bounds
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=32)
@@ -101,6 +91,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", type=Path, default=Path("bench/results/offline_vs_hf.json"))
     args = ap.parse_args()
+    for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+        if not 1 <= low <= high:
+            ap.error(f"{flag} needs 1 <= MIN <= MAX, got {low}:{high}")
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 

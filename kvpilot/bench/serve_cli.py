@@ -55,7 +55,8 @@ def _levels(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers like '8' or '1,2,4,8', got {text!r}") from None
 
 
-def _length_range(text: str) -> tuple[int, int]:
+def length_range(text: str) -> tuple[int, int]:
+    """argparse type: ``N`` or ``MIN:MAX`` → (MIN, MAX); bounds are checked where the range is used."""
     try:
         low, _, high = text.partition(":")
         return (int(low), int(high or low))
@@ -103,9 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl = parser.add_argument_group("workload")
     wl.add_argument("--workload", choices=WORKLOAD_KINDS, default="random",
                     help="random lengths, shared-prefix tenants, or a ShareGPT file")
-    wl.add_argument("--input-len", type=_length_range, default=(128, 512), metavar="MIN:MAX",
+    wl.add_argument("--input-len", type=length_range, default=(128, 512), metavar="MIN:MAX",
                     help="prompt length in words (≈ tokens), uniform (default: 128:512)")
-    wl.add_argument("--output-len", type=_length_range, default=(32, 128), metavar="MIN:MAX",
+    wl.add_argument("--output-len", type=length_range, default=(32, 128), metavar="MIN:MAX",
                     help="max_tokens, uniform (default: 32:128)")
     wl.add_argument("--num-tenants", type=int, default=4, help="shared-prefix: tenants")
     wl.add_argument("--system-prompt-len", type=int, default=1024, metavar="WORDS",
