@@ -48,6 +48,12 @@ def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tup
     return OfflineWorkload(prompts, outs)
 
 
+def token_id_range(vocab_size: int) -> tuple[int, int]:
+    """Ids for random prompts: SmolLM2's ordinary-token range [100, 40000), clipped to a smaller vocabulary
+    (whose first quarter, at most 100 ids, is skipped as the likeliest home of special tokens)."""
+    return min(100, vocab_size // 4), min(40000, vocab_size)
+
+
 def percentile(values: list[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); NaN for an empty list."""
     if not values:
@@ -106,16 +112,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.num_requests < 1:
         parser.error("--num-requests must be >= 1")
-    workload = make_workload(args.num_requests, _range(parser, "--input-len", args.input_len),
-                             _range(parser, "--output-len", args.output_len), args.workload_seed,
-                             shared_prefix_len=args.shared_prefix_len)
+    input_len = _range(parser, "--input-len", args.input_len)
+    output_len = _range(parser, "--output-len", args.output_len)
     config = config_from_namespace(parser, args)
     try:
         llm = LLM.from_engine(LLMEngine(config))
     except (ValueError, OSError) as err:
         print(f"kvpilot bench offline: {err}", file=sys.stderr)
         return 1
-    warm = make_workload(min(4, args.num_requests), (8, 32), (4, 8), args.workload_seed + 1)
+    vocab = token_id_range(llm.engine.arch.vocab_size)
+    workload = make_workload(args.num_requests, input_len, output_len, args.workload_seed, vocab=vocab,
+                             shared_prefix_len=args.shared_prefix_len)
+    warm = make_workload(min(4, args.num_requests), (8, 32), (4, 8), args.workload_seed + 1, vocab=vocab)
     for _ in range(args.warmup):
         run_kvpilot(llm, warm)
     result = run_kvpilot(llm, workload)

@@ -5,9 +5,7 @@ an extend over a cached prefix), decodes batched with prefills, a one-token prom
 whose prompt starts with a cached prefix (prefix-cache hit, then extend).
 """
 
-import os
-
-os.environ["TRITON_INTERPRET"] = "1"
+from triton_device import DEVICE  # isort: skip  (sets TRITON_INTERPRET=1 on CPU before the kernels load)
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from kvpilot.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.triton
 
-ENGINE_ARGS = {"model": "tiny-random", "device": "cpu", "dtype": "float32", "block_size": 16,
+ENGINE_ARGS = {"model": "tiny-random", "device": DEVICE.type, "dtype": "float32", "block_size": 16,
                "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_kv_blocks": 64}
 LONG_PROMPT = [(7 * i + 3) % 250 + 5 for i in range(45)]  # > 32-token budget: prefilled in two chunks
 FIRST_WAVE = [LONG_PROMPT, [11], [(5 * i + 1) % 200 + 20 for i in range(17)]]

@@ -6,10 +6,8 @@ sizes 16/32/64; key tiles smaller than, equal to and larger than a block; fp32/f
 sliding windows (including a window of 1); split-KV with empty splits; prefix + extend.
 """
 
-import os
-
-# Before any kernel module is imported (collection imports this module before any test runs).
-os.environ["TRITON_INTERPRET"] = "1"
+# Before any kernel module is imported: sets TRITON_INTERPRET=1 on CPU (collection imports this first).
+from triton_device import DEVICE  # isort: skip
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from kvpilot.engine.attention.triton_backend import load_kernels
 
 pytestmark = pytest.mark.triton
 
-KERNELS = load_kernels(torch.device("cpu"))
+KERNELS = load_kernels(DEVICE)
 #: absolute tolerance of the output (values are convex combinations of N(0, 1) rows)
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
@@ -51,10 +49,10 @@ DECODE_CASES = [
 def test_decode_matches_reference(dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n):
     num_heads = group * kv_heads
     batch = make_paged_batch([n - 1 for n in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), num_heads,
-                             kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size + group)
+                             kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size + group, device=DEVICE)
     scale = head_dim ** -0.5
     out = torch.empty_like(batch.query)
-    partials = (KERNELS.split_kv.allocate_partials(len(DECODE_SEQ_LENS), num_heads, splits, head_dim, "cpu")
+    partials = (KERNELS.split_kv.allocate_partials(len(DECODE_SEQ_LENS), num_heads, splits, head_dim, DEVICE)
                 if splits > 1 else None)
     KERNELS.decode.paged_decode(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
                                 batch.seq_lens, scale, window, splits, partials,
@@ -82,7 +80,7 @@ PREFILL_SEQUENCES = [(0, 23), (16, 16), (37, 5), (3, 40), (0, 1), (64, 9), (20, 
 def test_prefill_matches_reference(dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n):
     contexts, new_tokens = zip(*PREFILL_SEQUENCES, strict=True)
     batch = make_paged_batch(list(contexts), list(new_tokens), group * kv_heads, kv_heads, head_dim,
-                             block_size, dtype, seed=7 * head_dim + block_size)
+                             block_size, dtype, seed=7 * head_dim + block_size, device=DEVICE)
     scale = head_dim ** -0.5
     out = torch.empty_like(batch.query)
     KERNELS.prefill.paged_prefill(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
@@ -96,7 +94,7 @@ def test_prefill_matches_reference(dtype, head_dim, block_size, group, kv_heads,
 
 def test_prefill_reads_only_its_slice_of_a_step():
     """Prefill sequences after two decodes: offsets into query/out come from query_start_loc."""
-    batch = make_paged_batch([5, 30, 0, 12], [1, 1, 19, 6], 4, 2, 64, 16, torch.float16, seed=3)
+    batch = make_paged_batch([5, 30, 0, 12], [1, 1, 19, 6], 4, 2, 64, 16, torch.float16, seed=3, device=DEVICE)
     out = torch.full_like(batch.query, 7.0)
     KERNELS.prefill.paged_prefill(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables[2:],
                                   batch.seq_lens[2:], batch.query_start_loc[2:], 19, 0.125)
@@ -112,16 +110,16 @@ def test_prefill_reads_only_its_slice_of_a_step():
 def test_kv_write_matches_reference(cache_dtype, head_dim, block_size, kv_heads):
     generator = torch.Generator().manual_seed(head_dim)
     num_blocks = 4
-    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(cache_dtype)
+    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype)
               for _ in range(2)]
     expected_caches = [cache.clone() for cache in caches]
     # fp32 projections sliced out of a fused qkv tensor: non-contiguous, converted on write. Their values
     # are representable in the cache dtype because the interpreter truncates fp32 -> bf16 where GPUs
     # (and torch) round to nearest even; the test checks the scatter, not Triton's rounding.
-    qkv = torch.randn(6, 3, kv_heads, head_dim, generator=generator).to(cache_dtype).float()
+    qkv = torch.randn(6, 3, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype).float()
     key, value = qkv[:, 1], qkv[:, 2]
     # first and last slot of the cache, a block boundary, a padded (negative) slot
-    slots = torch.tensor([0, block_size - 1, block_size, -1, 2 * block_size + 3, num_blocks * block_size - 1])
+    slots = torch.tensor([0, block_size - 1, block_size, -1, 2 * block_size + 3, num_blocks * block_size - 1], device=DEVICE)
     KERNELS.kv_write.write_kv(key, value, caches[0], caches[1], slots)
     reference.reference_write_kv(key, value, expected_caches[0], expected_caches[1], slots)
     assert torch.equal(caches[0], expected_caches[0])
@@ -132,11 +130,11 @@ def test_kv_write_matches_reference(cache_dtype, head_dim, block_size, kv_heads)
 
 def test_split_results_merge_to_the_unsplit_output():
     """Split-KV and one-split decode agree to rounding on a long context, including empty splits."""
-    batch = make_paged_batch([150, 0, 40], [1, 1, 1], 8, 1, 64, 16, torch.float32, seed=11)
+    batch = make_paged_batch([150, 0, 40], [1, 1, 1], 8, 1, 64, 16, torch.float32, seed=11, device=DEVICE)
     outputs = []
     for splits in (1, 6):
         out = torch.empty_like(batch.query)
-        partials = KERNELS.split_kv.allocate_partials(3, 8, splits, 64, "cpu") if splits > 1 else None
+        partials = KERNELS.split_kv.allocate_partials(3, 8, splits, 64, DEVICE) if splits > 1 else None
         KERNELS.decode.paged_decode(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
                                     batch.seq_lens, 0.125, None, splits, partials)
         outputs.append(out)
@@ -144,7 +142,7 @@ def test_split_results_merge_to_the_unsplit_output():
 
 
 def test_decode_refuses_splits_without_scratch():
-    batch = make_paged_batch([20], [1], 2, 1, 64, 16, torch.float32)
+    batch = make_paged_batch([20], [1], 2, 1, 64, 16, torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="allocate_partials"):
         KERNELS.decode.paged_decode(torch.empty_like(batch.query), batch.query, batch.key_cache,
                                     batch.value_cache, batch.block_tables, batch.seq_lens, 0.125, None, 2)

@@ -34,12 +34,12 @@ def attend_one_sequence(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
-    query_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-    key_pos = torch.arange(seq_len).unsqueeze(0)
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+    key_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible &= key_pos > query_pos - sliding_window
-    out = torch.empty(q_len, num_heads, query.shape[2], dtype=torch.float32)
+    out = torch.empty(q_len, num_heads, query.shape[2], dtype=torch.float32, device=query.device)
     for head in range(num_heads):
         kv_head = head // group
         scores = (query[:, head].float() @ keys[:, kv_head].float().T) * scale
@@ -54,7 +54,7 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
                               sliding_window: int | None = None) -> torch.Tensor:
     """Output ``[num_tokens, num_heads, head_dim]`` (fp32) of every sequence's new tokens attending
     their paged context; decode is the case ``q_len == 1``."""
-    out = torch.zeros(query.shape, dtype=torch.float32)
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     starts = query_start_loc.tolist()
     for seq, seq_len in enumerate(seq_lens.tolist()):
         keys = gather_sequence_kv(key_cache, block_tables[seq], seq_len)

@@ -1,0 +1,28 @@
+"""``kvpilot bench offline`` end to end on the tiny model, and the random-prompt id range it draws from."""
+
+import json
+
+import pytest
+
+from kvpilot.bench.offline_cli import make_workload, token_id_range
+from kvpilot.cli import main
+
+
+@pytest.mark.parametrize("vocab_size, expected", [(49152, (100, 40000)), (512, (100, 512)), (300, (75, 300))])
+def test_token_id_range_fits_the_vocabulary(vocab_size, expected):
+    assert token_id_range(vocab_size) == expected
+
+
+def test_bench_offline_runs_a_model_with_a_small_vocabulary(tiny_model_dir, tmp_path, capsys):
+    """The tiny model's vocabulary is 512: prompts drawn from SmolLM2's id range would be rejected."""
+    report = tmp_path / "offline.json"
+    code = main(["bench", "offline", "--model", str(tiny_model_dir), "--num-requests", "3", "--input-len", "4:9",
+                 "--output-len", "2:5", "--warmup", "0", "--output-json", str(report)])
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads(report.read_text())
+    workload = make_workload(3, (4, 9), (2, 5), seed=0, vocab=token_id_range(512))
+    assert all(100 <= token < 512 for prompt in workload.prompts for token in prompt)
+    assert summary["prompt_tokens"] == workload.num_prompt_tokens
+    # ignore_eos + max_tokens: exactly the drawn output lengths
+    assert summary["output_tokens"] == workload.num_output_tokens
+    assert "3 requests" in capsys.readouterr().out
