@@ -10,6 +10,7 @@ from kvpilot.engine.config import (
     DTYPES,
     LINEAR_BACKENDS,
     LOGPROBS_MODES,
+    NATIVE_CPU_OPS,
     PREEMPTION_MODES,
     ConfigError,
     EngineArgs,
@@ -47,6 +48,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
     g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
                    help="auto = oneDNN-packed weights for float32 on CPU")
+    g.add_argument("--native-cpu-ops", default=d.native_cpu_ops, choices=NATIVE_CPU_OPS,
+                   help="fused C kernels for float32 on CPU (auto = when a C compiler builds them)")
     g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES)
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
 

@@ -15,6 +15,7 @@ BATCHING_MODES = ("continuous", "static")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
+NATIVE_CPU_OPS = ("auto", "on", "off")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
 
@@ -81,6 +82,10 @@ class EngineConfig:
     #: GEMMs of the decoder layers: ``auto`` (oneDNN-packed weights for float32 on CPU, torch otherwise),
     #: ``torch`` (plain ``F.linear``) or ``onednn``
     linear_backend: str = "auto"
+    #: fused C kernels for float32 on CPU (RMSNorm+residual, RoPE, K/V write, SiLU-mul, paged decode
+    #: attention; compiled once per host into the cache directory): ``auto`` (use them when a C compiler
+    #: builds them, else PyTorch ops with a warning), ``on`` (fail if they cannot be built) or ``off``
+    native_cpu_ops: str = "auto"
     #: what ``logprobs`` report: the model's raw distribution or the one the sampler drew from
     logprobs_mode: str = "raw_logprobs"
     #: most logprobs a request may ask for
@@ -112,6 +117,7 @@ class EngineArgs:
     batching_mode: str = "continuous"
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    native_cpu_ops: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
 
@@ -170,6 +176,8 @@ class EngineArgs:
              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         need(self.linear_backend in LINEAR_BACKENDS,
              f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        need(self.native_cpu_ops in NATIVE_CPU_OPS,
+             f"native_cpu_ops must be one of {NATIVE_CPU_OPS}, got {self.native_cpu_ops!r}")
         need(self.logprobs_mode in LOGPROBS_MODES,
              f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from kvpilot.engine.attention.backend import select_backend
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.beam_search import BeamSearch
 from kvpilot.engine.capacity_plan import plan_max_model_len, plan_num_kv_blocks
 from kvpilot.engine.config import EngineConfig
@@ -24,8 +26,14 @@ from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.manager import KVCacheManager
 from kvpilot.engine.model.arch import ModelArchConfig
-from kvpilot.engine.model.loader import load_model, resolve_device, resolve_dtype, resolve_linear_backend
-from kvpilot.engine.model.registry import model_fingerprint, resolve_model
+from kvpilot.engine.model.loader import (
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_linear_backend,
+    resolve_native_ops,
+)
+from kvpilot.engine.model.registry import default_cache_dir, model_fingerprint, resolve_model
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
@@ -63,6 +71,11 @@ class LLMEngine(StepOutputs):
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.model = load_model(self.model_dir, self.dtype, self.device, self.backend, self.linear_backend,
                                 batch_hint=min(config.scheduler.max_num_seqs, 64))
+        self.native_ops = resolve_native_ops(config.native_cpu_ops, self.device, self.dtype,
+                                             Path(mc.download_dir) if mc.download_dir else default_cache_dir())
+        self.model.native = self.native_ops
+        if isinstance(self.backend, TorchAttentionBackend):
+            self.backend.native = self.native_ops
         self.kv_bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads,
                                                      arch.head_dim, self.dtype.itemsize)
         num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token, self.device)

@@ -7,6 +7,10 @@ padded to the longest, and their GQA groups are folded into the query-length axi
 D]`` queries), so K/V are never expanded per query head. Prefill/extend sequences run one SDPA each over
 their cached prefix plus a causal triangle on the new tokens. All index arithmetic happens once per step
 in ``prepare`` and is shared by every layer.
+
+With ``native`` set (float32 on CPU, ``kvpilot.engine.native``), decodes skip the gather and SDPA: one C
+kernel reads each sequence's K/V blocks in place with an online softmax, and the K/V write is a C scatter.
+Prefill/extend sequences still run SDPA as above.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.native.ops import NativeOps
 
 #: start a new decode bucket when a context is this much longer than the bucket's shortest one
 _BUCKET_GROWTH = 1.5
@@ -71,6 +76,8 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_layout = "HND"
+    #: fused C kernels for float32 decode attention and K/V writes; None = PyTorch ops
+    native: NativeOps | None = None
 
     def _gather_rows(self, block_table: torch.Tensor) -> torch.Tensor:
         """Rows of the cache viewed as ``[num_blocks * kv_heads, block_size, D]`` for ``block_table``
@@ -81,7 +88,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         bs, nd = meta.block_size, meta.num_decodes
         buckets: list[_DecodeBucket] = []
-        if nd:
+        if nd and self.native is None:
             lens_host = meta.seq_lens_host[:nd]
             for idx in _length_buckets(lens_host):
                 rows = torch.tensor(idx, device=meta.block_tables.device)
@@ -116,6 +123,11 @@ class TorchAttentionBackend(AttentionBackend):
         meta.extras["write_offset"] = meta.slot_mapping % bs
 
     def write_kv(self, key, value, key_cache, value_cache, meta) -> None:
+        if self.native is not None and key.dtype == key_cache.dtype == torch.float32:
+            tokens = key.shape[0]
+            self.native.write_kv(key.reshape(tokens, -1), value.reshape(tokens, -1), key_cache, value_cache,
+                                 meta.slot_mapping)
+            return
         blk, off = meta.extras["write_block"], meta.extras["write_offset"]
         # HND cache: [blocks, heads, bs, D]; advanced indices on dims 0 and 2 put tokens first
         key_cache[blk, :, off] = key.to(key_cache.dtype)
@@ -129,6 +141,10 @@ class TorchAttentionBackend(AttentionBackend):
     def attend(self, query, key, value, key_cache, value_cache, meta) -> torch.Tensor:
         out = torch.empty_like(query)
         kvh, d, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        if self.native is not None and meta.num_decodes:
+            nd = meta.num_decodes
+            out[:nd] = self.native.paged_decode(query[:nd].reshape(nd, -1), key_cache, value_cache,
+                                                meta.block_tables, meta.seq_lens, self.scale, self.sliding_window)
         for bucket in meta.extras["decode_buckets"]:
             n = bucket.rows.numel()
             k = self._gather(key_cache, bucket.gather_rows, n, bucket.num_blocks).to(query.dtype)

@@ -5,6 +5,11 @@ The forward pass takes the step's tokens of all sequences flattened into one ``[
 needs the per-sequence layout (``AttentionMetadata``) and the paged KV cache.
 Numerics follow HF transformers (RMSNorm in float32, rotate-half RoPE, SwiGLU), so greedy outputs match a
 reference ``LlamaForCausalLM`` with the same weights.
+
+With ``native`` set (float32 on CPU, ``kvpilot.engine.native``), the same computation runs through fused
+C kernels: the residual stream is kept apart and each RMSNorm also adds the sublayer output into it (one
+pass instead of ~8 small ops), RoPE rotates q and k in place inside the fused qkv rows, and the MLP's
+SiLU-and-multiply is one kernel. Only the float summation order differs from the PyTorch path.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.rope import RotaryEmbedding
+from kvpilot.engine.native.ops import NativeOps
 
 _LM_HEAD_SLAB_ROWS = 2048
 
@@ -58,6 +64,19 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = RotaryEmbedding.rotate(q, k, *rope)
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def forward_native(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                       backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                       meta: AttentionMetadata, native: NativeOps) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        # q heads then k heads lead each row: one in-place pass rotates both
+        native.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        out = backend.forward(q.view(num_tokens, self.num_heads, self.head_dim),
+                              k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                              v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -101,16 +120,38 @@ class LlamaForCausalLM(nn.Module):
                                       arch.rope_scaling, dtype)
         #: an optimised copy of the LM head (e.g. oneDNN-packed on CPU); None = use the weight directly
         self.packed_lm_head: nn.Module | None = None
+        #: fused C kernels (float32 on CPU); None = PyTorch ops
+        self.native: NativeOps | None = None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         self.backend.prepare(meta)
+        if self.native is not None:
+            return self._forward_native(input_ids, positions, kv_caches, meta, self.native)
         rope = self.rotary.tables(positions)
         hidden = self.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, rope, self.backend, kv_cache, meta)
         return self.norm(hidden)
+
+    def _forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                        native: NativeOps) -> torch.Tensor:
+        """``forward`` through the fused kernels: ``residual`` accumulates the sublayer outputs in place and
+        every RMSNorm reads it right after the add (the next layer's input norm, finally ``self.norm``)."""
+        residual = self.embed_tokens(input_ids)
+        norms = [w for layer in self.layers for w in (layer.input_layernorm, layer.post_attention_layernorm)]
+        norms.append(self.norm)
+        hidden = native.add_rms_norm(residual, None, norms[0].weight, norms[0].eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            attn = layer.self_attn.forward_native(hidden, positions, self.rotary, self.backend, kv_cache, meta,
+                                                  native)
+            hidden = native.add_rms_norm(residual, attn, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
+            mlp = layer.mlp
+            down = mlp.down_proj(native.silu_mul(mlp.gate_up_proj(hidden)))
+            hidden = native.add_rms_norm(residual, down, norms[2 * i + 2].weight, norms[2 * i + 2].eps)
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

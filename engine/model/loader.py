@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,10 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
 from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.native.build import NativeBuildError
+from kvpilot.engine.native.ops import NativeOps, load_native_ops
+
+log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -32,6 +37,26 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     if name == "onednn" and (device.type != "cpu" or not onednn_available()):
         raise ValueError("linear_backend 'onednn' needs a CPU device and a torch build with oneDNN")
     return name
+
+
+def resolve_native_ops(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> NativeOps | None:
+    """The fused C kernels for ``native_cpu_ops`` = ``mode``, or None to run PyTorch ops.
+
+    They exist for float32 on CPU only; ``auto`` falls back (with a warning) when they cannot be built,
+    ``on`` raises instead."""
+    if mode == "off":
+        return None
+    if device.type != "cpu" or dtype != torch.float32:
+        if mode == "on":
+            raise ValueError(f"native_cpu_ops='on' needs float32 on CPU, not {dtype} on {device}")
+        return None
+    try:
+        return load_native_ops(cache_dir)
+    except NativeBuildError as err:
+        if mode == "on":
+            raise ValueError(f"native_cpu_ops='on' but the C kernels cannot be built: {err}") from err
+        log.warning("native CPU kernels unavailable, using PyTorch ops (slower): %s", err)
+        return None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -1,0 +1,208 @@
+"""Tensor-level wrappers of the C kernels, and the PyTorch reference each one is tested against.
+
+``NativeOps`` validates what the kernels assume (float32, CPU, unit stride inside a row, the shapes
+that belong together) and raises ``ValueError`` otherwise, so a caller never hands C a layout it would
+misread. Rows may have any stride: q/k/v are column slices of the fused qkv projection.
+``load_native_ops(cache_dir)`` compiles/loads the library (``build.py``); callers decide what to do when
+it raises ``NativeBuildError`` (the engine falls back to PyTorch ops for ``native_cpu_ops="auto"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.engine.native.build import load_library
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+_T = ctypes.c_int
+_SIGNATURES = {
+    "kvp_add_rms_norm": (_P, _I, _P, _I, _P, _P, _I, _I, _F, _T),
+    "kvp_rope_inplace": (_P, _I, _I, _I, _I, _P, _P, _P, _T),
+    "kvp_write_kv": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _T),
+    "kvp_silu_mul": (_P, _P, _I, _I, _T),
+    "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _T),
+}
+#: limits of the decode kernel's per-task stack buffers
+MAX_GROUP = 64
+MAX_HEAD_DIM = 256
+
+
+def _rows(x: torch.Tensor, name: str, width: int | None = None) -> int:
+    """Row stride of a 2-D float32 CPU tensor whose rows are contiguous."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
+                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
+    if width is not None and x.shape[1] != width:
+        raise ValueError(f"{name} must have {width} columns, got {x.shape[1]}")
+    return x.stride(0)
+
+
+def _contiguous(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
+    if x.dtype != dtype or x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {x.dtype} {tuple(x.shape)}")
+
+
+class NativeOps:
+    """The loaded kernels. Every method works in place or on an ``out`` it allocates, as documented."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._lib = lib
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+
+    @staticmethod
+    def _threads() -> int:
+        return torch.get_num_threads()
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """``residual += delta`` (in place, when given), then RMSNorm of ``residual`` into a new tensor."""
+        tokens, hidden = residual.shape
+        rs = _rows(residual, "residual")
+        ds = 0 if delta is None else _rows(delta, "delta", hidden)
+        if delta is not None and delta.shape[0] != tokens:
+            raise ValueError(f"delta has {delta.shape[0]} rows, residual {tokens}")
+        _contiguous(weight, "weight", torch.float32)
+        out = torch.empty(tokens, hidden)
+        self._lib.kvp_add_rms_norm(residual.data_ptr(), rs, None if delta is None else delta.data_ptr(), ds,
+                                   weight.data_ptr(), out.data_ptr(), tokens, hidden, eps, self._threads())
+        return out
+
+    def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate the first ``num_heads`` heads of every row of ``x`` in place (rotate-half RoPE)."""
+        xs = _rows(x, "x")
+        if x.shape[1] < num_heads * head_dim or head_dim % 2:
+            raise ValueError(f"x rows ({x.shape[1]}) must hold {num_heads} heads of even size {head_dim}")
+        _contiguous(positions, "positions", torch.int64)
+        for table, name in ((cos, "cos"), (sin, "sin")):
+            _contiguous(table, name, torch.float32)
+            if table.dim() != 2 or table.shape[1] != head_dim:
+                raise ValueError(f"{name} table must be [max_position, {head_dim}], got {tuple(table.shape)}")
+        if positions.numel() != x.shape[0]:
+            raise ValueError(f"{positions.numel()} positions for {x.shape[0]} rows")
+        if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
+            raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
+        self._lib.kvp_rope_inplace(x.data_ptr(), xs, x.shape[0], num_heads, head_dim, positions.data_ptr(),
+                                   cos.data_ptr(), sin.data_ptr(), self._threads())
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                 value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Scatter ``key``/``value`` ``[T, Hkv * D]`` rows into HND caches at ``slots`` (< 0: skip)."""
+        num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+        ks, vs = _rows(key, "key", kv_heads * head_dim), _rows(value, "value", kv_heads * head_dim)
+        _contiguous(key_cache, "key_cache", torch.float32)
+        _contiguous(value_cache, "value_cache", torch.float32)
+        _contiguous(slots, "slots", torch.int64)
+        if value_cache.shape != key_cache.shape or slots.numel() != key.shape[0] or value.shape[0] != key.shape[0]:
+            raise ValueError("key/value rows, slots and the two caches' shapes must agree")
+        if slots.numel() and int(slots.max()) >= num_blocks * block_size:
+            raise ValueError(f"slot {int(slots.max())} is outside the cache ({num_blocks * block_size} slots)")
+        self._lib.kvp_write_kv(key.data_ptr(), ks, value.data_ptr(), vs, key_cache.data_ptr(),
+                               value_cache.data_ptr(), slots.data_ptr(), key.shape[0], kv_heads, head_dim,
+                               block_size, self._threads())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for the fused ``[T, 2I]`` projection (gate first), as a new ``[T, I]``."""
+        _contiguous(gate_up, "gate_up", torch.float32)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
+        tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(tokens, inter)
+        self._lib.kvp_silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, inter, self._threads())
+        return out
+
+    def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+        """Attention of each sequence's one new query (``query`` ``[B, Hq * D]`` rows) over its paged
+        context, reading K/V blocks in place; returns ``[B, Hq, D]``."""
+        num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+        batch = query.shape[0]
+        num_heads = query.shape[1] // head_dim if query.dim() == 2 else 0
+        qs = _rows(query, "query", num_heads * head_dim)
+        if not num_heads or num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} "
+                             f"(group <= {MAX_GROUP}, head_dim <= {MAX_HEAD_DIM})")
+        _contiguous(key_cache, "key_cache", torch.float32)
+        _contiguous(value_cache, "value_cache", torch.float32)
+        _contiguous(seq_lens, "seq_lens", torch.int32)
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables must be int32 [B, max_blocks] with contiguous rows")
+        if block_tables.shape[0] < batch or seq_lens.numel() < batch:
+            raise ValueError(f"{batch} queries but {block_tables.shape[0]} block tables, {seq_lens.numel()} lengths")
+        if batch and int(seq_lens[:batch].max()) > block_tables.shape[1] * block_size:
+            raise ValueError("a sequence is longer than its block table covers")
+        if batch and not 0 <= int(block_tables[:batch].min()) <= int(block_tables[:batch].max()) < num_blocks:
+            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        out = torch.empty(batch, num_heads, head_dim)
+        self._lib.kvp_paged_decode(out.data_ptr(), query.data_ptr(), qs, key_cache.data_ptr(), value_cache.data_ptr(),
+                                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), batch,
+                                   num_heads, kv_heads, head_dim, block_size, scale, sliding_window or 0,
+                                   self._threads())
+        return out
+
+
+def load_native_ops(cache_dir: Path) -> NativeOps:
+    return NativeOps(load_library(cache_dir))
+
+
+# ---- PyTorch references (what the kernels must compute) -------------------------------------------------
+
+def reference_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    if delta is not None:
+        residual += delta
+    return weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> None:
+    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    heads.copy_(heads * c + rotated * s)
+
+
+def reference_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    _, kv_heads, block_size, head_dim = key_cache.shape
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            key_cache[slot // block_size, :, slot % block_size] = key[t].view(kv_heads, head_dim)
+            value_cache[slot // block_size, :, slot % block_size] = value[t].view(kv_heads, head_dim)
+
+
+def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def reference_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None) -> torch.Tensor:
+    _, kv_heads, block_size, head_dim = key_cache.shape
+    num_heads = query.shape[1] // head_dim
+    out = torch.empty(query.shape[0], num_heads, head_dim)
+    for b in range(query.shape[0]):
+        length = int(seq_lens[b])
+        start = max(0, length - sliding_window) if sliding_window else 0
+        positions = torch.arange(start, length)
+        blocks = block_tables[b, positions // block_size].long()
+        keys = key_cache[blocks, :, positions % block_size]  # [L, Hkv, D]
+        values = value_cache[blocks, :, positions % block_size]
+        q = query[b].view(num_heads, head_dim)
+        group = num_heads // kv_heads
+        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        weights = torch.softmax((k @ q.unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+        out[b] = (weights.unsqueeze(1) @ v).squeeze(1)
+    return out

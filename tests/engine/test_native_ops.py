@@ -1,0 +1,125 @@
+"""The C kernels of kvpilot.engine.native against their PyTorch references, and the build's contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.engine.native import ops as native
+from kvpilot.engine.native.build import NativeBuildError, build_library
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return native.load_native_ops(tmp_path_factory.mktemp("native"))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("tokens, hidden, with_delta", [(1, 64, True), (7, 576, True), (33, 576, False), (3, 5, True)])
+def test_add_rms_norm(kernels, tokens, hidden, with_delta):
+    g = _gen(tokens + hidden)
+    base = torch.randn(tokens, hidden + 3, generator=g)  # strided rows
+    residual = base[:, :hidden]
+    delta = torch.randn(tokens, hidden, generator=g) if with_delta else None
+    weight = torch.rand(hidden, generator=g) + 0.5
+    expected_residual = residual.clone()
+    expected = native.reference_add_rms_norm(expected_residual, delta, weight, 1e-5)
+    out = kernels.add_rms_norm(residual, delta, weight, 1e-5)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
+    assert torch.equal(base[:, hidden:], base[:, hidden:].clone())
+
+
+@pytest.mark.parametrize("heads, head_dim", [(9, 64), (4, 16), (2, 128)])
+def test_rope_rotates_only_the_given_heads(kernels, heads, head_dim):
+    g = _gen(heads * head_dim)
+    tokens, extra = 6, 2 * head_dim  # the row also holds two heads that must stay untouched
+    x = torch.randn(tokens, heads * head_dim + extra, generator=g)
+    positions = torch.tensor([0, 5, 1, 99, 3, 3])
+    angles = torch.randn(100, head_dim // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    expected = x.clone()
+    native.reference_rope_(expected, heads, head_dim, positions, cos, sin)
+    kernels.rope_(x, heads, head_dim, positions, cos, sin)
+    torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(x[:, heads * head_dim:], expected[:, heads * head_dim:])
+
+
+def test_write_kv_scatters_into_hnd_blocks_and_skips_padding(kernels):
+    g = _gen(1)
+    caches = [torch.zeros(4, 2, 8, 16) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    qkv = torch.randn(5, 3 * 32, generator=g)
+    key, value = qkv[:, 32:64], qkv[:, 64:]
+    slots = torch.tensor([0, 7, 8, -1, 31])
+    kernels.write_kv(key, value, caches[0], caches[1], slots)
+    native.reference_write_kv(key, value, expected[0], expected[1], slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    # slot 8 = block 1, offset 0; head 1 holds columns 16..31 of the token's key row
+    assert torch.equal(caches[0][1, 1, 0], key[2, 16:])
+    assert int((caches[0] != 0).any(-1).sum()) == 4 * 2  # four tokens x two heads written
+
+
+def test_silu_mul(kernels):
+    gate_up = torch.randn(9, 2 * 1536, generator=_gen(2)) * 4
+    torch.testing.assert_close(kernels.silu_mul(gate_up), native.reference_silu_mul(gate_up), atol=1e-5, rtol=1e-5)
+
+
+# (lengths, Hq, Hkv, D, block_size, window): GQA 3/1/8, blocks 16/128 (> the kernel's 64-key chunk)
+DECODE_CASES = [
+    ([1, 16, 17, 40, 163], 9, 3, 64, 16, None),
+    ([5, 64, 70], 4, 4, 32, 16, None),
+    ([130, 3], 8, 1, 128, 128, None),
+    ([50, 20, 1], 6, 2, 64, 16, 17),
+]
+
+
+@pytest.mark.parametrize("lengths, num_heads, kv_heads, head_dim, block_size, window", DECODE_CASES)
+def test_paged_decode_matches_reference(kernels, lengths, num_heads, kv_heads, head_dim, block_size, window):
+    g = _gen(sum(lengths))
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(blocks_per_seq) + 2
+    key_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(blocks_per_seq) + 1
+    tables = torch.zeros(len(lengths), width, dtype=torch.int32)
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    qkv = torch.randn(len(lengths), (num_heads + 2 * kv_heads) * head_dim, generator=g)
+    query = qkv[:, :num_heads * head_dim]
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
+    expected = native.reference_paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_wrappers_refuse_layouts_the_kernels_would_misread(kernels):
+    with pytest.raises(ValueError, match="float32"):
+        kernels.silu_mul(torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        kernels.add_rms_norm(torch.zeros(8, 4).t(), None, torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="positions must lie"):
+        kernels.rope_(torch.zeros(1, 16), 1, 16, torch.tensor([4]), torch.zeros(4, 16), torch.zeros(4, 16))
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels.write_kv(torch.zeros(1, 16), torch.zeros(1, 16), torch.zeros(2, 1, 4, 16),
+                         torch.zeros(2, 1, 4, 16), torch.tensor([8]))
+    with pytest.raises(ValueError, match="longer than its block table"):
+        kernels.paged_decode(torch.zeros(1, 16), torch.zeros(3, 1, 4, 16), torch.zeros(3, 1, 4, 16),
+                             torch.ones(1, 1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.25, None)
+    with pytest.raises(ValueError, match="block ids"):
+        kernels.paged_decode(torch.zeros(1, 16), torch.zeros(3, 1, 4, 16), torch.zeros(3, 1, 4, 16),
+                             torch.full((1, 2), 3, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.25, None)
+
+
+def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
+    first = build_library(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert build_library(tmp_path) == first and first.stat().st_mtime_ns == mtime
+    monkeypatch.setenv("CC", "no-such-compiler-kvpilot")
+    with pytest.raises(NativeBuildError, match="no C compiler"):
+        build_library(tmp_path / "other")
