@@ -69,11 +69,10 @@ class LLMEngine(StepOutputs):
                                       num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
                                       scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend, self.linear_backend,
-                                batch_hint=min(config.scheduler.max_num_seqs, 64))
         self.native_ops = resolve_native_ops(config.native_cpu_ops, self.device, self.dtype,
                                              Path(mc.download_dir) if mc.download_dir else default_cache_dir())
-        self.model.native = self.native_ops
+        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend, self.linear_backend,
+                                batch_hint=min(config.scheduler.max_num_seqs, 64), native=self.native_ops)
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.native = self.native_ops
         self.kv_bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads,

@@ -160,15 +160,15 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 k = self._gather(key_cache, plan.gather_rows, 1, plan.num_blocks)[0].to(query.dtype)
                 v = self._gather(value_cache, plan.gather_rows, 1, plan.num_blocks)[0].to(query.dtype)
-            if group > 1:
-                # expanded K/V keep SDPA on its fused CPU kernel (``enable_gqa`` falls back to the
-                # unfused math path, which materialises every score and was ~3x slower here)
-                k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
-            # 4-D inputs: SDPA only dispatches to its fused CPU kernel with a batch dimension
+            # 4-D inputs: SDPA only dispatches to its fused CPU kernel with a batch dimension. GQA without
+            # expanding K/V: with torch 2.13 ``enable_gqa`` stays on the fused kernel and measured faster
+            # than repeat_interleave (140 new tokens: 825 vs 969 us; 32 after a 500-token prefix: 694 vs
+            # 1339 us; identical outputs); older torch fell back to the unfused math path here.
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+            gqa = group > 1
             if plan.mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)[0]
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)[0]
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=self.scale)[0]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=gqa)[0]
             out[s:e] = o.transpose(0, 1)
         return out

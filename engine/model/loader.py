@@ -99,18 +99,22 @@ def _uninitialized_parameters(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               linear_backend: str = "torch", batch_hint: int = 32) -> LlamaForCausalLM:
+               linear_backend: str = "torch", batch_hint: int = 32,
+               native: NativeOps | None = None) -> LlamaForCausalLM:
+    """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
+    forward pass and, with oneDNN linears, serves their small batches."""
     arch = ModelArchConfig.from_dir(model_dir)
     with _uninitialized_parameters(dtype):
         model = LlamaForCausalLM(arch, dtype, backend)
     model.load_hf_weights(read_safetensors(model_dir))
     model.to(device)
     if linear_backend == "onednn":
-        pack_linears(model.layers, batch_hint)
+        pack_linears(model.layers, batch_hint, native)
         # the LM head is the widest GEMM of a decode step; with tied embeddings the packed copy costs
         # vocab × hidden floats more memory (113 MB for SmolLM2) and the lookup keeps the plain weight
         head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
         head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.packed_lm_head = PackedLinear(head, batch_hint)
+        model.packed_lm_head = PackedLinear(head, batch_hint, native)
+    model.native = native
     model.eval()
     return model

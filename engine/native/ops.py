@@ -27,6 +27,7 @@ _SIGNATURES = {
     "kvp_write_kv": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _T),
     "kvp_silu_mul": (_P, _P, _I, _I, _T),
     "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _T),
+    "kvp_linear": (_P, _I, _P, _P, _P, _I, _I, _I, _T),
 }
 #: limits of the decode kernel's per-task stack buffers
 MAX_GROUP = 64
@@ -56,6 +57,9 @@ class NativeOps:
         for name, argtypes in _SIGNATURES.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = None
+        lib.kvp_has_avx2.restype = ctypes.c_int
+        #: whether ``linear`` has its vector kernel (else a scalar loop: callers should keep their GEMM)
+        self.has_fast_linear = bool(lib.kvp_has_avx2())
 
     @staticmethod
     def _threads() -> int:
@@ -117,6 +121,23 @@ class NativeOps:
         tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(tokens, inter)
         self._lib.kvp_silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, inter, self._threads())
+        return out
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T + bias`` for a few rows of ``x`` (decode batches), reading ``weight`` ``[N, K]``
+        as stored. Faster than oneDNN up to ~24 rows on AVX2 hosts; callers pick it by row count."""
+        rows = x.shape[0]
+        xs = _rows(x, "x")
+        _contiguous(weight, "weight", torch.float32)
+        if weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[1] % 8:
+            raise ValueError(f"weight must be [N, {x.shape[1]}] with K a multiple of 8, got {tuple(weight.shape)}")
+        if bias is not None:
+            _contiguous(bias, "bias", torch.float32)
+            if bias.shape != (weight.shape[0],):
+                raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        out = torch.empty(rows, weight.shape[0])
+        self._lib.kvp_linear(x.data_ptr(), xs, weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                             out.data_ptr(), rows, weight.shape[0], weight.shape[1], self._threads())
         return out
 
     def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -123,3 +123,21 @@ def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-kvpilot")
     with pytest.raises(NativeBuildError, match="no C compiler"):
         build_library(tmp_path / "other")
+
+
+@pytest.mark.parametrize("rows, out_features, in_features, with_bias", [
+    (1, 960, 576, False), (2, 12, 64, True), (5, 7, 16, True), (24, 49, 1536, False),
+])
+def test_linear_matches_f_linear(kernels, rows, out_features, in_features, with_bias):
+    """Odd row counts, output sizes that are not a multiple of the 4-row tile, strided input rows."""
+    g = _gen(rows * out_features)
+    x = torch.randn(rows, in_features + 8, generator=g)[:, :in_features]
+    weight = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(kernels.linear(x, weight, bias), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_linear_refuses_a_k_that_is_not_a_multiple_of_8(kernels):
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernels.linear(torch.zeros(1, 12), torch.zeros(4, 12), None)
