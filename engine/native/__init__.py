@@ -1,13 +1,24 @@
 """kvpilot.engine.native — fused float32 CPU kernels in C, for the CPU decode/prefill hot loop.
 
 Package map:
-- ``cpu_ops.c`` the kernels: RMSNorm with the residual add fused in, RoPE in place, K/V scatter into
-                the paged (HND) cache, SiLU-and-multiply, paged decode attention reading blocks in place
-- ``build``     compiles ``cpu_ops.c`` once per host (``-O3 -march=native``) into the cache directory and
-                loads it with ctypes; ``NativeBuildError`` when no compiler is found or the build fails
-- ``ops``       ``NativeOps``: tensor wrappers that validate dtype/layout before calling C, and the PyTorch
-                reference each kernel is tested against
+- ``vec.h``              shared inline helpers: a vectorizable exp (AVX2), dot products, lane reductions
+- ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, the K/V scatter into the
+                         paged (HND) cache, SiLU-and-multiply
+- ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
+- ``small_gemm.c``       the GEMM of small (decode) batches on nn.Linear's [out, in] weights
+- ``build``              compiles the sources once per host (``-O3 -march=native``) into one library in the
+                         cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
+- ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C, and the
+                         PyTorch reference each kernel is tested against
 
-Used by the model (``kvpilot.engine.model.llama``) and the torch attention backend when the engine runs
-float32 on CPU with ``native_cpu_ops`` on (``auto``: when the build succeeds).
+Conventions of the C side: row-major float32; every "stride" counts elements between consecutive tokens,
+so q/k/v may be column slices of one fused qkv row; the KV cache is head-major inside a block ("HND":
+``[num_blocks, num_kv_heads, block_size, head_dim]``); OpenMP splits work over tokens (or sequence × KV
+head, or weight rows) with the thread count the caller passes (torch's). Compiled with ``-ffast-math``
+(vector exp, reassociated sums) but linked without it, so flush-to-zero is never switched on for the
+whole process.
+
+Used by the model (``kvpilot.engine.model.llama``), its oneDNN linears (small batches) and the torch
+attention backend when the engine runs float32 on CPU with ``native_cpu_ops`` on (``auto``: when the
+build succeeds).
 """

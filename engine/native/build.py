@@ -1,7 +1,8 @@
-"""Compile ``cpu_ops.c`` once per host into the cache directory and load it with ctypes.
+"""Compile the kernel sources (``*.c`` beside this file) once per host into one library in the cache
+directory and load it with ctypes.
 
 The library is built with ``-O3 -march=native`` (AVX2/FMA where the CPU has them), so the cache key holds
-the source, the flags, the compiler's version and this CPU's model and feature flags: a cache directory
+the sources and header, the flags, the compiler's version and this CPU's model and feature flags: a cache directory
 shared between different machines never hands one a library built for another. Builds are atomic (a
 temporary file renamed into place), so concurrent engine processes cannot load a half-written library.
 Compiling takes ~1 s; no torch headers are involved (the kernels take raw pointers).
@@ -18,7 +19,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("cpu_ops.c")
+HERE = Path(__file__).parent
+SOURCES = tuple(sorted(HERE.glob("*.c")))
+HEADERS = tuple(sorted(HERE.glob("*.h")))
 # -ffast-math at compile time only: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process (torch included) when the library loads.
 COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC",
@@ -48,7 +51,7 @@ def _cpu_identity() -> str:
 def _cache_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), version.encode(),
+    for part in (*(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), version.encode(),
                  platform.machine().encode(), _cpu_identity().encode()):
         digest.update(hashlib.sha256(part).digest())
     return digest.hexdigest()[:16]
@@ -64,9 +67,12 @@ def build_library(cache_dir: Path) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "cpu_ops.o", Path(tmp) / "cpu_ops.so"
-        for command in ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [cc, str(obj), "-o", str(lib), *LINK_FLAGS]):
+        objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
+        lib = Path(tmp) / "cpu_ops.so"
+        commands = [[cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
+                    for source, obj in zip(SOURCES, objects, strict=True)]
+        commands.append([cc, *map(str, objects), "-o", str(lib), *LINK_FLAGS])
+        for command in commands:
             try:
                 result = subprocess.run(command, capture_output=True, text=True, timeout=_TIMEOUT_S)
             except (OSError, subprocess.TimeoutExpired) as err:

@@ -1,0 +1,115 @@
+/* Paged decode attention over the HND cache ([num_blocks, num_kv_heads, block_size, head_dim]), reading
+ * K/V blocks in place with an online softmax. */
+#include "vec.h"
+
+#define MAX_GROUP 64
+#define MAX_HEAD_DIM 256
+
+/* s[j] = scale * <q, k_j> for the n rows k_j of kb (row length D). The AVX2 path scores 8 keys at a
+ * time with 8 vector accumulators and one transposing reduction, instead of a horizontal sum per key. */
+static inline void key_scores(const float *q, const float *kb, int64_t n, int64_t D, float scale, float *s) {
+    int64_t j = 0;
+#ifdef HAVE_AVX2
+    if (D % 8 == 0) {
+        for (; j + 8 <= n; j += 8) {
+            const float *k = kb + j * D;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 qv = _mm256_loadu_ps(q + d);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + d), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + D + d), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * D + d), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * D + d), a3);
+                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 4 * D + d), a4);
+                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 5 * D + d), a5);
+                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 6 * D + d), a6);
+                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 7 * D + d), a7);
+            }
+            _mm256_storeu_ps(s + j, _mm256_mul_ps(reduce8(a0, a1, a2, a3, a4, a5, a6, a7), _mm256_set1_ps(scale)));
+        }
+    }
+#endif
+    for (; j < n; j++) s[j] = dot(q, kb + j * D, D) * scale;
+}
+
+/* a += sum_j p[j] * v_j over the n rows v_j of vb: four rows per pass over a, so the accumulator is
+ * loaded and stored once per four keys. */
+static inline void weighted_rows_add(float *a, const float *p, const float *vb, int64_t n, int64_t D) {
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const float *v0 = vb + j * D, *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D;
+        float p0 = p[j], p1 = p[j + 1], p2 = p[j + 2], p3 = p[j + 3];
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) a[i] += p0 * v0[i] + p1 * v1[i] + p2 * v2[i] + p3 * v3[i];
+    }
+    for (; j < n; j++) {
+        const float *v = vb + j * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) a[i] += p[j] * v[i];
+    }
+}
+
+/* Paged decode attention: sequence b's single query (row b of q, stride qs; heads [Hq, D]) attends
+ * keys [start, seq_lens[b]) of its blocks (block_tables row b, stride bts), start = len - window when a
+ * window is set. GQA: query head h reads KV head h / (Hq / Hkv). Online softmax per block of keys;
+ * out [B, Hq, D] contiguous. One task per (sequence, KV head): its group's queries share each K/V row. */
+void kvp_paged_decode(float *out, const float *q, int64_t qs, const float *key_cache, const float *value_cache,
+                      const int32_t *block_tables, int64_t bts, const int32_t *seq_lens, int64_t B, int64_t Hq,
+                      int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window, int nthreads) {
+    int64_t G = Hq / Hkv;
+#pragma omp parallel for collapse(2) num_threads(nthreads) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t kh = 0; kh < Hkv; kh++) {
+            float acc[MAX_GROUP * MAX_HEAD_DIM];
+            float m[MAX_GROUP], l[MAX_GROUP], s[MAX_GROUP][64];
+            int64_t len = seq_lens[b];
+            int64_t start = (window > 0 && len > window) ? len - window : 0;
+            const float *qh = q + b * qs + kh * G * D;
+            for (int64_t g = 0; g < G; g++) {
+                m[g] = -INFINITY;
+                l[g] = 0.0f;
+                for (int64_t i = 0; i < D; i++) acc[g * D + i] = 0.0f;
+            }
+            for (int64_t first = start - start % block_size; first < len; first += block_size) {
+                int64_t block = block_tables[b * bts + first / block_size];
+                int64_t j0 = first < start ? start - first : 0;
+                int64_t j1 = len - first < block_size ? len - first : block_size;
+                const float *kb = key_cache + (block * Hkv + kh) * block_size * D;
+                const float *vb = value_cache + (block * Hkv + kh) * block_size * D;
+                if (first + block_size < len) {
+                    /* blocks are scattered: the hardware prefetcher cannot guess the next one */
+                    int64_t next = block_tables[b * bts + first / block_size + 1];
+                    const char *nk = (const char *)(key_cache + (next * Hkv + kh) * block_size * D);
+                    const char *nv = (const char *)(value_cache + (next * Hkv + kh) * block_size * D);
+                    for (int64_t byte = 0; byte < block_size * D * (int64_t)sizeof(float); byte += 64) {
+                        __builtin_prefetch(nk + byte);
+                        __builtin_prefetch(nv + byte);
+                    }
+                }
+                /* keys in chunks of up to 64 (the score buffer); block_size may exceed it */
+                for (int64_t c0 = j0; c0 < j1; c0 += 64) {
+                    int64_t c1 = c0 + 64 < j1 ? c0 + 64 : j1;
+                    for (int64_t g = 0; g < G; g++) {
+                        int64_t n = c1 - c0;
+                        key_scores(qh + g * D, kb + c0 * D, n, D, scale, s[g]);
+                        float mx = m[g];
+                        for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
+                        float corr = exp_approx(m[g] - mx);
+                        float sum = exp_shifted_sum(s[g], n, mx);
+                        float *a = acc + g * D;
+#pragma omp simd
+                        for (int64_t i = 0; i < D; i++) a[i] *= corr;
+                        weighted_rows_add(a, s[g], vb + c0 * D, n, D);
+                        l[g] = l[g] * corr + sum;
+                        m[g] = mx;
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; g++) {
+                float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+                float *o = out + (b * Hq + kh * G + g) * D;
+                for (int64_t i = 0; i < D; i++) o[i] = acc[g * D + i] * inv;
+            }
+        }
+    }
+}
