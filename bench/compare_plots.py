@@ -17,6 +17,8 @@ from compare_results import GEMM_CEILING_OUTPUT_TPS, REFERENCE_OUTPUT_TPS, STATU
 from compare_table import SERVERS, SYSTEM_TITLES
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+from kvpilot.bench.plots import to_ms
+
 THROUGHPUT_PNG = "throughput_by_concurrency.png"
 OPEN_LOOP_PNG = "open_loop_latency.png"
 COLORS = {"hf": "tab:gray", "vllm": "tab:blue", "kvpilot": "tab:orange"}
@@ -63,9 +65,9 @@ def plot_open_loop(summary: dict, path: Path) -> Path | None:
         points = sorted(summary["systems"][name]["open"].values(), key=lambda p: p["offered_rps"])
         x = [p["offered_rps"] for p in points]
         for stat, style in (("p50", "o-"), ("p99", "s--")):
-            ttft = [_ms(p["ttft_s"][stat]) for p in points]
+            ttft = [to_ms(p["ttft_s"][stat]) for p in points]
             ax_ttft.plot(x, ttft, style, color=COLORS[name], label=f"{SYSTEM_TITLES[name]} TTFT {stat}")
-        ax_tpot.plot(x, [_ms(p["tpot_s"]["p50"]) for p in points], "o-", color=COLORS[name],
+        ax_tpot.plot(x, [to_ms(p["tpot_s"]["p50"]) for p in points], "o-", color=COLORS[name],
                      label=f"{SYSTEM_TITLES[name]} TPOT p50")
     for ax, what in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
         ax.set_xscale("log", base=2)  # the sweep's rates are geometric
@@ -89,10 +91,6 @@ def _plain_numbers(axis: matplotlib.axis.Axis) -> None:
     """Log-scaled axes labelled 250, 500, 1000 rather than 2.5 x 10^2."""
     axis.set_major_formatter(ScalarFormatter())
     axis.set_minor_formatter(NullFormatter())
-
-
-def _ms(seconds: float | None) -> float:
-    return float("nan") if seconds is None else seconds * 1e3
 
 
 def write_plots(summary: dict, out_dir: Path) -> list[Path]:

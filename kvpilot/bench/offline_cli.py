@@ -16,6 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvpilot.bench.config import length_range
+
 NAME = "offline"
 HELP = "engine-only throughput: queue N requests at once on the offline engine and time the batch"
 DESCRIPTION = __doc__
@@ -85,8 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvpilot.engine.arg_utils import add_engine_args
 
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--input-len", default="16:256", help="prompt length range MIN:MAX in tokens")
-    parser.add_argument("--output-len", default="16:128", help="output length range MIN:MAX in tokens")
+    parser.add_argument("--input-len", type=length_range, default=(16, 256), metavar="MIN:MAX",
+                        help="prompt length range in tokens (default: 16:256)")
+    parser.add_argument("--output-len", type=length_range, default=(16, 128), metavar="MIN:MAX",
+                        help="output length range in tokens (default: 16:128)")
     parser.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares")
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up batches (a small copy)")
@@ -94,15 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_args(parser)
 
 
-def _range(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, int]:
-    low, _, high = text.partition(":")
-    try:
-        lo, hi = int(low), int(high or low)
-    except ValueError:
-        parser.error(f"{flag} must look like MIN:MAX, got {text!r}")
-    if not 1 <= lo <= hi:
-        parser.error(f"{flag} needs 1 <= MIN <= MAX, got {text!r}")
-    return lo, hi
+def _checked(parser: argparse.ArgumentParser, flag: str, bounds: tuple[int, int]) -> tuple[int, int]:
+    if not 1 <= bounds[0] <= bounds[1]:
+        parser.error(f"{flag} needs 1 <= MIN <= MAX, got {bounds[0]}:{bounds[1]}")
+    return bounds
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -112,8 +111,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.num_requests < 1:
         parser.error("--num-requests must be >= 1")
-    input_len = _range(parser, "--input-len", args.input_len)
-    output_len = _range(parser, "--output-len", args.output_len)
+    input_len = _checked(parser, "--input-len", args.input_len)
+    output_len = _checked(parser, "--output-len", args.output_len)
     config = config_from_namespace(parser, args)
     try:
         llm = LLM.from_engine(LLMEngine(config))

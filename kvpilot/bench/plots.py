@@ -30,10 +30,10 @@ def plot_throughput_latency(points: Sequence[PointResult], saturation: Saturatio
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, metric, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
         for stat, style in (("p50", "o-"), ("p99", "s--")):
-            y = [_to_ms(getattr(getattr(p.summary, metric), stat)) for p in points]
+            y = [to_ms(getattr(getattr(p.summary, metric), stat)) for p in points]
             ax.plot(x, y, style, label=f"{title} {stat}")
         for point, xi in zip(points, x, strict=True):
-            value = _to_ms(getattr(point.summary, metric).p50)
+            value = to_ms(getattr(point.summary, metric).p50)
             if not np.isnan(value):
                 ax.annotate(_load_name(point), (xi, value), textcoords="offset points", xytext=(4, -12),
                             fontsize=7)
@@ -91,5 +91,6 @@ def _plain_log_labels(axis: matplotlib.axis.Axis) -> None:
     axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1.5, 0.6)))
 
 
-def _to_ms(value: float | None) -> float:
+def to_ms(value: float | None) -> float:
+    """Seconds → milliseconds; None (not measured) → NaN, which matplotlib leaves out of a line."""
     return float("nan") if value is None else value * 1e3
