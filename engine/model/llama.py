@@ -56,15 +56,9 @@ class Attention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = hidden.shape[0]
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._heads(self.qkv_proj(hidden))
         q, k = RotaryEmbedding.rotate(q, k, *rope)
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self._attend(q, k, v, backend, kv_cache, meta)
 
     def forward_native(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                        backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -72,12 +66,19 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         # q heads then k heads lead each row: one in-place pass rotates both
         native.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin)
+        return self._attend(*self._heads(qkv), backend, kv_cache, meta)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]`` views of the fused projection's columns."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        num_tokens = hidden.shape[0]
-        out = backend.forward(q.view(num_tokens, self.num_heads, self.head_dim),
-                              k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                              v.view(num_tokens, self.num_kv_heads, self.head_dim), kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        tokens = qkv.shape[0]
+        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
+        return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
 class MLP(nn.Module):
