@@ -1,0 +1,137 @@
+"""Benchmark the native C kernels (kvpilot.engine.native) against the PyTorch ops they replace, on SmolLM2's
+shapes (30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152), fp32, in one process.
+
+    python bench/native_kernels.py            # the shapes of a decode step at batch 1/8/24/32 and a prefill
+    python bench/native_kernels.py --quick    # fewer repetitions (what CI runs)
+
+Each row times one op for all 30 layers (different weights/caches per layer, so the sweep streams from
+memory as a real step does) and prints ``ratio`` = baseline time / native time (> 1: native is faster):
+- ``linear``: the four projections of 30 layers, native small-batch GEMM vs the oneDNN-packed weights
+  (the engine's CPU default; the engine uses the native one up to 24 rows) and vs ``F.linear``;
+- ``decode_attention``: paged decode over 30 layers' caches, native vs the torch backend's gather + SDPA;
+- ``silu_mul``, ``add_rms_norm``: vs the PyTorch expressions of ``kvpilot.engine.native.ops``.
+Times are the best of ``--repeat`` sweeps (wall clock, ``--threads`` threads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.model.cpu_linear import onednn_available
+from kvpilot.engine.model.registry import default_cache_dir
+from kvpilot.engine.native.ops import NativeOps, load_native_ops, reference_add_rms_norm, reference_silu_mul
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 30, 576, 9, 3, 64, 1536
+#: (in, out) of qkv, o, gate_up and down
+PROJECTIONS = ((HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN),
+               (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN))
+
+
+def best_ms(fn, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def bench_linear(ops: NativeOps, rows: int, repeat: int) -> dict[str, float]:
+    gen = torch.Generator().manual_seed(rows)
+    weights = [[torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5 for n_in, n_out in PROJECTIONS]
+               for _ in range(LAYERS)]
+    inputs = [torch.randn(rows, n_in, generator=gen) for n_in, _ in PROJECTIONS]
+    times = {"native": best_ms(lambda: [ops.linear(x, w, None) for layer in weights
+                                        for x, w in zip(inputs, layer, strict=True)], repeat),
+             "F.linear": best_ms(lambda: [F.linear(x, w) for layer in weights
+                                          for x, w in zip(inputs, layer, strict=True)], repeat)}
+    if onednn_available():
+        packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
+        times["oneDNN"] = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                           for layer in packed for x, w in zip(inputs, layer, strict=True)], repeat)
+    return times
+
+
+def decode_step(batch: int, context: int, block_size: int = 16):
+    """30 layers' HND caches and one decode step's metadata: ``batch`` sequences of ``context`` tokens."""
+    gen = torch.Generator().manual_seed(batch + context)
+    blocks_per_seq = -(-context // block_size)
+    num_blocks = 1 + batch * blocks_per_seq
+    caches = [(torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
+               torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
+    tables = order.view(batch, blocks_per_seq)
+    lens = [context] * batch
+    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long),
+                             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
+                             num_decodes=batch, query_lens_host=[1] * batch, seq_lens_host=lens,
+                             block_size=block_size)
+    query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    return caches, meta, query
+
+
+def bench_decode_attention(ops: NativeOps, batch: int, context: int, repeat: int) -> dict[str, float]:
+    caches, meta, query = decode_step(batch, context)
+    times = {}
+    for name, native in (("native", ops), ("gather+SDPA", None)):
+        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        backend.native = native
+        backend.prepare(meta)
+        times[name] = best_ms(lambda b=backend: [b.attend(query, None, None, k, v, meta) for k, v in caches], repeat)
+    return times
+
+
+def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dict[str, float]]:
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up = [torch.randn(tokens, 2 * INTERMEDIATE, generator=gen) for _ in range(LAYERS)]
+    residual = torch.randn(tokens, HIDDEN, generator=gen)
+    deltas = [torch.randn(tokens, HIDDEN, generator=gen) * 0.01 for _ in range(LAYERS)]
+    weight = torch.rand(HIDDEN, generator=gen) + 0.5
+    return {
+        "silu_mul": {"native": best_ms(lambda: [ops.silu_mul(x) for x in gate_up], repeat),
+                     "torch": best_ms(lambda: [reference_silu_mul(x) for x in gate_up], repeat)},
+        "add_rms_norm": {
+            "native": best_ms(lambda: [ops.add_rms_norm(residual, d, weight, 1e-5) for d in deltas], repeat),
+            "torch": best_ms(lambda: [reference_add_rms_norm(residual, d, weight, 1e-5) for d in deltas], repeat)},
+    }
+
+
+def row(op: str, shape: str, times: dict[str, float]) -> str:
+    native = times["native"]
+    others = "  ".join(f"{name} {ms:8.2f} ms (x{ms / native:5.2f})" for name, ms in times.items() if name != "native")
+    return f"{op:<17}{shape:<22}native {native:8.2f} ms  {others}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one repetition and fewer shapes")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    repeat = 1 if args.quick else args.repeat
+    torch.set_num_threads(args.threads)
+    ops = load_native_ops(default_cache_dir())  # where the engine builds it: compiled once per host
+    print(f"# native C kernels vs PyTorch, SmolLM2 shapes x {LAYERS} layers, fp32, {args.threads} threads; "
+          "(xN) = baseline time / native time")
+    for rows in (1, 24) if args.quick else (1, 8, 24, 32):
+        print(row("linear", f"rows={rows}", bench_linear(ops, rows, repeat)), flush=True)
+    for batch, context in ((2, 64),) if args.quick else ((2, 176), (24, 176), (32, 300)):
+        print(row("decode_attention", f"batch={batch} ctx={context}",
+                  bench_decode_attention(ops, batch, context, repeat)), flush=True)
+    for tokens in (24,) if args.quick else (24, 2048):
+        for op, times in bench_elementwise(ops, tokens, repeat).items():
+            print(row(op, f"tokens={tokens}", times), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
