@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvpilot.bench.config import length_range_error
+
 OPEN_LOOP_SEED_OFFSET = 100  # keeps the open-loop prompts apart from every closed-loop level's
 
 
@@ -44,9 +46,8 @@ class ComparePlan:
     def validate(self) -> None:
         if self.seed < 0:
             raise PlanError(f"--seed must be >= 0 (got {self.seed})")
-        low, high = self.input_len
-        if not 1 <= low <= high:
-            raise PlanError(f"--input-len needs 1 <= MIN <= MAX (got {low}:{high})")
+        if error := length_range_error("--input-len", self.input_len):
+            raise PlanError(error)
         if self.output_len < 2:
             raise PlanError(f"--output-len must be >= 2 so TPOT is defined (got {self.output_len})")
         if not self.concurrencies:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import kvpilot  # noqa: F401 - sets OpenMP defaults before torch loads
-from kvpilot.bench.config import length_range
+from kvpilot.bench.config import length_range, length_range_error
 from kvpilot.bench.offline_cli import make_workload, run_kvpilot
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.registry import resolve_model
@@ -91,9 +91,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", type=Path, default=Path("bench/results/offline_vs_hf.json"))
     args = ap.parse_args()
-    for flag, (low, high) in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
-        if not 1 <= low <= high:
-            ap.error(f"{flag} needs 1 <= MIN <= MAX, got {low}:{high}")
+    for flag, bounds in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+        if error := length_range_error(flag, bounds):
+            ap.error(error)
     torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 

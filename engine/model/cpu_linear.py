@@ -8,7 +8,7 @@ order (max |Δ| ~1e-4 on 576-long dot products).
 
 With the native kernels attached (``kvpilot.engine.native``), batches of at most ``NATIVE_MAX_ROWS`` rows
 go to its small-M kernel instead, which streams the plain ``[out, in]`` weight faster than oneDNN does
-(30 SmolLM2 layers: 26 vs 36 ms at 1 row, 38 vs 54 at 8, 72 vs 79 at 24; slower from 32 rows). That
+(``bench/native_kernels.py``, 30 SmolLM2 layers: ×1.5 at 1 row, ×1.16 at 8, parity at 24, ×0.95 at 32). That
 keeps the plain weight beside the packed one: twice the weight memory of the packed layers.
 """
 

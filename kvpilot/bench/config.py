@@ -29,6 +29,12 @@ def length_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
 
 
+def length_range_error(flag: str, bounds: tuple[int, int]) -> str | None:
+    """The message for a MIN:MAX range that breaks 1 <= MIN <= MAX (each caller reports it its own way)."""
+    low, high = bounds
+    return None if 1 <= low <= high else f"{flag} needs 1 <= MIN <= MAX (got {low}:{high})"
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the flag."""
 
@@ -134,10 +140,9 @@ class WorkloadConfig:
     def validate(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
             raise ConfigError(f"--workload must be one of {WORKLOAD_KINDS} (got {self.kind!r})")
-        for flag, (low, high) in (("--input-len", self.input_len_range),
-                                  ("--output-len", self.output_len_range)):
-            if low < 1 or high < low:
-                raise ConfigError(f"{flag} needs 1 <= MIN <= MAX (got {low}:{high})")
+        for flag, bounds in (("--input-len", self.input_len_range), ("--output-len", self.output_len_range)):
+            if error := length_range_error(flag, bounds):
+                raise ConfigError(error)
         if self.num_tenants < 1:
             raise ConfigError(f"--num-tenants must be >= 1 (got {self.num_tenants})")
         if self.system_prompt_len < 1:

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvpilot.bench.config import length_range
+from kvpilot.bench.config import length_range, length_range_error
 
 NAME = "offline"
 HELP = "engine-only throughput: queue N requests at once on the offline engine and time the batch"
@@ -99,8 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _checked(parser: argparse.ArgumentParser, flag: str, bounds: tuple[int, int]) -> tuple[int, int]:
-    if not 1 <= bounds[0] <= bounds[1]:
-        parser.error(f"{flag} needs 1 <= MIN <= MAX, got {bounds[0]}:{bounds[1]}")
+    if error := length_range_error(flag, bounds):
+        parser.error(error)
     return bounds
 
 

@@ -29,7 +29,7 @@ def test_bench_offline_runs_a_model_with_a_small_vocabulary(tiny_model_dir, tmp_
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--input-len", "8:x", "expected N or MIN:MAX"), ("--output-len", "9:3", "needs 1 <= MIN <= MAX, got 9:3"),
+    ("--input-len", "8:x", "expected N or MIN:MAX"), ("--output-len", "9:3", "--output-len needs 1 <= MIN <= MAX (got 9:3)"),
 ])
 def test_bench_offline_rejects_bad_ranges_with_a_usage_error(flag, value, message, capsys):
     assert main(["bench", "offline", "--model", "tiny-random", flag, value]) == 2
