@@ -1,13 +1,14 @@
 """Benchmark the native C kernels (kvpilot.engine.native) against the PyTorch ops they replace, on SmolLM2's
 shapes (30 layers, hidden 576, 9/3 heads of 64, MLP 1536, vocab 49152), fp32, in one process.
 
-    python bench/native_kernels.py            # the shapes of a decode step at batch 1/8/24/32 and a prefill
+    python bench/native_kernels.py            # decode steps at batch 1–128 and a 2048-token prefill
     python bench/native_kernels.py --quick    # fewer repetitions (what CI runs)
 
 Each row times one op for all 30 layers (different weights/caches per layer, so the sweep streams from
 memory as a real step does) and prints ``ratio`` = baseline time / native time (> 1: native is faster):
-- ``linear``: the four projections of 30 layers, native small-batch GEMM vs the oneDNN-packed weights
-  (the engine's CPU default; the engine uses the native one up to 24 rows) and vs ``F.linear``;
+- ``linear``: the four projections of 30 layers, the native panel GEMM vs the oneDNN-packed weights
+  (the engine's CPU default; the engine uses the native one up to ``NATIVE_MAX_ROWS`` rows) and vs
+  ``F.linear``;
 - ``decode_attention``: paged decode over 30 layers' caches, native vs the torch backend's gather + SDPA;
 - ``silu_mul``, ``add_rms_norm``: vs the PyTorch expressions of ``kvpilot.engine.native.ops``.
 Times are the best of ``--repeat`` sweeps (wall clock, ``--threads`` threads).
@@ -49,8 +50,9 @@ def bench_linear(ops: NativeOps, rows: int, repeat: int) -> dict[str, float]:
     weights = [[torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5 for n_in, n_out in PROJECTIONS]
                for _ in range(LAYERS)]
     inputs = [torch.randn(rows, n_in, generator=gen) for n_in, _ in PROJECTIONS]
-    times = {"native": best_ms(lambda: [ops.linear(x, w, None) for layer in weights
-                                        for x, w in zip(inputs, layer, strict=True)], repeat),
+    panels = [[(ops.pack_linear_weight(w), w.shape[0]) for w in layer] for layer in weights]
+    times = {"native": best_ms(lambda: [ops.linear(x, w, None, n_out) for layer in panels
+                                        for x, (w, n_out) in zip(inputs, layer, strict=True)], repeat),
              "F.linear": best_ms(lambda: [F.linear(x, w) for layer in weights
                                           for x, w in zip(inputs, layer, strict=True)], repeat)}
     if onednn_available():
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ops = load_native_ops(default_cache_dir())  # where the engine builds it: compiled once per host
     print(f"# native C kernels vs PyTorch, SmolLM2 shapes x {LAYERS} layers, fp32, {args.threads} threads; "
           "(xN) = baseline time / native time")
-    for rows in (1, 24) if args.quick else (1, 8, 24, 32):
+    for rows in (1, 24) if args.quick else (1, 8, 16, 24, 32, 64, 96, 128):
         print(row("linear", f"rows={rows}", bench_linear(ops, rows, repeat)), flush=True)
     for batch, context in ((2, 64),) if args.quick else ((2, 176), (24, 176), (32, 300)):
         print(row("decode_attention", f"batch={batch} ctx={context}",

@@ -7,9 +7,11 @@ whole SmolLM2 batch (58 s → 39–43 s for 32 requests). Results differ from MK
 order (max |Δ| ~1e-4 on 576-long dot products).
 
 With the native kernels attached (``kvpilot.engine.native``), batches of at most ``NATIVE_MAX_ROWS`` rows
-go to its small-M kernel instead, which streams the plain ``[out, in]`` weight faster than oneDNN does
-(``bench/native_kernels.py``, 30 SmolLM2 layers: ×1.5 at 1 row, ×1.16 at 8, parity at 24, ×0.95 at 32). That
-keeps the plain weight beside the packed one: twice the weight memory of the packed layers.
+(every decode step of a default engine) go to its GEMM instead, on a second copy of the weight packed in
+16-column panels: ``bench/native_kernels.py`` (30 SmolLM2 layers streamed from memory) measured it ×1.4–1.6
+faster than oneDNN at 1–16 rows, ×1.2–1.35 at 24–64; alternating runs on 8 layers read ×1.08 at 128 rows,
+×1.02 at 256, ×1.12 at 512, ×0.96 at 1024 and ×0.95 at 2048. The cost is twice the weight memory of the
+packed layers (the oneDNN copy serves prefill).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from torch import nn
 
 from kvpilot.engine.native.ops import NativeOps
 
-#: largest row count the native small-M kernel takes (it lost to oneDNN from 32 rows up)
-NATIVE_MAX_ROWS = 24
+#: largest row count the native GEMM takes (at parity with oneDNN from ~256 rows, behind from ~1024)
+NATIVE_MAX_ROWS = 256
 
 
 def onednn_available() -> bool:
@@ -36,14 +38,15 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
                                                                                       batch_hint))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        usable = native is not None and native.has_fast_linear and self.in_features % 8 == 0
-        #: the small-M kernel and the plain weight it reads (None: oneDNN for every batch)
+        usable = native is not None and native.has_fast_linear
+        #: the native GEMM and the panel-packed weight it reads (None: oneDNN for every batch)
         self.native = native if usable else None
-        self.register_buffer("weight", linear.weight.detach() if usable else None)
+        self.register_buffer("panel_weight", native.pack_linear_weight(linear.weight.detach().contiguous())
+                             if usable else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
-            return self.native.linear(x, self.weight, self.bias)
+            return self.native.linear(x, self.panel_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

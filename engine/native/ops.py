@@ -29,6 +29,8 @@ _SIGNATURES = {
     "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _T),
     "kvp_linear": (_P, _I, _P, _P, _P, _I, _I, _I, _T),
 }
+#: output columns per panel of ``linear``'s packed weight layout (small_gemm.c's PANEL)
+LINEAR_PANEL = 16
 #: limits of the decode kernel's per-task stack buffers
 MAX_GROUP = 64
 MAX_HEAD_DIM = 256
@@ -123,21 +125,37 @@ class NativeOps:
         self._lib.kvp_silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, inter, self._threads())
         return out
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ weight.T + bias`` for a few rows of ``x`` (decode batches), reading ``weight`` ``[N, K]``
-        as stored. Faster than oneDNN up to ~24 rows on AVX2 hosts; callers pick it by row count."""
+    @staticmethod
+    def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` ``[N, K]`` (nn.Linear's layout) as the ``[ceil(N / 16), K, 16]`` column panels
+        ``linear`` reads: ``packed[p, k, j] = weight[16 p + j, k]``, zero past ``N``."""
+        _contiguous(weight, "weight", torch.float32)
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [out, in], got {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        panels = -(-out_features // LINEAR_PANEL)
+        padded = torch.zeros(panels * LINEAR_PANEL, in_features)
+        padded[:out_features] = weight
+        return padded.view(panels, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+               out_features: int) -> torch.Tensor:
+        """``x @ weight.T + bias`` with the weight as ``pack_linear_weight`` made it, for decode-sized
+        batches (up to ~100 rows; callers pick it by row count and keep a GEMM library for prefill)."""
         rows = x.shape[0]
         xs = _rows(x, "x")
-        _contiguous(weight, "weight", torch.float32)
-        if weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[1] % 8:
-            raise ValueError(f"weight must be [N, {x.shape[1]}] with K a multiple of 8, got {tuple(weight.shape)}")
+        _contiguous(packed_weight, "packed_weight", torch.float32)
+        panels = -(-out_features // LINEAR_PANEL)
+        if packed_weight.shape != (panels, x.shape[1], LINEAR_PANEL):
+            raise ValueError(f"packed_weight must be [{panels}, {x.shape[1]}, {LINEAR_PANEL}] for {out_features} "
+                             f"outputs of {x.shape[1]} inputs, got {tuple(packed_weight.shape)}")
         if bias is not None:
             _contiguous(bias, "bias", torch.float32)
-            if bias.shape != (weight.shape[0],):
-                raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-        out = torch.empty(rows, weight.shape[0])
-        self._lib.kvp_linear(x.data_ptr(), xs, weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                             out.data_ptr(), rows, weight.shape[0], weight.shape[1], self._threads())
+            if bias.shape != (out_features,):
+                raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
+        out = torch.empty(rows, out_features)
+        self._lib.kvp_linear(x.data_ptr(), xs, packed_weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                             out.data_ptr(), rows, out_features, x.shape[1], self._threads())
         return out
 
     def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

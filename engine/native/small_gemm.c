@@ -1,40 +1,69 @@
-/* The small-batch GEMM of decode steps, on nn.Linear's [out, in] weights. */
+/* The GEMM of decode-sized batches (up to ~100 rows), on weights packed into column panels. */
 #include "vec.h"
 
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias) for small M (decode batches), reading w in its nn.Linear layout.
- * At small M a GEMM is a stream over the weights; this one reads each weight row once per two rows of x
- * (tiles of 2 x-rows by 4 weight rows: 8 accumulators, 6 loads per 8 FMAs) and reached 16 GB/s at M=1
- * against oneDNN's 12 on this project's 2-core host. Needs AVX2/FMA and K % 8 == 0 (the wrapper checks
- * ``kvp_has_avx2``). x rows have stride xs; y is contiguous; threads split the weight rows. */
+/* Panel layout: the [N, K] weight of nn.Linear as ceil(N / 16) panels of [K][16] floats (output columns
+ * n0..n0+15 of one k side by side, rows past N zero). A tile of MR x-rows times one panel keeps 2 * MR
+ * vector accumulators in registers; each k costs two panel loads and MR broadcasts of x for 2 * MR FMAs
+ * (the register blocking of BLIS's Haswell sgemm kernel). A panel is read from memory once and from L2 for
+ * the next tiles of rows, so at a few rows this is a stream over the weights at memory bandwidth and at
+ * tens of rows it is FMA bound. bench/native_kernels.py has the figures against oneDNN. */
+#define PANEL 16
+#define MAX_TILE_ROWS 6
+
 #ifdef HAVE_AVX2
-static void linear_rows4(const float *x, int64_t xs, const float *w, const float *bias, float *y, int64_t M,
-                         int64_t N, int64_t K, int64_t n) {
-    const float *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;
-    __m256 z = _mm256_setzero_ps();
-    for (int64_t m = 0; m < M; m += 2) {
-        int pair = m + 1 < M;
-        const float *x0 = x + m * xs, *x1 = pair ? x0 + xs : x0;
-        __m256 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
-            __m256 v0 = _mm256_loadu_ps(w0 + k), v1 = _mm256_loadu_ps(w1 + k);
-            __m256 v2 = _mm256_loadu_ps(w2 + k), v3 = _mm256_loadu_ps(w3 + k);
-            a0 = _mm256_fmadd_ps(xa, v0, a0);
-            a1 = _mm256_fmadd_ps(xa, v1, a1);
-            a2 = _mm256_fmadd_ps(xa, v2, a2);
-            a3 = _mm256_fmadd_ps(xa, v3, a3);
-            a4 = _mm256_fmadd_ps(xb, v0, a4);
-            a5 = _mm256_fmadd_ps(xb, v1, a5);
-            a6 = _mm256_fmadd_ps(xb, v2, a6);
-            a7 = _mm256_fmadd_ps(xb, v3, a7);
+/* y rows [0, mr) (row stride ys), columns [0, ncols) of this panel, from x rows [0, mr) (stride xs). mr is
+ * a literal at every call, so the loops unroll and the accumulators stay in registers (any indexing the
+ * compiler cannot resolve would spill them to the stack every k and cost 3x). */
+static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t xs, const float *wp,
+                                                      int64_t K, const float *bias, float *y, int64_t ys,
+                                                      int64_t ncols) {
+    __m256 lo[MAX_TILE_ROWS], hi[MAX_TILE_ROWS];
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m256 w0 = _mm256_loadu_ps(wp + k * PANEL), w1 = _mm256_loadu_ps(wp + k * PANEL + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            __m256 xv = _mm256_broadcast_ss(x + i * xs + k);
+            lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
         }
-        float r[8];
-        _mm256_storeu_ps(r, reduce8(a0, a1, a2, a3, a4, a5, a6, a7));
-        for (int j = 0; j < 4; j++) {
-            float b = bias ? bias[n + j] : 0.0f;
-            y[m * N + n + j] = r[j] + b;
-            if (pair) y[(m + 1) * N + n + j] = r[4 + j] + b;
+    }
+    if (ncols == PANEL) {
+        __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+        __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            _mm256_storeu_ps(y + i * ys, _mm256_add_ps(lo[i], b0));
+            _mm256_storeu_ps(y + i * ys + 8, _mm256_add_ps(hi[i], b1));
         }
+        return;
+    }
+    float r[MAX_TILE_ROWS][PANEL]; /* the last panel of an N that is not a multiple of 16 */
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++) {
+        _mm256_storeu_ps(r[i], lo[i]);
+        _mm256_storeu_ps(r[i] + 8, hi[i]);
+    }
+    for (int i = 0; i < mr; i++)
+        for (int64_t j = 0; j < ncols; j++) y[i * ys + j] = r[i][j] + (bias ? bias[j] : 0.0f);
+}
+
+static void panel_rows(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t M,
+                       int64_t N, int64_t K, int64_t p) {
+    int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
+    const float *w = wp + p * K * PANEL, *b = bias ? bias + n0 : 0;
+    int64_t m = 0;
+    for (; m + MAX_TILE_ROWS <= M; m += MAX_TILE_ROWS) tile(6, x + m * xs, xs, w, K, b, y + m * N + n0, N, ncols);
+    const float *xr = x + m * xs;
+    float *yr = y + m * N + n0;
+    switch (M - m) {
+        case 5: tile(5, xr, xs, w, K, b, yr, N, ncols); break;
+        case 4: tile(4, xr, xs, w, K, b, yr, N, ncols); break;
+        case 3: tile(3, xr, xs, w, K, b, yr, N, ncols); break;
+        case 2: tile(2, xr, xs, w, K, b, yr, N, ncols); break;
+        case 1: tile(1, xr, xs, w, K, b, yr, N, ncols); break;
+        default: break;
     }
 }
 #endif
@@ -47,13 +76,23 @@ int kvp_has_avx2(void) {
 #endif
 }
 
-void kvp_linear(const float *x, int64_t xs, const float *w, const float *bias, float *y, int64_t M, int64_t N,
+/* y[M, N] = x[M, K] @ w^T (+ bias) with w in panels (above). x rows have stride xs; y is contiguous;
+ * threads split the panels. Without AVX2 a scalar loop over the same layout (callers keep their GEMM). */
+void kvp_linear(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int nthreads) {
+    int64_t panels = (N + PANEL - 1) / PANEL;
 #ifdef HAVE_AVX2
-    int64_t tiles = N / 4;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t t = 0; t < tiles; t++) linear_rows4(x, xs, w, bias, y, M, N, K, 4 * t);
+    for (int64_t p = 0; p < panels; p++) panel_rows(x, xs, wp, bias, y, M, N, K, p);
+#else
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = 0; n < N; n++) {
+            const float *w = wp + (n / PANEL) * K * PANEL + n % PANEL;
+            float s = bias ? bias[n] : 0.0f;
+            for (int64_t k = 0; k < K; k++) s += x[m * xs + k] * w[k * PANEL];
+            y[m * N + n] = s;
+        }
+    (void)panels;
+    (void)nthreads;
 #endif
-    for (int64_t n = kvp_has_avx2() ? N - N % 4 : 0; n < N; n++)
-        for (int64_t m = 0; m < M; m++) y[m * N + n] = dot(x + m * xs, w + n * K, K) + (bias ? bias[n] : 0.0f);
 }

@@ -126,18 +126,37 @@ def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("rows, out_features, in_features, with_bias", [
-    (1, 960, 576, False), (2, 12, 64, True), (5, 7, 16, True), (24, 49, 1536, False),
+    (1, 960, 576, False), (2, 12, 64, True), (5, 7, 13, True), (6, 16, 16, False), (7, 33, 40, True),
+    (13, 49, 1536, False), (24, 96, 576, True), (96, 20, 24, False),
 ])
 def test_linear_matches_f_linear(kernels, rows, out_features, in_features, with_bias):
-    """Odd row counts, output sizes that are not a multiple of the 4-row tile, strided input rows."""
+    """Every row remainder of the 6-row tile (1–5, and whole tiles), outputs that are not a multiple of
+    the 16-column panel, any K, strided input rows."""
     g = _gen(rows * out_features)
     x = torch.randn(rows, in_features + 8, generator=g)[:, :in_features]
     weight = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
     bias = torch.randn(out_features, generator=g) if with_bias else None
     expected = torch.nn.functional.linear(x, weight, bias)
-    torch.testing.assert_close(kernels.linear(x, weight, bias), expected, atol=1e-5, rtol=1e-5)
+    got = kernels.linear(x, kernels.pack_linear_weight(weight), bias, out_features)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_linear_refuses_a_k_that_is_not_a_multiple_of_8(kernels):
-    with pytest.raises(ValueError, match="multiple of 8"):
-        kernels.linear(torch.zeros(1, 12), torch.zeros(4, 12), None)
+def test_pack_linear_weight_layout(kernels):
+    weight = torch.arange(18 * 3, dtype=torch.float32).view(18, 3)
+    packed = kernels.pack_linear_weight(weight)
+    assert packed.shape == (2, 3, 16)
+    assert packed[0, 2, 5].item() == weight[5, 2].item() == 17.0
+    assert packed[1, 1, 1].item() == weight[17, 1].item() == 52.0
+    assert packed[1, :, 2:].abs().sum().item() == 0.0  # rows past N are zero
+
+
+def test_linear_refuses_a_weight_packed_for_other_shapes(kernels):
+    packed = kernels.pack_linear_weight(torch.zeros(20, 12))
+    with pytest.raises(ValueError, match=r"packed_weight must be \[2, 16, 16\]"):
+        kernels.linear(torch.zeros(1, 16), packed, None, 20)
+    with pytest.raises(ValueError, match=r"packed_weight must be \[3, 12, 16\]"):
+        kernels.linear(torch.zeros(1, 12), packed, None, 40)
+    with pytest.raises(ValueError, match=r"bias must be \[20\]"):
+        kernels.linear(torch.zeros(1, 12), packed, torch.zeros(16), 20)
+    with pytest.raises(ValueError, match="2-D"):
+        kernels.pack_linear_weight(torch.zeros(4))
