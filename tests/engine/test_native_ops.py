@@ -68,9 +68,13 @@ def test_silu_mul(kernels):
     torch.testing.assert_close(kernels.silu_mul(gate_up), native.reference_silu_mul(gate_up), atol=1e-5, rtol=1e-5)
 
 
-# (lengths, Hq, Hkv, D, block_size, window): GQA 3/1/8, blocks 16/128 (> the kernel's 64-key chunk)
+# (lengths, Hq, Hkv, D, block_size, window): GQA groups 1-8, blocks of 4/16/32 and 128 (more than the
+# kernel's 64-key score buffer), windows that start mid-block
 DECODE_CASES = [
     ([1, 16, 17, 40, 163], 9, 3, 64, 16, None),
+    ([200, 77, 64], 9, 3, 64, 16, 45),
+    ([129, 33], 4, 2, 32, 4, None),
+    ([97, 300], 8, 4, 64, 32, 101),
     ([5, 64, 70], 4, 4, 32, 16, None),
     ([130, 3], 8, 1, 128, 128, None),
     ([50, 20, 1], 6, 2, 64, 16, 17),
