@@ -13,15 +13,17 @@
 #ifdef HAVE_AVX2
 /* y rows [0, mr) (row stride ys), columns [0, ncols) of this panel, from x rows [0, mr) (stride xs). mr is
  * a literal at every call, so the loops unroll and the accumulators stay in registers (any indexing the
- * compiler cannot resolve would spill them to the stack every k and cost 3x). */
+ * compiler cannot resolve would spill them to the stack every k and cost 3x). Also prefetches the first
+ * pf_lines lines (one per k) from pf. */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t xs, const float *wp,
                                                       int64_t K, const float *bias, float *y, int64_t ys,
-                                                      int64_t ncols) {
+                                                      int64_t ncols, const float *pf, int64_t pf_lines) {
     __m256 lo[MAX_TILE_ROWS], hi[MAX_TILE_ROWS];
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m256 w0 = _mm256_loadu_ps(wp + k * PANEL), w1 = _mm256_loadu_ps(wp + k * PANEL + 8);
+        if (k < pf_lines) _mm_prefetch((const char *)(pf + k * PANEL), _MM_HINT_T0);
 #pragma GCC unroll 6
         for (int i = 0; i < mr; i++) {
             __m256 xv = _mm256_broadcast_ss(x + i * xs + k);
@@ -53,16 +55,27 @@ static void panel_rows(const float *x, int64_t xs, const float *wp, const float 
                        int64_t N, int64_t K, int64_t p) {
     int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
     const float *w = wp + p * K * PANEL, *b = bias ? bias + n0 : 0;
+    /* Only the first tile reads this panel from memory; the later ones find it in cache and leave the
+     * hardware prefetcher idle, so the next panel would start cold. Each tile therefore prefetches its
+     * share of the next panel (paired runs over 30 layers: 0-18% faster at 16-96 rows, never slower beyond
+     * the noise; a single tile streams on its own). */
+    int64_t tiles = (M + MAX_TILE_ROWS - 1) / MAX_TILE_ROWS, t = 0;
+    int64_t share = tiles > 1 && n0 + PANEL < N ? (K + tiles - 1) / tiles : 0;
+    const float *next = w + K * PANEL;
     int64_t m = 0;
-    for (; m + MAX_TILE_ROWS <= M; m += MAX_TILE_ROWS) tile(6, x + m * xs, xs, w, K, b, y + m * N + n0, N, ncols);
-    const float *xr = x + m * xs;
+    for (; m + MAX_TILE_ROWS <= M; m += MAX_TILE_ROWS, t++) {
+        int64_t lines = K - t * share < share ? K - t * share : share;
+        tile(6, x + m * xs, xs, w, K, b, y + m * N + n0, N, ncols, next + t * share * PANEL, lines);
+    }
+    const float *xr = x + m * xs, *pf = next + t * share * PANEL;
+    int64_t lines = K - t * share < share ? K - t * share : share;
     float *yr = y + m * N + n0;
     switch (M - m) {
-        case 5: tile(5, xr, xs, w, K, b, yr, N, ncols); break;
-        case 4: tile(4, xr, xs, w, K, b, yr, N, ncols); break;
-        case 3: tile(3, xr, xs, w, K, b, yr, N, ncols); break;
-        case 2: tile(2, xr, xs, w, K, b, yr, N, ncols); break;
-        case 1: tile(1, xr, xs, w, K, b, yr, N, ncols); break;
+        case 5: tile(5, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
+        case 4: tile(4, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
+        case 3: tile(3, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
+        case 2: tile(2, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
+        case 1: tile(1, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
         default: break;
     }
 }
