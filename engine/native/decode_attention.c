@@ -76,21 +76,26 @@ void kvp_paged_decode(float *out, const float *q, int64_t qs, const float *key_c
                 int64_t j1 = len - first < block_size ? len - first : block_size;
                 const float *kb = key_cache + (block * Hkv + kh) * block_size * D;
                 const float *vb = value_cache + (block * Hkv + kh) * block_size * D;
+                /* Blocks are scattered, so the hardware prefetcher cannot follow: fetch the next block
+                 * ourselves, a 1/G share of its lines before each query head's pass over this block (all
+                 * at once stalled the pass: ~10-20% slower over 30 layers at batch 32 x 300 tokens). */
+                const char *next_k = 0, *next_v = 0;
+                int64_t lines = block_size * D * (int64_t)sizeof(float) / 64;
                 if (first + block_size < len) {
-                    /* blocks are scattered: the hardware prefetcher cannot guess the next one */
                     int64_t next = block_tables[b * bts + first / block_size + 1];
-                    const char *nk = (const char *)(key_cache + (next * Hkv + kh) * block_size * D);
-                    const char *nv = (const char *)(value_cache + (next * Hkv + kh) * block_size * D);
-                    for (int64_t byte = 0; byte < block_size * D * (int64_t)sizeof(float); byte += 64) {
-                        __builtin_prefetch(nk + byte);
-                        __builtin_prefetch(nv + byte);
-                    }
+                    next_k = (const char *)(key_cache + (next * Hkv + kh) * block_size * D);
+                    next_v = (const char *)(value_cache + (next * Hkv + kh) * block_size * D);
                 }
                 /* keys in chunks of up to 64 (the score buffer); block_size may exceed it */
                 for (int64_t c0 = j0; c0 < j1; c0 += 64) {
                     int64_t c1 = c0 + 64 < j1 ? c0 + 64 : j1;
                     for (int64_t g = 0; g < G; g++) {
                         int64_t n = c1 - c0;
+                        if (next_k && c0 == j0)
+                            for (int64_t line = g * lines / G; line < (g + 1) * lines / G; line++) {
+                                __builtin_prefetch(next_k + 64 * line);
+                                __builtin_prefetch(next_v + 64 * line);
+                            }
                         key_scores(qh + g * D, kb + c0 * D, n, D, scale, s[g]);
                         float mx = m[g];
                         for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
