@@ -11,7 +11,8 @@ memory as a real step does) and prints ``ratio`` = baseline time / native time (
   ``F.linear``;
 - ``decode_attention``: paged decode over 30 layers' caches, native vs the torch backend's gather + SDPA;
 - ``silu_mul``, ``add_rms_norm``: vs the PyTorch expressions of ``kvpilot.engine.native.ops``.
-Times are the best of ``--repeat`` sweeps (wall clock, ``--threads`` threads).
+Times are the best of ``--repeat`` rounds in which native and baselines alternate (wall clock,
+``--threads`` threads).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,14 +37,18 @@ PROJECTIONS = ((HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, H
                (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN))
 
 
-def best_ms(fn, repeat: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
+def best_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Best time of each function over ``repeat`` rounds that run them in turn: this host's speed drifts
+    over minutes, and alternating keeps every variant on the same stretch of it."""
+    for fn in fns.values():
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
 def bench_linear(ops: NativeOps, rows: int, repeat: int) -> dict[str, float]:
@@ -51,15 +57,14 @@ def bench_linear(ops: NativeOps, rows: int, repeat: int) -> dict[str, float]:
                for _ in range(LAYERS)]
     inputs = [torch.randn(rows, n_in, generator=gen) for n_in, _ in PROJECTIONS]
     panels = [[(ops.pack_linear_weight(w), w.shape[0]) for w in layer] for layer in weights]
-    times = {"native": best_ms(lambda: [ops.linear(x, w, None, n_out) for layer in panels
-                                        for x, (w, n_out) in zip(inputs, layer, strict=True)], repeat),
-             "F.linear": best_ms(lambda: [F.linear(x, w) for layer in weights
-                                          for x, w in zip(inputs, layer, strict=True)], repeat)}
+    fns = {"native": lambda: [ops.linear(x, w, None, n_out) for layer in panels
+                              for x, (w, n_out) in zip(inputs, layer, strict=True)],
+           "F.linear": lambda: [F.linear(x, w) for layer in weights for x, w in zip(inputs, layer, strict=True)]}
     if onednn_available():
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
-        times["oneDNN"] = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                           for layer in packed for x, w in zip(inputs, layer, strict=True)], repeat)
-    return times
+        fns["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                                 for layer in packed for x, w in zip(inputs, layer, strict=True)]
+    return best_ms(fns, repeat)
 
 
 def decode_step(batch: int, context: int, block_size: int = 16):
@@ -83,13 +88,13 @@ def decode_step(batch: int, context: int, block_size: int = 16):
 
 def bench_decode_attention(ops: NativeOps, batch: int, context: int, repeat: int) -> dict[str, float]:
     caches, meta, query = decode_step(batch, context)
-    times = {}
+    fns = {}
     for name, native in (("native", ops), ("gather+SDPA", None)):
         backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
         backend.native = native
         backend.prepare(meta)
-        times[name] = best_ms(lambda b=backend: [b.attend(query, None, None, k, v, meta) for k, v in caches], repeat)
-    return times
+        fns[name] = lambda b=backend: [b.attend(query, None, None, k, v, meta) for k, v in caches]
+    return best_ms(fns, repeat)
 
 
 def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dict[str, float]]:
@@ -99,11 +104,11 @@ def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dic
     deltas = [torch.randn(tokens, HIDDEN, generator=gen) * 0.01 for _ in range(LAYERS)]
     weight = torch.rand(HIDDEN, generator=gen) + 0.5
     return {
-        "silu_mul": {"native": best_ms(lambda: [ops.silu_mul(x) for x in gate_up], repeat),
-                     "torch": best_ms(lambda: [reference_silu_mul(x) for x in gate_up], repeat)},
-        "add_rms_norm": {
-            "native": best_ms(lambda: [ops.add_rms_norm(residual, d, weight, 1e-5) for d in deltas], repeat),
-            "torch": best_ms(lambda: [reference_add_rms_norm(residual, d, weight, 1e-5) for d in deltas], repeat)},
+        "silu_mul": best_ms({"native": lambda: [ops.silu_mul(x) for x in gate_up],
+                             "torch": lambda: [reference_silu_mul(x) for x in gate_up]}, repeat),
+        "add_rms_norm": best_ms({"native": lambda: [ops.add_rms_norm(residual, d, weight, 1e-5) for d in deltas],
+                                 "torch": lambda: [reference_add_rms_norm(residual, d, weight, 1e-5)
+                                                   for d in deltas]}, repeat),
     }
 
 

@@ -5,7 +5,8 @@ Package map:
 - ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, the K/V scatter into the
                          paged (HND) cache, SiLU-and-multiply
 - ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
-- ``small_gemm.c``       the GEMM of small (decode) batches on nn.Linear's [out, in] weights
+- ``small_gemm.c``       the GEMM of decode-sized batches (the engine: up to 256 rows) on weights packed in
+                         16-column panels (a 6 x 16 register tile)
 - ``build``              compiles the sources once per host (``-O3 -march=native``) into one library in the
                          cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
 - ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C, and the
@@ -14,7 +15,7 @@ Package map:
 Conventions of the C side: row-major float32; every "stride" counts elements between consecutive tokens,
 so q/k/v may be column slices of one fused qkv row; the KV cache is head-major inside a block ("HND":
 ``[num_blocks, num_kv_heads, block_size, head_dim]``); OpenMP splits work over tokens (or sequence × KV
-head, or weight rows) with the thread count the caller passes (torch's). Compiled with ``-ffast-math``
+head, or weight panels) with the thread count the caller passes (torch's). Compiled with ``-ffast-math``
 (vector exp, reassociated sums) but linked without it, so flush-to-zero is never switched on for the
 whole process.
 
