@@ -18,6 +18,7 @@ Times are the best of ``--repeat`` rounds in which native and baselines alternat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -92,8 +93,9 @@ def bench_decode_attention(ops: NativeOps, batch: int, context: int, repeat: int
     for name, native in (("native", ops), ("gather+SDPA", None)):
         backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
         backend.native = native
-        backend.prepare(meta)
-        fns[name] = lambda b=backend: [b.attend(query, None, None, k, v, meta) for k, v in caches]
+        own = dataclasses.replace(meta, extras={})  # prepare() plans into extras: one plan per backend
+        backend.prepare(own)
+        fns[name] = lambda b=backend, m=own: [b.attend(query, None, None, k, v, m) for k, v in caches]
     return best_ms(fns, repeat)
 
 
