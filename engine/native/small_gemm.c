@@ -1,4 +1,5 @@
-/* The GEMM of decode-sized batches (up to ~100 rows), on weights packed into column panels. */
+/* The GEMM of decode steps and small mixed steps (the engine sends it up to 256 rows), on weights packed
+ * into column panels. */
 #include "vec.h"
 
 /* Panel layout: the [N, K] weight of nn.Linear as ceil(N / 16) panels of [K][16] floats (output columns
