@@ -52,6 +52,12 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
         for (int64_t j = 0; j < ncols; j++) y[i * ys + j] = r[i][j] + (bias ? bias[j] : 0.0f);
 }
 
+/* Lines of the next panel tile t prefetches: its share, or what is left of the K lines. */
+static inline int64_t share_lines(int64_t K, int64_t t, int64_t share) {
+    int64_t left = K - t * share;
+    return left < share ? left : share;
+}
+
 static void panel_rows(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t M,
                        int64_t N, int64_t K, int64_t p) {
     int64_t n0 = p * PANEL, ncols = N - n0 < PANEL ? N - n0 : PANEL;
@@ -64,13 +70,12 @@ static void panel_rows(const float *x, int64_t xs, const float *wp, const float 
     int64_t share = tiles > 1 && n0 + PANEL < N ? (K + tiles - 1) / tiles : 0;
     const float *next = w + K * PANEL;
     int64_t m = 0;
-    for (; m + MAX_TILE_ROWS <= M; m += MAX_TILE_ROWS, t++) {
-        int64_t lines = K - t * share < share ? K - t * share : share;
-        tile(6, x + m * xs, xs, w, K, b, y + m * N + n0, N, ncols, next + t * share * PANEL, lines);
-    }
+    for (; m + MAX_TILE_ROWS <= M; m += MAX_TILE_ROWS, t++)
+        tile(6, x + m * xs, xs, w, K, b, y + m * N + n0, N, ncols, next + t * share * PANEL,
+             share_lines(K, t, share));
     const float *xr = x + m * xs, *pf = next + t * share * PANEL;
-    int64_t lines = K - t * share < share ? K - t * share : share;
     float *yr = y + m * N + n0;
+    int64_t lines = share_lines(K, t, share);
     switch (M - m) {
         case 5: tile(5, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
         case 4: tile(4, xr, xs, w, K, b, yr, N, ncols, pf, lines); break;
@@ -94,8 +99,8 @@ int kvp_has_avx2(void) {
  * threads split the panels. Without AVX2 a scalar loop over the same layout (callers keep their GEMM). */
 void kvp_linear(const float *x, int64_t xs, const float *wp, const float *bias, float *y, int64_t M, int64_t N,
                 int64_t K, int nthreads) {
-    int64_t panels = (N + PANEL - 1) / PANEL;
 #ifdef HAVE_AVX2
+    int64_t panels = (N + PANEL - 1) / PANEL;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t p = 0; p < panels; p++) panel_rows(x, xs, wp, bias, y, M, N, K, p);
 #else
@@ -106,7 +111,6 @@ void kvp_linear(const float *x, int64_t xs, const float *wp, const float *bias, 
             for (int64_t k = 0; k < K; k++) s += x[m * xs + k] * w[k * PANEL];
             y[m * N + n] = s;
         }
-    (void)panels;
     (void)nthreads;
 #endif
 }
