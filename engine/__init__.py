@@ -7,7 +7,8 @@ Package map:
 - ``kv/``         block hashing (shared with the router), block pool, KV cache tensors, KV cache manager
 - ``attention/``  attention-backend interface; PyTorch path (CPU) and Triton kernels (GPU)
 - ``native/``     fused float32 C kernels for the CPU hot loop (norm, RoPE, K/V write, SiLU-mul, paged
-                  decode attention), compiled once per host; PyTorch references beside them
+                  decode attention, the GEMM of decode steps), compiled once per host; PyTorch references
+                  beside them
 - ``sampling/``   ``SamplingParams`` and the sampler
 - ``request``     request state and the lifecycle state machine
 - ``scheduler``   token-budget scheduler: continuous batching, chunked prefill, preemption

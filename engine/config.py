@@ -83,8 +83,9 @@ class EngineConfig:
     #: ``torch`` (plain ``F.linear``) or ``onednn``
     linear_backend: str = "auto"
     #: fused C kernels for float32 on CPU (RMSNorm+residual, RoPE, K/V write, SiLU-mul, paged decode
-    #: attention; compiled once per host into the cache directory): ``auto`` (use them when a C compiler
-    #: builds them, else PyTorch ops with a warning), ``on`` (fail if they cannot be built) or ``off``
+    #: attention, and with oneDNN linears the GEMM of steps up to 256 rows; compiled once per host into the
+    #: cache directory): ``auto`` (use them when a C compiler builds them, else PyTorch ops with a
+    #: warning), ``on`` (fail if they cannot be built) or ``off``
     native_cpu_ops: str = "auto"
     #: what ``logprobs`` report: the model's raw distribution or the one the sampler drew from
     logprobs_mode: str = "raw_logprobs"

@@ -110,8 +110,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     model.to(device)
     if linear_backend == "onednn":
         pack_linears(model.layers, batch_hint, native)
-        # the LM head is the widest GEMM of a decode step; with tied embeddings the packed copy costs
-        # vocab × hidden floats more memory (113 MB for SmolLM2) and the lookup keeps the plain weight
+        # the LM head is the widest GEMM of a decode step; with tied embeddings each packed copy (oneDNN's,
+        # and the native GEMM's panels when ``native`` is set) costs vocab × hidden floats more memory
+        # (113 MB each for SmolLM2) and the lookup keeps the plain weight
         head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
         head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
         model.packed_lm_head = PackedLinear(head, batch_hint, native)
