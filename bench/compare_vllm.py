@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--threads", type=int, default=2, help="HF torch threads")
     runs.add_argument("--hf-repeats", type=int, default=1, help="HF: runs per batch size (median kept)")
     runs.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "default"), default="PASSIVE",
-                      help="OMP_WAIT_POLICY for all three; 'default' leaves each its own (kvpilot: PASSIVE, "
-                      "vLLM and HF: libgomp's spinning default)")
+                      help="OMP_WAIT_POLICY for all three; 'default' leaves each its own (kvpilot: a short spin, "
+                      "GOMP_SPINCOUNT=20000, then sleep; vLLM and HF: libgomp's longer spinning default)")
     limits = ap.add_argument_group("time limits and output")
     limits.add_argument("--server-start-timeout", type=float, default=900.0, metavar="S",
                         help="spawn to ready (vLLM's first start compiles for minutes)")
@@ -157,9 +157,9 @@ def plan_from_args(args: argparse.Namespace) -> ComparePlan:
 
 
 def base_env() -> dict[str, str]:
-    """This process's environment without OMP_WAIT_POLICY: importing kvpilot set it here (kvpilot's own
-    default), and whether the other systems get it is ``--omp-wait-policy``'s decision."""
-    return {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    """This process's environment without OMP_WAIT_POLICY and GOMP_SPINCOUNT: importing kvpilot set them
+    here (kvpilot's own default), and what each system gets is ``--omp-wait-policy``'s decision."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
 
 
 def omp_env(args: argparse.Namespace) -> dict[str, str]:

