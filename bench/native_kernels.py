@@ -10,6 +10,8 @@ memory as a real step does) and prints ``ratio`` = baseline time / native time (
   (the engine's CPU default; the engine uses the native one up to ``NATIVE_MAX_ROWS`` rows) and vs
   ``F.linear``;
 - ``decode_attention``: paged decode over 30 layers' caches, native vs the torch backend's gather + SDPA;
+- ``prefill_attention``: causal attention of a step's new tokens (after a cached prefix or none), native
+  vs the torch backend's SDPA per sequence (gathering the prefix from the cache);
 - ``silu_mul``, ``add_rms_norm``: vs the PyTorch expressions of ``kvpilot.engine.native.ops``.
 Times are the best of ``--repeat`` rounds in which native and baselines alternate (wall clock,
 ``--threads`` threads).
@@ -30,7 +32,8 @@ from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.model.cpu_linear import onednn_available
 from kvpilot.engine.model.registry import default_cache_dir
-from kvpilot.engine.native.ops import NativeOps, load_native_ops, reference_add_rms_norm, reference_silu_mul
+from kvpilot.engine.native.ops import NativeOps, load_native_ops
+from kvpilot.engine.native.reference import reference_add_rms_norm, reference_silu_mul
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 30, 576, 9, 3, 64, 1536
 #: (in, out) of qkv, o, gate_up and down
@@ -99,6 +102,39 @@ def bench_decode_attention(ops: NativeOps, batch: int, context: int, repeat: int
     return best_ms(fns, repeat)
 
 
+def prefill_step(seqs: int, new: int, cached: int, block_size: int = 16):
+    """30 layers' HND caches and one prefill step's metadata: ``seqs`` sequences of ``new`` tokens each after
+    ``cached`` tokens already in their blocks; plus the step's own K/V rows (the SDPA path reads them)."""
+    gen = torch.Generator().manual_seed(seqs * new + cached)
+    length = cached + new
+    blocks_per_seq = -(-length // block_size)
+    num_blocks = 1 + seqs * blocks_per_seq
+    caches = [(torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
+               torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).int().view(seqs, blocks_per_seq)
+    tokens = seqs * new
+    meta = AttentionMetadata(slot_mapping=torch.zeros(tokens, dtype=torch.long),
+                             query_start_loc=torch.arange(0, tokens + 1, new, dtype=torch.int32),
+                             seq_lens=torch.full((seqs,), length, dtype=torch.int32), block_tables=tables,
+                             num_decodes=0, query_lens_host=[new] * seqs, seq_lens_host=[length] * seqs,
+                             block_size=block_size)
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
+    key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
+    return caches, meta, query, key, value
+
+
+def bench_prefill_attention(ops: NativeOps, seqs: int, new: int, cached: int, repeat: int) -> dict[str, float]:
+    caches, meta, query, key, value = prefill_step(seqs, new, cached)
+    fns = {}
+    for name, native in (("native", ops), ("SDPA", None)):
+        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        backend.native = native
+        own = dataclasses.replace(meta, extras={})
+        backend.prepare(own)
+        fns[name] = lambda b=backend, m=own: [b.attend(query, key, value, k, v, m) for k, v in caches]
+    return best_ms(fns, repeat)
+
+
 def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dict[str, float]]:
     gen = torch.Generator().manual_seed(tokens)
     gate_up = [torch.randn(tokens, 2 * INTERMEDIATE, generator=gen) for _ in range(LAYERS)]
@@ -117,7 +153,7 @@ def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dic
 def row(op: str, shape: str, times: dict[str, float]) -> str:
     native = times["native"]
     others = "  ".join(f"{name} {ms:8.2f} ms (x{ms / native:5.2f})" for name, ms in times.items() if name != "native")
-    return f"{op:<17}{shape:<22}native {native:8.2f} ms  {others}"
+    return f"{op:<18}{shape:<22}native {native:8.2f} ms  {others}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     for batch, context in ((2, 64),) if args.quick else ((2, 176), (24, 176), (32, 300)):
         print(row("decode_attention", f"batch={batch} ctx={context}",
                   bench_decode_attention(ops, batch, context, repeat)), flush=True)
+    for seqs, new, cached in ((2, 40, 0),) if args.quick else ((14, 146, 0), (8, 256, 0), (1, 32, 1024)):
+        print(row("prefill_attention", f"{seqs}x{new} after {cached}",
+                  bench_prefill_attention(ops, seqs, new, cached, repeat)), flush=True)
     for tokens in (24,) if args.quick else (24, 2048):
         for op, times in bench_elementwise(ops, tokens, repeat).items():
             print(row(op, f"tokens={tokens}", times), flush=True)

@@ -5,12 +5,14 @@ Package map:
 - ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, the K/V scatter into the
                          paged (HND) cache, SiLU-and-multiply
 - ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
+- ``prefill_attention.c`` causal attention of prefill/extend tokens over the paged cache: tiles of 24 query
+                         rows, register-blocked score and value products, an online softmax (flash style)
 - ``small_gemm.c``       the GEMM of decode-sized batches (the engine: up to 256 rows) on weights packed in
                          16-column panels (a 6 x 16 register tile)
 - ``build``              compiles the sources once per host (``-O3 -march=native``) into one library in the
                          cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
-- ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C, and the
-                         PyTorch reference each kernel is tested against
+- ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C
+- ``reference``          the PyTorch reference each kernel is tested against
 
 Conventions of the C side: row-major float32; every "stride" counts elements between consecutive tokens,
 so q/k/v may be column slices of one fused qkv row; the KV cache is head-major inside a block ("HND":

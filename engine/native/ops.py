@@ -1,4 +1,4 @@
-"""Tensor-level wrappers of the C kernels, and the PyTorch reference each one is tested against.
+"""Tensor-level wrappers of the C kernels (their PyTorch references: ``reference.py``).
 
 ``NativeOps`` validates what the kernels assume (float32, CPU, unit stride inside a row, the shapes
 that belong together) and raises ``ValueError`` otherwise, so a caller never hands C a layout it would
@@ -10,10 +10,10 @@ it raises ``NativeBuildError`` (the engine falls back to PyTorch ops for ``nativ
 from __future__ import annotations
 
 import ctypes
+import itertools
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kvpilot.engine.native.build import load_library
 
@@ -28,12 +28,15 @@ _SIGNATURES = {
     "kvp_silu_mul": (_P, _P, _I, _I, _T),
     "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _T),
     "kvp_linear": (_P, _I, _P, _P, _P, _I, _I, _I, _T),
+    "kvp_paged_prefill": (_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _T),
 }
 #: output columns per panel of ``linear``'s packed weight layout (small_gemm.c's PANEL)
 LINEAR_PANEL = 16
 #: limits of the decode kernel's per-task stack buffers
 MAX_GROUP = 64
 MAX_HEAD_DIM = 256
+#: ``paged_prefill`` multiplies 16-column tiles of V, so head_dim must be a multiple of this
+PREFILL_HEAD_DIM_MULTIPLE = 16
 
 
 def _rows(x: torch.Tensor, name: str, width: int | None = None) -> int:
@@ -60,8 +63,11 @@ class NativeOps:
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = None
         lib.kvp_has_avx2.restype = ctypes.c_int
+        lib.kvp_paged_prefill.restype = ctypes.c_int  # 0, or -1 when its scratch memory was not allocated
         #: whether ``linear`` has its vector kernel (else a scalar loop: callers should keep their GEMM)
         self.has_fast_linear = bool(lib.kvp_has_avx2())
+        #: whether ``paged_prefill`` has its kernel (AVX2; else callers keep their own prefill attention)
+        self.has_prefill_attention = self.has_fast_linear
 
     @staticmethod
     def _threads() -> int:
@@ -189,59 +195,53 @@ class NativeOps:
         return out
 
 
+    def paged_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      scale: float, sliding_window: int | None) -> torch.Tensor:
+        """Causal attention of prefill/extend tokens over their paged context (their own K/V already
+        written): sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])`` (``query``
+        ``[rows, Hq * D]``), the last of its ``seq_lens[s]`` positions, and block table row ``s``. Returns
+        ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``. Needs ``has_prefill_attention``."""
+        if not self.has_prefill_attention:
+            raise ValueError("paged_prefill needs AVX2; keep the PyTorch attention on this CPU")
+        num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+        num_heads = query.shape[1] // head_dim if query.dim() == 2 else 0
+        qs = _rows(query, "query", num_heads * head_dim)
+        if (not num_heads or num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM
+                or head_dim % PREFILL_HEAD_DIM_MULTIPLE):
+            raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} (group <= "
+                             f"{MAX_GROUP}, head_dim a multiple of {PREFILL_HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM})")
+        _contiguous(key_cache, "key_cache", torch.float32)
+        _contiguous(value_cache, "value_cache", torch.float32)
+        _contiguous(query_start_loc, "query_start_loc", torch.int32)
+        _contiguous(seq_lens, "seq_lens", torch.int32)
+        seqs = seq_lens.numel()
+        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+            raise ValueError("block_tables must be int32 [S, max_blocks] with contiguous rows")
+        if query_start_loc.numel() != seqs + 1 or block_tables.shape[0] != seqs:
+            raise ValueError(f"{seqs} sequences need {seqs + 1} query offsets and {seqs} block tables, got "
+                             f"{query_start_loc.numel()} and {block_tables.shape[0]}")
+        starts = query_start_loc.tolist()
+        q_lens = [b - a for a, b in itertools.pairwise(starts)]
+        if seqs and (starts[0] < 0 or starts[-1] > query.shape[0] or min(q_lens) < 0):
+            raise ValueError(f"query offsets must rise within the {query.shape[0]} query rows, got {starts}")
+        lens = seq_lens.tolist()
+        if any(n > length for n, length in zip(q_lens, lens, strict=True)):
+            raise ValueError("a sequence has more new tokens than its length")
+        if seqs and max(lens) > block_tables.shape[1] * block_size:
+            raise ValueError("a sequence is longer than its block table covers")
+        if seqs and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
+            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        out = torch.empty(starts[-1] - starts[0] if seqs else 0, num_heads, head_dim)
+        if seqs:
+            status = self._lib.kvp_paged_prefill(
+                out.data_ptr(), query.data_ptr(), qs, key_cache.data_ptr(), value_cache.data_ptr(),
+                block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+                seqs, num_heads, kv_heads, head_dim, block_size, scale, sliding_window or 0, self._threads())
+            if status:
+                raise MemoryError("paged_prefill could not allocate its scratch buffers")
+        return out
+
+
 def load_native_ops(cache_dir: Path) -> NativeOps:
     return NativeOps(load_library(cache_dir))
-
-
-# ---- PyTorch references (what the kernels must compute) -------------------------------------------------
-
-def reference_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> torch.Tensor:
-    if delta is not None:
-        residual += delta
-    return weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def reference_rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor) -> None:
-    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    half = head_dim // 2
-    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
-    heads.copy_(heads * c + rotated * s)
-
-
-def reference_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    _, kv_heads, block_size, head_dim = key_cache.shape
-    for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            key_cache[slot // block_size, :, slot % block_size] = key[t].view(kv_heads, head_dim)
-            value_cache[slot // block_size, :, slot % block_size] = value[t].view(kv_heads, head_dim)
-
-
-def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def reference_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None) -> torch.Tensor:
-    _, kv_heads, block_size, head_dim = key_cache.shape
-    num_heads = query.shape[1] // head_dim
-    out = torch.empty(query.shape[0], num_heads, head_dim)
-    for b in range(query.shape[0]):
-        length = int(seq_lens[b])
-        start = max(0, length - sliding_window) if sliding_window else 0
-        positions = torch.arange(start, length)
-        blocks = block_tables[b, positions // block_size].long()
-        keys = key_cache[blocks, :, positions % block_size]  # [L, Hkv, D]
-        values = value_cache[blocks, :, positions % block_size]
-        q = query[b].view(num_heads, head_dim)
-        group = num_heads // kv_heads
-        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-        v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        weights = torch.softmax((k @ q.unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
-        out[b] = (weights.unsqueeze(1) @ v).squeeze(1)
-    return out

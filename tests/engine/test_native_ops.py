@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvpilot.engine.native import ops as native
+from kvpilot.engine.native import reference
 from kvpilot.engine.native.build import NativeBuildError, build_library
 
 
@@ -26,7 +27,7 @@ def test_add_rms_norm(kernels, tokens, hidden, with_delta):
     delta = torch.randn(tokens, hidden, generator=g) if with_delta else None
     weight = torch.rand(hidden, generator=g) + 0.5
     expected_residual = residual.clone()
-    expected = native.reference_add_rms_norm(expected_residual, delta, weight, 1e-5)
+    expected = reference.reference_add_rms_norm(expected_residual, delta, weight, 1e-5)
     out = kernels.add_rms_norm(residual, delta, weight, 1e-5)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=2e-6)
     torch.testing.assert_close(residual, expected_residual, atol=0, rtol=0)
@@ -42,7 +43,7 @@ def test_rope_rotates_only_the_given_heads(kernels, heads, head_dim):
     angles = torch.randn(100, head_dim // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     expected = x.clone()
-    native.reference_rope_(expected, heads, head_dim, positions, cos, sin)
+    reference.reference_rope_(expected, heads, head_dim, positions, cos, sin)
     kernels.rope_(x, heads, head_dim, positions, cos, sin)
     torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-6)
     assert torch.equal(x[:, heads * head_dim:], expected[:, heads * head_dim:])
@@ -56,7 +57,7 @@ def test_write_kv_scatters_into_hnd_blocks_and_skips_padding(kernels):
     key, value = qkv[:, 32:64], qkv[:, 64:]
     slots = torch.tensor([0, 7, 8, -1, 31])
     kernels.write_kv(key, value, caches[0], caches[1], slots)
-    native.reference_write_kv(key, value, expected[0], expected[1], slots)
+    reference.reference_write_kv(key, value, expected[0], expected[1], slots)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
     # slot 8 = block 1, offset 0; head 1 holds columns 16..31 of the token's key row
     assert torch.equal(caches[0][1, 1, 0], key[2, 16:])
@@ -65,7 +66,7 @@ def test_write_kv_scatters_into_hnd_blocks_and_skips_padding(kernels):
 
 def test_silu_mul(kernels):
     gate_up = torch.randn(9, 2 * 1536, generator=_gen(2)) * 4
-    torch.testing.assert_close(kernels.silu_mul(gate_up), native.reference_silu_mul(gate_up), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernels.silu_mul(gate_up), reference.reference_silu_mul(gate_up), atol=1e-5, rtol=1e-5)
 
 
 # (lengths, Hq, Hkv, D, block_size, window): GQA groups 1-8, blocks of 4/16/32 and 128 (more than the
@@ -98,7 +99,7 @@ def test_paged_decode_matches_reference(kernels, lengths, num_heads, kv_heads, h
     query = qkv[:, :num_heads * head_dim]
     scale = head_dim ** -0.5
     out = kernels.paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
-    expected = native.reference_paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
+    expected = reference.reference_paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -164,3 +165,65 @@ def test_linear_refuses_a_weight_packed_for_other_shapes(kernels):
         kernels.linear(torch.zeros(1, 12), packed, torch.zeros(16), 20)
     with pytest.raises(ValueError, match="2-D"):
         kernels.pack_linear_weight(torch.zeros(4))
+
+
+# (new tokens per sequence, cached tokens before them, Hq, Hkv, D, block_size, window): GQA groups 1-64 (a
+# group larger than the 24-row tile), chunks that end mid-block, extends after a cached prefix, windows
+# that start mid-block and cut into a chunk, blocks of 8-64
+PREFILL_CASES = [
+    ([5], [0], 9, 3, 64, 16, None),
+    ([37, 1, 16, 17], [0, 5, 32, 100], 9, 3, 64, 16, None),
+    ([40, 23], [0, 70], 9, 3, 64, 16, 20),
+    ([33], [10], 8, 8, 64, 16, None),
+    ([50, 9], [3, 0], 4, 1, 128, 32, None),
+    ([30], [0], 64, 1, 64, 16, 7),
+    ([146, 61], [0, 200], 9, 3, 64, 64, 100),
+    ([20, 3], [0, 9], 6, 2, 16, 8, None),
+]
+
+
+@pytest.mark.parametrize("new, cached, num_heads, kv_heads, head_dim, block_size, window", PREFILL_CASES)
+@pytest.mark.parametrize("decodes_first", [0, 3])
+def test_paged_prefill_matches_reference(kernels, new, cached, num_heads, kv_heads, head_dim, block_size, window,
+                                         decodes_first):
+    g = _gen(sum(new) + sum(cached) + decodes_first)
+    lengths = [c + n for c, n in zip(cached, new, strict=True)]
+    blocks_per_seq = [-(-n // block_size) for n in lengths]
+    num_blocks = 1 + sum(blocks_per_seq)
+    key_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    value_cache = torch.randn(num_blocks, kv_heads, block_size, head_dim, generator=g)
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = torch.zeros(len(lengths), max(blocks_per_seq) + 1, dtype=torch.int32)
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    # the flat batch's rows: decode rows first (not this kernel's), then each sequence's new tokens
+    offsets = [decodes_first]
+    for n in new:
+        offsets.append(offsets[-1] + n)
+    starts = torch.tensor(offsets, dtype=torch.int32)
+    qkv = torch.randn(offsets[-1], (num_heads + 2 * kv_heads) * head_dim, generator=g)
+    query = qkv[:, :num_heads * head_dim]
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = kernels.paged_prefill(query, key_cache, value_cache, tables, starts, seq_lens, scale, window)
+    expected = reference.reference_paged_prefill(query, key_cache, value_cache, tables, starts, seq_lens, scale, window)
+    assert out.shape == (sum(new), num_heads, head_dim)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_paged_prefill_refuses_what_it_would_misread(kernels):
+    cache = torch.zeros(3, 1, 4, 16)
+    table = torch.ones(1, 2, dtype=torch.int32)
+    one = torch.tensor([0, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="more new tokens than its length"):
+        kernels.paged_prefill(torch.zeros(2, 16), cache, cache, table, one, torch.tensor([1], dtype=torch.int32),
+                              0.25, None)
+    with pytest.raises(ValueError, match="query offsets"):
+        kernels.paged_prefill(torch.zeros(1, 16), cache, cache, table, one, torch.tensor([2], dtype=torch.int32),
+                              0.25, None)
+    with pytest.raises(ValueError, match="longer than its block table"):
+        kernels.paged_prefill(torch.zeros(2, 16), cache, cache, table, one, torch.tensor([9], dtype=torch.int32),
+                              0.25, None)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernels.paged_prefill(torch.zeros(2, 8), torch.zeros(3, 1, 4, 8), torch.zeros(3, 1, 4, 8), table, one,
+                              torch.tensor([2], dtype=torch.int32), 0.25, None)

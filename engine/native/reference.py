@@ -1,0 +1,76 @@
+"""The PyTorch references of the C kernels (``ops.NativeOps``): what each kernel must compute, written
+plainly; tests hold every kernel to its reference."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def reference_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                           eps: float) -> torch.Tensor:
+    if delta is not None:
+        residual += delta
+    return weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> None:
+    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    half = head_dim // 2
+    rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
+    heads.copy_(heads * c + rotated * s)
+
+
+def reference_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    _, kv_heads, block_size, head_dim = key_cache.shape
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            key_cache[slot // block_size, :, slot % block_size] = key[t].view(kv_heads, head_dim)
+            value_cache[slot // block_size, :, slot % block_size] = value[t].view(kv_heads, head_dim)
+
+
+def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def reference_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           sliding_window: int | None) -> torch.Tensor:
+    _, kv_heads, block_size, head_dim = key_cache.shape
+    num_heads = query.shape[1] // head_dim
+    out = torch.empty(query.shape[0], num_heads, head_dim)
+    for b in range(query.shape[0]):
+        length = int(seq_lens[b])
+        start = max(0, length - sliding_window) if sliding_window else 0
+        positions = torch.arange(start, length)
+        blocks = block_tables[b, positions // block_size].long()
+        keys = key_cache[blocks, :, positions % block_size]  # [L, Hkv, D]
+        values = value_cache[blocks, :, positions % block_size]
+        q = query[b].view(num_heads, head_dim)
+        group = num_heads // kv_heads
+        k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+        v = values.repeat_interleave(group, dim=1).transpose(0, 1)
+        weights = torch.softmax((k @ q.unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+        out[b] = (weights.unsqueeze(1) @ v).squeeze(1)
+    return out
+
+
+def reference_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Each new token as its own query of ``reference_paged_decode`` over the positions up to its own."""
+    starts = query_start_loc.tolist()
+    rows, tables, lens = [], [], []
+    for s, length in enumerate(seq_lens.tolist()):
+        count = starts[s + 1] - starts[s]
+        rows += range(starts[s], starts[s + 1])
+        tables += [block_tables[s]] * count
+        lens += range(length - count + 1, length + 1)
+    if not rows:
+        return torch.empty(0, query.shape[1] // key_cache.shape[-1], key_cache.shape[-1])
+    return reference_paged_decode(query[rows], key_cache, value_cache, torch.stack(tables),
+                                  torch.tensor(lens, dtype=torch.int32), scale, sliding_window)
