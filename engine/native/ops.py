@@ -32,7 +32,7 @@ _SIGNATURES = {
 }
 #: output columns per panel of ``linear``'s packed weight layout (small_gemm.c's PANEL)
 LINEAR_PANEL = 16
-#: limits of the decode kernel's per-task stack buffers
+#: limits of the attention kernels' per-task buffers
 MAX_GROUP = 64
 MAX_HEAD_DIM = 256
 #: ``paged_prefill`` multiplies 16-column tiles of V, so head_dim must be a multiple of this
@@ -52,6 +52,34 @@ def _rows(x: torch.Tensor, name: str, width: int | None = None) -> int:
 def _contiguous(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
     if x.dtype != dtype or x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {x.dtype} {tuple(x.shape)}")
+
+
+def _paged_attention_layout(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, head_dim_multiple: int) -> tuple[int, int, int]:
+    """Checks the attention kernels share (query rows, GQA group, head size, caches, block table dtype and
+    layout); returns the query row stride, the query heads and the head size."""
+    _, kv_heads, _, head_dim = key_cache.shape
+    num_heads = query.shape[1] // head_dim if query.dim() == 2 else 0
+    qs = _rows(query, "query", num_heads * head_dim)
+    if (not num_heads or num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM
+            or head_dim % head_dim_multiple):
+        multiple = f"a multiple of {head_dim_multiple} " if head_dim_multiple > 1 else ""
+        raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} "
+                         f"(group <= {MAX_GROUP}, head_dim {multiple}<= {MAX_HEAD_DIM})")
+    _contiguous(key_cache, "key_cache", torch.float32)
+    _contiguous(value_cache, "value_cache", torch.float32)
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
+        raise ValueError("block_tables must be int32 [sequences, max_blocks] with contiguous rows")
+    return qs, num_heads, head_dim
+
+
+def _check_block_tables(block_tables: torch.Tensor, longest: int, key_cache: torch.Tensor) -> None:
+    """Every sequence fits its table row (``longest`` tokens) and every block id names a cache block."""
+    num_blocks, _, block_size, _ = key_cache.shape
+    if longest > block_tables.shape[1] * block_size:
+        raise ValueError("a sequence is longer than its block table covers")
+    if not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
+        raise ValueError(f"block ids must lie in [0, {num_blocks})")
 
 
 class NativeOps:
@@ -169,24 +197,14 @@ class NativeOps:
                      sliding_window: int | None) -> torch.Tensor:
         """Attention of each sequence's one new query (``query`` ``[B, Hq * D]`` rows) over its paged
         context, reading K/V blocks in place; returns ``[B, Hq, D]``."""
-        num_blocks, kv_heads, block_size, head_dim = key_cache.shape
         batch = query.shape[0]
-        num_heads = query.shape[1] // head_dim if query.dim() == 2 else 0
-        qs = _rows(query, "query", num_heads * head_dim)
-        if not num_heads or num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
-            raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} "
-                             f"(group <= {MAX_GROUP}, head_dim <= {MAX_HEAD_DIM})")
-        _contiguous(key_cache, "key_cache", torch.float32)
-        _contiguous(value_cache, "value_cache", torch.float32)
+        qs, num_heads, head_dim = _paged_attention_layout(query, key_cache, value_cache, block_tables, 1)
+        _, kv_heads, block_size, _ = key_cache.shape
         _contiguous(seq_lens, "seq_lens", torch.int32)
-        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
-            raise ValueError("block_tables must be int32 [B, max_blocks] with contiguous rows")
         if block_tables.shape[0] < batch or seq_lens.numel() < batch:
             raise ValueError(f"{batch} queries but {block_tables.shape[0]} block tables, {seq_lens.numel()} lengths")
-        if batch and int(seq_lens[:batch].max()) > block_tables.shape[1] * block_size:
-            raise ValueError("a sequence is longer than its block table covers")
-        if batch and not 0 <= int(block_tables[:batch].min()) <= int(block_tables[:batch].max()) < num_blocks:
-            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        if batch:
+            _check_block_tables(block_tables[:batch], int(seq_lens[:batch].max()), key_cache)
         out = torch.empty(batch, num_heads, head_dim)
         self._lib.kvp_paged_decode(out.data_ptr(), query.data_ptr(), qs, key_cache.data_ptr(), value_cache.data_ptr(),
                                    block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), batch,
@@ -204,20 +222,12 @@ class NativeOps:
         ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``. Needs ``has_prefill_attention``."""
         if not self.has_prefill_attention:
             raise ValueError("paged_prefill needs AVX2; keep the PyTorch attention on this CPU")
-        num_blocks, kv_heads, block_size, head_dim = key_cache.shape
-        num_heads = query.shape[1] // head_dim if query.dim() == 2 else 0
-        qs = _rows(query, "query", num_heads * head_dim)
-        if (not num_heads or num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM
-                or head_dim % PREFILL_HEAD_DIM_MULTIPLE):
-            raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} (group <= "
-                             f"{MAX_GROUP}, head_dim a multiple of {PREFILL_HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM})")
-        _contiguous(key_cache, "key_cache", torch.float32)
-        _contiguous(value_cache, "value_cache", torch.float32)
+        qs, num_heads, head_dim = _paged_attention_layout(query, key_cache, value_cache, block_tables,
+                                                          PREFILL_HEAD_DIM_MULTIPLE)
+        _, kv_heads, block_size, _ = key_cache.shape
         _contiguous(query_start_loc, "query_start_loc", torch.int32)
         _contiguous(seq_lens, "seq_lens", torch.int32)
         seqs = seq_lens.numel()
-        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
-            raise ValueError("block_tables must be int32 [S, max_blocks] with contiguous rows")
         if query_start_loc.numel() != seqs + 1 or block_tables.shape[0] != seqs:
             raise ValueError(f"{seqs} sequences need {seqs + 1} query offsets and {seqs} block tables, got "
                              f"{query_start_loc.numel()} and {block_tables.shape[0]}")
@@ -228,10 +238,8 @@ class NativeOps:
         lens = seq_lens.tolist()
         if any(n > length for n, length in zip(q_lens, lens, strict=True)):
             raise ValueError("a sequence has more new tokens than its length")
-        if seqs and max(lens) > block_tables.shape[1] * block_size:
-            raise ValueError("a sequence is longer than its block table covers")
-        if seqs and not 0 <= int(block_tables.min()) <= int(block_tables.max()) < num_blocks:
-            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        if seqs:
+            _check_block_tables(block_tables, max(lens), key_cache)
         out = torch.empty(starts[-1] - starts[0] if seqs else 0, num_heads, head_dim)
         if seqs:
             status = self._lib.kvp_paged_prefill(
