@@ -10,8 +10,7 @@
 
 #ifdef HAVE_AVX2
 /* c[i][0:16] (row stride cs) = (scale_i * c[i][0:16] when scale is given, else 0) + sum_k a[i][k] b[k][0:16]
- * for rows i < mr, k < K; a rows have stride as, b rows stride bs. mr is a literal at every call, so the
- * accumulators stay in registers (the register tile of small_gemm.c). */
+ * for rows i < mr, k < K; a rows have stride as, b rows stride bs (vec.h's register tile; mr a literal). */
 static inline __attribute__((always_inline)) void tile16(const int mr, const float *a, int64_t as, const float *b,
                                                         int64_t bs, int64_t K, float *c, int64_t cs,
                                                         const float *scale) {
@@ -26,15 +25,7 @@ static inline __attribute__((always_inline)) void tile16(const int mr, const flo
             lo[i] = hi[i] = _mm256_setzero_ps();
         }
     }
-    for (int64_t k = 0; k < K; k++) {
-        __m256 b0 = _mm256_loadu_ps(b + k * bs), b1 = _mm256_loadu_ps(b + k * bs + 8);
-#pragma GCC unroll 6
-        for (int i = 0; i < mr; i++) {
-            __m256 x = _mm256_broadcast_ss(a + i * as + k);
-            lo[i] = _mm256_fmadd_ps(x, b0, lo[i]);
-            hi[i] = _mm256_fmadd_ps(x, b1, hi[i]);
-        }
-    }
+    fma_tile16(mr, a, as, b, bs, K, lo, hi, 0, 0);
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++) {
         _mm256_storeu_ps(c + i * cs, lo[i]);

@@ -12,26 +12,16 @@
 #define MAX_TILE_ROWS 6
 
 #ifdef HAVE_AVX2
-/* y rows [0, mr) (row stride ys), columns [0, ncols) of this panel, from x rows [0, mr) (stride xs). mr is
- * a literal at every call, so the loops unroll and the accumulators stay in registers (any indexing the
- * compiler cannot resolve would spill them to the stack every k and cost 3x). Also prefetches the first
- * pf_lines lines (one per k) from pf. */
+/* y rows [0, mr) (row stride ys), columns [0, ncols) of this panel, from x rows [0, mr) (stride xs), with
+ * vec.h's register tile (mr a literal at every call). Also prefetches the first pf_lines lines (one per k)
+ * from pf. */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t xs, const float *wp,
                                                       int64_t K, const float *bias, float *y, int64_t ys,
                                                       int64_t ncols, const float *pf, int64_t pf_lines) {
     __m256 lo[MAX_TILE_ROWS], hi[MAX_TILE_ROWS];
 #pragma GCC unroll 6
     for (int i = 0; i < mr; i++) lo[i] = hi[i] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k++) {
-        __m256 w0 = _mm256_loadu_ps(wp + k * PANEL), w1 = _mm256_loadu_ps(wp + k * PANEL + 8);
-        if (k < pf_lines) _mm_prefetch((const char *)(pf + k * PANEL), _MM_HINT_T0);
-#pragma GCC unroll 6
-        for (int i = 0; i < mr; i++) {
-            __m256 xv = _mm256_broadcast_ss(x + i * xs + k);
-            lo[i] = _mm256_fmadd_ps(xv, w0, lo[i]);
-            hi[i] = _mm256_fmadd_ps(xv, w1, hi[i]);
-        }
-    }
+    fma_tile16(mr, x, xs, wp, PANEL, K, lo, hi, pf, pf_lines);
     if (ncols == PANEL) {
         __m256 b0 = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
         __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();

@@ -43,6 +43,26 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* The register tile of the GEMM-shaped kernels: lo[i] / hi[i] += sum_k a[i][k] * b[k][0:8] / b[k][8:16] for
+ * rows i < mr, k < K (a rows have stride as, b rows stride bs): per k, two loads of b and mr broadcasts of a
+ * for 2 * mr FMAs (BLIS's Haswell sgemm blocking, mr <= 6). mr must be a literal at every call: the loops
+ * then unroll and the 2 * mr accumulators stay in registers (any indexing the compiler cannot resolve
+ * spills them to the stack every k, 3x slower). Also prefetches pf + k * bs for k < pf_lines. */
+static inline __attribute__((always_inline)) void fma_tile16(const int mr, const float *a, int64_t as,
+                                                            const float *b, int64_t bs, int64_t K, __m256 *lo,
+                                                            __m256 *hi, const float *pf, int64_t pf_lines) {
+    for (int64_t k = 0; k < K; k++) {
+        __m256 b0 = _mm256_loadu_ps(b + k * bs), b1 = _mm256_loadu_ps(b + k * bs + 8);
+        if (k < pf_lines) _mm_prefetch((const char *)(pf + k * bs), _MM_HINT_T0);
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++) {
+            __m256 x = _mm256_broadcast_ss(a + i * as + k);
+            lo[i] = _mm256_fmadd_ps(x, b0, lo[i]);
+            hi[i] = _mm256_fmadd_ps(x, b1, hi[i]);
+        }
+    }
+}
+
 /* One vector of the lane sums of a0..a7, in that order (a transposing reduction). */
 static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
                              __m256 a7) {
