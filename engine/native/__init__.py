@@ -1,7 +1,8 @@
 """kvpilot.engine.native — fused float32 CPU kernels in C, for the CPU decode/prefill hot loop.
 
 Package map:
-- ``vec.h``              shared inline helpers: a vectorizable exp (AVX2), dot products, lane reductions
+- ``vec.h``              shared inline helpers: a vectorizable exp (AVX2), dot products, lane reductions,
+                         the 6 x 16 register tile of the GEMM-shaped kernels
 - ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, the K/V scatter into the
                          paged (HND) cache, SiLU-and-multiply
 - ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
