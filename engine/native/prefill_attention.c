@@ -101,10 +101,7 @@ static inline void softmax_chunk(float *s, float *m, float *l, float *corr) {
     __m256 e1 = _mm256_and_ps(exp8(_mm256_sub_ps(s1, shift)), _mm256_cmp_ps(s1, ninf, _CMP_NEQ_OQ));
     _mm256_storeu_ps(s, e0);
     _mm256_storeu_ps(s + 8, e1);
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(e0, e1));
-    float sum = 0.0f;
-    for (int i = 0; i < 8; i++) sum += lanes[i];
+    float sum = hsum8(_mm256_add_ps(e0, e1));
     *corr = *m == -INFINITY ? 0.0f : exp_approx(*m - m_new);
     *l = *l * *corr + sum;
     *m = m_new;

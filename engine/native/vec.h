@@ -63,6 +63,14 @@ static inline __attribute__((always_inline)) void fma_tile16(const int mr, const
     }
 }
 
+/* The sum of v's eight lanes, in lane order. */
+static inline float hsum8(__m256 v) {
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, v);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+    return sum;
+}
+
 /* One vector of the lane sums of a0..a7, in that order (a transposing reduction). */
 static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
                              __m256 a7) {
@@ -83,9 +91,7 @@ static inline float exp_shifted_sum(float *x, int64_t n, float shift) {
         _mm256_storeu_ps(x + i, e);
         acc = _mm256_add_ps(acc, e);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, acc);
-    for (int j = 0; j < 8; j++) sum += lanes[j];
+    sum = hsum8(acc);
 #endif
     for (; i < n; i++) {
         x[i] = exp_approx(x[i] - shift);
