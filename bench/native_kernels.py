@@ -71,13 +71,33 @@ def bench_linear(ops: NativeOps, rows: int, repeat: int) -> dict[str, float]:
     return best_ms(fns, repeat)
 
 
+def layer_caches(num_blocks: int, block_size: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random K/V HND caches of every layer (each layer its own, so a sweep streams from memory)."""
+    return [(torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
+             torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+
+
+def attention_sweeps(ops: NativeOps, baseline: str, meta: AttentionMetadata, query: torch.Tensor,
+                     key: torch.Tensor | None, value: torch.Tensor | None,
+                     caches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[], object]]:
+    """One 30-layer ``attend`` sweep of the torch backend with the native kernels and one without
+    (``baseline``), each planned into its own copy of ``meta`` (prepare() plans into extras)."""
+    fns = {}
+    for name, native in (("native", ops), (baseline, None)):
+        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        backend.native = native
+        own = dataclasses.replace(meta, extras={})
+        backend.prepare(own)
+        fns[name] = lambda b=backend, m=own: [b.attend(query, key, value, k, v, m) for k, v in caches]
+    return fns
+
+
 def decode_step(batch: int, context: int, block_size: int = 16):
     """30 layers' HND caches and one decode step's metadata: ``batch`` sequences of ``context`` tokens."""
     gen = torch.Generator().manual_seed(batch + context)
     blocks_per_seq = -(-context // block_size)
     num_blocks = 1 + batch * blocks_per_seq
-    caches = [(torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
-               torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+    caches = layer_caches(num_blocks, block_size, gen)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
     tables = order.view(batch, blocks_per_seq)
     lens = [context] * batch
@@ -92,14 +112,7 @@ def decode_step(batch: int, context: int, block_size: int = 16):
 
 def bench_decode_attention(ops: NativeOps, batch: int, context: int, repeat: int) -> dict[str, float]:
     caches, meta, query = decode_step(batch, context)
-    fns = {}
-    for name, native in (("native", ops), ("gather+SDPA", None)):
-        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
-        backend.native = native
-        own = dataclasses.replace(meta, extras={})  # prepare() plans into extras: one plan per backend
-        backend.prepare(own)
-        fns[name] = lambda b=backend, m=own: [b.attend(query, None, None, k, v, m) for k, v in caches]
-    return best_ms(fns, repeat)
+    return best_ms(attention_sweeps(ops, "gather+SDPA", meta, query, None, None, caches), repeat)
 
 
 def prefill_step(seqs: int, new: int, cached: int, block_size: int = 16):
@@ -109,8 +122,7 @@ def prefill_step(seqs: int, new: int, cached: int, block_size: int = 16):
     length = cached + new
     blocks_per_seq = -(-length // block_size)
     num_blocks = 1 + seqs * blocks_per_seq
-    caches = [(torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
-               torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+    caches = layer_caches(num_blocks, block_size, gen)
     tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).int().view(seqs, blocks_per_seq)
     tokens = seqs * new
     meta = AttentionMetadata(slot_mapping=torch.zeros(tokens, dtype=torch.long),
@@ -125,14 +137,7 @@ def prefill_step(seqs: int, new: int, cached: int, block_size: int = 16):
 
 def bench_prefill_attention(ops: NativeOps, seqs: int, new: int, cached: int, repeat: int) -> dict[str, float]:
     caches, meta, query, key, value = prefill_step(seqs, new, cached)
-    fns = {}
-    for name, native in (("native", ops), ("SDPA", None)):
-        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
-        backend.native = native
-        own = dataclasses.replace(meta, extras={})
-        backend.prepare(own)
-        fns[name] = lambda b=backend, m=own: [b.attend(query, key, value, k, v, m) for k, v in caches]
-    return best_ms(fns, repeat)
+    return best_ms(attention_sweeps(ops, "SDPA", meta, query, key, value, caches), repeat)
 
 
 def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dict[str, float]]:
