@@ -88,6 +88,11 @@ class Tokenizer:
             raise ValueError(f"{path}: {error}") from None
 
     @property
+    def backend(self) -> BackendTokenizer:
+        """The HF ``tokenizers.Tokenizer`` underneath (its pre-tokenizer and model, for exact re-use)."""
+        return self._backend
+
+    @property
     def vocab_size(self) -> int:
         """Number of ids the tokenizer knows (a model's embedding table may be padded beyond it)."""
         return self._backend.get_vocab_size(with_added_tokens=True)
