@@ -7,29 +7,37 @@ miss, and a prompt's unique tail is hashed only when the router records the bloc
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
-from kvpilot.engine.kv.block_hash import hash_block
+from kvpilot.engine.kv.block_hash import hash_block_bytes, token_bytes
 
 
 class HashMemo:
-    """Recently computed block hashes by (parent, tokens, extra keys): a shared system prompt's chain is
-    hashed once, not once per request (a lookup costs about a quarter of a hash)."""
+    """Recently computed block hashes by (parent, block's token bytes, extra keys): a shared system prompt's
+    chain is hashed once, not once per request (a lookup costs a tenth of a hash).
+
+    Two generations instead of an LRU list keep a lookup to one or two dict probes: a block unused for a
+    whole generation is dropped when the next generation fills."""
 
     def __init__(self, max_blocks: int = 1 << 18) -> None:
-        self._hashes: OrderedDict[tuple[bytes, tuple[int, ...], bytes], bytes] = OrderedDict()
-        self._max_blocks = max_blocks
+        self._young: dict[tuple[bytes, bytes, bytes], bytes] = {}
+        self._old: dict[tuple[bytes, bytes, bytes], bytes] = {}
+        self._generation = max(1, max_blocks // 2)
 
-    def hash_block(self, parent: bytes, tokens: Sequence[int], extra: bytes) -> bytes:
-        key = (parent, tuple(tokens), extra)
-        block_hash = self._hashes.get(key)
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def hash_block(self, parent: bytes, block_token_bytes: bytes, extra: bytes) -> bytes:
+        key = (parent, block_token_bytes, extra)
+        block_hash = self._young.get(key)
+        if block_hash is not None:
+            return block_hash
+        block_hash = self._old.get(key)
         if block_hash is None:
-            block_hash = self._hashes[key] = hash_block(parent, tokens, extra)
-            if len(self._hashes) > self._max_blocks:
-                self._hashes.popitem(last=False)
-        else:
-            self._hashes.move_to_end(key)
+            block_hash = hash_block_bytes(parent, block_token_bytes, extra)
+        self._young[key] = block_hash
+        if len(self._young) >= self._generation:
+            self._old, self._young = self._young, {}
         return block_hash
 
 
@@ -37,10 +45,11 @@ class BlockChain:
     def __init__(self, token_ids: Sequence[int], block_size: int, root: bytes, extra: bytes,
                  memo: HashMemo | None = None) -> None:
         self._tokens = token_ids
+        self._bytes: bytes | None = None  # every token's hash encoding, made on the first hash
         self.block_size = block_size
         self._root = root
         self._extra = extra
-        self._hash_block = memo.hash_block if memo is not None else hash_block
+        self._hash_block = memo.hash_block if memo is not None else hash_block_bytes
         self._hashes: list[bytes] = []
         #: full blocks of the prompt (the engine caches each once it is computed)
         self.full_blocks = len(token_ids) // block_size
@@ -50,16 +59,30 @@ class BlockChain:
     def hash_at(self, index: int) -> bytes:
         """Hash of block ``index`` (< :attr:`full_blocks`), computing the chain up to it once."""
         hashes = self._hashes
-        while len(hashes) <= index:
-            start = len(hashes) * self.block_size
-            parent = hashes[-1] if hashes else self._root
-            hashes.append(self._hash_block(parent, self._tokens[start:start + self.block_size], self._extra))
-        return hashes[index]
+        if index < len(hashes):
+            return hashes[index]
+        if self._bytes is None:
+            self._bytes = token_bytes(self._tokens[:self.full_blocks * self.block_size])
+        data, step, extra, hash_block = self._bytes, 4 * self.block_size, self._extra, self._hash_block
+        parent = hashes[-1] if hashes else self._root
+        for start in range(len(hashes) * step, (index + 1) * step, step):
+            parent = hash_block(parent, data[start:start + step], extra)
+            hashes.append(parent)
+        return parent
+
+    def leading_hashes(self, limit: int) -> Iterator[bytes]:
+        """Hashes of blocks 0, 1, … below ``limit`` (≤ :attr:`full_blocks`), computed only as far as the
+        caller iterates."""
+        hashes = self._hashes
+        for index in range(limit):
+            yield hashes[index] if index < len(hashes) else self.hash_at(index)
 
     def cached_blocks(self, held: Callable[[bytes], bool]) -> int:
         """Leading blocks for which ``held(hash)`` is true, as the engine's prefix lookup counts a hit."""
         count = 0
-        while count < self.hittable_blocks and held(self.hash_at(count)):
+        for block_hash in self.leading_hashes(self.hittable_blocks):
+            if not held(block_hash):
+                break
             count += 1
         return count
 

@@ -95,8 +95,7 @@ class Replica:
         cached = self.index.hashes if self.index.synced else frozenset()
         first = chain.hash_at(0)
         count = 0
-        while count < chain.hittable_blocks:
-            block_hash = chain.hash_at(count)
+        for block_hash in chain.leading_hashes(chain.hittable_blocks):
             if block_hash not in cached and not self.sent.holds(count, block_hash, first):
                 break
             count += 1

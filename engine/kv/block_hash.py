@@ -39,7 +39,17 @@ def encode_extra_keys(cache_salt: str | None = None, adapter_id: str | None = No
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
-    return _h(parent, struct.pack(f"<{len(tokens)}I", *tokens), extra)
+    return _h(parent, token_bytes(tokens), extra)
+
+
+def hash_block_bytes(parent: bytes, block_token_bytes: bytes, extra: bytes = b"") -> bytes:
+    """:func:`hash_block` of tokens already encoded by :func:`token_bytes` (callers that slice one buffer)."""
+    return _h(parent, block_token_bytes, extra)
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """The canonical encoding of token ids inside a block hash: little-endian uint32 each."""
+    return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes, extra: bytes = b"",
