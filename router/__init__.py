@@ -10,9 +10,11 @@ Package map:
 - ``server``            runs the app on a port (in-process or until SIGTERM); loads the shared tokenizer
 - ``app``               HTTP surface: proxied endpoints, ``/health``, ``/ready``, ``/metrics``; retry loop
 - ``proxy``             forwards one request to one replica, streaming, retryable until the first byte
+- ``upstream``          lean HTTP/1.1 client of the proxied requests: keep-alive pool, httptools parsing
 - ``errors``            OpenAI-style JSON error responses
 - ``request_profile``   request → tenant, prompt token ids (shared engine functions), output budget
 - ``segment_tokenizer`` exact per-segment token cache for rendered chat prompts
+- ``piece_encoder``     exact per-word id cache for new ASCII stretches (byte-level BPE tokenizers)
 - ``block_chain``       a prompt's block hashes (shared engine hash), lazily up to the first miss; hash memo
 - ``scoring``           pure policy functions: cost, headroom filter, hot-spot guard, rendezvous ties
 - ``picker``            applies the policy to live replica state

@@ -1,8 +1,9 @@
 """The router's HTTP surface (aiohttp): the proxied OpenAI endpoints, its own ``/health``, ``/ready``,
-``/metrics``, and the start/stop of discovery, pollers and client sessions.
+``/metrics``, and the start/stop of discovery, pollers and client connections.
 
-aiohttp serves and proxies on one event loop without an ASGI layer in between, which keeps the routing
-overhead (arrival → upstream request written) to the work routing itself needs.
+aiohttp serves without an ASGI layer in between and the proxied requests leave through ``upstream``'s lean
+client on the same event loop, which keeps the routing overhead (arrival → upstream request written) to the
+work routing itself needs.
 """
 
 from __future__ import annotations
@@ -23,13 +24,7 @@ from kvpilot.router.errors import error_response
 from kvpilot.router.fleet import Fleet
 from kvpilot.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpilot.router.picker import ReplicaPicker
-from kvpilot.router.proxy import (
-    REPLICA_HEADER,
-    Forwarder,
-    SendProbe,
-    UpstreamFailure,
-    send_trace_config,
-)
+from kvpilot.router.proxy import REPLICA_HEADER, Forwarder, SendProbe, UpstreamFailure
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import (
     CHAT_COMPLETIONS,
@@ -39,6 +34,7 @@ from kvpilot.router.request_profile import (
     RequestProfiler,
 )
 from kvpilot.router.scoring import Decision
+from kvpilot.router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
@@ -63,6 +59,7 @@ class RouterApp:
         self._watcher: EndpointSliceWatcher | None = None
         self._sessions: list[aiohttp.ClientSession] = []
         self._forwarder: Forwarder | None = None
+        self._pool: UpstreamPool | None = None
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=self.config.upstream.max_body_bytes)
@@ -79,17 +76,12 @@ class RouterApp:
 
     async def _start(self, app: web.Application) -> None:
         upstream = self.config.upstream
-        proxy_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),  # no pool cap: a queued connection is routing delay
-            timeout=aiohttp.ClientTimeout(total=upstream.request_timeout_s, sock_connect=upstream.connect_timeout_s),
-            auto_decompress=False,  # bytes pass through as the engine encoded them
-            skip_auto_headers=("Accept-Encoding", "User-Agent"),
-            trace_configs=[send_trace_config()])
+        self._pool = UpstreamPool(upstream.connect_timeout_s, upstream.request_timeout_s)
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
-        self._sessions = [proxy_session, poll_session]
+        self._sessions = [poll_session]
         self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics)
-        self._forwarder = Forwarder(proxy_session, self.fleet.eject)
+        self._forwarder = Forwarder(self._pool, self.fleet.eject)
         if self.config.discovery.endpointslice_service:
             assert self._slice_api is not None
             self._watcher = self._start_watcher(self._slice_api)
@@ -116,6 +108,8 @@ class RouterApp:
             await self.fleet.close()
         for session in self._sessions:
             await session.close()
+        if self._pool is not None:
+            self._pool.close()
 
     # --- proxied endpoints ---------------------------------------------------------------------------
 

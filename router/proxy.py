@@ -13,17 +13,25 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
+from kvpilot.router.upstream import (
+    UpstreamError,
+    UpstreamKey,
+    UpstreamPool,
+    UpstreamResponse,
+    request_head,
+    upstream_key,
+)
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvpilot-replica"
@@ -45,35 +53,32 @@ class UpstreamFailure(Exception):
 
 @dataclass
 class SendProbe:
-    """Rides aiohttp's tracing into the moment the upstream request is written to the socket (aiohttp
-    coalesces headers with the body, so that is the first body chunk) to record the routing overhead."""
+    """Records the routing overhead (arrival → upstream request written to its socket) once."""
 
     metrics: RouterMetrics
     arrival: float
     fired: bool = False
 
-
-async def on_request_chunk_sent(session: Any, trace_context: Any, params: Any) -> None:
-    probe = trace_context.trace_request_ctx
-    if isinstance(probe, SendProbe) and not probe.fired:
-        probe.fired = True
-        probe.metrics.overhead.observe(time.perf_counter() - probe.arrival)
-
-
-def send_trace_config() -> aiohttp.TraceConfig:
-    config = aiohttp.TraceConfig()
-    config.on_request_chunk_sent.append(on_request_chunk_sent)
-    return config
+    def written(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.metrics.overhead.observe(time.perf_counter() - self.arrival)
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
 
 
+def forward_raw_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The client's header lines as it sent them, without hop-by-hop ones."""
+    return [(name, value) for name, value in raw_headers if name.decode("latin-1").lower() not in _HOP_BY_HOP]
+
+
 class Forwarder:
-    def __init__(self, session: aiohttp.ClientSession, eject: Callable[[Replica, str], None]) -> None:
-        self._session = session
+    def __init__(self, pool: UpstreamPool, eject: Callable[[Replica, str], None]) -> None:
+        self._pool = pool
         self._eject = eject  # called when a replica fails mid-response (earlier failures raise instead)
+        self._targets: dict[str, tuple[UpstreamKey, str]] = {}  # replica URL → (connection key, Host)
 
     async def forward(self, request: web.Request, body: bytes, replica: Replica, dispatch: Dispatch,
                       probe: SendProbe | None,
@@ -86,32 +91,38 @@ class Forwarder:
             failure.replica_url = replica.url
             raise
 
+    def _target(self, url: str) -> tuple[UpstreamKey, str]:
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = (upstream_key(url), urlsplit(url).netloc)
+        return target
+
     async def _forward(self, request: web.Request, body: bytes, replica: Replica, dispatch: Dispatch,
                        probe: SendProbe | None,
                        on_first_byte: Callable[[], None] | None) -> web.StreamResponse:
-        url = replica.url + str(request.rel_url)
+        key, host = self._target(replica.url)
+        head = request_head(request.method, request.raw_path, host, len(body),
+                            forward_raw_headers(request.raw_headers))
         try:
-            upstream = await self._session.request(request.method, url, data=body,
-                                                   headers=forward_headers(request.headers),
-                                                   trace_request_ctx=probe)
+            upstream = await self._pool.request(key, head, body, probe.written if probe is not None else None)
         except TimeoutError:
             raise UpstreamFailure(TIMEOUT, f"{replica.url}: no answer in time") from None
-        except aiohttp.ClientError as error:
-            raise UpstreamFailure(ERROR, f"{replica.url}: {type(error).__name__}: {error}") from None
+        except UpstreamError as error:
+            raise UpstreamFailure(ERROR, f"{replica.url}: {error}") from None
         async with upstream:
             if upstream.status in _RETRYABLE_STATUS:
                 answer = await _read_quietly(upstream)
                 raise UpstreamFailure(_RETRYABLE_STATUS[upstream.status], f"{replica.url}: HTTP {upstream.status}",
                                       (upstream.status, forward_headers(upstream.headers), answer))
             try:
-                first = await upstream.content.readany()
+                first = await upstream.read_chunk()
             except TimeoutError:
                 raise UpstreamFailure(TIMEOUT, f"{replica.url}: no first byte in time") from None
-            except aiohttp.ClientError as error:
+            except UpstreamError as error:
                 raise UpstreamFailure(ERROR, f"{replica.url}: dropped before the first byte: {error}") from None
             now = time.perf_counter()
             replica.first_byte(dispatch, now)
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason or None,
                                           headers=forward_headers(upstream.headers))
             response.headers[REPLICA_HEADER] = replica.url
             if upstream.content_length is not None:
@@ -127,12 +138,12 @@ class Forwarder:
                 pass  # the client left; leaving the context closes the upstream, which aborts it there
             return response
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, response: web.StreamResponse,
+    async def _relay(self, request: web.Request, upstream: UpstreamResponse, response: web.StreamResponse,
                      replica: Replica) -> None:
         while True:
             try:
-                chunk = await upstream.content.readany()
-            except (TimeoutError, aiohttp.ClientError) as error:
+                chunk = await upstream.read_chunk()
+            except (TimeoutError, UpstreamError) as error:
                 log.warning("replica %s failed mid-response: %s", replica.url, error)
                 self._eject(replica, TIMEOUT if isinstance(error, TimeoutError) else ERROR)
                 await _break_response(request, response, f"upstream replica failed mid-response: {error}")
@@ -143,10 +154,10 @@ class Forwarder:
         await response.write_eof()
 
 
-async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
+async def _read_quietly(response: UpstreamResponse) -> bytes:
     try:
-        return await response.read()
-    except (TimeoutError, aiohttp.ClientError):
+        return await response.read_all()
+    except (TimeoutError, UpstreamError):
         return b""
 
 
