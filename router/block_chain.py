@@ -11,34 +11,54 @@ from collections.abc import Callable, Iterator, Sequence
 
 from kvpilot.engine.kv.block_hash import hash_block_bytes, token_bytes
 
+#: blocks per memoized run of a chain: one lookup covers this many blocks of a shared prefix
+GROUP = 8
+
 
 class HashMemo:
-    """Recently computed block hashes by (parent, block's token bytes, extra keys): a shared system prompt's
-    chain is hashed once, not once per request (a lookup costs a tenth of a hash).
+    """Recently computed block hashes by (parent, block's token bytes, extra keys), and whole runs of
+    :data:`GROUP` blocks by (parent, the run's token bytes, extra keys): a shared system prompt's chain is
+    hashed once, not once per request, and found again in one lookup per run.
 
-    Two generations instead of an LRU list keep a lookup to one or two dict probes: a block unused for a
+    Two generations instead of an LRU list keep a lookup to one or two dict probes: an entry unused for a
     whole generation is dropped when the next generation fills."""
 
-    def __init__(self, max_blocks: int = 1 << 18) -> None:
-        self._young: dict[tuple[bytes, bytes, bytes], bytes] = {}
-        self._old: dict[tuple[bytes, bytes, bytes], bytes] = {}
-        self._generation = max(1, max_blocks // 2)
+    def __init__(self, max_entries: int = 1 << 18) -> None:
+        self._young: dict[tuple[bytes, bytes, bytes], bytes | tuple[bytes, ...]] = {}
+        self._old: dict[tuple[bytes, bytes, bytes], bytes | tuple[bytes, ...]] = {}
+        self._generation = max(1, max_entries // 2)
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
 
     def hash_block(self, parent: bytes, block_token_bytes: bytes, extra: bytes) -> bytes:
         key = (parent, block_token_bytes, extra)
-        block_hash = self._young.get(key)
-        if block_hash is not None:
-            return block_hash
-        block_hash = self._old.get(key)
+        block_hash = self._lookup(key)
         if block_hash is None:
             block_hash = hash_block_bytes(parent, block_token_bytes, extra)
-        self._young[key] = block_hash
+            self._store(key, block_hash)
+        assert isinstance(block_hash, bytes)
+        return block_hash
+
+    def run(self, parent: bytes, run_token_bytes: bytes, extra: bytes) -> tuple[bytes, ...] | None:
+        found = self._lookup((parent, run_token_bytes, extra))
+        return found if isinstance(found, tuple) else None
+
+    def remember_run(self, parent: bytes, run_token_bytes: bytes, extra: bytes, hashes: tuple[bytes, ...]) -> None:
+        self._store((parent, run_token_bytes, extra), hashes)
+
+    def _lookup(self, key: tuple[bytes, bytes, bytes]) -> bytes | tuple[bytes, ...] | None:
+        found = self._young.get(key)
+        if found is None:
+            found = self._old.get(key)
+            if found is not None:
+                self._store(key, found)
+        return found
+
+    def _store(self, key: tuple[bytes, bytes, bytes], value: bytes | tuple[bytes, ...]) -> None:
+        self._young[key] = value
         if len(self._young) >= self._generation:
             self._old, self._young = self._young, {}
-        return block_hash
 
 
 class BlockChain:
@@ -49,6 +69,7 @@ class BlockChain:
         self.block_size = block_size
         self._root = root
         self._extra = extra
+        self._memo = memo
         self._hash_block = memo.hash_block if memo is not None else hash_block_bytes
         self._hashes: list[bytes] = []
         #: full blocks of the prompt (the engine caches each once it is computed)
@@ -63,12 +84,27 @@ class BlockChain:
             return hashes[index]
         if self._bytes is None:
             self._bytes = token_bytes(self._tokens[:self.full_blocks * self.block_size])
-        data, step, extra, hash_block = self._bytes, 4 * self.block_size, self._extra, self._hash_block
-        parent = hashes[-1] if hashes else self._root
-        for start in range(len(hashes) * step, (index + 1) * step, step):
-            parent = hash_block(parent, data[start:start + step], extra)
-            hashes.append(parent)
-        return parent
+        data, step, extra, memo = self._bytes, 4 * self.block_size, self._extra, self._memo
+        while len(hashes) <= index:
+            done = len(hashes)
+            parent = hashes[-1] if hashes else self._root
+            if memo is not None and done % GROUP == 0 and done + GROUP <= self.full_blocks:
+                run = memo.run(parent, data[done * step:(done + GROUP) * step], extra)
+                if run is not None:
+                    hashes.extend(run)
+                    continue
+            hashes.append(self._hash_block(parent, data[done * step:(done + 1) * step], extra))
+            if memo is not None and len(hashes) % GROUP == 0:
+                start = len(hashes) - GROUP
+                memo.remember_run(hashes[start - 1] if start else self._root, data[start * step:len(hashes) * step],
+                                  extra, tuple(hashes[start:]))
+        return hashes[index]
+
+    def hashes(self, limit: int) -> list[bytes]:
+        """Hashes of blocks 0 … ``limit`` - 1 (``limit`` ≤ :attr:`full_blocks`)."""
+        if limit:
+            self.hash_at(limit - 1)
+        return self._hashes[:limit]
 
     def leading_hashes(self, limit: int) -> Iterator[bytes]:
         """Hashes of blocks 0, 1, … below ``limit`` (≤ :attr:`full_blocks`), computed only as far as the
@@ -87,6 +123,4 @@ class BlockChain:
         return count
 
     def all_hashes(self) -> list[bytes]:
-        if self.full_blocks:
-            self.hash_at(self.full_blocks - 1)
-        return list(self._hashes[:self.full_blocks])
+        return self.hashes(self.full_blocks)

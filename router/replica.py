@@ -94,6 +94,8 @@ class Replica:
             return 0
         cached = self.index.hashes if self.index.synced else frozenset()
         first = chain.hash_at(0)
+        if first in cached and cached.issuperset(chain.hashes(chain.hittable_blocks)):
+            return chain.hittable_blocks  # the common affinity case: one set operation, not a walk
         count = 0
         for block_hash in chain.leading_hashes(chain.hittable_blocks):
             if block_hash not in cached and not self.sent.holds(count, block_hash, first):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash
+from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash, token_bytes
 from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
 from kvpilot.router.block_chain import BlockChain, HashMemo
 from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS, PromptError
@@ -59,7 +59,7 @@ def test_block_hashes_equal_the_engines_and_are_salted_per_tenant(tiny_profiler)
     assert acme.tie_key(16) != shared.tie_key(16)
 
 
-MEMO = HashMemo(max_blocks=64)  # small: the property runs through its evictions too
+MEMO = HashMemo(max_entries=64)  # small: the property runs through its evictions too
 
 
 @settings(max_examples=60, deadline=None)
@@ -73,6 +73,21 @@ def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra, 
     assert [chain.hash_at(i) for i in reversed(range(len(expected)))] == expected[::-1]
     assert chain.all_hashes() == expected
     assert chain.hittable_blocks == (max(len(tokens), 1) - 1) // block_size
+
+
+def test_chains_sharing_a_prefix_reuse_its_memoized_runs_and_stay_exact():
+    memo = HashMemo()
+    shared = list(range(1000, 1000 + 20 * 4))  # 20 blocks of 4: two full runs of 8, then 4 more blocks
+    one, two = [*shared, 1, 2, 3, 4, 5], [*shared, 9, 9, 9, 9, 9]
+    first = BlockChain(one, 4, ROOT, b"", memo)
+    assert first.all_hashes() == block_hashes(one, 4, ROOT)
+    runs = [memo.run(ROOT, token_bytes(shared[:32]), b""),
+            memo.run(first.hash_at(7), token_bytes(shared[32:64]), b"")]
+    assert runs == [tuple(first.hashes(8)), tuple(first.all_hashes()[8:16])]
+    second = BlockChain(two, 4, ROOT, b"", memo)
+    assert second.all_hashes() == block_hashes(two, 4, ROOT)
+    assert second.hashes(20) == first.hashes(20) and second.hash_at(20) != first.hash_at(20)
+    assert memo.run(ROOT, token_bytes(shared[:32]), b"salt") is None  # another tenant's salt: another key
 
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>"]
