@@ -9,6 +9,7 @@ work routing itself needs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -161,14 +162,17 @@ class RouterApp:
             tried.add(replica.url)
             dispatch = Dispatch(time.perf_counter(), 0, 0, 0)
             if decision is not None:
-                self._count_decision(decision, profile)
                 dispatch = Dispatch(dispatch.sent_at, decision.prefill_work_tokens, decision.uncached_tokens,
                                     decision.kv_blocks)
             if profile is not None:
                 dispatch.chains = replica.chains(profile)
             replica.begin(dispatch)
-            self.metrics.in_flight.labels(replica.url).inc()
-            probe = SendProbe(self.metrics, arrival) if arrival is not None and attempt == 0 else None
+            # The metrics wait until the request is on its way (they are not routing work); settle() in the
+            # finally counts them for a request that never got written.
+            count = functools.partial(self._count_sent, replica.url, decision, profile)
+            probe = SendProbe(self.metrics, arrival, count) if arrival is not None and attempt == 0 else None
+            if probe is None:
+                count()
             try:
                 return await self._forwarder.forward(request, raw, replica, dispatch, probe,
                                                      self._observe_ttft(dispatch) if decision else None)
@@ -177,6 +181,8 @@ class RouterApp:
                 self.fleet.eject(replica, error.reason)
                 failure = error
             finally:
+                if probe is not None:
+                    probe.settle()
                 replica.finish(dispatch, time.perf_counter())
                 if replica.url in self.fleet.replicas:
                     self.metrics.in_flight.labels(replica.url).dec()
@@ -187,6 +193,11 @@ class RouterApp:
             if dispatch.first_byte_at is not None:
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
         return observe
+
+    def _count_sent(self, url: str, decision: Decision | None, profile: RequestProfile | None) -> None:
+        self.metrics.in_flight.labels(url).inc()
+        if decision is not None:
+            self._count_decision(decision, profile)
 
     def _count_decision(self, decision: Decision, profile: RequestProfile | None) -> None:
         self.metrics.decisions.labels(self.config.policy, decision.reason).inc()

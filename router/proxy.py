@@ -53,16 +53,25 @@ class UpstreamFailure(Exception):
 
 @dataclass
 class SendProbe:
-    """Records the routing overhead (arrival → upstream request written to its socket) once."""
+    """Records the routing overhead (arrival → upstream request written to its socket) once, then runs
+    ``after`` (bookkeeping that need not delay the request)."""
 
     metrics: RouterMetrics
     arrival: float
+    after: Callable[[], None] | None = None
     fired: bool = False
 
     def written(self) -> None:
         if not self.fired:
             self.fired = True
             self.metrics.overhead.observe(time.perf_counter() - self.arrival)
+            self.settle()
+
+    def settle(self) -> None:
+        """Run ``after`` now if it has not run (the request failed before it was written)."""
+        after, self.after = self.after, None
+        if after is not None:
+            after()
 
 
 def forward_headers(headers: Any) -> CIMultiDict[str]:

@@ -7,6 +7,7 @@ messages) is not rejected here: it is routed without locality and the engine giv
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,8 +30,8 @@ class PromptError(ValueError):
 @dataclass
 class RequestProfile:
     tenant: str | None
-    #: token ids of each prompt (a completions request may carry several)
-    prompts: tuple[list[int], ...]
+    #: token ids of each prompt (a completions request may carry several; a chat prompt's is an array("I"))
+    prompts: tuple[Sequence[int], ...]
     #: output tokens the request may generate (max_tokens × n), for the KV headroom check
     max_output_tokens: int
     #: encoded extra keys (the tenant's cache salt) of every block hash
@@ -67,7 +68,7 @@ class RequestProfiler:
     def profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
         """Raises :class:`PromptError` when the body does not give a prompt the router can tokenize."""
         if path == CHAT_COMPLETIONS:
-            prompts: tuple[list[int], ...] = (self._chat_ids(body),)
+            prompts: tuple[Sequence[int], ...] = (self._chat_ids(body),)
         elif path == COMPLETIONS:
             prompts = tuple(completion_prompt_ids(self._tokenizer, p) for p in _completion_prompts(body))
         else:
@@ -75,7 +76,7 @@ class RequestProfiler:
         return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
                               extra=encode_extra_keys(cache_salt=tenant), memo=self._memo)
 
-    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def _chat_ids(self, body: dict[str, Any]) -> Sequence[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise PromptError("'messages' must be a non-empty list")

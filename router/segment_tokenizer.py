@@ -54,11 +54,12 @@ class SegmentTokenizer:
         """Whether encodes go through the segment cache (False: the tokenizer's added tokens forbid it)."""
         return self._splitter is not None
 
-    def encode_rendered(self, text: str) -> list[int]:
-        """Ids of a rendered chat prompt, as ``tokenizer.encode(text, add_special_tokens=False)``."""
+    def encode_rendered(self, text: str) -> array:
+        """Ids of a rendered chat prompt, as ``tokenizer.encode(text, add_special_tokens=False)``, in an
+        ``array("I")``: cached stretches join by memory copy, and block hashing takes its bytes as they are."""
         if self._splitter is None:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        ids: list[int] = []
+            return array("I", self.tokenizer.encode(text, add_special_tokens=False))
+        ids = array("I")
         # re.split with a capturing group alternates: stretch, added token, stretch, …
         for position, piece in enumerate(self._splitter.split(text)):
             if position % 2:

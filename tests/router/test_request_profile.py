@@ -22,12 +22,12 @@ MESSAGES = [{"role": "system", "content": "You answer briefly. " * 20},
 
 def test_chat_and_completion_ids_equal_the_engines(tiny_profiler, tiny_tokenizer):
     chat = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES}, tenant=None)
-    assert chat.prompts == (chat_prompt_ids(tiny_tokenizer, MESSAGES),)
+    assert list(chat.prompts[0]) == chat_prompt_ids(tiny_tokenizer, MESSAGES)
     again = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES}, tenant=None)  # from the cache
     assert again.prompts == chat.prompts
     no_generation = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES, "add_generation_prompt": False},
                                           tenant=None)
-    assert no_generation.prompts == (chat_prompt_ids(tiny_tokenizer, MESSAGES, add_generation_prompt=False),)
+    assert list(no_generation.prompts[0]) == chat_prompt_ids(tiny_tokenizer, MESSAGES, add_generation_prompt=False)
     text = tiny_profiler.profile(COMPLETIONS, {"prompt": "Once upon a time"}, tenant=None)
     assert text.prompts == (completion_prompt_ids(tiny_tokenizer, "Once upon a time"),)
     batch = tiny_profiler.profile(COMPLETIONS, {"prompt": ["a b", "c d"], "max_tokens": 5, "n": 2}, tenant=None)
@@ -101,7 +101,7 @@ def test_segment_cache_encodes_exactly_like_the_tokenizer(tiny_tokenizer, tiny_m
     segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, max_cached_stretches=16)
     assert segments.segmenting
     for text in pieces + pieces:  # the second round comes from the cache
-        assert segments.encode_rendered(text) == tiny_tokenizer.encode(text, add_special_tokens=False)
+        assert list(segments.encode_rendered(text)) == tiny_tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_segment_cache_stays_within_its_token_budget(tiny_tokenizer, tiny_model_dir):
@@ -117,7 +117,8 @@ def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(tiny_t
     (tmp_path / "tokenizer.json").write_text(spec.replace('"lstrip": false', '"lstrip": true', 1))
     segments = SegmentTokenizer(tiny_tokenizer, tmp_path)
     assert not segments.segmenting
-    assert segments.encode_rendered("a<|im_end|> b") == tiny_tokenizer.encode("a<|im_end|> b", add_special_tokens=False)
+    assert list(segments.encode_rendered("a<|im_end|> b")) == tiny_tokenizer.encode("a<|im_end|> b",
+                                                                                  add_special_tokens=False)
 
 
 @pytest.mark.slow
@@ -128,7 +129,7 @@ def test_segment_cache_matches_smollm2s_tokenizer_on_chat_prompts(smollm2_dir):
     segments = SegmentTokenizer(tokenizer, smollm2_dir)
     for messages in (MESSAGES, [{"role": "user", "content": "héllo  wörld\n\n  tabs\tand spaces  "}]):
         text = tokenizer.apply_chat_template(messages)
-        assert segments.encode_rendered(text) == chat_prompt_ids(tokenizer, messages)
+        assert list(segments.encode_rendered(text)) == chat_prompt_ids(tokenizer, messages)
 
 
 def test_router_hashes_equal_the_blocks_a_real_engine_caches(tiny_profiler):
@@ -137,7 +138,7 @@ def test_router_hashes_equal_the_blocks_a_real_engine_caches(tiny_profiler):
     engine = LLMEngine(EngineArgs.from_kwargs(model="tiny-random", num_kv_blocks=64).create_config())
     body = {"messages": MESSAGES}
     profile = tiny_profiler.profile(CHAT_COMPLETIONS, body, tenant="acme")
-    engine.add_request("r1", profile.prompts[0], SamplingParams(max_tokens=2), cache_salt="acme")
+    engine.add_request("r1", list(profile.prompts[0]), SamplingParams(max_tokens=2), cache_salt="acme")
     while engine.has_unfinished_requests():
         engine.step()
     stored = {h for e in engine.kv_events.since(0).events if e.kind == "stored" for h in e.hashes}
