@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 429/503")
     s.add_argument("--loop-stall-timeout", type=float, default=d.loop_stall_timeout_s,
                    help="/health fails when one engine iteration runs longer than this")
+    s.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s,
+                   help="seconds an idle keep-alive connection stays open (a router reuses them)")
     s.add_argument("--log-level", default=d.log_level,
                    choices=("critical", "error", "warning", "info", "debug", "trace"))
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
@@ -76,7 +78,8 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
                         warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
                         stream_buffer_chunks=ns.stream_buffer_chunks,
                         backpressure_timeout_s=ns.backpressure_timeout, retry_after_s=ns.retry_after,
-                        loop_stall_timeout_s=ns.loop_stall_timeout, log_level=ns.log_level,
+                        loop_stall_timeout_s=ns.loop_stall_timeout, timeout_keep_alive_s=ns.timeout_keep_alive,
+                        log_level=ns.log_level,
                         access_log=ns.access_log)
 
 

@@ -77,6 +77,10 @@ class ServerConfig:
     retry_after_s: int = 1
     #: ``/health`` fails when one engine-loop iteration has run longer than this (a hung device)
     loop_stall_timeout_s: float = 300.0
+    #: seconds an idle keep-alive connection stays open; longer than the gaps between a router's requests
+    #: to one replica, so its proxied requests reuse connections instead of opening one each (uvicorn's
+    #: own default, 5 s, would close them between requests at low rates)
+    timeout_keep_alive_s: float = 75.0
     log_level: str = "info"
     #: uvicorn access log lines per request
     access_log: bool = False
@@ -105,6 +109,8 @@ class ServerConfig:
              f"--tenant-burst must be >= 1 request, got {self.tenant_burst}")
         need(self.max_tracked_tenants >= 1,
              f"max_tracked_tenants must be >= 1, got {self.max_tracked_tenants}")
+        need(finite(self.timeout_keep_alive_s) and self.timeout_keep_alive_s > 0,
+             f"--timeout-keep-alive must be > 0 seconds, got {self.timeout_keep_alive_s}")
         need(finite(self.drain_grace_s) and self.drain_grace_s >= 0,
              f"--drain-grace-seconds must be >= 0, got {self.drain_grace_s}")
         need(self.stream_buffer_chunks >= 2,

@@ -75,6 +75,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     uv_config = uvicorn.Config(create_app(state), host=config.host, port=config.port,
                                log_level=config.log_level, access_log=config.access_log,
                                timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on",
+                               timeout_keep_alive=config.timeout_keep_alive_s,
                                server_header=False)
     server = DrainingServer(uv_config, state, config.drain_grace_s)
     holder.append(server)

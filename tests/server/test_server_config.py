@@ -25,10 +25,10 @@ def test_warmup_buckets_parse_and_clip():
 def test_flags_map_onto_the_config(monkeypatch):
     monkeypatch.setenv("KVPILOT_API_KEY", "from-env")
     ns = build_parser().parse_args(["--slo-ttft", "0.5", "--tenant-rate-limit", "4",
-                                    "--warmup-buckets", "2x32"])
+                                    "--warmup-buckets", "2x32", "--timeout-keep-alive", "30"])
     config = server_config_from_namespace(ns)
-    assert (config.api_keys, config.slo_ttft_s, config.effective_tenant_burst, config.warmup_buckets) == \
-        (("from-env",), 0.5, 4.0, (WarmupBucket(2, 32),))
+    assert (config.api_keys, config.slo_ttft_s, config.effective_tenant_burst, config.warmup_buckets,
+            config.timeout_keep_alive_s) == (("from-env",), 0.5, 4.0, (WarmupBucket(2, 32),), 30.0)
     ns = build_parser().parse_args(["--api-key", "a", "--api-key", "b"])
     assert server_config_from_namespace(ns).api_keys == ("a", "b")
 
@@ -40,6 +40,7 @@ def test_flags_map_onto_the_config(monkeypatch):
     (["--slo-tpot", "0"], "--slo-tpot must be > 0"),
     (["--tenant-burst", "0.5"], "--tenant-burst must be >= 1"),
     (["--stream-buffer-chunks", "1"], "--stream-buffer-chunks must be >= 2"),
+    (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be > 0"),
     (["--warmup-buckets", "x"], "--warmup-buckets: 'x' is not BATCHxTOKENS"),
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
 ])
@@ -56,7 +57,7 @@ def test_help_lists_engine_and_server_flags(capsys):
     assert exc.value.code == 0
     flags = ("--max-num-batched-tokens", "--served-model-name", "--api-key", "--max-queue-len",
              "--queue-timeout", "--max-body-bytes", "--slo-ttft", "--slo-tpot", "--tenant-rate-limit",
-             "--drain-grace-seconds")
+             "--drain-grace-seconds", "--timeout-keep-alive")
     assert [flag for flag in flags if flag not in out] == []
 
 
