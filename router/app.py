@@ -81,13 +81,17 @@ class RouterApp:
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
         self._sessions = [poll_session]
-        self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics)
+        self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics, on_routable=self._preconnect)
         self._forwarder = Forwarder(self._pool, self.fleet.eject)
         if self.config.discovery.endpointslice_service:
             assert self._slice_api is not None
             self._watcher = self._start_watcher(self._slice_api)
         else:
             self.fleet.set_endpoints(Endpoint(url) for url in self.config.discovery.replicas)
+
+    def _preconnect(self, replica: Replica) -> None:
+        if self._forwarder is not None:
+            self._forwarder.preconnect(replica)
 
     def _start_watcher(self, slice_api: Callable[[], SliceApi]) -> EndpointSliceWatcher:
         loop, fleet, discovery = asyncio.get_running_loop(), self.fleet, self.config.discovery

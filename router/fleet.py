@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import aiohttp
 
@@ -17,12 +17,15 @@ from kvpilot.router.replica import Replica
 
 
 class Fleet:
-    def __init__(self, session: aiohttp.ClientSession, poll_interval_s: float, metrics: RouterMetrics) -> None:
+    def __init__(self, session: aiohttp.ClientSession, poll_interval_s: float, metrics: RouterMetrics,
+                 on_routable: Callable[[Replica], None] | None = None) -> None:
+        """``on_routable(replica)`` runs each time a replica becomes routable (e.g. to open a connection)."""
         self.replicas: dict[str, Replica] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._session = session
         self._interval_s = poll_interval_s
         self._metrics = metrics
+        self._on_routable = on_routable
         #: set whenever some replica becomes routable (lets startup and tests wait without sleeping)
         self.changed = asyncio.Event()
 
@@ -71,6 +74,8 @@ class Fleet:
     def on_load(self, replica: Replica, was_routable: bool) -> None:
         if replica.routable and not was_routable:
             self.changed.set()
+            if self._on_routable is not None:
+                self._on_routable(replica)
         self._refresh_gauges()
 
     def on_resync(self, replica: Replica) -> None:

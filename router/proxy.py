@@ -100,6 +100,10 @@ class Forwarder:
             failure.replica_url = replica.url
             raise
 
+    def preconnect(self, replica: Replica) -> None:
+        """Open a keep-alive connection to ``replica`` ahead of its first request."""
+        self._pool.preconnect(self._target(replica.url)[0])
+
     def _target(self, url: str) -> tuple[UpstreamKey, str]:
         target = self._targets.get(url)
         if target is None:

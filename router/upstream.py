@@ -202,6 +202,8 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self._idle: dict[UpstreamKey, list[UpstreamResponse]] = {}
+        self._connecting: set[UpstreamKey] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     async def request(self, key: UpstreamKey, head: bytes, body: bytes,
                       on_written: Callable[[], None] | None = None) -> UpstreamResponse:
@@ -237,6 +239,25 @@ class UpstreamPool:
             raise
         return connection
 
+    def preconnect(self, key: UpstreamKey) -> None:
+        """Open a connection to ``key`` in the background unless one is idle or opening, so the first
+        request there does not wait for a TCP connect (call when a replica becomes routable)."""
+        if self._idle.get(key) or key in self._connecting:
+            return
+        self._connecting.add(key)
+        task = asyncio.get_running_loop().create_task(self._preconnect(key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _preconnect(self, key: UpstreamKey) -> None:
+        try:
+            connection = await self._connect(key)
+        except (UpstreamError, UpstreamTimeout):
+            return  # the replica's poller decides what a failing replica means; requests connect themselves
+        finally:
+            self._connecting.discard(key)
+        self.give_back(key, connection)
+
     def give_back(self, key: UpstreamKey, connection: UpstreamResponse) -> None:
         self._idle.setdefault(key, []).append(connection)
 
@@ -246,6 +267,8 @@ class UpstreamPool:
             idle.remove(connection)
 
     def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
         for idle in self._idle.values():
             for connection in list(idle):
                 connection.release()

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 from kvpilot.router.proxy import REPLICA_HEADER
+from kvpilot.router.upstream import upstream_key
 
 SYSTEM = "You are the support assistant of tenant alpha. " * 12  # about 30 blocks of the tiny tokenizer
 
@@ -40,6 +41,18 @@ async def test_streams_through_byte_for_byte_and_names_the_replica(fake_engines,
     path, headers, body = engine.received[0]
     assert (path, headers["x-tenant"], headers["x-request-id"], body) == (
         "/v1/chat/completions", "alpha", "r1", chat("hi"))
+
+
+async def test_a_replica_that_becomes_routable_gets_a_keep_alive_connection_before_its_first_request(
+        fake_engines, routers, http, until):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    pool, key = router.router._pool, upstream_key(engine.url)
+    await until(lambda: len(pool._idle.get(key, [])) == 1)
+    opened = pool._idle[key][0]
+    async with http.post(router.url + "/v1/chat/completions", json=chat("hi", stream=False)) as response:
+        assert response.status == 200
+    assert pool._idle[key] == [opened]  # the request went over it and it came back
 
 
 async def test_non_streaming_and_models_pass_through(fake_engines, routers, http):

@@ -219,3 +219,19 @@ def test_replica_urls_give_connection_keys():
     assert upstream_key("http://[::1]:9000") == ("::1", 9000, False)
     with pytest.raises(ValueError, match="http"):
         upstream_key("grpc://engine:9000")
+
+
+async def test_a_preconnected_connection_carries_the_first_request():
+    async with await serve(answering(JSON_OK)) as server:
+        pool = UpstreamPool(2.0, 5.0)
+        pool.preconnect(server.key)
+        pool.preconnect(server.key)  # one is opening already: no second one
+        for _ in range(100):
+            if pool._idle.get(server.key):
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == 1 and server.requests == []
+        async with await pool.request(server.key, *post()) as response:
+            assert await response.read_all() == b'{"a": 1}'
+        assert server.connections == 1
+        pool.close()
