@@ -55,6 +55,27 @@ class PieceEncoder:
             return None
         return cls(backend, split_digits)
 
+    def warm_from_vocabulary(self) -> int:
+        """Pre-fill the cache with every vocabulary entry that is an ASCII piece on its own (``" hello"``),
+        each tokenized through the tokenizer as on a miss, so a never-seen prompt made of common words
+        costs lookups instead of tokenizer calls. Returns how many pieces were added."""
+        decode = _byte_level_decoder()
+        added = 0
+        for token in self._backend.get_vocab(with_added_tokens=False):
+            raw = bytes(decode.get(char, 0x100) for char in token) if all(c in decode for c in token) else None
+            if raw is None or not raw.isascii():
+                continue
+            piece = raw.decode("ascii")
+            if self._split_digits and any(c.isdigit() for c in piece) and len(piece) > 1:
+                continue  # digits stand alone there
+            if _GPT2_ASCII.findall(piece) != [piece] or piece in self._young:
+                continue
+            piece_ids = self._tokenize(piece)
+            if piece_ids is not None:
+                self._remember(piece, piece_ids)
+                added += 1
+        return added
+
     @property
     def cached_pieces(self) -> int:
         return len(self._young) + len(self._old)
@@ -100,6 +121,19 @@ class PieceEncoder:
         self._young[piece] = piece_ids
         if len(self._young) >= self._max_pieces // 2:
             self._old, self._young = self._young, {}
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """ByteLevel's printable stand-in character → byte (GPT-2's ``bytes_to_unicode``, inverted): printable
+    Latin-1 bytes stand for themselves, the others map to 256, 257, … in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    decoder = {chr(b): b for b in printable}
+    extra = 0
+    for byte in range(256):
+        if byte not in decoder.values():
+            decoder[chr(256 + extra)] = byte
+            extra += 1
+    return decoder
 
 
 def _is_gpt2_byte_level(step: Any) -> bool:

@@ -20,7 +20,10 @@ def load_profiler(model: str) -> RequestProfiler:
     tokenizer is extracted without converting its weights)."""
     model_dir = resolve_tokenizer(model)
     tokenizer = Tokenizer.from_dir(model_dir)
-    return RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, model_dir))
+    segments = SegmentTokenizer(tokenizer, model_dir)
+    if segments.pieces is not None:
+        segments.pieces.warm_from_vocabulary()  # ~1 s for a 49k vocabulary, once per router process
+    return RequestProfiler(tokenizer, segments)
 
 
 class RouterServer:

@@ -37,12 +37,14 @@ def without_digit_splitting(spec: dict) -> dict:
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(ascii_texts, min_size=1, max_size=4), st.booleans())
-def test_ascii_text_encodes_exactly_as_the_tokenizer(tiny_spec, texts, split_digits):
+@given(st.lists(ascii_texts, min_size=1, max_size=4), st.booleans(), st.booleans())
+def test_ascii_text_encodes_exactly_as_the_tokenizer(tiny_spec, texts, split_digits, warm):
     spec = tiny_spec if split_digits else without_digit_splitting(tiny_spec)
     backend = backend_with(spec)
     encoder = PieceEncoder.for_spec(backend, spec)
     assert encoder is not None
+    if warm:
+        encoder.warm_from_vocabulary()
     for text in texts + texts:  # the second round comes from the piece cache
         assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
 
@@ -53,6 +55,18 @@ def test_each_piece_is_tokenized_once_and_digits_are_pieces_of_their_own(tiny_sp
     ids = encoder.encode("go go go 42")
     assert ids == backend.encode("go go go 42", add_special_tokens=False).ids
     assert encoder.cached_pieces == 5  # "go", " go", " ", "4", "2"
+
+
+def test_warming_adds_the_vocabularys_ascii_pieces_each_as_the_tokenizer_splits_it(tiny_spec):
+    backend = backend_with(tiny_spec)
+    encoder = PieceEncoder.for_spec(backend, tiny_spec)
+    added = encoder.warm_from_vocabulary()
+    vocab = backend.get_vocab(with_added_tokens=False)
+    assert 0 < added == encoder.cached_pieces < len(vocab)  # "Ġ…" words and plain pieces, not "1a" or "é"
+    pieces = list(encoder._young.items())
+    assert all(ids == tuple(backend.encode(piece, add_special_tokens=False).ids) for piece, ids in pieces)
+    assert (" the", (vocab["Ġthe"],)) in pieces
+    assert not any(not piece.isascii() for piece, _ in pieces)
 
 
 def test_the_piece_cache_is_bounded(tiny_spec):
