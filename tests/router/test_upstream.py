@@ -77,6 +77,17 @@ def answering(*responses: bytes) -> Callable[[RawServer], Handler]:
     return make
 
 
+def first_chunk_then(then: Handler) -> Callable[[RawServer], Handler]:
+    """A handler that reads one request, starts a chunked answer with the chunk ``first``, then runs ``then``."""
+    def make(server: RawServer) -> Handler:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await server.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+            await then(reader, writer)
+        return handle
+    return make
+
+
 async def serve(make: Callable[[RawServer], Handler]) -> RawServer:
     server = RawServer(lambda r, w: handler(r, w))
     handler = make(server)
@@ -101,16 +112,12 @@ async def test_keep_alive_reuses_one_connection_for_chunked_and_sized_bodies():
 async def test_chunks_arrive_as_sent_and_the_write_callback_fires_before_any_answer():
     gate = asyncio.Event()
 
-    def make(server: RawServer) -> Handler:
-        async def handle(reader, writer):
-            await server.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-            await gate.wait()
-            writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
-            await reader.read()
-        return handle
+    async def then(reader, writer):
+        await gate.wait()
+        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
+        await reader.read()
 
-    async with await serve(make) as server:
+    async with await serve(first_chunk_then(then)) as server:
         pool = UpstreamPool(2.0, 5.0)
         written = []
         async with await pool.request(server.key, *post(), on_written=lambda: written.append(server.requests[:])) \
@@ -184,15 +191,11 @@ async def test_a_body_cut_short_is_an_error_and_a_body_ended_by_close_is_complet
 async def test_a_response_left_unread_closes_its_connection_and_the_server_sees_it():
     closed = asyncio.Event()
 
-    def make(server: RawServer) -> Handler:
-        async def handle(reader, writer):
-            await server.read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
-            await reader.read()  # returns when the client closes
-            closed.set()
-        return handle
+    async def then(reader, writer):
+        await reader.read()  # returns when the client closes
+        closed.set()
 
-    async with await serve(make) as server:
+    async with await serve(first_chunk_then(then)) as server:
         pool = UpstreamPool(2.0, 5.0)
         async with await pool.request(server.key, *post()) as response:
             assert await response.read_chunk() == b"first"
