@@ -51,7 +51,6 @@ class UpstreamResponse(asyncio.Protocol):
         self._key = key
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
-        self.reused = False  # carried a request before this one
         self.lost = False
         self._reset()
 
@@ -154,14 +153,20 @@ class UpstreamResponse(asyncio.Protocol):
 
     def release(self) -> None:
         """Done with this response: back to the pool if it ended cleanly and may be kept alive, else closed."""
+        if self._complete and not self._chunks and self._error is None and not self.lost and self._keep_alive:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._pool.give_back(self._key, self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection now, whatever state its response is in."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._complete and not self._chunks and self._error is None and not self.lost and self._keep_alive:
-            self.reused = True
-            self._pool.give_back(self._key, self)
-        else:
-            self._abort()
+        self._abort()
 
     async def __aenter__(self) -> UpstreamResponse:
         return self
@@ -269,10 +274,10 @@ class UpstreamPool:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for idle in self._idle.values():
-            for connection in list(idle):
-                connection.release()
+        idle = [connection for connections in self._idle.values() for connection in connections]
         self._idle.clear()
+        for connection in idle:
+            connection.close()
 
     def _take_idle(self, key: UpstreamKey) -> UpstreamResponse | None:
         idle = self._idle.get(key)

@@ -238,3 +238,24 @@ async def test_a_preconnected_connection_carries_the_first_request():
             assert await response.read_all() == b'{"a": 1}'
         assert server.connections == 1
         pool.close()
+
+
+async def test_closing_the_pool_closes_its_idle_connections():
+    closed = asyncio.Event()
+
+    def make(server: RawServer) -> Handler:
+        async def handle(reader, writer):
+            await server.read_request(reader)
+            writer.write(JSON_OK)
+            await reader.read()  # returns when the client closes
+            closed.set()
+        return handle
+
+    async with await serve(make) as server:
+        pool = UpstreamPool(2.0, 5.0)
+        async with await pool.request(server.key, *post()) as response:
+            await response.read_all()
+        assert len(pool._idle[server.key]) == 1
+        pool.close()
+        await asyncio.wait_for(closed.wait(), 2.0)
+        assert pool._take_idle(server.key) is None
