@@ -13,6 +13,9 @@ from kvpilot.engine.kv.block_hash import hash_block_bytes, token_bytes
 
 #: blocks per memoized run of a chain: one lookup covers this many blocks of a shared prefix
 GROUP = 8
+_RUN = b"run"
+# (parent, token bytes, extra keys), plus _RUN for a run's entry
+_Key = tuple[bytes, ...]
 
 
 class HashMemo:
@@ -24,8 +27,8 @@ class HashMemo:
     whole generation is dropped when the next generation fills."""
 
     def __init__(self, max_entries: int = 1 << 18) -> None:
-        self._young: dict[tuple[bytes, bytes, bytes], bytes | tuple[bytes, ...]] = {}
-        self._old: dict[tuple[bytes, bytes, bytes], bytes | tuple[bytes, ...]] = {}
+        self._young: dict[_Key, bytes | tuple[bytes, ...]] = {}
+        self._old: dict[_Key, bytes | tuple[bytes, ...]] = {}
         self._generation = max(1, max_entries // 2)
 
     def __len__(self) -> int:
@@ -41,13 +44,15 @@ class HashMemo:
         return block_hash
 
     def run(self, parent: bytes, run_token_bytes: bytes, extra: bytes) -> tuple[bytes, ...] | None:
-        found = self._lookup((parent, run_token_bytes, extra))
-        return found if isinstance(found, tuple) else None
+        found = self._lookup((parent, run_token_bytes, extra, _RUN))
+        assert found is None or isinstance(found, tuple)
+        return found
 
     def remember_run(self, parent: bytes, run_token_bytes: bytes, extra: bytes, hashes: tuple[bytes, ...]) -> None:
-        self._store((parent, run_token_bytes, extra), hashes)
+        # Tagged: a run of 8 blocks of 16 tokens has the bytes of one block of 128 (another block size).
+        self._store((parent, run_token_bytes, extra, _RUN), hashes)
 
-    def _lookup(self, key: tuple[bytes, bytes, bytes]) -> bytes | tuple[bytes, ...] | None:
+    def _lookup(self, key: _Key) -> bytes | tuple[bytes, ...] | None:
         found = self._young.get(key)
         if found is None:
             found = self._old.get(key)
@@ -55,7 +60,7 @@ class HashMemo:
                 self._store(key, found)
         return found
 
-    def _store(self, key: tuple[bytes, bytes, bytes], value: bytes | tuple[bytes, ...]) -> None:
+    def _store(self, key: _Key, value: bytes | tuple[bytes, ...]) -> None:
         self._young[key] = value
         if len(self._young) >= self._generation:
             self._old, self._young = self._young, {}

@@ -90,6 +90,12 @@ def test_chains_sharing_a_prefix_reuse_its_memoized_runs_and_stay_exact():
     assert memo.run(ROOT, token_bytes(shared[:32]), b"salt") is None  # another tenant's salt: another key
 
 
+def test_a_run_and_a_block_of_another_block_size_with_the_same_bytes_do_not_collide():
+    memo, tokens = HashMemo(), list(range(300))
+    for block_size in (16, 128, 16):  # a run of 8 blocks of 16 has the bytes of one block of 128
+        assert BlockChain(tokens, block_size, ROOT, b"", memo).all_hashes() == block_hashes(tokens, block_size, ROOT)
+
+
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>"]
 texts = st.lists(st.one_of(st.text(max_size=80), st.sampled_from(SPECIALS), st.sampled_from([" ", "\n", "\n\n"])),
                  max_size=12).map("".join)
