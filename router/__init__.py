@@ -16,6 +16,7 @@ Package map:
 - ``segment_tokenizer`` exact per-segment token cache for rendered chat prompts
 - ``piece_encoder``     exact per-word id cache for new ASCII stretches (byte-level BPE tokenizers)
 - ``block_chain``       a prompt's block hashes (shared engine hash), lazily up to the first miss; hash memo
+- ``generations``       bounded two-generation cache behind the hash memo and the piece cache
 - ``scoring``           pure policy functions: cost, headroom filter, hot-spot guard, rendezvous ties
 - ``picker``            applies the policy to live replica state
 - ``replica``           per-replica state: readiness, last ``/load``, cached hashes, in-flight requests

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from kvpilot.engine.kv.block_hash import hash_block_bytes, token_bytes
+from kvpilot.router.generations import Generations
 
 #: blocks per memoized run of a chain: one lookup covers this many blocks of a shared prefix
 GROUP = 8
@@ -21,49 +22,31 @@ _Key = tuple[bytes, ...]
 class HashMemo:
     """Recently computed block hashes by (parent, block's token bytes, extra keys), and whole runs of
     :data:`GROUP` blocks by (parent, the run's token bytes, extra keys): a shared system prompt's chain is
-    hashed once, not once per request, and found again in one lookup per run.
-
-    Two generations instead of an LRU list keep a lookup to one or two dict probes: an entry unused for a
-    whole generation is dropped when the next generation fills."""
+    hashed once, not once per request, and found again in one lookup per run."""
 
     def __init__(self, max_entries: int = 1 << 18) -> None:
-        self._young: dict[_Key, bytes | tuple[bytes, ...]] = {}
-        self._old: dict[_Key, bytes | tuple[bytes, ...]] = {}
-        self._generation = max(1, max_entries // 2)
+        self._entries: Generations[_Key, bytes | tuple[bytes, ...]] = Generations(max_entries)
 
     def __len__(self) -> int:
-        return len(self._young) + len(self._old)
+        return len(self._entries)
 
     def hash_block(self, parent: bytes, block_token_bytes: bytes, extra: bytes) -> bytes:
         key = (parent, block_token_bytes, extra)
-        block_hash = self._lookup(key)
+        block_hash = self._entries.get(key)
         if block_hash is None:
             block_hash = hash_block_bytes(parent, block_token_bytes, extra)
-            self._store(key, block_hash)
+            self._entries.put(key, block_hash)
         assert isinstance(block_hash, bytes)
         return block_hash
 
     def run(self, parent: bytes, run_token_bytes: bytes, extra: bytes) -> tuple[bytes, ...] | None:
-        found = self._lookup((parent, run_token_bytes, extra, _RUN))
+        found = self._entries.get((parent, run_token_bytes, extra, _RUN))
         assert found is None or isinstance(found, tuple)
         return found
 
     def remember_run(self, parent: bytes, run_token_bytes: bytes, extra: bytes, hashes: tuple[bytes, ...]) -> None:
         # Tagged: a run of 8 blocks of 16 tokens has the bytes of one block of 128 (another block size).
-        self._store((parent, run_token_bytes, extra, _RUN), hashes)
-
-    def _lookup(self, key: _Key) -> bytes | tuple[bytes, ...] | None:
-        found = self._young.get(key)
-        if found is None:
-            found = self._old.get(key)
-            if found is not None:
-                self._store(key, found)
-        return found
-
-    def _store(self, key: _Key, value: bytes | tuple[bytes, ...]) -> None:
-        self._young[key] = value
-        if len(self._young) >= self._generation:
-            self._old, self._young = self._young, {}
+        self._entries.put((parent, run_token_bytes, extra, _RUN), hashes)
 
 
 class BlockChain:
@@ -114,9 +97,8 @@ class BlockChain:
     def leading_hashes(self, limit: int) -> Iterator[bytes]:
         """Hashes of blocks 0, 1, … below ``limit`` (≤ :attr:`full_blocks`), computed only as far as the
         caller iterates."""
-        hashes = self._hashes
         for index in range(limit):
-            yield hashes[index] if index < len(hashes) else self.hash_at(index)
+            yield self.hash_at(index)
 
     def cached_blocks(self, held: Callable[[bytes], bool]) -> int:
         """Leading blocks for which ``held(hash)`` is true, as the engine's prefix lookup counts a hit."""

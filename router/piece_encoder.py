@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvpilot.router.generations import Generations
+
 # The GPT-2 pre-tokenizer regex, restricted to ASCII (see the module docstring).
 _GPT2_ASCII = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+", re.ASCII)
 # Digits(individual_digits=True): every digit is a piece of its own, cut before the regex runs.
@@ -30,11 +32,7 @@ class PieceEncoder:
         """``backend``: the ``tokenizers.Tokenizer`` whose pre-tokenizer and model give each piece's ids."""
         self._backend = backend
         self._split_digits = split_digits
-        self._max_pieces = max_pieces
-        # Two generations instead of an LRU list: a lookup is one dict probe; a piece unused for a whole
-        # generation is dropped when the next one fills.
-        self._young: dict[str, tuple[int, ...]] = {}
-        self._old: dict[str, tuple[int, ...]] = {}
+        self._cache: Generations[str, tuple[int, ...]] = Generations(max_pieces)
 
     @classmethod
     def for_spec(cls, backend: Any, spec: dict[str, Any]) -> PieceEncoder | None:
@@ -68,17 +66,17 @@ class PieceEncoder:
             piece = raw.decode("ascii")
             if self._split_digits and any(c.isdigit() for c in piece) and len(piece) > 1:
                 continue  # digits stand alone there
-            if _GPT2_ASCII.findall(piece) != [piece] or piece in self._young:
+            if _GPT2_ASCII.findall(piece) != [piece] or piece in self._cache.young:
                 continue
             piece_ids = self._tokenize(piece)
             if piece_ids is not None:
-                self._remember(piece, piece_ids)
+                self._cache.put(piece, piece_ids)
                 added += 1
         return added
 
     @property
     def cached_pieces(self) -> int:
-        return len(self._young) + len(self._old)
+        return len(self._cache)
 
     def encode(self, text: str) -> list[int] | None:
         """``backend.encode(text, add_special_tokens=False).ids`` for text without added tokens; None when
@@ -98,16 +96,16 @@ class PieceEncoder:
         return ids
 
     def _extend(self, ids: list[int], pieces: Any) -> bool:
-        young = self._young
+        young, cache = self._cache.young, self._cache
         for piece in pieces:
             piece_ids = young.get(piece)
             if piece_ids is None:
-                piece_ids = self._old.get(piece)
+                piece_ids = cache.get(piece)
                 if piece_ids is None:
                     piece_ids = self._tokenize(piece)
                     if piece_ids is None:
                         return False
-                self._remember(piece, piece_ids)
+                    cache.put(piece, piece_ids)
             ids.extend(piece_ids)
         return True
 
@@ -116,11 +114,6 @@ class PieceEncoder:
         if len(pre_tokens) != 1 or pre_tokens[0][1] != (0, len(piece)):
             return None  # this piece is not one of the tokenizer's pre-tokens: let it encode the text
         return tuple(token.id for token in self._backend.model.tokenize(pre_tokens[0][0]))
-
-    def _remember(self, piece: str, piece_ids: tuple[int, ...]) -> None:
-        self._young[piece] = piece_ids
-        if len(self._young) >= self._max_pieces // 2:
-            self._old, self._young = self._young, {}
 
 
 def _byte_level_decoder() -> dict[str, int]:

@@ -63,7 +63,7 @@ def test_warming_adds_the_vocabularys_ascii_pieces_each_as_the_tokenizer_splits_
     added = encoder.warm_from_vocabulary()
     vocab = backend.get_vocab(with_added_tokens=False)
     assert 0 < added == encoder.cached_pieces < len(vocab)  # "Ġ…" words and plain pieces, not "1a" or "é"
-    pieces = list(encoder._young.items())
+    pieces = list(encoder._cache.young.items())
     assert all(ids == tuple(backend.encode(piece, add_special_tokens=False).ids) for piece, ids in pieces)
     assert (" the", (vocab["Ġthe"],)) in pieces
     assert not any(not piece.isascii() for piece, _ in pieces)
