@@ -94,10 +94,10 @@ class BlockChain:
             self.hash_at(limit - 1)
         return self._hashes[:limit]
 
-    def leading_hashes(self, limit: int) -> Iterator[bytes]:
-        """Hashes of blocks 0, 1, … below ``limit`` (≤ :attr:`full_blocks`), computed only as far as the
-        caller iterates."""
-        for index in range(limit):
+    def leading_hashes(self, limit: int, start: int = 0) -> Iterator[bytes]:
+        """Hashes of blocks ``start``, ``start`` + 1, … below ``limit`` (≤ :attr:`full_blocks`), computed only
+        as far as the caller iterates."""
+        for index in range(start, limit):
             yield self.hash_at(index)
 
     def cached_blocks(self, held: Callable[[bytes], bool]) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.router.block_chain import BlockChain
+from kvpilot.router.block_chain import GROUP, BlockChain
 from kvpilot.router.engine_load import EngineLoad
 from kvpilot.router.prefill_rate import PrefillRateEstimator
 from kvpilot.router.prefix_index import PrefixIndex
@@ -94,10 +94,15 @@ class Replica:
             return 0
         cached = self.index.hashes if self.index.synced else frozenset()
         first = chain.hash_at(0)
-        if first in cached and cached.issuperset(chain.hashes(chain.hittable_blocks)):
-            return chain.hittable_blocks  # the common affinity case: one set operation, not a walk
         count = 0
-        for block_hash in chain.leading_hashes(chain.hittable_blocks):
+        if first in cached:
+            hashes = chain.hashes(chain.hittable_blocks)
+            if cached.issuperset(hashes):
+                return chain.hittable_blocks  # the common affinity case: one set operation, not a walk
+            # A shared prefix, then a new tail (the usual request): skip the held runs a set test at a time.
+            while count < len(hashes) and cached.issuperset(hashes[count:count + GROUP]):
+                count += GROUP
+        for block_hash in chain.leading_hashes(chain.hittable_blocks, start=count):
             if block_hash not in cached and not self.sent.holds(count, block_hash, first):
                 break
             count += 1

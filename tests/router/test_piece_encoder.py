@@ -19,11 +19,25 @@ FRAGMENTS = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "  ", "\n\n", " \n ", 
              "don't", "THE'S", "x  \ty", "a\r\nb", "?!", " .", "   end"]
 ascii_texts = st.lists(st.one_of(st.text(alphabet=ALPHABET, max_size=12), st.sampled_from(FRAGMENTS)),
                        max_size=16).map("".join)
+# Text as prose is: words joined by single spaces (the encoder's word path), with whitespace, digits and
+# contractions at the words' ends, and now and then an empty word (a double space).
+WORD_ALPHABET = ALPHABET.replace(" ", "")
+words = st.one_of(st.text(alphabet=WORD_ALPHABET, max_size=6), st.sampled_from(["the", "42", "it's", "x\n", "\t7"]))
+prose = st.lists(words, min_size=1, max_size=24).map(" ".join)
 
 
 @pytest.fixture(scope="module")
 def tiny_spec(tiny_model_dir) -> dict:
     return json.loads((tiny_model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_backends(smollm2_dir) -> dict[bool, tuple[dict, BackendTokenizer]]:
+    """A real vocabulary (its whitespace and digit merges make a wrong piece boundary visible in the ids),
+    with and without digit splitting: split_digits → (spec, backend)."""
+    spec = json.loads((smollm2_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    return {split: (changed, backend_with(changed))
+            for split, changed in ((True, spec), (False, without_digit_splitting(spec)))}
 
 
 def backend_with(spec: dict) -> BackendTokenizer:
@@ -47,6 +61,35 @@ def test_ascii_text_encodes_exactly_as_the_tokenizer(tiny_spec, texts, split_dig
         encoder.warm_from_vocabulary()
     for text in texts + texts:  # the second round comes from the piece cache
         assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(prose, min_size=1, max_size=4), st.booleans())
+def test_prose_encodes_exactly_as_the_tokenizer(smollm2_backends, texts, split_digits):
+    spec, backend = smollm2_backends[split_digits]
+    encoder = PieceEncoder.for_spec(backend, spec)
+    for text in texts + texts:  # the second round comes from the word cache
+        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+
+
+# Where a space is not where a piece starts, or ends a digit-free part (digits split first): the regex path.
+@pytest.mark.parametrize("text", ["a\n 1", "a\n\n 12 b", "x \n", "foo ", " foo", "a  b", "a   b", "a\t b",
+                                  "1 2", "it 's", "don't stop", "x \x1c y", "end\x1c 5", "q\x0c 9", "\n 3"])
+@pytest.mark.parametrize("split_digits", [True, False])
+def test_word_boundaries_that_are_not_piece_boundaries(smollm2_backends, text, split_digits):
+    spec, backend = smollm2_backends[split_digits]
+    encoder = PieceEncoder.for_spec(backend, spec)
+    for _ in range(2):
+        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+
+
+def test_words_are_cached_only_with_non_whitespace_at_both_ends(tiny_spec):
+    backend = backend_with(tiny_spec)
+    encoder = PieceEncoder.for_spec(backend, tiny_spec)
+    text = "say hello world\n again 7x"
+    assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+    assert sorted(encoder._words.young) == ["7x", "again", "hello"]  # not "world\n" (its end sees the next word)
+    assert encoder._words.young["7x"] == tuple(backend.encode(" 7x", add_special_tokens=False).ids)
 
 
 def test_each_piece_is_tokenized_once_and_digits_are_pieces_of_their_own(tiny_spec):

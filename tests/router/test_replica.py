@@ -95,6 +95,31 @@ def test_a_hit_stops_at_the_first_missing_block_and_never_covers_the_last_token(
     assert synced_replica(cached=hashes).cached_tokens(tenant) == 0
 
 
+@pytest.mark.parametrize("held, expected_blocks", [
+    (range(30), 30),             # the whole hittable chain (the prompt's last token is never a hit)
+    (range(19), 19),             # a shared prefix across two whole runs of 8 and part of a third
+    (range(16), 16),             # a prefix ending on a run's edge
+    ([*range(11), *range(12, 31)], 11),  # a hole in the second run: the hit stops there
+    ([*range(8), *range(9, 31)], 8),     # a hole on a run's first block
+    (range(1, 31), 0),           # without the first block nothing counts
+])
+def test_a_long_hit_ends_exactly_at_the_first_missing_block(held, expected_blocks):
+    request = profile(31 * 16 + 5)  # 31 full blocks, 31 hittable
+    hashes = block_hashes(request.prompts[0], 16, ROOT)
+    replica = synced_replica(cached=[hashes[i] for i in held])
+    assert replica.cached_tokens(request) == expected_blocks * 16
+
+
+def test_a_sent_prompt_extends_a_hit_past_what_the_index_holds():
+    request = profile(31 * 16 + 5)
+    hashes = block_hashes(request.prompts[0], 16, ROOT)
+    replica = synced_replica(cached=hashes[:19])
+    shorter = profile(26 * 16)  # the same tokens, 26 full blocks, sent there just now
+    replica.begin(Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=0, kv_blocks=0,
+                           chains=replica.chains(shorter)))
+    assert replica.cached_tokens(request) == 26 * 16
+
+
 def test_ejection_lasts_until_a_poll_sent_after_it_finds_the_replica_ready():
     replica = synced_replica()
     assert replica.routable
