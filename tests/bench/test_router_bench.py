@@ -27,6 +27,15 @@ def test_cpu_lists_parse_to_exact_sets_and_bad_ones_are_argument_errors():
             router_bench.parse_cpus(bad)
 
 
+@pytest.mark.parametrize("idle, nice", [(True, 0), (False, 5)])
+def test_engine_placement_sets_the_childs_policy_and_niceness(idle, nice):
+    report = "import os; print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.nice(0))"
+    out = subprocess.run([sys.executable, "-c", report], capture_output=True, text=True, check=True,
+                         preexec_fn=router_bench.placement(nice, None, idle)).stdout
+    assert out.split() == [str(idle), str(os.nice(0) + nice)]
+    assert router_bench.placement(0, None) is None
+
+
 def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, engine_cpu = str(cpus[-1]), str(cpus[0])
