@@ -77,7 +77,7 @@ class RouterApp:
 
     async def _start(self, app: web.Application) -> None:
         upstream = self.config.upstream
-        self._pool = UpstreamPool(upstream.connect_timeout_s, upstream.request_timeout_s)
+        self._pool = UpstreamPool(upstream.connect_timeout_s, upstream.request_timeout_s, keep_spare=True)
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
         self._sessions = [poll_session]

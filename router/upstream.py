@@ -203,9 +203,12 @@ class UpstreamResponse(asyncio.Protocol):
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout_s: float, request_timeout_s: float) -> None:
+    def __init__(self, connect_timeout_s: float, request_timeout_s: float, keep_spare: bool = False) -> None:
+        """``keep_spare``: after a request took the last idle connection to a server, open one more in the
+        background, so a request that finds the others busy (long streams) does not wait for a TCP connect."""
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self._keep_spare = keep_spare
         self._idle: dict[UpstreamKey, list[UpstreamResponse]] = {}
         self._connecting: set[UpstreamKey] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -222,6 +225,8 @@ class UpstreamPool:
             if on_written is not None:
                 on_written()
                 on_written = None
+            if self._keep_spare:
+                self.preconnect(key)  # after the write: not on the request's path
             try:
                 await connection.wait_headers()
                 return connection
@@ -237,6 +242,8 @@ class UpstreamPool:
         connection.send(head, body, self.request_timeout_s)
         if on_written is not None:
             on_written()
+        if self._keep_spare:
+            self.preconnect(key)
         try:
             await connection.wait_headers()
         except BaseException:

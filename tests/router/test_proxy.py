@@ -45,14 +45,17 @@ async def test_streams_through_byte_for_byte_and_names_the_replica(fake_engines,
 
 async def test_a_replica_that_becomes_routable_gets_a_keep_alive_connection_before_its_first_request(
         fake_engines, routers, http, until):
-    (engine,) = await fake_engines(1)
+    (engine,) = await fake_engines(1, token_delay_s=0.2)  # a stream long enough to look at mid-way
     router = await routers([engine.url])
     pool, key = router.router._pool, upstream_key(engine.url)
     await until(lambda: len(pool._idle.get(key, [])) == 1)
     opened = pool._idle[key][0]
-    async with http.post(router.url + "/v1/chat/completions", json=chat("hi", stream=False)) as response:
+    async with http.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True)) as response:
         assert response.status == 200
-    assert pool._idle[key] == [opened]  # the request went over it and it came back
+        assert opened not in pool._idle[key]  # the request is going over it
+        await response.read()
+    # it came back, beside the spare the router opened when the request took the last idle connection
+    await until(lambda: len(pool._idle[key]) == 2 and opened in pool._idle[key])
 
 
 async def test_non_streaming_and_models_pass_through(fake_engines, routers, http):

@@ -240,6 +240,45 @@ async def test_a_preconnected_connection_carries_the_first_request():
         pool.close()
 
 
+async def test_a_spare_connection_is_opened_when_the_last_idle_one_is_taken():
+    release = asyncio.Event()
+
+    def make(server: RawServer) -> Handler:
+        async def handle(reader, writer):
+            while True:
+                await server.read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
+                             b"\r\n\r\n5\r\nfirst\r\n")
+                await writer.drain()
+                await release.wait()  # a long stream: its connection stays busy until the test says
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        return handle
+
+    async def idle_count(pool: UpstreamPool, key, count: int) -> None:
+        for _ in range(200):
+            if len(pool._idle.get(key, [])) == count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"idle connections never reached {count}")
+
+    async with await serve(make) as server:
+        pool = UpstreamPool(2.0, 5.0, keep_spare=True)
+        first = await pool.request(server.key, *post())  # nothing idle: it connects, then a spare opens
+        await idle_count(pool, server.key, 1)
+        assert server.connections == 2
+        second = await pool.request(server.key, *post())  # rides the spare; the next spare opens
+        await idle_count(pool, server.key, 1)
+        assert server.connections == 3 and len(server.requests) == 2
+        release.set()
+        for response in (first, second):
+            async with response:
+                assert await response.read_all() == b"first"
+        assert len(pool._idle[server.key]) == 3  # both came back; no fourth connection was opened
+        assert server.connections == 3
+        pool.close()
+
+
 async def test_closing_the_pool_closes_its_idle_connections():
     closed = asyncio.Event()
 
