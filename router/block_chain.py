@@ -8,6 +8,7 @@ miss, and a prompt's unique tail is hashed only when the router records the bloc
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 
 from kvpilot.engine.kv.block_hash import hash_block_bytes, token_bytes
 from kvpilot.router.generations import Generations
@@ -100,11 +101,23 @@ class BlockChain:
         for index in range(start, limit):
             yield self.hash_at(index)
 
-    def cached_blocks(self, held: Callable[[bytes], bool]) -> int:
-        """Leading blocks for which ``held(hash)`` is true, as the engine's prefix lookup counts a hit."""
+    def cached_blocks(self, cached: AbstractSet[bytes],
+                      also_held: Callable[[int, bytes], bool] | None = None) -> int:
+        """Leading blocks held, as the engine's prefix lookup counts a hit: each block's hash is in ``cached``
+        or ``also_held(index, hash)`` says so."""
+        limit = self.hittable_blocks
+        if limit == 0:
+            return 0
         count = 0
-        for block_hash in self.leading_hashes(self.hittable_blocks):
-            if not held(block_hash):
+        if self.hash_at(0) in cached:
+            hashes = self.hashes(limit)
+            if cached.issuperset(hashes):
+                return limit  # the common affinity case: one set operation, not a walk
+            # A shared prefix, then a new tail (the usual request): skip the held runs a set test at a time.
+            while count < limit and cached.issuperset(hashes[count:count + GROUP]):
+                count += GROUP
+        for block_hash in self.leading_hashes(limit, start=count):
+            if block_hash not in cached and (also_held is None or not also_held(count, block_hash)):
                 break
             count += 1
         return count

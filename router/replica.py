@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvpilot.router.block_chain import GROUP, BlockChain
+from kvpilot.router.block_chain import BlockChain
 from kvpilot.router.engine_load import EngineLoad
 from kvpilot.router.prefill_rate import PrefillRateEstimator
 from kvpilot.router.prefix_index import PrefixIndex
@@ -94,19 +94,7 @@ class Replica:
             return 0
         cached = self.index.hashes if self.index.synced else frozenset()
         first = chain.hash_at(0)
-        count = 0
-        if first in cached:
-            hashes = chain.hashes(chain.hittable_blocks)
-            if cached.issuperset(hashes):
-                return chain.hittable_blocks  # the common affinity case: one set operation, not a walk
-            # A shared prefix, then a new tail (the usual request): skip the held runs a set test at a time.
-            while count < len(hashes) and cached.issuperset(hashes[count:count + GROUP]):
-                count += GROUP
-        for block_hash in chain.leading_hashes(chain.hittable_blocks, start=count):
-            if block_hash not in cached and not self.sent.holds(count, block_hash, first):
-                break
-            count += 1
-        return count
+        return chain.cached_blocks(cached, lambda index, block_hash: self.sent.holds(index, block_hash, first))
 
     def snapshot(self, fallback_rate: float) -> ReplicaSnapshot:
         """Scoring's view, including this router's requests the last ``/load`` cannot include yet."""
