@@ -60,6 +60,15 @@ class RawServer:
         return request
 
 
+async def idle_connections(pool: UpstreamPool, key, count: int) -> None:
+    """Wait (2 s at most) until ``pool`` holds ``count`` idle connections to ``key``."""
+    for _ in range(200):
+        if len(pool._idle.get(key, [])) == count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"idle connections never reached {count}")
+
+
 def post(body: bytes = b"{}", path: str = "/v1/completions", headers=()) -> tuple[bytes, bytes]:
     return request_head("POST", path, "engine:8000", len(body), headers), body
 
@@ -229,10 +238,7 @@ async def test_a_preconnected_connection_carries_the_first_request():
         pool = UpstreamPool(2.0, 5.0)
         pool.preconnect(server.key)
         pool.preconnect(server.key)  # one is opening already: no second one
-        for _ in range(100):
-            if pool._idle.get(server.key):
-                break
-            await asyncio.sleep(0.01)
+        await idle_connections(pool, server.key, 1)
         assert server.connections == 1 and server.requests == []
         async with await pool.request(server.key, *post()) as response:
             assert await response.read_all() == b'{"a": 1}'
@@ -255,20 +261,13 @@ async def test_a_spare_connection_is_opened_when_the_last_idle_one_is_taken():
                 await writer.drain()
         return handle
 
-    async def idle_count(pool: UpstreamPool, key, count: int) -> None:
-        for _ in range(200):
-            if len(pool._idle.get(key, [])) == count:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError(f"idle connections never reached {count}")
-
     async with await serve(make) as server:
         pool = UpstreamPool(2.0, 5.0, keep_spare=True)
         first = await pool.request(server.key, *post())  # nothing idle: it connects, then a spare opens
-        await idle_count(pool, server.key, 1)
+        await idle_connections(pool, server.key, 1)
         assert server.connections == 2
         second = await pool.request(server.key, *post())  # rides the spare; the next spare opens
-        await idle_count(pool, server.key, 1)
+        await idle_connections(pool, server.key, 1)
         assert server.connections == 3 and len(server.requests) == 2
         release.set()
         for response in (first, second):
