@@ -123,14 +123,14 @@ class PieceEncoder:
         word = words[index]
         if not word or word[0] in _WHITESPACE:
             return None
-        ends_in_space = word[-1] in _WHITESPACE
-        if self._split_digits and ends_in_space and words[index + 1:index + 2] and words[index + 1][:1].isdigit():
+        ends_in_whitespace = word[-1] in _WHITESPACE
+        if self._split_digits and ends_in_whitespace and words[index + 1:index + 2] and words[index + 1][:1].isdigit():
             return None
         found = self._encode_pieces(" " + word)
         if found is None:
             return None
         word_ids = tuple(found)
-        if not ends_in_space:
+        if not ends_in_whitespace:
             self._words.put(word, word_ids)
         return word_ids
 
