@@ -53,7 +53,8 @@ class RouterApp:
             raise ValueError("EndpointSlice discovery needs a slice_api")
         self.config = config
         self.metrics = RouterMetrics(config.policy)
-        self.picker = ReplicaPicker(config.policy, config.weights, config.prefill_rate_prior)
+        self.picker = ReplicaPicker(config.policy, config.weights, config.prefill_rate_prior,
+                                    per_replica_rate=config.per_replica_prefill_rate)
         self._profiler = profiler
         self._slice_api = slice_api
         self.fleet: Fleet | None = None

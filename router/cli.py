@@ -64,6 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest request body accepted")
     parser.add_argument("--prefill-rate-prior", type=float, default=_default(RouterConfig, "prefill_rate_prior"), metavar="TOK/S",
                         help="prefill tokens/s assumed before any replica has measured one")
+    parser.add_argument("--per-replica-prefill-rate", action="store_true",
+                        help="cost each replica's work at its own measured prefill rate, not the fleet's median "
+                             "(for replicas on different hardware; a rate measured under load flatters busy "
+                             "replicas)")
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
@@ -87,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         poll=PollConfig(interval_s=args.poll_interval, timeout_s=args.poll_timeout),
         upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
                                 max_body_bytes=args.max_body_bytes),
-        prefill_rate_prior=args.prefill_rate_prior)
+        prefill_rate_prior=args.prefill_rate_prior, per_replica_prefill_rate=args.per_replica_prefill_rate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,6 +145,11 @@ class RouterConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     #: prefill tokens/s assumed for a replica before it or any peer has measured one
     prefill_rate_prior: float = 2000.0
+    #: divide each replica's work by its own measured prefill rate instead of the fleet's median. Only for
+    #: fleets of mixed hardware: a rate is measured under whatever load the replica had (a step batching
+    #: several prompts runs more tokens per second than one short prompt), so per-replica rates make the
+    #: busiest replica look fastest and cold requests pile onto it
+    per_replica_prefill_rate: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -6,8 +6,9 @@ Sources, best first:
 2. what this router observed: for each request it sent, the prefill work it estimated ahead of and for that
    request (queued + uncached tokens) over the time to its first byte, smoothed by an EMA. Only requests
    with enough work count, since a short prefill's first byte is mostly fixed latency;
-3. the fleet's mean rate (replicas of one InferenceService share model and hardware), then a prior;
-   both are applied by the picker, which sees all replicas.
+3. a prior, before anyone has measured.
+The picker costs every replica at the fleet's median of these (see ``picker``), or, when asked to, at the
+replica's own.
 """
 
 from __future__ import annotations

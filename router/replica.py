@@ -96,8 +96,9 @@ class Replica:
         first = chain.hash_at(0)
         return chain.cached_blocks(cached, lambda index, block_hash: self.sent.holds(index, block_hash, first))
 
-    def snapshot(self, fallback_rate: float) -> ReplicaSnapshot:
-        """Scoring's view, including this router's requests the last ``/load`` cannot include yet."""
+    def snapshot(self, prefill_rate: float) -> ReplicaSnapshot:
+        """Scoring's view, including this router's requests the last ``/load`` cannot include yet; its work
+        is costed at ``prefill_rate`` (the picker chooses: the fleet's or this replica's own)."""
         load = self.load
         if load is None:
             raise RuntimeError(f"{self.url} has not reported its load yet")
@@ -111,7 +112,7 @@ class Replica:
             outstanding_requests=load.waiting + load.running + len(unreported),
             running_decodes=load.running_decode_tokens + decoding,
             decode_step_seconds=load.decode_step_seconds,
-            prefill_tokens_per_second=self.rate.rate() or fallback_rate,
+            prefill_tokens_per_second=prefill_rate,
             kv_headroom_blocks=load.kv_headroom_blocks - sum(d.kv_blocks for d in unreported),
         )
 

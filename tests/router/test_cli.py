@@ -12,7 +12,7 @@ import sys
 import aiohttp
 import pytest
 
-from kvpilot.router.cli import main
+from kvpilot.router.cli import build_parser, config_from_args, main
 from kvpilot.router.config import ConfigError, ScoringWeights
 from kvpilot.router.proxy import REPLICA_HEADER
 
@@ -60,6 +60,12 @@ def test_weights_parse_into_the_typed_config():
         ScoringWeights.parse("queue=1,queue=2")
     with pytest.raises(ConfigError, match="finite"):
         ScoringWeights.parse("balance=inf")
+
+
+def test_the_prefill_rate_is_the_fleets_unless_per_replica_rates_are_asked_for():
+    fleet = config_from_args(build_parser().parse_args(["--replicas", "http://a:1"]))
+    mixed = config_from_args(build_parser().parse_args(["--replicas", "http://a:1", "--per-replica-prefill-rate"]))
+    assert (fleet.per_replica_prefill_rate, mixed.per_replica_prefill_rate) == (False, True)
 
 
 def test_router_modules_do_not_import_torch():

@@ -12,6 +12,7 @@ from kvpilot.router.picker import ReplicaPicker
 from kvpilot.router.prefill_rate import PrefillRateEstimator
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import RequestProfile
+from kvpilot.router.scoring import rendezvous_weight
 
 ROOT = bytes(16)
 LOAD = {"model": "m", "epoch": "e1", "ready": True, "phase": "ready", "waiting": 2, "running": 3, "swapped": 0,
@@ -43,15 +44,15 @@ def test_snapshot_counts_only_requests_the_last_load_cannot_include():
     decoding = Dispatch(sent_at=12.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7, first_byte_at=12.5)
     for dispatch in (reported, prefilling, decoding):
         replica.begin(dispatch)
-    snap = replica.snapshot(fallback_rate=1500.0)
+    snap = replica.snapshot(prefill_rate=1500.0)
     assert snap.queued_prefill_tokens == 500 + 200  # the decoding one has finished its prefill
     assert snap.outstanding_requests == 2 + 3 + 2
     assert snap.running_decodes == 3 + 1
     assert snap.kv_headroom_blocks == 60 - 10 - 13 - 7
-    assert snap.prefill_tokens_per_second == 1500.0  # the engine has not measured one yet
-    replica.accept_load(load(prefill_tokens_per_second=900.0), sent_at=13.0)  # now it includes all three
-    snap = replica.snapshot(fallback_rate=1500.0)
-    assert (snap.queued_prefill_tokens, snap.outstanding_requests, snap.prefill_tokens_per_second) == (500, 5, 900.0)
+    assert snap.prefill_tokens_per_second == 1500.0
+    replica.accept_load(load(), sent_at=13.0)  # now it includes all three
+    snap = replica.snapshot(prefill_rate=1500.0)
+    assert (snap.queued_prefill_tokens, snap.outstanding_requests) == (500, 5)
 
 
 def test_sent_prompts_count_as_cached_while_in_flight_and_until_an_events_poll_confirms():
@@ -161,6 +162,41 @@ def test_the_fleet_rate_covers_replicas_that_have_not_measured_yet():
     assert picker.fleet_prefill_rate([fresh, measured]) == 2000.0
     measured.accept_load(load(prefill_tokens_per_second=600.0), sent_at=11.0)
     assert picker.fleet_prefill_rate([fresh, measured]) == 600.0
+    assert picker.prefill_rates([fresh, measured]) == [600.0, 600.0]
+
+
+def fleet_with_rates(rates: list[float]) -> list[Replica]:
+    replicas = []
+    for i, rate in enumerate(rates):
+        replica = synced_replica(f"http://r{i}:1")
+        replica.accept_load(load(prefill_tokens_per_second=rate, queued_prefill_tokens=0, waiting=0, running=0,
+                                 running_decode_tokens=0), sent_at=11.0)
+        replicas.append(replica)
+    return replicas
+
+
+def test_every_replica_is_costed_at_the_fleet_median_unless_per_replica_rates_are_asked_for():
+    replicas = fleet_with_rates([300.0, 200.0, 250.0, 0.0])  # the last has not measured one yet
+    assert ReplicaPicker("cache_aware", ScoringWeights(), 2000.0).prefill_rates(replicas) == [250.0] * 4
+    per_replica = ReplicaPicker("cache_aware", ScoringWeights(), 2000.0, per_replica_rate=True)
+    assert per_replica.prefill_rates(replicas) == [300.0, 200.0, 250.0, 250.0]
+
+
+def test_a_replica_measured_under_load_does_not_draw_cold_requests_away_from_idle_peers():
+    # r0 served the first tenant: its engine measured batched prefill steps (360 tok/s) and it still has
+    # 278 tokens queued; r1 and r2 only prefilled their short warm-up prompts (200 tok/s). A new tenant's
+    # 700-token prompt is cheaper on an idle replica: per-replica rates said r0 ((278 + 1400) / 360 = 4.66 s
+    # against 1400 / 200 = 7 s), which is how the first tenants all piled onto one replica.
+    replicas = fleet_with_rates([360.0, 200.0, 200.0])
+    replicas[0].accept_load(load(prefill_tokens_per_second=360.0, queued_prefill_tokens=278, waiting=1, running=1,
+                                 running_decode_tokens=0), sent_at=11.0)
+    cold = profile(700)
+    fleet = ReplicaPicker("cache_aware", ScoringWeights(), 2000.0)
+    chosen, decision = fleet.pick(replicas, cold)
+    idle_winner = max(("http://r1:1", "http://r2:1"), key=lambda url: rendezvous_weight(cold.tie_key(16), url))
+    assert (chosen.url, decision.reason) == (idle_winner, "cold")  # the idle pair ties: the hash picks
+    mixed = ReplicaPicker("cache_aware", ScoringWeights(), 2000.0, per_replica_rate=True)
+    assert mixed.pick(replicas, cold)[0].url == "http://r0:1"
 
 
 @pytest.mark.parametrize("change", [{"ready": "yes"}, {"waiting": -1}, {"block_size": 0}, {"epoch": None},
