@@ -36,6 +36,21 @@ def test_engine_placement_sets_the_childs_policy_and_niceness(idle, nice):
     assert router_bench.placement(0, None) is None
 
 
+def test_router_placement_asks_for_round_robin_real_time_where_this_user_may():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                             preexec_fn=router_bench.placement(0, None, realtime=True))
+    try:
+        try:  # what this user may do decides what the child must have
+            os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(os.sched_get_priority_min(os.SCHED_RR)))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            expected = "rr"
+        except PermissionError:
+            expected = "other"
+        assert router_bench.policy_name(child.pid) == expected
+    finally:
+        child.communicate(b"")
+
+
 def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, engine_cpu = str(cpus[-1]), str(cpus[0])
