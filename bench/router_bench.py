@@ -28,8 +28,8 @@ next to three SCHED_IDLE ones 0.18 ms.) ``--engine-sched other --engine-nice N``
 The router runs under ``SCHED_RR`` where permitted (``--router-sched rr``): writing a request to an engine
 over loopback wakes that engine's server in the middle of the router's ``send()``, and a woken task of the
 normal policy preempts the router there: 8 KB sends to a nice-10 engine took > 1 ms in 73 of 300 tries
-(max 6.8 ms, nearly all of it waiting on the run queue), under ``SCHED_RR`` in none (max 0.29 ms). With
-its own CPU a router would not wait like that.
+(max 6.8 ms, nearly all of it waiting on the run queue), under ``SCHED_RR`` in none (max 0.29 ms)
+(``bench/loopback_send.py``). With its own CPU a router would not wait like that.
 ``--engine-cpus`` / ``--router-cpus`` pin them apart (e.g. ``--engine-cpus 0 --router-cpus 1`` with
 ``--engine null`` gives the router a core of its own).
 
