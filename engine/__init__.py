@@ -3,7 +3,8 @@
 Package map:
 - ``config``      typed engine configuration (``EngineArgs`` → ``EngineConfig``), validated at the boundary
 - ``model/``      Llama-architecture model, HF/GGUF loaders, tiny random model for tests
-- ``tokenizer``   tokenizer + chat template (shared with the router)
+- ``tokenizer``   tokenizer + chat template (shared with the router); ``chat_skeleton`` renders templates
+                  that only emit message contents by splicing them into a cached skeleton
 - ``kv/``         block hashing (shared with the router), block pool, KV cache tensors, KV cache manager
 - ``attention/``  attention-backend interface; PyTorch path (CPU) and Triton kernels (GPU)
 - ``native/``     fused float32 C kernels for the CPU hot loop (norm, RoPE, K/V write, SiLU-mul, paged
