@@ -224,6 +224,7 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
         if router:
             cpu = (cpu_seconds(router.pid) - cpu_before) / (args.num_requests + 2)  # + bench serve's warm-up
             metrics = http_get(base_url + "/metrics")[1]
+            (out / f"{tag}-router.metrics").write_text(metrics)  # every bucket, for a closer look
     finally:
         processes.stop_all()
     decisions = {reason: sample_value(metrics, f'kvpilot_router_decisions_total{{policy="{policy}",reason="{reason}"}}')

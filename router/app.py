@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from kvpilot.engine.tenancy import TenantError, tenant_from_headers
@@ -40,6 +41,7 @@ from kvpilot.router.upstream import UpstreamPool
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
 ATTEMPTS = 2  # the first try and one retry elsewhere
+_INT64_LIMIT = float(2**63)
 #: picks one of the candidate replicas; the decision is None for requests that are not routing decisions
 Choose = Callable[[list[Replica]], tuple[Replica, Decision | None]]
 
@@ -127,7 +129,7 @@ class RouterApp:
             return self._count(error_response(413, f"request body exceeds {self.config.upstream.max_body_bytes} "
                                                    "bytes", "request_too_large"))
         try:
-            body = json.loads(raw)
+            body = _parse_json(raw)
         except ValueError:
             return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
         if not isinstance(body, dict):
@@ -249,3 +251,28 @@ class RouterApp:
         if request.path in (COMPLETIONS, CHAT_COMPLETIONS, MODELS, "/health", "/ready", "/metrics"):
             return error_response(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
         return error_response(404, f"no route for {request.path}", "not_found")
+
+
+def _parse_json(raw: bytes) -> object:
+    """The request body as Python's ``json`` reads it, through orjson where that is the same (a third of the
+    time on the routing path). orjson refuses NaN, and reads an integer beyond 64 bits as a float (of
+    magnitude ≥ 2**63): such bodies take ``json``."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+    return json.loads(raw) if _has_huge_float(body) else body
+
+
+def _has_huge_float(body: object) -> bool:
+    pending = [body]
+    while pending:
+        value = pending.pop()
+        kind = type(value)
+        if kind is dict:
+            pending.extend(value.values())  # type: ignore[attr-defined]
+        elif kind is list:
+            pending.extend(value)  # type: ignore[arg-type]
+        elif kind is float and abs(value) >= _INT64_LIMIT:  # type: ignore[arg-type]
+            return True
+    return False

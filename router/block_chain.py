@@ -106,16 +106,16 @@ class BlockChain:
         """Leading blocks held, as the engine's prefix lookup counts a hit: each block's hash is in ``cached``
         or ``also_held(index, hash)`` says so."""
         limit = self.hittable_blocks
-        if limit == 0:
-            return 0
         count = 0
-        if self.hash_at(0) in cached:
-            hashes = self.hashes(limit)
-            if cached.issuperset(hashes):
-                return limit  # the common affinity case: one set operation, not a walk
-            # A shared prefix, then a new tail (the usual request): skip the held runs a set test at a time.
-            while count < limit and cached.issuperset(hashes[count:count + GROUP]):
-                count += GROUP
+        # Held runs a set test at a time, hashed only as far as the first run with a miss: a prompt's new tail
+        # is not hashed here unless the replica holds what comes before it.
+        hashes = self._hashes
+        while count < limit:
+            end = min(count + GROUP, limit)
+            self.hash_at(end - 1)
+            if not cached.issuperset(hashes[count:end]):
+                break
+            count = end
         for block_hash in self.leading_hashes(limit, start=count):
             if block_hash not in cached and (also_held is None or not also_held(count, block_hash)):
                 break

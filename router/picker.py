@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections.abc import Sequence
-from dataclasses import replace
 
 from kvpilot.router.config import ScoringWeights
 from kvpilot.router.replica import Replica
@@ -64,7 +63,7 @@ class ReplicaPicker:
         if self.policy == "least_loaded" or profile is None:
             decision = choose_least_loaded([Candidate(s, 0) for s in snapshots], next(self._rotation))
             if self.policy != "least_loaded":  # cache-aware without a prompt: load only
-                decision = replace(decision, reason=FALLBACK)
+                decision = decision._replace(reason=FALLBACK)
             return by_url[decision.key], decision
         candidates = [Candidate(s, by_url[s.key].cached_tokens(profile)) for s in snapshots]
         shape = RequestShape(prompt_tokens=profile.prompt_tokens, max_output_tokens=profile.max_output_tokens,

@@ -22,10 +22,11 @@ whole prefix but with a deep queue can be slower than an idle one without it):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpilot.router.config import ScoringWeights
 
@@ -33,8 +34,11 @@ AFFINITY, LOAD, COLD, FALLBACK = "affinity", "load", "cold", "fallback"
 REASONS = (AFFINITY, LOAD, COLD, FALLBACK)
 
 
-@dataclass(frozen=True)
-class ReplicaSnapshot:
+# Immutable records as NamedTuples, not frozen dataclasses: one routing decision builds eight of them, and a
+# frozen dataclass's __init__ (an object.__setattr__ per field) costs several times a tuple's.
+
+
+class ReplicaSnapshot(NamedTuple):
     """One routable replica as scoring sees it."""
 
     key: str  # its base URL: the same string in every router, so rendezvous weights agree
@@ -47,21 +51,18 @@ class ReplicaSnapshot:
     kv_headroom_blocks: int
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
     replica: ReplicaSnapshot
     cached_tokens: int  # of this request's prompt tokens, already limited to what a hit can cover
 
 
-@dataclass(frozen=True)
-class RequestShape:
+class RequestShape(NamedTuple):
     prompt_tokens: int
     max_output_tokens: int
     tie_key: bytes
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     key: str
     reason: str
     #: expected time to first token there (unweighted physics of the cost); None when not estimated
@@ -74,6 +75,7 @@ class Decision:
     kv_blocks: int = 0
 
 
+@functools.lru_cache(maxsize=1 << 14)  # a tenant's requests share their tie key: its weights repeat
 def rendezvous_weight(tie_key: bytes, replica_key: str) -> int:
     digest = hashlib.blake2b(tie_key + b"\x00" + replica_key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big")

@@ -164,3 +164,31 @@ async def test_metrics_are_exposed_and_promtool_clean(fake_engines, routers, htt
         pytest.fail("promtool is missing: run `bash scripts/setup.sh` (Debian's prometheus package)", pytrace=False)
     result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "caf\\u00e9 \\ud83d\\ude80", "max_tokens": 3, "temperature": 0.1}',
+    b'{"a": NaN, "b": Infinity}',  # orjson refuses these; Python's json (and so the engine) accepts them
+    b'{"seed": 123456789012345678901234567890}',
+    b'{"a": 1, "a": 2}',
+])
+def test_request_bodies_parse_as_pythons_json_parses_them(raw: bytes) -> None:
+    from kvpilot.router.app import _parse_json
+
+    parsed, expected = _parse_json(raw), json.loads(raw)
+    assert json.dumps(parsed) == json.dumps(expected)  # NaN != NaN: compare the dumps
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"a": 1', b"\xff\xfe", b""])
+def test_request_bodies_that_are_not_json_raise_value_error(raw: bytes) -> None:
+    from kvpilot.router.app import _parse_json
+
+    with pytest.raises(ValueError):
+        _parse_json(raw)
+
+
+def test_huge_floats_that_are_written_as_floats_parse_alike() -> None:
+    from kvpilot.router.app import _parse_json
+
+    for raw in (b'{"x": [1e300, -9.3e18]}', b'{"x": {"y": [18446744073709551616]}}', b'[-9223372036854775809]'):
+        assert json.dumps(_parse_json(raw)) == json.dumps(json.loads(raw))

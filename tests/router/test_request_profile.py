@@ -150,3 +150,17 @@ def test_router_hashes_equal_the_blocks_a_real_engine_caches(tiny_profiler):
     stored = {h for e in engine.kv_events.since(0).events if e.kind == "stored" for h in e.hashes}
     router_hashes = [h.hex() for h in profile.chains(engine.kv.root_hash, engine.kv.block_size)[0].all_hashes()]
     assert router_hashes and set(router_hashes) <= stored
+
+
+def test_a_hit_test_hashes_only_as_far_as_the_first_run_with_a_miss():
+    tokens = list(range(40 * 4 + 1))  # 40 hittable blocks of 4
+    expected = block_hashes(tokens, 4, ROOT)
+    chain = BlockChain(tokens, 4, ROOT, b"")
+    assert chain.cached_blocks(set(expected[:10])) == 10
+    assert len(chain._hashes) == 16  # runs 0-7 and 8-15; the 24 blocks after them are never hashed
+    assert chain.cached_blocks(set()) == 0 and len(chain._hashes) == 16
+    fresh = BlockChain(tokens, 4, ROOT, b"")
+    assert fresh.cached_blocks(set()) == 0 and len(fresh._hashes) == 8
+    assert fresh.cached_blocks(set(expected)) == 40 and len(fresh._hashes) == 40
+    held_late = set(expected) - {expected[3]}
+    assert BlockChain(tokens, 4, ROOT, b"").cached_blocks(held_late) == 3
