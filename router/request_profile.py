@@ -76,6 +76,24 @@ class RequestProfiler:
         return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
                               extra=encode_extra_keys(cache_salt=tenant), memo=self._memo)
 
+    def warm_up(self) -> None:
+        """Profile a few requests of the common shapes before serving: the first request of a process otherwise
+        pays one-time costs on its routing path (the chat skeleton's probe render, first runs of the encoders
+        and the hash chain) — 2.7 ms instead of 0.4 ms in the benchmark's first request."""
+        text = " ".join(["Route each request to the replica that answers it first."] * 40)
+        turns = [{"role": "system", "content": text}, {"role": "user", "content": text},
+                 {"role": "assistant", "content": "Done."}, {"role": "user", "content": "And the next one?"}]
+        bodies = [(CHAT_COMPLETIONS, {"messages": turns[1:2]}), (CHAT_COMPLETIONS, {"messages": turns[:2]}),
+                  (CHAT_COMPLETIONS, {"messages": turns}), (COMPLETIONS, {"prompt": text})]
+        for path, body in bodies:
+            try:
+                profile = self.profile(path, {**body, "max_tokens": 1}, None)
+            except PromptError:
+                continue  # e.g. a model without a chat template
+            for chain in profile.chains(_TIE_ROOT, 16):
+                chain.cached_blocks(frozenset())
+                chain.all_hashes()
+
     def _chat_ids(self, body: dict[str, Any]) -> Sequence[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:

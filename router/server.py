@@ -23,7 +23,9 @@ def load_profiler(model: str) -> RequestProfiler:
     segments = SegmentTokenizer(tokenizer, model_dir)
     if segments.pieces is not None:
         segments.pieces.warm_from_vocabulary()  # ~1 s for a 49k vocabulary, once per router process
-    return RequestProfiler(tokenizer, segments)
+    profiler = RequestProfiler(tokenizer, segments)
+    profiler.warm_up()
+    return profiler
 
 
 class RouterServer:

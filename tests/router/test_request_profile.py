@@ -3,6 +3,8 @@ its segment token cache, and routes what it cannot tokenize without locality ins
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -164,3 +166,29 @@ def test_a_hit_test_hashes_only_as_far_as_the_first_run_with_a_miss():
     assert fresh.cached_blocks(set(expected)) == 40 and len(fresh._hashes) == 40
     held_late = set(expected) - {expected[3]}
     assert BlockChain(tokens, 4, ROOT, b"").cached_blocks(held_late) == 3
+
+
+def test_warm_up_prepares_the_common_chat_shapes(tiny_model_dir):
+    from kvpilot.engine.tokenizer import Tokenizer
+    from kvpilot.router.request_profile import RequestProfiler
+
+    tokenizer = Tokenizer.from_dir(tiny_model_dir)
+    profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
+    profiler.warm_up()
+    shapes = tokenizer._skeletons._skeletons
+    assert [[role for (_, role), in json.loads(key)[0]] for key in shapes] == [
+        ["user"], ["system", "user"], ["system", "user", "assistant", "user"]]
+    profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES[:2]}, tenant="t")
+    assert len(shapes) == 3  # a request of a warmed shape probes nothing
+    assert profiler._segments.cache_size[0] > 0
+
+
+def test_warm_up_without_a_chat_template(tiny_model_dir):
+    from kvpilot.engine.tokenizer import Tokenizer
+    from kvpilot.router.request_profile import RequestProfiler
+
+    base = Tokenizer.from_dir(tiny_model_dir)
+    tokenizer = Tokenizer(base.backend, {"bos_token": base.bos_token, "eos_token": base.eos_token}, None)
+    profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
+    profiler.warm_up()  # chat shapes are skipped, completions still run
+    assert len(profiler._memo) > 0
