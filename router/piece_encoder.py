@@ -28,7 +28,7 @@ of both conditions, so only a word seen for the first time is checked); any othe
 from __future__ import annotations
 
 import re
-from itertools import islice
+from itertools import chain, islice
 from typing import Any
 
 from kvpilot.router.generations import Generations
@@ -107,6 +107,11 @@ class PieceEncoder:
             return ids
         if self._split_digits and words[0][-1:] in _WHITESPACE and words[1][:1].isdigit():
             return self._encode_pieces(text)
+        # The common case, every word seen recently, in C loops: a third of the time of the loop below.
+        found = list(map(self._words.young.get, islice(words, 1, None)))
+        if None not in found:
+            ids.extend(chain.from_iterable(found))
+            return ids
         lookup, extend = self._words.young.get, ids.extend
         for index, word in enumerate(islice(words, 1, None), 1):
             word_ids = lookup(word)

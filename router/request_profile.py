@@ -79,7 +79,8 @@ class RequestProfiler:
     def warm_up(self) -> None:
         """Profile a few requests of the common shapes before serving: the first request of a process otherwise
         pays one-time costs on its routing path (the chat skeleton's probe render, first runs of the encoders
-        and the hash chain) — 2.7 ms instead of 0.4 ms in the benchmark's first request."""
+        and the hash chain) — 2.7 ms instead of 0.8 ms for a first chat request in-process; the benchmark's first routing
+        window was 3.1 ms, its slowest)."""
         text = " ".join(["Route each request to the replica that answers it first."] * 40)
         turns = [{"role": "system", "content": text}, {"role": "user", "content": text},
                  {"role": "assistant", "content": "Done."}, {"role": "user", "content": "And the next one?"}]
