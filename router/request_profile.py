@@ -77,10 +77,10 @@ class RequestProfiler:
                               extra=encode_extra_keys(cache_salt=tenant), memo=self._memo)
 
     def warm_up(self) -> None:
-        """Profile a few requests of the common shapes before serving: the first request of a process otherwise
+        """Profile a few requests of the common shapes before serving. Otherwise the first request of a process
         pays one-time costs on its routing path (the chat skeleton's probe render, first runs of the encoders
-        and the hash chain) — 2.7 ms instead of 0.8 ms for a first chat request in-process; the benchmark's first routing
-        window was 3.1 ms, its slowest)."""
+        and of the hash chain): 2.7 ms instead of 0.8 ms for a first chat request in-process, and the slowest
+        routing window of a benchmark run (3.1 ms) was its first request."""
         text = " ".join(["Route each request to the replica that answers it first."] * 40)
         turns = [{"role": "system", "content": text}, {"role": "user", "content": text},
                  {"role": "assistant", "content": "Done."}, {"role": "user", "content": "And the next one?"}]
