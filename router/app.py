@@ -84,7 +84,8 @@ class RouterApp:
         poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                              timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
         self._sessions = [poll_session]
-        self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics, on_routable=self._preconnect)
+        self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics, on_routable=self._preconnect,
+                           on_removed=self._forget)
         self._forwarder = Forwarder(self._pool, self.fleet.eject)
         if self.config.discovery.endpointslice_service:
             assert self._slice_api is not None
@@ -95,6 +96,10 @@ class RouterApp:
     def _preconnect(self, replica: Replica) -> None:
         if self._forwarder is not None:
             self._forwarder.preconnect(replica)
+
+    def _forget(self, url: str) -> None:
+        if self._forwarder is not None:
+            self._forwarder.forget(url)
 
     def _start_watcher(self, slice_api: Callable[[], SliceApi]) -> EndpointSliceWatcher:
         loop, fleet, discovery = asyncio.get_running_loop(), self.fleet, self.config.discovery

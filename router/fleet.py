@@ -18,14 +18,17 @@ from kvpilot.router.replica import Replica
 
 class Fleet:
     def __init__(self, session: aiohttp.ClientSession, poll_interval_s: float, metrics: RouterMetrics,
-                 on_routable: Callable[[Replica], None] | None = None) -> None:
-        """``on_routable(replica)`` runs each time a replica becomes routable (e.g. to open a connection)."""
+                 on_routable: Callable[[Replica], None] | None = None,
+                 on_removed: Callable[[str], None] | None = None) -> None:
+        """``on_routable(replica)`` runs each time a replica becomes routable (e.g. to open a connection),
+        ``on_removed(url)`` when discovery drops one (e.g. to close its connections)."""
         self.replicas: dict[str, Replica] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._session = session
         self._interval_s = poll_interval_s
         self._metrics = metrics
         self._on_routable = on_routable
+        self._on_removed = on_removed
         #: set whenever some replica becomes routable (lets startup and tests wait without sleeping)
         self.changed = asyncio.Event()
 
@@ -38,6 +41,8 @@ class Fleet:
                 del self.replicas[url]
                 self._pollers.pop(url).cancel()
                 self._metrics.forget_replica(url)
+                if self._on_removed is not None:
+                    self._on_removed(url)
         for url, endpoint in wanted.items():
             replica = self.replicas.get(url)
             if replica is not None:

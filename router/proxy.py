@@ -104,6 +104,12 @@ class Forwarder:
         """Open a keep-alive connection to ``replica`` ahead of its first request."""
         self._pool.preconnect(self._target(replica.url)[0])
 
+    def forget(self, url: str) -> None:
+        """The replica at ``url`` left the fleet: drop what was kept for it (its idle connections included)."""
+        target = self._targets.pop(url, None)
+        if target is not None:
+            self._pool.discard(target[0])
+
     def _target(self, url: str) -> tuple[UpstreamKey, str]:
         target = self._targets.get(url)
         if target is None:

@@ -212,6 +212,8 @@ class UpstreamPool:
         self._idle: dict[UpstreamKey, list[UpstreamResponse]] = {}
         self._connecting: set[UpstreamKey] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: servers that went away (:meth:`discard`): a connection to one that ends its response is closed
+        self._discarded: set[UpstreamKey] = set()
 
     async def request(self, key: UpstreamKey, head: bytes, body: bytes,
                       on_written: Callable[[], None] | None = None) -> UpstreamResponse:
@@ -219,6 +221,7 @@ class UpstreamPool:
         server and return once the response's headers arrived; the caller releases it (``async with``).
         ``on_written()`` runs once, right after the request was first written to a socket.
         Raises :class:`UpstreamError` or :class:`UpstreamTimeout`."""
+        self._discarded.discard(key)
         connection = self._take_idle(key)
         if connection is not None:
             connection.send(head, body, self.request_timeout_s)
@@ -254,6 +257,7 @@ class UpstreamPool:
     def preconnect(self, key: UpstreamKey) -> None:
         """Open a connection to ``key`` in the background unless one is idle or opening, so the first
         request there does not wait for a TCP connect (call when a replica becomes routable)."""
+        self._discarded.discard(key)
         if self._idle.get(key) or key in self._connecting:
             return
         self._connecting.add(key)
@@ -271,12 +275,24 @@ class UpstreamPool:
         self.give_back(key, connection)
 
     def give_back(self, key: UpstreamKey, connection: UpstreamResponse) -> None:
-        self._idle.setdefault(key, []).append(connection)
+        if key in self._discarded:
+            connection.close()
+        else:
+            self._idle.setdefault(key, []).append(connection)
 
     def forget(self, key: UpstreamKey, connection: UpstreamResponse) -> None:
         idle = self._idle.get(key)
         if idle and connection in idle:
             idle.remove(connection)
+            if not idle:
+                del self._idle[key]
+
+    def discard(self, key: UpstreamKey) -> None:
+        """``key``'s server left the fleet: close its idle connections now, and each busy one when its response
+        ends, until a request or :meth:`preconnect` uses the key again."""
+        self._discarded.add(key)
+        for connection in self._idle.pop(key, []):
+            connection.close()
 
     def close(self) -> None:
         for task in self._tasks:
@@ -290,6 +306,8 @@ class UpstreamPool:
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
+            if not idle:
+                del self._idle[key]
             if not connection.lost:
                 return connection
         return None

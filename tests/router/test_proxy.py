@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from kvpilot.router.endpointslices import Endpoint
 from kvpilot.router.proxy import REPLICA_HEADER
 from kvpilot.router.upstream import upstream_key
 
@@ -192,3 +193,20 @@ def test_huge_floats_that_are_written_as_floats_parse_alike() -> None:
 
     for raw in (b'{"x": [1e300, -9.3e18]}', b'{"x": {"y": [18446744073709551616]}}', b'[-9223372036854775809]'):
         assert json.dumps(_parse_json(raw)) == json.dumps(json.loads(raw))
+
+
+async def test_a_replica_discovery_drops_leaves_no_connections_or_targets_behind(fake_engines, routers, http, until):
+    engines = await fake_engines(2)
+    router = await routers([e.url for e in engines])
+    app = router.router
+    for _ in range(2):
+        async with http.post(router.url + "/v1/chat/completions", json=chat("hello", stream=False)) as response:
+            assert response.status == 200
+    await until(lambda: all(app._pool._idle.get(upstream_key(e.url)) for e in engines))
+    assert set(app._forwarder._targets) <= {e.url for e in engines}
+    app.fleet.set_endpoints([Endpoint(engines[0].url)])
+    gone = upstream_key(engines[1].url)
+    assert engines[1].url not in app._forwarder._targets and gone not in app._pool._idle
+    async with http.post(router.url + "/v1/chat/completions", json=chat("again", stream=False)) as response:
+        assert response.headers[REPLICA_HEADER] == engines[0].url
+    assert gone not in app._pool._idle

@@ -297,3 +297,23 @@ async def test_closing_the_pool_closes_its_idle_connections():
         pool.close()
         await asyncio.wait_for(closed.wait(), 2.0)
         assert pool._take_idle(server.key) is None
+
+
+async def test_a_discarded_server_keeps_no_connections_until_it_is_used_again():
+    async with await serve(answering(JSON_OK, JSON_OK, JSON_OK)) as server:
+        pool = UpstreamPool(2.0, 5.0)
+        pool.preconnect(server.key)
+        await idle_connections(pool, server.key, 1)
+        idle = pool._idle[server.key][0]
+        busy = await pool.request(server.key, *post())  # takes the idle one: the pool keeps no entry for it
+        assert busy is idle and server.key not in pool._idle
+        pool.discard(server.key)
+        await busy.read_all()
+        busy.release()  # its response ended after the discard: closed, not pooled
+        assert busy._transport.is_closing() and server.key not in pool._idle
+        async with await pool.request(server.key, *post()) as again:  # used again: pooled again
+            assert await again.read_all() == b'{"a": 1}'
+        assert pool._idle[server.key] == [again] and server.connections == 2
+        pool.discard(server.key)
+        assert server.key not in pool._idle and again._transport.is_closing()
+        pool.close()
