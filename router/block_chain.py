@@ -108,14 +108,16 @@ class BlockChain:
         limit = self.hittable_blocks
         count = 0
         # Held runs a set test at a time, hashed only as far as the first run with a miss: a prompt's new tail
-        # is not hashed here unless the replica holds what comes before it.
+        # is not hashed here unless the replica holds what comes before it, and a replica that lacks the
+        # first block (every replica, for a new prefix) costs one hash.
         hashes = self._hashes
-        while count < limit:
-            end = min(count + GROUP, limit)
-            self.hash_at(end - 1)
-            if not cached.issuperset(hashes[count:end]):
-                break
-            count = end
+        if limit and self.hash_at(0) in cached:
+            while count < limit:
+                end = min(count + GROUP, limit)
+                self.hash_at(end - 1)
+                if not cached.issuperset(hashes[count:end]):
+                    break
+                count = end
         for block_hash in self.leading_hashes(limit, start=count):
             if block_hash not in cached and (also_held is None or not also_held(count, block_hash)):
                 break

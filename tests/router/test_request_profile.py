@@ -162,7 +162,7 @@ def test_a_hit_test_hashes_only_as_far_as_the_first_run_with_a_miss():
     assert len(chain._hashes) == 16  # runs 0-7 and 8-15; the 24 blocks after them are never hashed
     assert chain.cached_blocks(set()) == 0 and len(chain._hashes) == 16
     fresh = BlockChain(tokens, 4, ROOT, b"")
-    assert fresh.cached_blocks(set()) == 0 and len(fresh._hashes) == 8
+    assert fresh.cached_blocks(set()) == 0 and len(fresh._hashes) == 1  # a new prefix: one hash
     assert fresh.cached_blocks(set(expected)) == 40 and len(fresh._hashes) == 40
     held_late = set(expected) - {expected[3]}
     assert BlockChain(tokens, 4, ROOT, b"").cached_blocks(held_late) == 3
