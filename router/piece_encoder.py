@@ -107,7 +107,7 @@ class PieceEncoder:
             return ids
         if self._split_digits and words[0][-1:] in _WHITESPACE and words[1][:1].isdigit():
             return self._encode_pieces(text)
-        # The common case, every word seen recently, in C loops: a third of the time of the loop below.
+        # The common case, every word seen recently, in C loops (29 → 24 µs for a 65-word turn, warm).
         found = list(map(self._words.young.get, islice(words, 1, None)))
         if None not in found:
             ids.extend(chain.from_iterable(found))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable, Iterable
 from urllib.parse import urlsplit
 
@@ -212,8 +213,9 @@ class UpstreamPool:
         self._idle: dict[UpstreamKey, list[UpstreamResponse]] = {}
         self._connecting: set[UpstreamKey] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        #: servers that went away (:meth:`discard`): a connection to one that ends its response is closed
-        self._discarded: set[UpstreamKey] = set()
+        #: servers that went away (:meth:`discard`) → when: a connection to one that ends its response is
+        #: closed; kept no longer than any request there can last, so churning replicas do not pile up
+        self._discarded: dict[UpstreamKey, float] = {}
 
     async def request(self, key: UpstreamKey, head: bytes, body: bytes,
                       on_written: Callable[[], None] | None = None) -> UpstreamResponse:
@@ -221,7 +223,7 @@ class UpstreamPool:
         server and return once the response's headers arrived; the caller releases it (``async with``).
         ``on_written()`` runs once, right after the request was first written to a socket.
         Raises :class:`UpstreamError` or :class:`UpstreamTimeout`."""
-        self._discarded.discard(key)
+        self._discarded.pop(key, None)
         connection = self._take_idle(key)
         if connection is not None:
             connection.send(head, body, self.request_timeout_s)
@@ -257,7 +259,7 @@ class UpstreamPool:
     def preconnect(self, key: UpstreamKey) -> None:
         """Open a connection to ``key`` in the background unless one is idle or opening, so the first
         request there does not wait for a TCP connect (call when a replica becomes routable)."""
-        self._discarded.discard(key)
+        self._discarded.pop(key, None)
         if self._idle.get(key) or key in self._connecting:
             return
         self._connecting.add(key)
@@ -290,7 +292,11 @@ class UpstreamPool:
     def discard(self, key: UpstreamKey) -> None:
         """``key``'s server left the fleet: close its idle connections now, and each busy one when its response
         ends, until a request or :meth:`preconnect` uses the key again."""
-        self._discarded.add(key)
+        now = time.monotonic()
+        horizon = now - self.connect_timeout_s - self.request_timeout_s
+        for old in [k for k, since in self._discarded.items() if since < horizon]:
+            del self._discarded[old]
+        self._discarded[key] = now
         for connection in self._idle.pop(key, []):
             connection.close()
 

@@ -317,3 +317,19 @@ async def test_a_discarded_server_keeps_no_connections_until_it_is_used_again():
         pool.discard(server.key)
         assert server.key not in pool._idle and again._transport.is_closing()
         pool.close()
+
+
+def test_discarded_servers_are_remembered_only_as_long_as_a_request_there_can_last(monkeypatch):
+    import kvpilot.router.upstream as upstream
+
+    now = [1000.0]
+    monkeypatch.setattr(upstream.time, "monotonic", lambda: now[0])
+    pool = UpstreamPool(connect_timeout_s=1.0, request_timeout_s=10.0)
+    first, second = upstream_key("http://10.0.0.1:8000"), upstream_key("http://10.0.0.2:8000")
+    pool.discard(first)
+    now[0] += 11.0  # within connect + request timeout of the first discard: still remembered
+    pool.discard(second)
+    assert set(pool._discarded) == {first, second}
+    now[0] += 0.5  # 11.5 s after the first: no request there can still be running
+    pool.discard(second)
+    assert set(pool._discarded) == {second}
