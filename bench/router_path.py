@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -33,6 +34,9 @@ from kvpilot.router.picker import ReplicaPicker
 from kvpilot.router.replica import Replica
 from kvpilot.router.request_profile import CHAT_COMPLETIONS
 from kvpilot.router.server import load_profiler
+
+sys.path.append(str(Path(__file__).resolve().parent))
+from router_bench import placement  # a sibling script: the hog is placed as router_bench places engines
 
 STAGES = ("parse", "profile", "pick", "total")
 HOG = "import numpy as np\na = np.random.rand(1200, 1200).astype(np.float32)\nwhile True:\n    a @ a\n"
@@ -52,10 +56,7 @@ def replicas(count: int, root: bytes) -> list[Replica]:
 
 
 def start_hog(cpu: int) -> subprocess.Popen:
-    def place() -> None:
-        os.sched_setaffinity(0, {cpu})
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    return subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=place,
+    return subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=placement(0, {cpu}, idle=True),
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
