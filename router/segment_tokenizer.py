@@ -73,8 +73,9 @@ class SegmentTokenizer:
         if cached is not None:
             self._cache.move_to_end(stretch)
             return cached
-        fast = self.pieces.encode(stretch) if self.pieces is not None else None
-        ids = array("I", fast if fast is not None else self.tokenizer.encode(stretch, add_special_tokens=False))
+        ids = self.pieces.encode(stretch) if self.pieces is not None else None
+        if ids is None:
+            ids = array("I", self.tokenizer.encode(stretch, add_special_tokens=False))
         if len(ids) <= self._max_cached_tokens // 4:  # one huge prompt must not flush everything else
             self._cache[stretch] = ids
             self._cached_tokens += len(ids)

@@ -17,3 +17,15 @@ def test_entries_survive_a_generation_and_old_hits_come_back():
     for n in range(100):
         cache.put(f"k{n}", n)
         assert len(cache) <= 4
+
+
+def test_pinned_entries_outlive_generations_and_join_the_young_one_when_used():
+    cache: Generations[str, int] = Generations(max_entries=8)  # generations of 4
+    cache.pin("the", 7)
+    assert (cache.young, len(cache), cache.young.get("the")) == ({}, 0, None)  # not in the hot dict yet
+    assert cache.get("the") == 7 and cache.young == {"the": 7}
+    for n in range(9):
+        cache.put(f"k{n}", n)  # "the" ages out of both generations ...
+    assert "the" not in cache.young and "the" not in cache._old and list(cache.young) == ["k7", "k8"]
+    assert cache.get("the") == 7 and cache.young["the"] == 7  # ... and is still found, promoted again
+    assert cache.pinned == {"the": 7}

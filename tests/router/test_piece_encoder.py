@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -60,7 +61,7 @@ def test_ascii_text_encodes_exactly_as_the_tokenizer(tiny_spec, texts, split_dig
     if warm:
         encoder.warm_from_vocabulary()
     for text in texts + texts:  # the second round comes from the piece cache
-        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+        assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -69,7 +70,7 @@ def test_prose_encodes_exactly_as_the_tokenizer(smollm2_backends, texts, split_d
     spec, backend = smollm2_backends[split_digits]
     encoder = PieceEncoder.for_spec(backend, spec)
     for text in texts + texts:  # the second round comes from the word cache
-        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+        assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
 
 
 # Where a space is not where a piece starts, or ends a digit-free part (digits split first): the regex path.
@@ -80,22 +81,22 @@ def test_word_boundaries_that_are_not_piece_boundaries(smollm2_backends, text, s
     spec, backend = smollm2_backends[split_digits]
     encoder = PieceEncoder.for_spec(backend, spec)
     for _ in range(2):
-        assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+        assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
 
 
 def test_words_are_cached_only_with_non_whitespace_at_both_ends(tiny_spec):
     backend = backend_with(tiny_spec)
     encoder = PieceEncoder.for_spec(backend, tiny_spec)
     text = "say hello world\n again 7x"
-    assert encoder.encode(text) == backend.encode(text, add_special_tokens=False).ids
+    assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
     assert sorted(encoder._words.young) == ["7x", "again", "hello"]  # not "world\n" (its end sees the next word)
-    assert encoder._words.young["7x"] == tuple(backend.encode(" 7x", add_special_tokens=False).ids)
+    assert encoder._words.young["7x"] == array("I", backend.encode(" 7x", add_special_tokens=False).ids).tobytes()
 
 
 def test_each_piece_is_tokenized_once_and_digits_are_pieces_of_their_own(tiny_spec):
     backend = backend_with(tiny_spec)
     encoder = PieceEncoder.for_spec(backend, tiny_spec)
-    ids = encoder.encode("go go go 42")
+    ids = encoder.encode("go go go 42").tolist()
     assert ids == backend.encode("go go go 42", add_special_tokens=False).ids
     assert encoder.cached_pieces == 5  # "go", " go", " ", "4", "2"
 
@@ -105,11 +106,25 @@ def test_warming_adds_the_vocabularys_ascii_pieces_each_as_the_tokenizer_splits_
     encoder = PieceEncoder.for_spec(backend, tiny_spec)
     added = encoder.warm_from_vocabulary()
     vocab = backend.get_vocab(with_added_tokens=False)
-    assert 0 < added == encoder.cached_pieces < len(vocab)  # "Ġ…" words and plain pieces, not "1a" or "é"
-    pieces = list(encoder._cache.young.items())
-    assert all(ids == tuple(backend.encode(piece, add_special_tokens=False).ids) for piece, ids in pieces)
-    assert (" the", (vocab["Ġthe"],)) in pieces
+    assert 0 < added == encoder.pinned_pieces < len(vocab)  # "Ġ…" words and plain pieces, not "1a" or "é"
+    assert encoder.cached_pieces == 0  # pinned, not yet in the hot generations
+    pieces = [(piece, array("I", ids).tolist()) for piece, ids in encoder._cache.pinned.items()]
+    assert all(ids == backend.encode(piece, add_special_tokens=False).ids for piece, ids in pieces)
+    assert (" the", [vocab["Ġthe"]]) in pieces
     assert not any(not piece.isascii() for piece, _ in pieces)
+
+
+def test_a_warmed_encoder_promotes_only_the_words_a_text_uses(smollm2_backends):
+    spec, backend = smollm2_backends[True]
+    encoder = PieceEncoder.for_spec(backend, spec)
+    assert encoder.warm_from_vocabulary() == encoder.pinned_pieces > 30_000
+    text = "Say hello world, hello again"
+    assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
+    # Pinned words move to the young generation as they are used; "world," is no vocabulary word: its two
+    # pieces come from the pinned pieces, and the word is cached whole.
+    assert sorted(encoder._words.young) == ["again", "hello", "world,"]
+    assert sorted(encoder._cache.young) == [" world", ",", "Say"]
+    assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
 
 
 def test_the_piece_cache_is_bounded(tiny_spec):
@@ -119,13 +134,13 @@ def test_the_piece_cache_is_bounded(tiny_spec):
     for word in words:
         encoder.encode(word)
     assert encoder.cached_pieces <= 8
-    assert encoder.encode("".join(words)) == backend.encode("".join(words), add_special_tokens=False).ids
+    assert encoder.encode("".join(words)).tolist() == backend.encode("".join(words), add_special_tokens=False).ids
 
 
 def test_non_ascii_text_is_left_to_the_tokenizer(tiny_spec):
     encoder = PieceEncoder.for_spec(backend_with(tiny_spec), tiny_spec)
     assert encoder.encode("héllo") is None
-    assert encoder.encode("") == []
+    assert encoder.encode("").tolist() == []
 
 
 @pytest.mark.parametrize("change", [
