@@ -63,6 +63,15 @@ def test_skeleton_exact_parts_and_reuse() -> None:
     assert len(chat._skeletons) == 5  # every field but the contents tells shapes apart
 
 
+def test_shape_keys_tell_values_of_different_types_apart() -> None:
+    chat = skeletons(CHATML)
+    for value in (1, 1.0, True, "1", None, "True", [1]):
+        chat.render([{"role": "user", "content": "x", "name": value}], True, {})
+    assert len(chat._skeletons) == 7
+    # Scalars key by repr; a nested value by its JSON.
+    assert sorted(key[0] for key in chat._skeletons) == ["j"] + ["r"] * 6
+
+
 def test_skeleton_shapes_are_bounded() -> None:
     chat = skeletons(CHATML, max_shapes=2)
     for role in ("user", "assistant", "system"):

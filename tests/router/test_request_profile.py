@@ -3,7 +3,7 @@ its segment token cache, and routes what it cannot tokenize without locality ins
 
 from __future__ import annotations
 
-import json
+import ast
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -176,7 +176,7 @@ def test_warm_up_prepares_the_common_chat_shapes(tiny_model_dir):
     profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
     profiler.warm_up()
     shapes = tokenizer._skeletons._skeletons
-    assert [[role for (_, role), in json.loads(key)[0]] for key in shapes] == [
+    assert [[role for (_, role), in ast.literal_eval(key[1:])[0]] for key in shapes] == [
         ["user"], ["system", "user"], ["system", "user", "assistant", "user"]]
     profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES[:2]}, tenant="t")
     assert len(shapes) == 3  # a request of a warmed shape probes nothing
