@@ -55,6 +55,8 @@ class PieceEncoder:
         self._cache: Generations[str, bytes] = Generations(max_pieces)
         #: word w → ids of " " + w, for words with non-whitespace at both ends (see the module docstring)
         self._words: Generations[str, bytes] = Generations(max_pieces)
+        #: a text's first word → its ids (the text's start, or the whole text when it has no space)
+        self._heads: Generations[str, bytes] = Generations(max_pieces)
 
     @classmethod
     def for_spec(cls, backend: Any, spec: dict[str, Any]) -> PieceEncoder | None:
@@ -114,17 +116,32 @@ class PieceEncoder:
         if not text.isascii():
             return None
         words = text.split(" ")
-        ids = self._encode_pieces(words[0])
-        if ids is None or len(words) == 1:
-            return ids
+        head = self._heads.young.get(words[0])
+        if head is None:
+            head = self._encode_head(words[0])
+            if head is None:
+                return None
+        if len(words) == 1:
+            return array("I", head)
         if self._split_digits and words[0][-1:] in _WHITESPACE and words[1][:1].isdigit():
             return self._encode_pieces(text)
         # The common case, every word seen recently, in C loops.
         found = list(map(self._words.young.get, islice(words, 1, None)))
         if None in found and not self._fill_misses(words, found):
             return self._encode_pieces(text)
+        ids = array("I", head)
         ids.frombytes(b"".join(found))
         return ids
+
+    def _encode_head(self, head: str) -> bytes | None:
+        """Ids of a text's first word (the regex path, then cached: a stretch of a chat prompt starts with the
+        role and its content's first word, ``"user\\nWhat"``, which the regex path would split again on every request)."""
+        found = self._encode_pieces(head)
+        if found is None:
+            return None
+        head_ids = found.tobytes()
+        self._heads.put(head, head_ids)
+        return head_ids
 
     def _fill_misses(self, words: list[str], found: list[bytes | None]) -> bool:
         """Fill ``found[i]`` (the ids of " " + ``words[i + 1]``) where the young generation had none; False

@@ -93,6 +93,18 @@ def test_words_are_cached_only_with_non_whitespace_at_both_ends(tiny_spec):
     assert encoder._words.young["7x"] == array("I", backend.encode(" 7x", add_special_tokens=False).ids).tobytes()
 
 
+def test_a_texts_first_word_is_cached_so_known_text_takes_no_regex_path(tiny_spec, monkeypatch):
+    backend = backend_with(tiny_spec)
+    encoder = PieceEncoder.for_spec(backend, tiny_spec)
+    text = "user\nsay hello again"
+    expected = backend.encode(text, add_special_tokens=False).ids
+    assert encoder.encode(text).tolist() == expected
+    assert encoder._heads.young == {"user\nsay": array("I", backend.encode("user\nsay").ids).tobytes()}
+    monkeypatch.setattr(encoder, "_encode_pieces", None)  # the regex path is not taken again
+    assert encoder.encode(text).tolist() == expected
+    assert encoder.encode("user\nsay").tolist() == backend.encode("user\nsay", add_special_tokens=False).ids
+
+
 def test_each_piece_is_tokenized_once_and_digits_are_pieces_of_their_own(tiny_spec):
     backend = backend_with(tiny_spec)
     encoder = PieceEncoder.for_spec(backend, tiny_spec)
