@@ -146,13 +146,18 @@ class PieceEncoder:
     def _fill_misses(self, words: list[str], found: list[bytes | None]) -> bool:
         """Fill ``found[i]`` (the ids of " " + ``words[i + 1]``) where the young generation had none; False
         when a word's boundaries are not piece boundaries there (the text then takes the regex path)."""
-        for index, word_ids in enumerate(found):
+        # Jump from miss to miss with list.index (a C scan): a text with a few new words among hundreds of
+        # known ones, a new tenant's system prompt, loops over the new ones only.
+        lookup, index = self._words.get, found.index(None)
+        while True:
+            word_ids = lookup(words[index + 1]) or self._encode_word(words, index + 1)
             if word_ids is None:
-                word_ids = self._words.get(words[index + 1]) or self._encode_word(words, index + 1)
-                if word_ids is None:
-                    return False
-                found[index] = word_ids
-        return True
+                return False
+            found[index] = word_ids
+            try:
+                index = found.index(None, index + 1)
+            except ValueError:
+                return True
 
     def _encode_word(self, words: list[str], index: int) -> bytes | None:
         """Ids of " " + ``words[index]`` on their own; None where the words' boundaries are not piece
