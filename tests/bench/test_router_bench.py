@@ -51,6 +51,15 @@ def test_router_placement_asks_for_round_robin_real_time_where_this_user_may():
         child.communicate(b"")
 
 
+def test_metrics_delta_counts_what_happened_in_between():
+    before = '# HELP x_total X\nx_total 3.0\nh_bucket{le="0.001"} 2.0\nh_bucket{le="+Inf"} 2.0\n'
+    after = '# HELP x_total X\nx_total 10.0\nh_bucket{le="0.001"} 5.0\nh_bucket{le="+Inf"} 9.0\ny 1.5\n'
+    delta = router_bench.metrics_delta(before, after)
+    assert delta == '# HELP x_total X\nx_total 7.0\nh_bucket{le="0.001"} 3.0\nh_bucket{le="+Inf"} 7.0\ny 1.5\n'
+    assert router_bench.histogram_quantile(delta, "h", 0.99) == float("inf")  # 4 of the 7 above 1 ms
+    assert router_bench.histogram_quantile(delta, "h", 0.4) == 0.001
+
+
 def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path):
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, engine_cpu = str(cpus[-1]), str(cpus[0])
@@ -65,6 +74,9 @@ def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path)
         if line.split() and line.split()[0] in ("direct", "round_robin", "cache_aware"):
             rows.setdefault(line.split()[0], line)
     assert set(rows) == {"direct", "round_robin", "cache_aware"}
-    assert "'fallback': 10" in rows["round_robin"]  # 8 measured + 2 warm-up requests, all round robin
+    assert "'fallback': 8" in rows["round_robin"]  # the 8 measured requests (not the 2 of the warm-up)
     assert "affinity" in rows["cache_aware"] and "cold" in rows["cache_aware"]
     assert "routing overhead p99 < 2 ms:" in result.stdout
+    assert "slowest warm-up window ≤" in result.stdout
+    warm = (tmp_path / "cache_aware-router-warmup.metrics").read_text()
+    assert router_bench.sample_value(warm, 'kvpilot_router_decisions_total{policy="cache_aware"') == 2
