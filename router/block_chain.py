@@ -33,7 +33,7 @@ class HashMemo:
 
     def hash_block(self, parent: bytes, block_token_bytes: bytes, extra: bytes) -> bytes:
         key = (parent, block_token_bytes, extra)
-        block_hash = self._entries.get(key)
+        block_hash = self._entries.young.get(key) or self._entries.get(key)
         if block_hash is None:
             block_hash = hash_block_bytes(parent, block_token_bytes, extra)
             self._entries.put(key, block_hash)
@@ -41,7 +41,8 @@ class HashMemo:
         return block_hash
 
     def run(self, parent: bytes, run_token_bytes: bytes, extra: bytes) -> tuple[bytes, ...] | None:
-        found = self._entries.get((parent, run_token_bytes, extra, _RUN))
+        key = (parent, run_token_bytes, extra, _RUN)
+        found = self._entries.young.get(key) or self._entries.get(key)
         assert found is None or isinstance(found, tuple)
         return found
 

@@ -7,6 +7,7 @@ messages) is not rejected here: it is routed without locality and the engine giv
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +75,7 @@ class RequestProfiler:
         else:
             raise PromptError(f"no prompt on {path}")
         return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
-                              extra=encode_extra_keys(cache_salt=tenant), memo=self._memo)
+                              extra=_salt_keys(tenant), memo=self._memo)
 
     def warm_up(self) -> None:
         """Profile a few requests of the common shapes before serving. Otherwise the first request of a process
@@ -114,6 +115,11 @@ class RequestProfiler:
         except ValueError as error:
             raise PromptError(str(error)) from None
         return self._segments.encode_rendered(text)
+
+
+@functools.lru_cache(maxsize=1 << 12)  # a tenant's requests share it: one hash per tenant, not per request
+def _salt_keys(tenant: str | None) -> bytes:
+    return encode_extra_keys(cache_salt=tenant)
 
 
 def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:

@@ -180,6 +180,8 @@ def test_every_replica_is_costed_at_the_fleet_median_unless_per_replica_rates_ar
     assert ReplicaPicker("cache_aware", ScoringWeights(), 2000.0).prefill_rates(replicas) == [250.0] * 4
     per_replica = ReplicaPicker("cache_aware", ScoringWeights(), 2000.0, per_replica_rate=True)
     assert per_replica.prefill_rates(replicas) == [300.0, 200.0, 250.0, 250.0]
+    even = fleet_with_rates([300.0, 200.0, 250.0, 100.0])
+    assert ReplicaPicker("cache_aware", ScoringWeights(), 2000.0).fleet_prefill_rate(even) == 225.0
 
 
 def test_a_replica_measured_under_load_does_not_draw_cold_requests_away_from_idle_peers():
