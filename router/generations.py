@@ -26,7 +26,7 @@ class Generations(Generic[K, V]):
         #: the current generation; callers on a hot path may probe it directly before calling :meth:`get`
         self.young: dict[K, V] = {}
         self._old: dict[K, V] = {}
-        #: entries kept for good, outside the bound (see the module docstring); a hit promotes a copy to young
+        #: entries kept for good, outside the bound (see the module docstring); a hit also puts one in young
         self.pinned: dict[K, V] = {}
         self._generation = max(1, max_entries // 2)
 

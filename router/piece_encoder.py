@@ -135,7 +135,8 @@ class PieceEncoder:
 
     def _encode_head(self, head: str) -> bytes | None:
         """Ids of a text's first word (the regex path, then cached: a stretch of a chat prompt starts with the
-        role and its content's first word, ``"user\\nWhat"``, which the regex path would split again on every request)."""
+        role and its content's first word, ``"user\\nWhat"``, which would otherwise take the regex path on every
+        request)."""
         found = self._encode_pieces(head)
         if found is None:
             return None
