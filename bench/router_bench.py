@@ -244,8 +244,8 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
             processes.wait_ready(base_url + "/ready", 60)
         if args.warmup_requests:
             bench_serve(args, base_url, out / f"{tag}-warmup.json", warmup=True)
-        cpu_before = cpu_seconds(router.pid) if router else 0.0
         warm = http_get(base_url + "/metrics")[1] if router else ""
+        cpu_before = cpu_seconds(router.pid) if router else 0.0  # after that scrape: its CPU is not per request
         summary = bench_serve(args, base_url, out / f"{tag}.json")
         if router:
             cpu = (cpu_seconds(router.pid) - cpu_before) / args.num_requests
