@@ -13,7 +13,8 @@ Files (torch-free, except ``tiny``):
 
 Forward pass:
 - ``arch``           ``ModelArchConfig``: the hyper-parameters the forward pass reads from config.json
-- ``rope``           rotary position embedding tables (theta and scaling from the config)
+- ``rope_config``    RoPE theta and scaling from either config form (``rope_scaling`` / ``rope_parameters``)
+- ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN)
 - ``llama``          the decoder (RMSNorm, GQA attention through the attention backend, SwiGLU MLP)
 - ``loader``         builds the model on its device from a resolved directory
 

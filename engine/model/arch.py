@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvpilot.engine.model.rope_config import rope_settings
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
 
@@ -26,8 +28,10 @@ class ModelArchConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    #: HF ``rope_scaling`` dict (``rope_type`` default/linear/dynamic/llama3/yarn) or None
+    #: RoPE scaling (``rope_type`` linear/dynamic/llama3/yarn and its keys) or None, read from either
+    #: ``rope_scaling`` (transformers < 5) or ``rope_parameters`` (transformers >= 5)
     rope_scaling: dict[str, Any] | None
+    #: positions the model serves (dynamic/YaRN scaling extend the config's ``max_position_embeddings``)
     max_position_embeddings: int
     tie_word_embeddings: bool
     #: bias on q/k/v projections (Qwen2: true)
@@ -71,6 +75,7 @@ class ModelArchConfig:
         if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
             window = None  # Qwen2 configs carry a window size but leave it off by default
         attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        rope_theta, rope_scaling, max_positions = rope_settings(cfg)
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -81,9 +86,9 @@ class ModelArchConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=attention_bias,
             # Qwen2 has bias on q/k/v only; Llama's attention_bias covers o_proj too

@@ -1,7 +1,15 @@
-"""Rotary position embeddings with the config's theta and scaling (HF ``rope_scaling`` semantics).
+"""Rotary position embeddings: the config's RoPE parameters (both HF config forms) and the cos/sin tables.
 
 Rotation uses the "rotate half" convention of HF Llama checkpoints: the head dimension is split into two
 halves that pair up (x[i], x[i + d/2]). GGUF checkpoints are converted to this convention on load.
+
+The RoPE parameters come from ``rope_config.rope_settings`` (either HF config form, defaults filled in).
+
+Dynamic NTK scaling: HF recomputes the base from the forward's longest position, so its result depends on
+how tokens are batched. Here each position p is rotated with the base for a sequence of length
+max(p + 1, original context): identical to HF for every token generated one at a time and for any prefix
+within the original context, and independent of batching and chunked prefill. (HF's one-shot forward of
+a prompt longer than the original context rotates all of it with the prompt length's base instead.)
 """
 
 from __future__ import annotations
@@ -30,32 +38,59 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
-    factor = float(s["factor"])
-    old_ctx = float(s.get("original_max_position_embeddings") or max_pos / factor)
-    beta_fast, beta_slow = float(s.get("beta_fast", 32)), float(s.get("beta_slow", 1))
+    old_ctx = float(s["original_max_position_embeddings"])
+    factor = float(s.get("factor") or max_pos / old_ctx)
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
 
     def correction_dim(rotations: float) -> float:
         return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), head_dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
     pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)
+    ramp = (torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)
     extrapolation_weight = 1 - ramp.clamp(0, 1)
     inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
-    attention_factor = float(s.get("attention_factor") or (0.1 * math.log(factor) + 1.0))
-    return inv_freq, attention_factor
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def _dynamic_freqs(head_dim: int, theta: float, s: dict[str, Any], max_position: int) -> torch.Tensor:
+    """[max_position, head_dim/2] angles: row p uses the NTK base of a max(p + 1, original)-token sequence."""
+    factor, old_ctx = float(s["factor"]), int(s["original_max_position_embeddings"])
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = torch.outer(positions, _default_inv_freq(head_dim, theta))
+    if max_position > old_ctx:
+        # HF's arithmetic, in float32 as HF does it: base * ((f * L / L0) - (f - 1)) ** (d / (d - 2))
+        lengths = torch.arange(old_ctx + 1, max_position + 1, dtype=torch.int64)
+        bases = theta * ((factor * lengths / old_ctx) - (factor - 1)) ** (head_dim / (head_dim - 2))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv = 1.0 / (bases.unsqueeze(1) ** exponents)
+        freqs[old_ctx:] = positions[old_ctx:].unsqueeze(1) * inv
+    return freqs
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
                   max_position: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float32) and the cos/sin magnitude factor for a RoPE configuration."""
+    """Inverse frequencies (float32) and the cos/sin magnitude factor of a position-independent RoPE."""
     inv_freq = _default_inv_freq(head_dim, theta)
-    if not scaling:
-        return inv_freq, 1.0
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    kind = scaling["rope_type"] if scaling else "default"
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":
@@ -64,7 +99,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
         return _llama3_inv_freq(inv_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn_inv_freq(head_dim, theta, scaling, max_position)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, yarn")
+    raise ValueError(f"RoPE type {kind!r} has position-dependent frequencies; use rope_angles")
+
+
+def rope_angles(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                max_position: int) -> tuple[torch.Tensor, float]:
+    """[max_position, head_dim/2] rotation angles (float32) and the cos/sin magnitude factor."""
+    if scaling and scaling["rope_type"] == "dynamic":
+        return _dynamic_freqs(head_dim, theta, scaling, max_position), 1.0
+    inv_freq, magnitude = rope_inv_freq(head_dim, theta, scaling, max_position)
+    return torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float()), magnitude
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -73,9 +117,8 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype) -> None:
         super().__init__()
-        inv_freq, magnitude = rope_inv_freq(head_dim, theta, scaling, max_position)
         # tables in float32 (as HF), then cast to the activation dtype
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+        freqs, magnitude = rope_angles(head_dim, theta, scaling, max_position)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", (emb.cos() * magnitude).to(dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * magnitude).to(dtype), persistent=False)

@@ -1,0 +1,56 @@
+"""The RoPE parameters of an HF ``config.json``, in either of its two forms (no torch needed).
+
+transformers < 5 writes ``rope_theta`` and ``rope_scaling``; transformers >= 5 writes one
+``rope_parameters`` dict holding ``rope_theta``, ``rope_type`` and the scaling keys (reading a 5.x config
+as if it were 4.x silently gives θ = 10000 and no scaling). ``rope_settings`` reads either into
+(theta, scaling) with HF 5's defaults filled in, so ``rope.py`` need not know which form it came from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# keys of a ``rope_parameters`` dict that are no scaling parameter
+_BASE_KEYS = ("rope_theta", "rope_type", "type")
+
+
+def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, int]:
+    """(theta, scaling or None, positions the model serves) from an HF ``config.json`` dict, either form.
+
+    ``scaling`` always carries ``rope_type``; the served length is ``max_position_embeddings``, or the
+    original context times ``factor`` for dynamic and YaRN scaling when that is longer (as vLLM serves)."""
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict):
+            raise ValueError(f"rope_parameters must be an object, got {type(params).__name__}")
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ValueError("rope_parameters per layer type (nested dicts) are not supported by this architecture")
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = {k: v for k, v in params.items() if k not in _BASE_KEYS}
+        kind = params.get("rope_type", params.get("type", "default"))
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        raw = cfg.get("rope_scaling") or {}
+        scaling = {k: v for k, v in raw.items() if k not in _BASE_KEYS}
+        kind = raw.get("rope_type", raw.get("type", "default")) if raw else "default"
+    partial = scaling.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported")
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported RoPE type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if kind == "default":
+        return float(theta), None, max_pos
+    if kind in ("linear", "dynamic", "llama3") and scaling.get("factor") is None:
+        raise ValueError(f"RoPE type {kind!r} needs a 'factor'")
+    scaling = {"rope_type": kind, **scaling}
+    if kind == "dynamic":  # HF and vLLM take the config's max_position_embeddings as the original context
+        scaling["original_max_position_embeddings"] = max_pos
+    elif kind in ("llama3", "yarn"):
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
+    served = max_pos
+    if kind in ("dynamic", "yarn"):
+        factor = scaling.get("factor") or max_pos / float(scaling["original_max_position_embeddings"])
+        served = max(max_pos, int(float(scaling["original_max_position_embeddings"]) * float(factor)))
+    return float(theta), scaling, served
