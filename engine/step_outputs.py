@@ -62,7 +62,7 @@ class StepOutputs:
             else:
                 rows.append((seq, "sample"))
                 sources.append(src)
-        row_logits = logits if len(sources) == len(seqs) else logits.index_select(0, torch.tensor(sources))
+        row_logits = logits if len(sources) == len(seqs) else logits.index_select(0, torch.tensor(sources, device=logits.device))
         states = [RowState(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.bad_word_ids,
                            s.ngram_index, self._generators.get(s.request_id)) for s, _ in rows]
         res = self.sampler.sample(row_logits, states,

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from engine_device import ENGINE_DEVICE
 from transformers import LlamaForCausalLM as HFLlama
 
 from kvpilot.engine import LLM, SamplingParams
@@ -64,7 +65,7 @@ def assert_matches_hf(hf_tiny, prompts, outs):
 
 def test_plain_batching_matches_hf(hf_tiny):
     prompts = mixed_prompts(0, 8, 1, 40)
-    llm = LLM("tiny-random", num_kv_blocks=256, block_size=4, enable_prefix_caching=False)
+    llm = LLM("tiny-random", **ENGINE_DEVICE, num_kv_blocks=256, block_size=4, enable_prefix_caching=False)
     outs = run_checked(llm, prompts, GREEDY)
     assert_matches_hf(hf_tiny, prompts, outs)
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
@@ -74,7 +75,7 @@ def test_prefix_caching_with_shared_prefixes_matches_hf(hf_tiny):
     rng = random.Random(1)
     shared = [[rng.randrange(3, 500) for _ in range(23)] for _ in range(2)]
     prompts = [shared[i % 2] + [rng.randrange(3, 500) for _ in range(rng.randint(1, 9))] for i in range(8)]
-    llm = LLM("tiny-random", num_kv_blocks=256, block_size=4, enable_prefix_caching=True)
+    llm = LLM("tiny-random", **ENGINE_DEVICE, num_kv_blocks=256, block_size=4, enable_prefix_caching=True)
     first = run_checked(llm, prompts[:2], GREEDY)
     second = run_checked(llm, prompts[2:], GREEDY)
     assert_matches_hf(hf_tiny, prompts, first + second)
@@ -85,7 +86,7 @@ def test_prefix_caching_with_shared_prefixes_matches_hf(hf_tiny):
 
 def test_chunked_prefill_budget_32_matches_hf(hf_tiny):
     prompts = mixed_prompts(2, 6, 30, 90)
-    llm = LLM("tiny-random", num_kv_blocks=512, block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
+    llm = LLM("tiny-random", **ENGINE_DEVICE, num_kv_blocks=512, block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
               enable_chunked_prefill=True)
     outs = run_checked(llm, prompts, GREEDY)
     assert_matches_hf(hf_tiny, prompts, outs)
@@ -96,7 +97,7 @@ def test_chunked_prefill_budget_32_matches_hf(hf_tiny):
 def test_small_pool_preempts_and_still_matches_hf(hf_tiny, mode):
     prompts = mixed_prompts(3, 6, 10, 30)
     extra = {"swap_space": 0.01} if mode == "swap" else {}
-    llm = LLM("tiny-random", num_kv_blocks=24, block_size=4, max_num_seqs=6, preemption_mode=mode,
+    llm = LLM("tiny-random", **ENGINE_DEVICE, num_kv_blocks=24, block_size=4, max_num_seqs=6, preemption_mode=mode,
               enable_prefix_caching=False, **extra)
     outs = run_checked(llm, prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0

@@ -6,6 +6,7 @@ import random
 import time
 
 import pytest
+from engine_device import ENGINE_DEVICE
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.request import TERMINAL, TRANSITIONS, IllegalTransition, Request, RequestStatus
@@ -32,7 +33,8 @@ def test_legal_path_and_illegal_transitions_raise():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-random", num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+    return LLM("tiny-random", num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=24,
+               **ENGINE_DEVICE)
 
 
 def test_cancel_and_timeout_racing_leave_one_record_and_no_double_free(llm):

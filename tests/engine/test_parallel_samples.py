@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_device import ENGINE_DEVICE
 from transformers import LlamaForCausalLM as HFLlama
 
 from kvpilot.engine import LLM, SamplingParams
@@ -14,7 +15,7 @@ PROMPT = list(range(40, 50))  # 10 tokens: with block size 4, two full blocks an
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-random", num_kv_blocks=64, block_size=4)
+    return LLM("tiny-random", num_kv_blocks=64, block_size=4, **ENGINE_DEVICE)
 
 
 def test_samples_share_prompt_blocks_and_copy_the_partial_block_on_write(llm):

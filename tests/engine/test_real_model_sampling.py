@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from engine_device import ENGINE_DEVICE
 
 from kvpilot.engine import LLM, SamplingParams
 
@@ -12,7 +13,7 @@ GREEDY_ANSWER = "The capital of France is Paris."
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    return LLM(str(smollm2_dir), kv_cache_memory_bytes=96 << 20, block_size=16)
+    return LLM(str(smollm2_dir), kv_cache_memory_bytes=96 << 20, block_size=16, **ENGINE_DEVICE)
 
 
 def chat(llm, **kw):
