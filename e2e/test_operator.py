@@ -102,6 +102,12 @@ def test_invalid_specs_are_refused_or_reported(cluster, kubectl, namespace):
     assert refused.returncode != 0
     assert "spec.scaling.spare" in refused.stderr
     assert cluster.get(ISVC, namespace, "bad") is None
+    # One engine drives one GPU until tensor parallelism exists: the CRD's maximum refuses more.
+    refused = kubectl("apply", "-f", "-", check=False,
+                      stdin=manifest(namespace, "tp", "{replicas: 1}", "  resources: {gpus: 2}\n"))
+    assert refused.returncode != 0
+    assert "spec.resources.gpus" in refused.stderr
+    assert cluster.get(ISVC, namespace, "tp") is None
     # Both sizing forms at once: a CEL rule on a real cluster; the harness has no CEL, so the operator reports.
     kubectl("apply", "-f", "-", stdin=manifest(
         namespace, "both", "{replicas: 2, targetRequestsPerSecond: 5, perReplicaGoodput: 1}"))

@@ -30,6 +30,8 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 ROUTER_POLICIES = POLICIES
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
+# One engine uses one device: more GPUs per replica would need tensor parallelism, which does not exist yet.
+MAX_GPUS_PER_REPLICA = 1
 
 
 def _integer(description: str, minimum: int, maximum: int, default: int | None = None) -> dict[str, Any]:
@@ -108,7 +110,8 @@ def _engine() -> dict[str, Any]:
 
 def _resources() -> dict[str, Any]:
     return _object("Compute per replica.", {
-        "gpus": _integer("GPUs per replica (nvidia.com/gpu).", 0, 16, 0),
+        "gpus": _integer("GPUs per replica (nvidia.com/gpu): 0 or 1; more would need tensor parallelism, "
+                         "which is not supported yet.", 0, MAX_GPUS_PER_REPLICA, 0),
         "gpuType": {"type": "string", "minLength": 1, "maxLength": 128,
                     "description": "GPU product (node label nvidia.com/gpu.product) the replicas must run on."},
         "cpu": _quantity("CPU request per replica.", "2"),

@@ -57,7 +57,12 @@ def _schema_error(error: jsonschema.ValidationError) -> SpecError:
         return SpecError(_field_path("spec", [*path, missing]), "Required value")
     if error.validator == "additionalProperties" and error.validator_value is False:
         return SpecError(_field_path("spec", path), f"unknown field: {error.message}")
-    return SpecError(_field_path("spec", path), f"Invalid value: {error.instance!r}: {error.message}")
+    message = f"Invalid value: {error.instance!r}: {error.message}"
+    description = error.schema.get("description") if isinstance(error.schema, dict) else None
+    if error.validator in ("maximum", "minimum") and description:
+        # A bare bound does not say why it is there; the field's description does (e.g. resources.gpus).
+        message += f" ({description.rstrip('.')})"
+    return SpecError(_field_path("spec", path), message)
 
 
 def _node(spec: dict[str, Any], node: tuple[str, ...]) -> dict[str, Any] | None:

@@ -58,13 +58,13 @@ def test_services_budget_and_access():
 def test_no_spare_rolls_by_surging_and_gpu_pvc_pods_get_their_devices_and_volume():
     objects = children({"model": {"source": "pvc://weights/llama"}, "scaling": {"replicas": 2, "spare": 0,
                                                                                  "requireHostSpread": True},
-                        "resources": {"gpus": 2, "gpuType": "H100", "memory": "32Gi"}})
+                        "resources": {"gpus": 1, "gpuType": "H100", "memory": "32Gi"}})
     deployment = objects[("Deployment", "smol")]["spec"]
     assert deployment["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     assert objects[("PodDisruptionBudget", "smol")]["spec"]["maxUnavailable"] == 0
     pod = deployment["template"]["spec"]
     engine = pod["containers"][0]
-    assert engine["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "2"}
+    assert engine["resources"]["limits"] == {"memory": "32Gi", "nvidia.com/gpu": "1"}
     assert engine["args"][1] == "/models/weights/llama"
     assert {"name": "model", "mountPath": "/models/weights", "readOnly": True} in engine["volumeMounts"]
     router = pod["containers"][1]  # the router reads the same model's tokenizer from the PVC

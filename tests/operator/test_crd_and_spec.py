@@ -85,6 +85,24 @@ def test_invalid_specs_name_the_field(spec, field, message):
     assert message in error.value.message
 
 
+def test_more_than_one_gpu_is_refused_naming_the_field_and_why():
+    resources = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"]["properties"]["resources"]["properties"]
+    assert (resources["gpus"]["minimum"], resources["gpus"]["maximum"]) == (0, 1)  # what kubectl apply enforces
+    with pytest.raises(SpecError) as error:  # what the operator reports for an object an older CRD let in
+        InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2}}))
+    assert (error.value.field, error.value.message) == (
+        "spec.resources.gpus", "Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
+        "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)")
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_zero_or_one_gpu_is_accepted(gpus):
+    spec = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
+                                                "resources": {"gpus": gpus}})).spec
+    assert spec.resources.gpus == gpus
+
+
 def test_gpu_kv_memory_may_exceed_pod_memory_and_pvc_source_maps_to_its_mount():
     spec = InferenceService.from_manifest(isvc({
         "model": {"source": "pvc://models/llama/8b"}, "resources": {"gpus": 1, "memory": "16Gi"},
