@@ -18,10 +18,13 @@ from kubernetes.utils import parse_quantity
 # Flags the operator derives from the spec; repeating one in extraArgs would silently override the spec.
 OPERATOR_OWNED_FLAGS = (
     "model", "port", "served-model-name", "dtype", "block-size", "max-num-seqs", "max-num-batched-tokens",
-    "kv-cache-memory-bytes", "slo-ttft", "slo-tpot", "(no-)?enable-prefix-caching",
+    "kv-cache-memory-bytes", "gpu-memory-utilization", "slo-ttft", "slo-tpot", "(no-)?enable-prefix-caching",
     "(no-)?enable-chunked-prefill",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
+# The KV budget of a CPU pod whose spec sets none (the engine's own CPU default); a GPU pod without one
+# sizes its cache from engine.gpuMemoryUtilization instead.
+CPU_KV_CACHE_MEMORY = "1Gi"
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,12 @@ RULES: tuple[CrossFieldRule, ...] = (
     ),
     CrossFieldRule(
         node=("spec",), field="engine.kvCacheMemory",
-        cel="self.resources.gpus > 0 || "
-            "quantity(self.engine.kvCacheMemory).isLessThan(quantity(self.resources.memory))",
-        message="on CPU the KV cache lives in the pod's memory: engine.kvCacheMemory must be "
-                "less than resources.memory",
+        cel="self.resources.gpus > 0 || quantity(has(self.engine.kvCacheMemory) ? self.engine.kvCacheMemory "
+            f": '{CPU_KV_CACHE_MEMORY}').isLessThan(quantity(self.resources.memory))",
+        message=f"on CPU the KV cache lives in the pod's memory: engine.kvCacheMemory ({CPU_KV_CACHE_MEMORY} "
+                "when unset) must be less than resources.memory",
         holds=lambda s: s["resources"]["gpus"] > 0
-        or _quantity_less(s["engine"]["kvCacheMemory"], s["resources"]["memory"]),
+        or _quantity_less(s["engine"].get("kvCacheMemory", CPU_KV_CACHE_MEMORY), s["resources"]["memory"]),
     ),
 )
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from kvpilot.operator.crd_rules import rules_for
+from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY, rules_for
 from kvpilot.router.config import POLICIES, ScoringWeights
 
 #: the router's cost-term knobs, straight from its config (one source of truth for the CRD and the router)
@@ -53,9 +53,11 @@ def _number(description: str, minimum: float, maximum: float, *, exclusive_minim
     return schema
 
 
-def _quantity(description: str, default: str) -> dict[str, Any]:
-    return {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 32, "default": default,
-            "description": description}
+def _quantity(description: str, default: str | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string", "pattern": QUANTITY_PATTERN, "maxLength": 32}
+    if default is not None:
+        schema["default"] = default
+    return {**schema, "description": description}
 
 
 def _object(description: str, properties: dict[str, Any], node: tuple[str, ...], *,
@@ -101,7 +103,13 @@ def _engine() -> dict[str, Any]:
         "enablePrefixCaching": {"type": "boolean", "default": True, "description": "Reuse KV of shared prefixes."},
         "enableChunkedPrefill": {"type": "boolean", "default": True,
                                  "description": "Split long prefills across steps, batched with decodes."},
-        "kvCacheMemory": _quantity("Memory reserved for the KV cache (e.g. 2Gi).", "1Gi"),
+        "kvCacheMemory": _quantity(
+            "Memory reserved for the KV cache (e.g. 2Gi). Unset: on GPU the engine sizes the cache from "
+            f"gpuMemoryUtilization after loading the weights; on CPU it gets {CPU_KV_CACHE_MEMORY}."),
+        "gpuMemoryUtilization": _number(
+            "GPU pods without kvCacheMemory: the fraction of the GPU's memory the engine may use for weights, "
+            "activations and the KV cache together; ignored on CPU and when kvCacheMemory is set.",
+            0, 1, exclusive_minimum=True, default=0.9),
         "extraArgs": {"type": "array", "maxItems": 64, "default": [],
                       "items": {"type": "string", "maxLength": 256},
                       "description": "More `kvpilot serve` arguments, appended after the ones the spec sets."},

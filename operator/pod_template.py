@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubernetes.utils import parse_quantity
-
 from kvpilot.operator import api_names
 from kvpilot.operator.spec import MODELS_MOUNT, InferenceService
 from kvpilot.operator.startup import PROBE_PERIOD_SECONDS, startup_budget
@@ -57,10 +55,14 @@ def engine_args(isvc: InferenceService) -> list[str]:
         "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill",
-        "--kv-cache-memory-bytes", str(int(parse_quantity(engine.kv_cache_memory))),
-        "--slo-ttft", f"{spec.slo.ttft_seconds:g}",
-        "--slo-tpot", f"{spec.slo.tpot_seconds:g}",
     ]
+    kv_bytes = spec.kv_cache_memory_bytes
+    if kv_bytes is None:
+        # GPU without a fixed size: the engine sizes its cache after loading weights and profiling a pass.
+        args += ["--gpu-memory-utilization", f"{engine.gpu_memory_utilization:g}"]
+    else:
+        args += ["--kv-cache-memory-bytes", str(kv_bytes)]
+    args += ["--slo-ttft", f"{spec.slo.ttft_seconds:g}", "--slo-tpot", f"{spec.slo.tpot_seconds:g}"]
     return args + list(engine.extra_args)
 
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils import parse_quantity
+
 from kvpilot.operator import api_names
+from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY
 from kvpilot.operator.spec_validation import SpecError, validated_spec
 
 PVC_SCHEME = "pvc://"
@@ -47,7 +50,10 @@ class EngineSpec:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    kv_cache_memory: str = "1Gi"
+    #: the KV budget as a quantity (``2Gi``); None = sized from the GPU, or the CPU default on CPU
+    kv_cache_memory: str | None = None
+    #: fraction of GPU memory the engine may use; sizes the KV cache of GPU pods without kv_cache_memory
+    gpu_memory_utilization: float = 0.9
     extra_args: tuple[str, ...] = ()
 
 
@@ -101,6 +107,14 @@ class InferenceServiceSpec:
     router: RouterSpec = field(default_factory=RouterSpec)
     tenancy: TenancySpec = field(default_factory=TenancySpec)
 
+    @property
+    def kv_cache_memory_bytes(self) -> int | None:
+        """The fixed KV budget the engine gets, or None when a GPU pod sizes it from gpu_memory_utilization."""
+        quantity = self.engine.kv_cache_memory
+        if quantity is None and self.resources.gpus == 0:
+            quantity = CPU_KV_CACHE_MEMORY
+        return None if quantity is None else int(parse_quantity(quantity))
+
     @classmethod
     def from_dict(cls, raw_spec: Any, name: str) -> InferenceServiceSpec:
         spec = validated_spec(raw_spec)
@@ -114,7 +128,8 @@ class InferenceServiceSpec:
                 max_num_batched_tokens=engine["maxNumBatchedTokens"],
                 enable_prefix_caching=engine["enablePrefixCaching"],
                 enable_chunked_prefill=engine["enableChunkedPrefill"],
-                kv_cache_memory=engine["kvCacheMemory"], extra_args=tuple(engine["extraArgs"])),
+                kv_cache_memory=engine.get("kvCacheMemory"),
+                gpu_memory_utilization=float(engine["gpuMemoryUtilization"]), extra_args=tuple(engine["extraArgs"])),
             resources=ResourcesSpec(gpus=res["gpus"], gpu_type=res.get("gpuType"), cpu=res["cpu"],
                                     memory=res["memory"]),
             slo=SLOSpec(ttft_seconds=float(slo["ttftSeconds"]), tpot_seconds=float(slo["tpotSeconds"])),

@@ -73,3 +73,27 @@ def test_no_spare_rolls_by_surging_and_gpu_pvc_pods_get_their_devices_and_volume
     assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
     assert pod["topologySpreadConstraints"][1]["whenUnsatisfiable"] == "DoNotSchedule"
     assert deployment["progressDeadlineSeconds"] == 1800 + 300  # unknown size: the generous default
+
+
+def engine_args(spec: dict) -> list[str]:
+    return children(spec)[("Deployment", "smol")]["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_gpu_pods_size_their_kv_cache_from_the_gpu_unless_the_spec_fixes_it():
+    gpu = {"model": {"source": "pvc://weights/llama"}, "resources": {"gpus": 1}}
+    args = engine_args(gpu)
+    assert "--kv-cache-memory-bytes" not in args
+    assert args[15:19] == ["--enable-chunked-prefill", "--gpu-memory-utilization", "0.9", "--slo-ttft"]
+    tuned = engine_args({**gpu, "engine": {"gpuMemoryUtilization": 0.75}})
+    assert tuned[16:18] == ["--gpu-memory-utilization", "0.75"]
+    fixed = engine_args({**gpu, "engine": {"kvCacheMemory": "40Gi"}})
+    assert fixed[16:18] == ["--kv-cache-memory-bytes", "42949672960"]
+    assert "--gpu-memory-utilization" not in fixed
+
+
+def test_cpu_pods_keep_a_fixed_kv_size():
+    assert engine_args({"model": {"source": "tiny-random"}})[16:18] == ["--kv-cache-memory-bytes", "1073741824"]
+    set_size = engine_args({"model": {"source": "tiny-random"}, "engine": {"kvCacheMemory": "512Mi"},
+                            "resources": {"gpus": 0}})
+    assert set_size[16:18] == ["--kv-cache-memory-bytes", "536870912"]
+    assert "--gpu-memory-utilization" not in set_size

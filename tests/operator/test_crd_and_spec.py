@@ -51,7 +51,8 @@ def test_every_cross_field_rule_is_in_the_crd_as_cel_at_its_node():
 def test_defaults_fill_the_spec():
     spec = InferenceService.from_manifest(isvc({"model": {"source": "smollm2-135m"}})).spec
     assert spec.model.served_name == "smol"
-    assert (spec.engine.block_size, spec.engine.max_num_seqs, spec.engine.kv_cache_memory) == (16, 64, "1Gi")
+    assert (spec.engine.block_size, spec.engine.max_num_seqs, spec.engine.kv_cache_memory) == (16, 64, None)
+    assert (spec.engine.gpu_memory_utilization, spec.kv_cache_memory_bytes) == (0.9, 1 << 30)  # CPU: 1Gi
     assert (spec.scaling.replicas, spec.scaling.spare, spec.scaling.headroom) == (None, 1, 0.2)
     assert (spec.router.policy, spec.resources.gpus, spec.slo.ttft_seconds) == ("cache_aware", 0, 2.0)
 
@@ -76,6 +77,14 @@ def test_defaults_fill_the_spec():
     ({"model": {"source": "smollm2-135m"}, "resources": {"gpuType": "H100"}}, "spec.resources.gpuType", "gpus > 0"),
     ({"model": {"source": "smollm2-135m"}, "engine": {"kvCacheMemory": "8Gi"}},
      "spec.engine.kvCacheMemory", "less than resources.memory"),
+    ({"model": {"source": "smollm2-135m"}, "resources": {"memory": "1Gi"}},
+     "spec.engine.kvCacheMemory", "(1Gi when unset) must be less than resources.memory"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"gpuMemoryUtilization": 0}},
+     "spec.engine.gpuMemoryUtilization", "0 is less than or equal to the minimum of 0"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"gpuMemoryUtilization": 1.5}},
+     "spec.engine.gpuMemoryUtilization", "1.5 is greater than the maximum of 1"),
+    ({"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--gpu-memory-utilization=0.5"]}},
+     "spec.engine.extraArgs", "must not repeat a flag"),
     ({"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}}, "spec.router.weights", "Prefill"),
 ])
 def test_invalid_specs_name_the_field(spec, field, message):
@@ -101,6 +110,19 @@ def test_zero_or_one_gpu_is_accepted(gpus):
     spec = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
                                                 "resources": {"gpus": gpus}})).spec
     assert spec.resources.gpus == gpus
+
+
+def test_gpu_pods_without_kv_memory_have_no_fixed_kv_size():
+    engine = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
+        "spec"]["properties"]["engine"]["properties"]
+    assert "default" not in engine["kvCacheMemory"]
+    assert (engine["gpuMemoryUtilization"]["default"], engine["gpuMemoryUtilization"]["exclusiveMinimum"]) == (0.9, True)
+    gpu = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
+                                              "resources": {"gpus": 1}})).spec
+    assert (gpu.engine.kv_cache_memory, gpu.kv_cache_memory_bytes) == (None, None)
+    fixed = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
+                                                "engine": {"kvCacheMemory": "2Gi"}, "resources": {"gpus": 1}})).spec
+    assert fixed.kv_cache_memory_bytes == 2 << 30
 
 
 def test_gpu_kv_memory_may_exceed_pod_memory_and_pvc_source_maps_to_its_mount():
