@@ -7,7 +7,8 @@ Package map (one responsibility per module):
   in Python), ``crd`` (the generated CustomResourceDefinition).
 - The boundary: ``spec_validation`` (defaults, schema, rules → ``SpecError`` naming the field) and
   ``spec`` (frozen dataclasses the rest of the package reads).
-- Deciding: ``sizing`` (N+1 replica count), ``startup`` (startup-probe budget from the model),
+- Deciding: ``sizing`` (N+1 replica count), ``model_size`` (weights of the models known by name, the
+  pod memory their loading needs), ``startup`` (startup-probe budget from the model),
   ``pod_template`` (engine + router containers, probes, placement), ``children`` (Deployment, Services,
   PDB, router RBAC, owner references).
 - Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent

@@ -1,7 +1,8 @@
 """Check an InferenceService spec the way the API server would, and name the offending field.
 
 Order matters and mirrors the API server: defaults first (so rules see the values the engine will get),
-then the OpenAPI schema (bounds, enums, types), then the cross-field rules that the CRD carries as CEL.
+then the OpenAPI schema (bounds, enums, types), then the cross-field rules that the CRD carries as CEL,
+and last the one check a CRD cannot make: that the pod's memory holds a model of known size.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import jsonschema
+from kubernetes.utils import parse_quantity
 
-from kvpilot.operator.crd_rules import RULES
+from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY, RULES
 from kvpilot.operator.crd_schema import spec_schema
+from kvpilot.operator.model_size import engine_dtype, memory_floor_bytes
 
 
 class SpecError(ValueError):
@@ -88,4 +91,29 @@ def validated_spec(raw_spec: Any) -> dict[str, Any]:
         node = _node(spec, rule.node)
         if node is not None and not rule.holds(node):
             raise SpecError(rule.field_path, rule.message)
+    _check_memory_fits_model(spec)
     return spec
+
+
+def _mib(quantity: int) -> str:
+    return f"{-(-quantity // 2**20)}Mi"
+
+
+def _check_memory_fits_model(spec: dict[str, Any]) -> None:
+    """A pod whose memory cannot hold the model would be OOM-killed at every load: refuse it up front.
+
+    Only models of known size are checked, so this rule has no CEL twin (the CRD cannot know sizes): on a
+    real cluster it surfaces as the InvalidSpec condition.
+    """
+    model, resources = spec["model"], spec["resources"]
+    on_gpu = resources["gpus"] > 0
+    kv = int(parse_quantity(spec["engine"].get("kvCacheMemory", CPU_KV_CACHE_MEMORY)))
+    floor = memory_floor_bytes(model["source"], model["dtype"], on_gpu, kv)
+    if floor is None or parse_quantity(resources["memory"]) >= floor:
+        return
+    dtype = engine_dtype(model["dtype"], on_gpu)
+    held = (f"its {dtype} weights are read into the pod's memory on their way to the GPU" if on_gpu
+            else f"its {dtype} weights and the KV cache live in the pod's memory")
+    raise SpecError("spec.resources.memory",
+                    f"{model['source']} needs at least {_mib(floor)} ({held}, beside the engine's runtime), "
+                    f"got {resources['memory']}")

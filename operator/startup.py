@@ -11,11 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from kvpilot.operator.model_size import weight_bytes
 from kvpilot.operator.spec import ModelSpec
 
-# Parameter counts of the models the engine knows by name.
-KNOWN_MODEL_PARAMETERS = {"smollm2-135m": 135_000_000, "tiny-random": 1_000_000}
-BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2, "auto": 4}
 PESSIMISTIC_LOAD_BYTES_PER_SECOND = 50 * 1024 * 1024  # a busy network volume, not a local NVMe
 SAFETY_FACTOR = 3
 FIXED_SECONDS = 120  # interpreter and CUDA start, tokenizer, warm-up passes
@@ -41,9 +39,9 @@ class StartupBudget:
 def startup_budget(model: ModelSpec) -> StartupBudget:
     if model.startup_timeout_seconds is not None:
         return StartupBudget(model.startup_timeout_seconds)
-    parameters = KNOWN_MODEL_PARAMETERS.get(model.source)
-    if parameters is None:
+    # `auto` is read as float32, the larger of what it resolves to: the budget does not know the device.
+    weights = weight_bytes(model.source, "float32" if model.dtype == "auto" else model.dtype)
+    if weights is None:
         return StartupBudget(UNKNOWN_MODEL_SECONDS)
-    weight_bytes = parameters * BYTES_PER_PARAMETER[model.dtype]
-    load_seconds = weight_bytes / PESSIMISTIC_LOAD_BYTES_PER_SECOND
+    load_seconds = weights / PESSIMISTIC_LOAD_BYTES_PER_SECOND
     return StartupBudget(FIXED_SECONDS + math.ceil(SAFETY_FACTOR * load_seconds))

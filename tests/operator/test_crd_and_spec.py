@@ -125,6 +125,33 @@ def test_gpu_pods_without_kv_memory_have_no_fixed_kv_size():
     assert fixed.kv_cache_memory_bytes == 2 << 30
 
 
+@pytest.mark.parametrize(("spec", "message"), [
+    # CPU: 540 MB of float32 weights + the 1Gi default KV cache + 256Mi of runtime = 1795Mi
+    ({"model": {"source": "smollm2-135m"}, "resources": {"memory": "1536Mi"}},
+     "smollm2-135m needs at least 1795Mi (its float32 weights and the KV cache live in the pod's memory, "
+     "beside the engine's runtime), got 1536Mi"),
+    # GPU: `auto` loads bfloat16, 270 MB, and the KV cache is on the device: 514Mi
+    ({"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "512Mi"}},
+     "smollm2-135m needs at least 514Mi (its bfloat16 weights are read into the pod's memory on their way to "
+     "the GPU, beside the engine's runtime), got 512Mi"),
+])
+def test_memory_below_what_the_known_model_needs_is_refused(spec, message):
+    with pytest.raises(SpecError) as error:
+        InferenceService.from_manifest(isvc(spec))
+    assert (error.value.field, error.value.message) == ("spec.resources.memory", message)
+
+
+@pytest.mark.parametrize("spec", [
+    {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1795Mi"}},
+    {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "514Mi"}},
+    {"model": {"source": "smollm2-135m", "dtype": "float32"}, "resources": {"memory": "2Gi"},
+     "engine": {"kvCacheMemory": "256Mi"}},
+    {"model": {"source": "pvc://models/llama"}, "resources": {"memory": "1100Mi"}},  # size unknown: not checked
+])
+def test_memory_that_fits_the_model_or_an_unknown_model_is_accepted(spec):
+    InferenceService.from_manifest(isvc(spec))
+
+
 def test_gpu_kv_memory_may_exceed_pod_memory_and_pvc_source_maps_to_its_mount():
     spec = InferenceService.from_manifest(isvc({
         "model": {"source": "pvc://models/llama/8b"}, "resources": {"gpus": 1, "memory": "16Gi"},
