@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -28,6 +30,8 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only",
                  "-std=c11", "-Wall", "-Werror")
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 _TIMEOUT_S = 180
+
+log = logging.getLogger(__name__)
 
 
 class NativeBuildError(RuntimeError):
@@ -61,11 +65,14 @@ def build_library(cache_dir: Path) -> Path:
     """Path of the compiled library for this host, compiling it first if the cache lacks it."""
     cc = compiler()
     if cc is None:
-        raise NativeBuildError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH)")
+        raise NativeBuildError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; "
+                               "install gcc to use the fused C kernels)")
     target = cache_dir / "native" / f"cpu_ops-{_cache_key(cc)}.so"
     if target.exists():
+        log.info("native CPU kernels: using the library compiled earlier, %s", target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         lib = Path(tmp) / "cpu_ops.so"
@@ -80,6 +87,7 @@ def build_library(cache_dir: Path) -> Path:
             if result.returncode != 0:
                 raise NativeBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()[-2000:]}")
         os.replace(lib, target)
+    log.info("compiled the native CPU kernels with %s into %s in %.1f s", cc, target, time.monotonic() - start)
     return target
 
 
