@@ -14,6 +14,8 @@ Package map:
 - ``request``     request state and the lifecycle state machine
 - ``scheduler``   token-budget scheduler: continuous batching, chunked prefill, preemption
 - ``model_runner`` builds the flattened batch and runs the model
+- ``capacity_plan`` how many KV blocks and how long a context; ``memory_profile`` the KV budget on a GPU
+                  from ``gpu_memory_utilization`` and one profiled step of the largest size
 - ``engine_core`` ``LLMEngine``: add requests, step, outputs
 - ``llm``         offline ``LLM`` API (vLLM-shaped)
 - ``server/``     OpenAI-compatible HTTP server (``kvpilot serve``)

@@ -35,7 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d.num_kv_blocks, help="exact number of KV blocks (overrides the memory budget)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
                    help="KV cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on CUDA)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
+                   help="fraction of the GPU's memory for this engine: the KV cache gets what the weights and "
+                        "one profiled step of --max-num-batched-tokens leave (default: %(default)s)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
     g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences per step")

@@ -12,18 +12,24 @@ from kvpilot.engine.kv.capacity import num_blocks_for_memory
 log = logging.getLogger(__name__)
 
 
-def plan_num_kv_blocks(cache: CacheConfig, bytes_per_token: int, device: torch.device) -> int:
-    """``num_kv_blocks`` if given, else the memory budget (explicit, 1 GiB on CPU, or a fraction of the
-    device's free memory on CUDA) divided by the bytes of one block."""
+def kv_cache_sizing(cache: CacheConfig, device: torch.device) -> str:
+    """How the KV cache is sized: ``num_kv_blocks``, ``kv_cache_memory_bytes``, ``gpu_memory_utilization``
+    (a profiled budget on CUDA) or ``cpu_default`` (1 GiB)."""
+    if cache.num_kv_blocks is not None:
+        return "num_kv_blocks"
+    if cache.kv_cache_memory_bytes is not None:
+        return "kv_cache_memory_bytes"
+    return "gpu_memory_utilization" if device.type == "cuda" else "cpu_default"
+
+
+def plan_num_kv_blocks(cache: CacheConfig, bytes_per_token: int, profiled_budget: int | None = None) -> int:
+    """``num_kv_blocks`` if given, else the memory budget (explicit ``kv_cache_memory_bytes``, the profiled
+    ``gpu_memory_utilization`` budget on CUDA, or 1 GiB on CPU) divided by the bytes of one block."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     budget = cache.kv_cache_memory_bytes
     if budget is None:
-        if device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(device)
-            budget = int(free * cache.gpu_memory_utilization)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget = profiled_budget if profiled_budget is not None else DEFAULT_CPU_KV_CACHE_BYTES
     blocks = num_blocks_for_memory(budget, bytes_per_token, cache.block_size)
     if blocks < 2:
         raise ConfigError(f"KV budget of {budget} bytes holds {blocks} blocks of {cache.block_size} tokens "

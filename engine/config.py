@@ -47,9 +47,10 @@ class CacheConfig:
     block_size: int = 16
     #: explicit number of KV blocks (block 0 included, it stays reserved); overrides the memory budget
     num_kv_blocks: int | None = None
-    #: KV cache budget in bytes; None = 1 GiB on CPU, ``gpu_memory_utilization`` of free memory on CUDA
+    #: KV cache budget in bytes; None = 1 GiB on CPU, on CUDA what ``gpu_memory_utilization`` leaves after
+    #: the weights and a profiled step (``memory_profile``)
     kv_cache_memory_bytes: int | None = None
-    #: fraction of device memory the engine may use on CUDA (weights + KV)
+    #: fraction of the device's total memory this engine may use on CUDA (weights, activations, KV cache)
     gpu_memory_utilization: float = 0.9
     #: reuse KV of identical token prefixes across requests (hash chain of full blocks)
     enable_prefix_caching: bool = True

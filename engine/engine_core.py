@@ -8,6 +8,7 @@ sequences; a request whose sequences are all done goes through the single reclai
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from kvpilot.engine.attention.backend import select_backend
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.beam_search import BeamSearch
-from kvpilot.engine.capacity_plan import plan_max_model_len, plan_num_kv_blocks
+from kvpilot.engine.capacity_plan import kv_cache_sizing, plan_max_model_len, plan_num_kv_blocks
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.kv.block_hash import root_hash
 from kvpilot.engine.kv.block_pool import BlockPool
@@ -25,6 +26,7 @@ from kvpilot.engine.kv.capacity import kv_bytes_per_token
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.manager import KVCacheManager
+from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_budget, take_baseline
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.loader import (
     load_model,
@@ -52,11 +54,14 @@ from kvpilot.engine.step_outputs import StepOutputs
 from kvpilot.engine.tokenizer import Tokenizer
 
 S = RequestStatus
+log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError"]
 
 
 class LLMEngine(StepOutputs):
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, device_memory: DeviceMemory | None = None) -> None:
+        """``device_memory`` overrides where the profiled KV budget reads memory figures (tests; on CUDA it
+        defaults to ``torch.cuda``)."""
         self.config = config
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
@@ -71,13 +76,32 @@ class LLMEngine(StepOutputs):
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.native_ops = resolve_native_ops(config.native_cpu_ops, self.device, self.dtype,
                                              Path(mc.download_dir) if mc.download_dir else default_cache_dir())
+        #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
+        self.kv_cache_sizing = kv_cache_sizing(cc, self.device)
+        if self.kv_cache_sizing in ("num_kv_blocks", "kv_cache_memory_bytes"):
+            device_memory = None  # a fixed size: nothing to profile
+        elif device_memory is None and self.kv_cache_sizing == "gpu_memory_utilization":
+            device_memory = CudaMemory(self.device)
+        # taken before the weights load: what other processes use
+        baseline = take_baseline(device_memory) if device_memory is not None else None
         self.model = load_model(self.model_dir, self.dtype, self.device, self.backend, self.linear_backend,
                                 batch_hint=min(config.scheduler.max_num_seqs, 64), native=self.native_ops)
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.native = self.native_ops
         self.kv_bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads,
                                                      arch.head_dim, self.dtype.itemsize)
-        num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token, self.device)
+        profiled_budget = None
+        if device_memory is not None and baseline is not None:
+            sc = config.scheduler
+            profiled_budget = profiled_kv_budget(
+                self.model, device_memory, baseline, device=self.device, dtype=self.dtype, block_size=cc.block_size,
+                max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+                max_model_len=mc.max_model_len or arch.max_position_embeddings,
+                kv_layout=self.backend.kv_cache_layout, utilization=cc.gpu_memory_utilization)
+            self.kv_cache_sizing = "gpu_memory_utilization"
+        num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token, profiled_budget)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)", num_blocks, cc.block_size,
+                 num_blocks * cc.block_size * self.kv_bytes_per_token / (1 << 30), self.kv_cache_sizing)
         self.max_model_len = plan_max_model_len(mc.max_model_len, arch.max_position_embeddings,
                                                 (num_blocks - 1) * cc.block_size)
         self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, cc.block_size, arch.num_key_value_heads,

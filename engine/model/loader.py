@@ -60,12 +60,21 @@ def resolve_native_ops(mode: str, device: torch.device, dtype: torch.dtype, cach
 
 
 def resolve_device(device: str) -> torch.device:
+    """The engine's device; a CUDA device gets its index (``cuda`` = the current one) and becomes the current
+    device, because Triton launches and ``torch.cuda`` calls without a device go to the current one."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if dev.type != "cuda":
+        return dev
+    if not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
-    return dev
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= count:
+        raise ValueError(f"device {device!r} requested but this machine has {count} CUDA device(s)")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -153,9 +153,10 @@ class _LoadGauges(Collector):
             blocks.add_metric([m, state], snap.get(f"kv_blocks_{state}", 0))
         yield blocks
         info = GaugeMetricFamily("kvpilot_cache_config_info", "KV cache configuration (value 1).",
-                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+                                 labels=["model_name", "block_size", "num_gpu_blocks", "kv_cache_sizing"])
         if snap.get("block_size"):
-            info.add_metric([m, str(snap["block_size"]), str(snap.get("kv_blocks_total", 0))], 1)
+            info.add_metric([m, str(snap["block_size"]), str(snap.get("kv_blocks_total", 0)),
+                             snap.get("kv_cache_sizing", "")], 1)
         yield info
         phase = GaugeMetricFamily("kvpilot_server_phase", "1 for the server's current phase.",
                                   labels=["model_name", "phase"])

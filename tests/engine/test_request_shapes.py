@@ -53,7 +53,7 @@ def test_every_request_shape_in_one_batch(preemption: str) -> None:
     engine = llm.engine
     requests = {name: ([*PROMPT[: 10 + i], i + 3], params) for i, (name, params) in enumerate(SHAPES.items())}
     requests["prefix_hit"] = ([*PROMPT[:16], 77, 78], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
-    llm.generate([PROMPT[:16] + [1]], SamplingParams(temperature=0.0, max_tokens=1))  # caches 4 full blocks
+    llm.generate([[*PROMPT[:16], 1]], SamplingParams(temperature=0.0, max_tokens=1))  # caches 4 full blocks
     records_before = len(engine.terminal_records)
     done = run_all(llm, requests)
 

@@ -114,6 +114,6 @@ def test_gauges_follow_the_load_snapshot(tiny_server):
     load = tiny_server.get("/load").json()
     samples = scrape(tiny_server)
     assert samples[f"kvpilot_kv_cache_blocks{{{M},state=\"total\"}}"] == load["kv_blocks_total"] == 511
-    assert samples[f'kvpilot_cache_config_info{{block_size="16",{M},num_gpu_blocks="511"}}'] == 1
+    assert samples[f'kvpilot_cache_config_info{{block_size="16",kv_cache_sizing="num_kv_blocks",{M},num_gpu_blocks="511"}}'] == 1
     assert samples[f'kvpilot_server_phase{{{M},phase="ready"}}'] == 1
     assert samples[f'kvpilot_slo_objective_seconds{{{M},objective="ttft"}}'] == 60
