@@ -54,6 +54,8 @@ RUN apt-get update \
 # hadolint ignore=DL3006
 FROM runtime-${VARIANT} AS final
 COPY --from=build /opt/kvpilot /opt/kvpilot
+# HOME=/tmp: the non-root user's caches (models, the compiled C kernels under ~/.cache/kvpilot, Triton's
+# ~/.triton) go to /tmp, the one writable path (an emptyDir in the pods)
 ENV PATH=/opt/kvpilot/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
