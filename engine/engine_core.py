@@ -73,6 +73,12 @@ class LLMEngine(StepOutputs):
         self.backend = select_backend(config.attention_backend, self.device, num_heads=arch.num_attention_heads,
                                       num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
                                       scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            # before the weights load and the first forward: an image without a C compiler (or Python.h,
+            # libcuda) fails start-up in seconds, with a message naming what is missing
+            from kvpilot.engine.attention.gpu_preflight import check_triton_launch
+
+            check_triton_launch(self.device)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.native_ops = resolve_native_ops(config.native_cpu_ops, self.device, self.dtype,
                                              Path(mc.download_dir) if mc.download_dir else default_cache_dir())

@@ -3,8 +3,10 @@
 Triton builds a small C launcher the first time it launches a kernel, with a C compiler (``$CC``, else
 gcc, else clang on PATH), this interpreter's headers (``Python.h``) and the driver's ``libcuda.so.1``.
 An image lacking one of them loads the model and then fails in the first forward with an error that
-does not say what to install, and the pod crash-loops. The engine therefore launches one tiny kernel
-first and turns a failure into a start-up error that names the missing piece.
+does not say what to install, and the pod crash-loops. ``LLMEngine`` therefore launches one tiny kernel
+when its backend is Triton on CUDA, right after choosing the backend (before the weights load, the profiled
+forward and warm-up, so well before ``/ready``), and turns a failure into a start-up error that names the
+missing piece.
 
 The kernel is wrapped in ``triton.jit`` at the first check, not at import, so ``TRITON_INTERPRET`` is
 read then (as ``load_kernels`` does for the attention kernels): on CPU the check runs in the

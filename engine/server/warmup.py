@@ -1,9 +1,8 @@
-"""Warm-up before ``/ready``: on CUDA with the Triton backend, a check that Triton can build and launch
-a kernel (``gpu_preflight``: a start-up error naming a missing compiler, header or driver library) and
-kernel tuning; then forward passes over the configured batch/length buckets through the real engine
-path (add_request → step → sample → detokenize → reclaim), so the first real requests do not pay for
-lazy initialisation, allocator growth or kernel compilation (seed §1.5). Runs on the engine thread,
-before the engine loop serves anything.
+"""Warm-up before ``/ready``: kernel tuning (Triton on CUDA) and forward passes over the configured
+batch/length buckets through the real engine path (add_request → step → sample → detokenize →
+reclaim),
+so the first real requests do not pay for lazy initialisation, allocator growth or kernel compilation
+(seed §1.5). Runs on the engine thread, before the engine loop serves anything.
 
 Warm-up prompts carry their own cache salt, so their cached blocks can never be hit by a real request;
 they are the least recently used blocks and are evicted first.
@@ -44,11 +43,6 @@ def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, Wa
     ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_kernel_tuning(seconds)`` after
     tuning."""
     if engine.device.type == "cuda":
-        if engine.backend.name == "triton":
-            # imported here: only a Triton-on-CUDA engine needs triton at start-up
-            from kvpilot.engine.attention.gpu_preflight import check_triton_launch
-
-            check_triton_launch(engine.device)  # fails start-up naming what is missing (compiler, ...)
         start = time.monotonic()
         key_cache, value_cache = engine.kv_cache.layers[0]
         sc = engine.config.scheduler

@@ -1,7 +1,7 @@
 """The Triton start-up check: its kernel (interpreter on CPU, compiled with ``KVPILOT_TEST_DEVICE=cuda``),
 the message each failure Triton raises maps to (the real Triton functions where this machine can make
-them fail: compiler lookup, a launcher build without Python.h, the libcuda lookup), and where warm-up
-runs it (Triton on CUDA only, before kernel tuning)."""
+them fail: compiler lookup, a launcher build without Python.h, the libcuda lookup), and where the engine
+runs it (Triton on CUDA only, before the weights load)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import os
 import shutil
 import subprocess
 import sysconfig
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,8 +28,6 @@ from kvpilot.engine.attention.gpu_preflight import (
     check_triton_launch,
     explain_failure,
 )
-from kvpilot.engine.server.config import WarmupBucket
-from kvpilot.engine.server.warmup import run_warmup
 
 CPU = torch.device("cpu")
 PREFIX = "Triton start-up check failed on cpu: "
@@ -165,44 +162,54 @@ def test_an_unrecognised_failure_keeps_its_type_and_text(tmp_path):
         "Triton could not build and launch a kernel: ValueError: unexpected")
 
 
-class _Backend:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.tuned = 0
-
-    def warmup(self, *args) -> None:
-        self.tuned += 1
+class _StopBeforeLoading(Exception):
+    """Raised in place of loading the weights: construction got past the backend choice."""
 
 
-def fake_engine(device: str, backend: str) -> SimpleNamespace:
-    """What run_warmup reads from an engine, with no buckets to run (so no forward pass)."""
-    return SimpleNamespace(device=torch.device(device), backend=_Backend(backend),
-                           kv_cache=SimpleNamespace(layers=[(None, None)]),
-                           config=SimpleNamespace(scheduler=SimpleNamespace(max_num_seqs=1, max_num_batched_tokens=8)),
-                           max_model_len=16, arch=SimpleNamespace(vocab_size=32), terminal_records=[],
-                           has_unfinished_requests=lambda: False)
+@pytest.fixture
+def fake_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
+    """LLMEngine on a pretend CUDA device (no CUDA call happens before the weights load, which is
+    replaced by ``_StopBeforeLoading``); returns the devices the Triton check ran for."""
+    from kvpilot.engine import engine_core
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+
+    def load_model(*args, **kwargs):
+        raise _StopBeforeLoading
+
+    monkeypatch.setattr(engine_core, "load_model", load_model)
+    checks: list[torch.device] = []
+    monkeypatch.setattr(gpu_preflight, "check_triton_launch", checks.append)
+    return checks
+
+
+def make_engine(device: str, backend: str):
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.engine_core import LLMEngine
+
+    config = EngineArgs(model="tiny-random", device=device, attention_backend=backend, num_kv_blocks=16,
+                        native_cpu_ops="off").create_config()
+    return LLMEngine(config)
 
 
 @pytest.mark.parametrize(("device", "backend", "checked"),
-                         [("cuda", "triton", 1), ("cuda", "torch", 0), ("cpu", "triton", 0), ("cpu", "torch", 0)])
-def test_warm_up_checks_triton_only_for_the_triton_backend_on_cuda(monkeypatch, device, backend, checked):
-    checks: list[torch.device] = []
-    monkeypatch.setattr(gpu_preflight, "check_triton_launch", checks.append)
-    engine = fake_engine(device, backend)
-    run_warmup(engine, [], lambda i, bucket: None, lambda seconds: None)
-    assert checks == [torch.device(device)] * checked
-    assert engine.backend.tuned == (1 if device == "cuda" else 0)
+                         [("cuda", "triton", 1), ("cuda", "auto", 1), ("cuda", "torch", 0), ("cpu", "triton", 0)])
+def test_the_engine_checks_triton_for_the_triton_backend_on_cuda_before_loading_weights(
+        fake_cuda_engine, tiny_model_dir, device, backend, checked):
+    with pytest.raises(_StopBeforeLoading):
+        make_engine(device, backend)
+    assert fake_cuda_engine == [torch.device("cuda", 0)] * checked
 
 
-def test_a_failed_check_stops_warm_up_before_kernel_tuning_and_buckets(monkeypatch):
+def test_a_failed_check_fails_engine_construction_before_the_weights_load(fake_cuda_engine, tiny_model_dir,
+                                                                        monkeypatch):
     def fail(device: torch.device) -> None:
         raise TritonPreflightError(f"Triton start-up check failed on {device}: {COMPILER_MISSING}")
 
     monkeypatch.setattr(gpu_preflight, "check_triton_launch", fail)
-    engine = fake_engine("cuda", "triton")
-    buckets_started: list[int] = []
-    with pytest.raises(TritonPreflightError, match=r"^Triton start-up check failed on cuda: Triton needs a C "
+    with pytest.raises(TritonPreflightError, match=r"^Triton start-up check failed on cuda:0: Triton needs a C "
                                                   r"compiler \(cc/gcc\)"):
-        run_warmup(engine, [WarmupBucket(1, 4)], lambda i, bucket: buckets_started.append(i), lambda s: None)
-    assert engine.backend.tuned == 0 and buckets_started == []
-
+        make_engine("cuda", "triton")  # _StopBeforeLoading would mean the weights started loading
