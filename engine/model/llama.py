@@ -117,8 +117,9 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                      arch.rope_scaling, dtype)
+        with torch.device("cpu"):  # float32 tables computed as HF computes them, whatever device the model is on
+            self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
+                                          arch.rope_scaling, dtype)
         #: an optimised copy of the LM head (e.g. oneDNN-packed on CPU); None = use the weight directly
         self.packed_lm_head: nn.Module | None = None
         #: fused C kernels (float32 on CPU); None = PyTorch ops

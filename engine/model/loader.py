@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -77,16 +78,38 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{model_dir}: no *.safetensors weight files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                tensors[name] = st.get_tensor(name)
-    return tensors
+class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
+    """The tensors of a directory's ``*.safetensors`` files, read one at a time when looked up.
+
+    The files stay open (memory-mapped by safetensors); a lookup reads that one tensor into host memory.
+    Copying each into a parameter that already lives on the device keeps the host's peak near one fused
+    tensor (q/k/v or gate/up of a layer) instead of the whole checkpoint beside the model."""
+
+    def __init__(self, model_dir: Path) -> None:
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{model_dir}: no *.safetensors weight files")
+        self._stack = contextlib.ExitStack()
+        self._where: dict[str, Any] = {}
+        for f in files:
+            handle = self._stack.enter_context(safe_open(str(f), framework="pt"))
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                self._where[name] = handle
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def close(self) -> None:
+        self._stack.close()
 
 
 @contextlib.contextmanager
@@ -113,10 +136,16 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backen
     """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
     forward pass and, with oneDNN linears, serves their small batches."""
     arch = ModelArchConfig.from_dir(model_dir)
-    with _uninitialized_parameters(dtype):
+    # parameters are allocated on the device and filled tensor by tensor from the open files: the host
+    # never holds the whole checkpoint (nor a CPU copy of the model on its way to a GPU)
+    with _uninitialized_parameters(dtype), torch.device(device):
         model = LlamaForCausalLM(arch, dtype, backend)
-    model.load_hf_weights(read_safetensors(model_dir))
-    model.to(device)
+    checkpoint = SafetensorsCheckpoint(model_dir)
+    try:
+        model.load_hf_weights(checkpoint)
+    finally:
+        checkpoint.close()
+    model.to(device)  # the RoPE tables, built on the CPU
     if linear_backend == "onednn":
         pack_linears(model.layers, batch_hint, native)
         # the LM head is the widest GEMM of a decode step; with tied embeddings each packed copy (oneDNN's,

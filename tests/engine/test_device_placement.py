@@ -1,6 +1,7 @@
-"""``--device``: a CUDA device gets its index and becomes the current device (Triton launches on the current
+"""Where the engine's tensors go. ``--device``: a CUDA device gets its index and becomes the current device (Triton launches on the current
 device, so ``cuda:1`` with another current device would run kernels where the tensors are not). The CUDA
-runtime is replaced by a recorder, so this runs on the CPU."""
+runtime is replaced by a recorder, so this runs on the CPU. Weights: streamed from the checkpoint into
+parameters already on the device, one fused tensor at a time."""
 
 from __future__ import annotations
 
@@ -43,3 +44,31 @@ def test_cuda_without_cuda_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="CUDA is not available"):
         resolve_device("cuda:0")
+
+
+def test_weights_stream_into_parameters_one_fused_tensor_at_a_time(tiny_model_dir, monkeypatch) -> None:
+    """The loader never holds more checkpoint tensors than one fused parameter needs (q, k, v)."""
+    import gc
+    import weakref
+
+    from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+    from kvpilot.engine.model import loader
+
+    live: list[weakref.ref] = []
+    most_alive = 0
+    read = loader.SafetensorsCheckpoint.__getitem__
+
+    def counting_read(self, name: str) -> torch.Tensor:
+        nonlocal most_alive
+        gc.collect()
+        tensor = read(self, name)
+        live.append(weakref.ref(tensor))
+        most_alive = max(most_alive, sum(ref() is not None for ref in live))
+        return tensor
+
+    monkeypatch.setattr(loader.SafetensorsCheckpoint, "__getitem__", counting_read)
+    backend = TorchAttentionBackend(num_heads=4, num_kv_heads=2, head_dim=16, scale=0.25)
+    model = loader.load_model(tiny_model_dir, torch.float32, torch.device("cpu"), backend)
+    assert len(live) == 20  # every tensor of the tiny checkpoint read exactly once
+    assert most_alive <= 3
+    assert model.embed_tokens.weight.device.type == "cpu"
