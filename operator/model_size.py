@@ -12,6 +12,9 @@ BYTES_PER_PARAMETER = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Interpreter, torch and the HTTP server before any weights: `kvpilot serve --model tiny-random` peaks at
 # 289 MB RSS on CPU (2026-12), so 256 MiB is a floor, not an estimate.
 ENGINE_RUNTIME_BYTES = 256 * 1024 * 1024
+# The known models are written into the pod's model cache as float32 safetensors (GGUF conversion, the
+# seeded tiny model), in shards of at most this size (engine/model/gguf_convert.py's default).
+CONVERSION_SHARD_BYTES = 2 * 1024**3
 
 
 def engine_dtype(dtype: str, on_gpu: bool) -> str:
@@ -30,12 +33,14 @@ def weight_bytes(source: str, dtype: str) -> int | None:
 def memory_floor_bytes(source: str, dtype: str, on_gpu: bool, kv_cache_bytes: int) -> int | None:
     """Pod memory below which loading certainly fails, or None when the model's size is unknown.
 
-    On CPU the weights and the KV cache (``kv_cache_bytes``) stay in the pod's memory. On GPU the KV
-    cache is on the device, but the engine reads the checkpoint into host memory before it moves it to
-    the GPU (``engine/model/loader.py``), so the weights count there too; once loading streams tensor by
-    tensor (issue 19, item 6) that term can shrink to one tensor.
+    On CPU the weights and the KV cache (``kv_cache_bytes``) stay in the pod's memory. On GPU both are on
+    the device (the loader streams the weights tensor by tensor), but the known models are first written
+    into the model cache as float32, one shard at a time, so the host holds up to one float32 shard.
     """
+    if on_gpu:
+        converted = weight_bytes(source, "float32")
+        return None if converted is None else min(converted, CONVERSION_SHARD_BYTES) + ENGINE_RUNTIME_BYTES
     weights = weight_bytes(source, engine_dtype(dtype, on_gpu))
     if weights is None:
         return None
-    return weights + (0 if on_gpu else kv_cache_bytes) + ENGINE_RUNTIME_BYTES
+    return weights + kv_cache_bytes + ENGINE_RUNTIME_BYTES

@@ -130,10 +130,10 @@ def test_gpu_pods_without_kv_memory_have_no_fixed_kv_size():
     ({"model": {"source": "smollm2-135m"}, "resources": {"memory": "1536Mi"}},
      "smollm2-135m needs at least 1795Mi (its float32 weights and the KV cache live in the pod's memory, "
      "beside the engine's runtime), got 1536Mi"),
-    # GPU: `auto` loads bfloat16, 270 MB, and the KV cache is on the device: 514Mi
-    ({"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "512Mi"}},
-     "smollm2-135m needs at least 514Mi (its bfloat16 weights are read into the pod's memory on their way to "
-     "the GPU, beside the engine's runtime), got 512Mi"),
+    # GPU: weights and KV cache on the device, but the conversion holds the 540 MB float32 shard: 771Mi
+    ({"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "768Mi"}},
+     "smollm2-135m needs at least 771Mi (its weights are converted to float32 in the pod's memory, shard by "
+     "shard, before they stream to the GPU, beside the engine's runtime), got 768Mi"),
 ])
 def test_memory_below_what_the_known_model_needs_is_refused(spec, message):
     with pytest.raises(SpecError) as error:
@@ -143,7 +143,7 @@ def test_memory_below_what_the_known_model_needs_is_refused(spec, message):
 
 @pytest.mark.parametrize("spec", [
     {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1795Mi"}},
-    {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "514Mi"}},
+    {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "771Mi"}},
     {"model": {"source": "smollm2-135m", "dtype": "float32"}, "resources": {"memory": "2Gi"},
      "engine": {"kvCacheMemory": "256Mi"}},
     {"model": {"source": "pvc://models/llama"}, "resources": {"memory": "1100Mi"}},  # size unknown: not checked
