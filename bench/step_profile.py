@@ -1,0 +1,173 @@
+"""Where an engine step's time goes: host time per stage, model time, and on CUDA the GPU-busy fraction.
+
+    python bench/step_profile.py                              # tiny-random, CPU, 128 decodes, sampling on
+    python bench/step_profile.py --model PATH --device cuda --dtype bfloat16 --gpu-busy
+
+Fills a batch of ``--batch`` requests, runs their prompts, then times ``--steps`` decode-only steps (after
+``--warmup`` untimed ones). Each step's wall time is split by wrapping the engine's stages: ``schedule``,
+``build_batch`` (flattened inputs and block tables), ``forward`` (the model and logits; on CUDA followed
+by a synchronize so that GPU time is charged here, not to the next stage's first sync), ``sample``
+(sampler, appending tokens, stop checks, detokenizing) and ``outputs``. ``other`` is the rest of the tick.
+With ``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra
+synchronize: the union of the GPU kernels' intervals over the steps' wall time is the fraction of time
+the GPU was busy. Prints a table and, with ``--output-json``, writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+
+STAGES = ("schedule", "build_batch", "forward", "sample", "outputs")
+
+
+def busy_fraction(intervals: Iterable[tuple[float, float]], wall: float) -> float:
+    """Length of the union of ``(start, end)`` intervals over ``wall`` (same unit)."""
+    covered, end_so_far = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= end_so_far:
+            continue
+        covered += end - max(start, end_so_far)
+        end_so_far = end
+    return covered / wall if wall > 0 else 0.0
+
+
+class StageTimer:
+    """Wraps engine methods so each call's wall time accumulates under a stage name for the current step."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.current: dict[str, float] = dict.fromkeys(STAGES, 0.0)
+
+    def wrap(self, owner: object, method: str, stage: str, sync_after: bool = False) -> None:
+        inner = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            result = inner(*args, **kwargs)
+            if sync_after:
+                self.sync()
+            self.current[stage] += time.perf_counter() - start
+            return result
+
+        setattr(owner, method, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.current = self.current, dict.fromkeys(STAGES, 0.0)
+        return taken
+
+
+def sampling_params(sampling: bool, max_tokens: int) -> SamplingParams:
+    if not sampling:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=max_tokens, ignore_eos=True, seed=None)
+
+
+def run(args: argparse.Namespace) -> dict:
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
+              max_num_batched_tokens=max(args.batch, 2048), block_size=16,
+              num_kv_blocks=args.batch * (-(-(args.prompt_len + args.warmup + args.steps + 2) // 16)) + 8,
+              enable_prefix_caching=False)
+    engine = llm.engine
+    cuda = engine.device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
+    rng = random.Random(args.seed)
+    vocab = engine.arch.vocab_size
+    params = sampling_params(args.sampling, args.warmup + args.steps + 2)
+    for i in range(args.batch):
+        engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
+    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        engine.step()  # prompts (chunked by the token budget) until every sequence decodes
+    for _ in range(args.warmup):
+        engine.step()
+    sync()
+
+    def timed_steps(timer: StageTimer | None, count: int) -> tuple[list[float], list[dict[str, float]]]:
+        walls, stages = [], []
+        for _ in range(count):
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append(time.perf_counter() - start)
+            if timer is not None:
+                stages.append(timer.take())
+        return walls, stages
+
+    timer = StageTimer(sync)
+    timer.wrap(engine.scheduler, "schedule", "schedule")
+    timer.wrap(engine.runner, "build_batch", "build_batch")
+    timer.wrap(engine.runner, "execute", "forward", sync_after=cuda)
+    timer.wrap(engine, "_sample", "sample")
+    timer.wrap(engine, "_drain_outputs", "outputs")
+    walls, stages = timed_steps(timer, args.steps)
+    step_ms = statistics.median(walls) * 1e3
+    stage_ms = {s: statistics.median(st[s] for st in stages) * 1e3 for s in STAGES}
+    stage_ms["other"] = max(0.0, step_ms - sum(stage_ms.values()))
+    result = {"model": args.model, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+              "batch": args.batch, "prompt_len": args.prompt_len, "sampling": args.sampling, "steps": args.steps,
+              "step_ms_p50": step_ms, "step_ms_p90": sorted(walls)[int(0.9 * (len(walls) - 1))] * 1e3,
+              "stage_ms_p50": stage_ms, "output_tokens_per_second": args.batch / statistics.median(walls)}
+    if args.gpu_busy and cuda:
+        result["gpu_busy_fraction"] = profile_gpu_busy(engine, sync, args.steps)
+    return result
+
+
+def profile_gpu_busy(engine, sync: Callable[[], None], steps: int) -> float:
+    """Fraction of the steps' wall time with a GPU kernel running (no synchronize inside the steps)."""
+    engine.runner.execute = type(engine.runner).execute.__get__(engine.runner)  # unwrap: no extra sync
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        wall_us = (time.perf_counter() - start) * 1e6
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    return busy_fraction(kernels, wall_us)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny-random")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sampling", action=argparse.BooleanOptionalAction, default=True,
+                        help="temperature 0.8, top-p 0.95, top-k 50 (default); --no-sampling: greedy")
+    parser.add_argument("--gpu-busy", action="store_true", help="on CUDA: GPU-busy fraction from torch.profiler")
+    parser.add_argument("--output-json")
+    args = parser.parse_args(argv)
+    if min(args.batch, args.prompt_len, args.steps) < 1 or args.warmup < 0:
+        parser.error("--batch, --prompt-len and --steps must be >= 1, --warmup >= 0")
+    result = run(args)
+    print(f"{result['model']} on {result['device']} ({result['dtype']}), {result['batch']} decodes, "
+          f"sampling {'on' if result['sampling'] else 'off'}: step p50 {result['step_ms_p50']:.2f} ms, "
+          f"p90 {result['step_ms_p90']:.2f} ms, {result['output_tokens_per_second']:.0f} output tok/s")
+    for stage, ms in result["stage_ms_p50"].items():
+        print(f"  {stage:<12} {ms:8.3f} ms  {ms / result['step_ms_p50']:6.1%}")
+    if "gpu_busy_fraction" in result:
+        print(f"  GPU busy {result['gpu_busy_fraction']:.1%} of the steps' wall time")
+    if args.output_json:
+        with open(args.output_json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
