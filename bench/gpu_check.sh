@@ -126,7 +126,9 @@ if want serve; then
     t=$(date +%s)
     if [ "$has_smollm2" = 1 ] && [ -z "${GPU_CHECK_MODEL:-}" ]; then model=smollm2-135m; fi
     log="$out/serve.log"
-    kvpilot serve --model "$model" --device "$dev" --port 8011 --host 127.0.0.1 >"$log" 2>&1 &
+    # the interpreter itself in the background (not the shell function), so $! is the server to stop
+    python3 -c 'import sys; from kvpilot.cli import main; sys.exit(main())' serve --model "$model" \
+        --device "$dev" --port 8011 --host 127.0.0.1 >"$log" 2>&1 &
     server=$!
     rc=1
     for _ in $(seq 1 60); do
