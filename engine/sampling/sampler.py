@@ -5,8 +5,8 @@
 3. temperature: T = 0 is a separate greedy branch (argmax of the constrained logits, ties → lowest id);
    the truncation filters do not apply to it, and nothing is ever divided by zero
 4. truncation on z/T: min_p → top_k → top_p → typical_p (``filters.py``)
-5. sampling by the exponential race ``argmax(p_i / E_i)``, E_i ~ Exp(1), an exact draw from p. A seeded
-   request draws E from its own generator, so its tokens do not depend on what else is in the batch.
+5. sampling by inverse CDF with one uniform number per row (``draw.py``), an exact draw from p. A seeded
+   request draws its number from its own generator, so its tokens do not depend on what else is in the batch.
 
 Fast paths: an all-greedy batch without constraints, penalties or logprobs is a single argmax; steps
 2–4 run only for the rows whose parameters use them.
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.outputs import Logprob
+from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 
@@ -92,11 +93,12 @@ class Sampler:
             apply_top_p(scaled, torch.tensor([p.top_p for p in pick], device=dev))
             apply_typical_p(scaled, torch.tensor([p.typical_p for p in pick], device=dev))
             probs = scaled.softmax(dim=-1)
-            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+            # one uniform per row (``draw.py``); a seeded row takes its own from its generator
+            uniform = torch.rand(len(sample_rows), generator=self.generator, device=dev)
             for j, i in enumerate(sample_rows):
                 if states[i].generator is not None:
-                    noise[j].exponential_(generator=states[i].generator)
-            tokens.index_copy_(0, idx, (probs / noise).argmax(dim=-1))
+                    uniform[j] = torch.rand(1, generator=states[i].generator, device=dev)[0]
+            tokens.index_copy_(0, idx, inverse_cdf_draw(probs, uniform))
             if any(want_lp) or any(want_full):
                 final = proc.clone()
                 final.index_copy_(0, idx, scaled)

@@ -171,3 +171,54 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
 def test_invalid_parameters_name_the_field(kwargs, field):
     with pytest.raises(SamplingParamsError, match=field):
         SamplingParams(**kwargs)
+
+
+def _logit_rows(seed: int, vocab: int, rows: int, spread: float) -> torch.Tensor:
+    """Logits with many exact ties (values on a coarse grid) and some -inf (earlier masks)."""
+    gen = torch.Generator().manual_seed(seed)
+    z = (torch.randn(rows, vocab, generator=gen) * spread * 4).round() / 4
+    z[torch.rand(rows, vocab, generator=gen) < 0.1] = float("-inf")
+    return z
+
+
+@pytest.mark.parametrize("vocab, spread", [(50, 1.0), (300, 0.3), (2000, 3.0), (2000, 0.05), (5000, 8.0)])
+def test_top_k_without_a_sort_keeps_the_sorted_definitions_support(vocab, spread):
+    from kvpilot.engine.sampling.filters import reference_top_k
+
+    z = _logit_rows(vocab, vocab, 12, spread)
+    k = torch.tensor([1, 2, 3, 5, 17, 40, 49, vocab - 1, vocab, 0, -1, vocab // 2])
+    assert torch.equal(apply_top_k(z.clone(), k), reference_top_k(z.clone(), k))
+
+
+@pytest.mark.parametrize("vocab, spread", [(50, 1.0), (300, 0.3), (2000, 3.0), (2000, 0.05), (5000, 8.0)])
+def test_top_p_on_candidates_keeps_the_sorted_definitions_support(vocab, spread):
+    """Peaked rows resolve on 64 candidates, flatter ones on 1024, flat ones by the full sort: every
+    path must give the full sort's support exactly (ties by id included)."""
+    from kvpilot.engine.sampling.filters import reference_top_p
+
+    z = _logit_rows(vocab + 1, vocab, 10, spread)
+    p = torch.tensor([0.1, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0, 0.3, 0.7])
+    assert torch.equal(apply_top_p(z.clone(), p), reference_top_p(z.clone(), p))
+
+
+def test_top_p_candidate_paths_are_all_exercised():
+    """Negative control for the equivalence above: the three paths really occur on these inputs."""
+    from kvpilot.engine.sampling import filters
+
+    calls = []
+    real_sort = torch.Tensor.sort
+
+    def spy(self, *args, **kwargs):
+        calls.append(self.shape[-1])
+        return real_sort(self, *args, **kwargs)
+
+    peaked, flat = _logit_rows(1, 5000, 1, 8.0), torch.zeros(1, 5000)
+    try:
+        torch.Tensor.sort = spy
+        filters.apply_top_p(peaked.clone(), torch.tensor([0.9]))
+        assert max(calls) <= 1024 and 5000 not in calls  # resolved on candidates
+        calls.clear()
+        filters.apply_top_p(flat.clone(), torch.tensor([0.9]))
+        assert 5000 in calls  # a flat row needs the full sort
+    finally:
+        torch.Tensor.sort = real_sort
