@@ -46,5 +46,11 @@ def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_ge
                     **template_kwargs: Any) -> list[int]:
     """``/v1/chat/completions``: the rendered chat prompt, encoded without extra special tokens (the template
     already writes them)."""
-    text = render_chat_prompt(tokenizer, messages, add_generation_prompt, **template_kwargs)
+    return encode_chat_prompt(tokenizer, render_chat_prompt(tokenizer, messages, add_generation_prompt,
+                                                            **template_kwargs))
+
+
+def encode_chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of a rendered chat prompt: no extra special tokens (the template already wrote them). Apart
+    from :func:`chat_prompt_ids` so the server can check the text's length before paying for encoding."""
     return tokenizer.encode(text, add_special_tokens=False)

@@ -8,6 +8,7 @@ parsed, so ``tool_choice`` that demands a call, and ``response_format`` other th
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -22,7 +23,7 @@ from kvpilot.engine.server.output_deltas import OutputChunk
 from kvpilot.engine.server.prompts import chat_prompt
 from kvpilot.engine.server.protocol import ChatCompletionRequest, check_text
 from kvpilot.engine.server.responses import respond, usage
-from kvpilot.engine.server.sampling_mapping import check_against_engine, sampling_params
+from kvpilot.engine.server.sampling_mapping import check_against_engine, check_prompt_length, sampling_params
 from kvpilot.engine.server.state import request_context, server_state
 
 router = APIRouter()
@@ -102,7 +103,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=explicit, logprobs=logprobs)
-    prompt = await run_in_threadpool(chat_prompt, info.tokenizer, body)
+    prompt = await run_in_threadpool(chat_prompt, info.tokenizer, body,
+                                     functools.partial(check_prompt_length, info=info))
     check_against_engine(prompt.token_ids, params, info, explicit_max_tokens=explicit is not None)
     gen = Generation(state, ctx, "chat", f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority or 0,
                      body.user)

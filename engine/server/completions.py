@@ -3,6 +3,7 @@ streaming or not. Choice ``index`` = prompt index × n + sample index, as OpenAI
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 
@@ -17,7 +18,7 @@ from kvpilot.engine.server.output_deltas import OutputChunk
 from kvpilot.engine.server.prompts import completion_prompts
 from kvpilot.engine.server.protocol import CompletionRequest, check_text
 from kvpilot.engine.server.responses import respond, usage
-from kvpilot.engine.server.sampling_mapping import check_against_engine, sampling_params
+from kvpilot.engine.server.sampling_mapping import check_against_engine, check_prompt_length, sampling_params
 from kvpilot.engine.server.state import request_context, server_state
 from kvpilot.engine.tokenizer import Tokenizer
 
@@ -98,7 +99,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise bad_request("echo together with logprobs is not supported", "echo")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
-    prompts = await run_in_threadpool(completion_prompts, info.tokenizer, body.prompt)
+    prompts = await run_in_threadpool(completion_prompts, info.tokenizer, body.prompt,
+                                      functools.partial(check_prompt_length, info=info))
     for prompt in prompts:
         check_against_engine(prompt.token_ids, params, info, explicit_max_tokens=body.max_tokens is not None)
     gen = Generation(state, ctx, "text_completion", f"cmpl-{uuid.uuid4().hex}", prompts, params,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.kv.events import KVEventLog
+from kvpilot.engine.prompt_bound import max_chars_per_token
 from kvpilot.engine.tokenizer import Tokenizer
 
 
@@ -27,6 +28,8 @@ class EngineInfo:
     root_hex: str
     #: thread-safe reads (``since``); written by the engine thread
     kv_events: KVEventLog
+    #: the most characters one token can stand for (None: no sound bound for this tokenizer)
+    max_chars_per_token: int | None = None
 
     @classmethod
     def from_engine(cls, engine) -> EngineInfo:
@@ -36,7 +39,8 @@ class EngineInfo:
                    max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
                    enable_chunked_prefill=sc.enable_chunked_prefill, max_logprobs=engine.config.max_logprobs,
                    block_size=engine.kv.block_size, kv_blocks_total=engine.pool.num_usable,
-                   root_hex=engine.kv.root_hash.hex(), kv_events=engine.kv_events)
+                   root_hex=engine.kv.root_hash.hex(), kv_events=engine.kv_events,
+                   max_chars_per_token=max_chars_per_token(engine.tokenizer))
 
 
 def served_model_name(config: EngineConfig) -> str:

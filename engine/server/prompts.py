@@ -7,21 +7,29 @@ engine's (tests/server/test_prompt_ids.py holds them equal):
   ``chat_template_kwargs`` as template variables, and ``tools`` (when the body has the key) on top.
 
 Tokenization runs on a worker thread (it can take milliseconds for long prompts); any failure to render
-or encode is the request's fault: 400.
+or encode is the request's fault: 400. Each text passes ``check_length`` first, which refuses one that is
+certainly too long without encoding it (``kvpilot.engine.prompt_bound``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
-from kvpilot.engine.server.errors import bad_request
+from kvpilot.engine.prompt_render import completion_prompt_ids, encode_chat_prompt, render_chat_prompt
+from kvpilot.engine.server.errors import APIError, bad_request
 from kvpilot.engine.server.protocol import ChatCompletionRequest
 from kvpilot.engine.tokenizer import Tokenizer
 
 # apply_chat_template's own parameters: as template variables they would change how it runs.
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tokenize"})
+#: raises an ``APIError`` for a prompt text that must not be encoded
+CheckLength = Callable[[str], None]
+
+
+def _unchecked(text: str) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -31,13 +39,17 @@ class PromptInput:
     token_ids: list[int]
 
 
-def completion_prompts(tokenizer: Tokenizer, prompt: str | list) -> list[PromptInput]:
+def completion_prompts(tokenizer: Tokenizer, prompt: str | list,
+                       check_length: CheckLength = _unchecked) -> list[PromptInput]:
     if isinstance(prompt, str):
-        return [PromptInput(prompt, completion_prompt_ids(tokenizer, prompt))]
-    if not prompt:
+        prompt = [prompt]
+    elif not prompt:
         raise bad_request("prompt must not be an empty list", "prompt")
-    if all(isinstance(t, int) for t in prompt):
+    elif all(isinstance(t, int) for t in prompt):
         return [PromptInput(None, completion_prompt_ids(tokenizer, prompt))]
+    for p in prompt:  # every text before any is encoded: one huge prompt of several costs nothing
+        if isinstance(p, str):
+            check_length(p)
     return [PromptInput(p if isinstance(p, str) else None, completion_prompt_ids(tokenizer, p))
             for p in prompt]
 
@@ -52,11 +64,16 @@ def chat_template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest) -> PromptInput:
+def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest,
+                check_length: CheckLength = _unchecked) -> PromptInput:
     kwargs = chat_template_kwargs(body)
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
     try:
-        ids = chat_prompt_ids(tokenizer, body.messages, add_generation_prompt, **kwargs)
+        text = render_chat_prompt(tokenizer, body.messages, add_generation_prompt, **kwargs)
+        check_length(text)
+        ids = encode_chat_prompt(tokenizer, text)
+    except APIError:
+        raise
     except Exception as err:  # the template decides what it accepts; whatever it refuses is bad input
         raise bad_request(f"messages could not be rendered with the model's chat template: {err}",
                           "messages") from None

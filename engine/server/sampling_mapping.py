@@ -3,6 +3,7 @@ Every failure is a 400 naming the offending field."""
 
 from __future__ import annotations
 
+from kvpilot.engine.prompt_bound import min_tokens
 from kvpilot.engine.request_validation import RequestError, validate_params, validate_prompt
 from kvpilot.engine.sampling.params import SamplingParams, SamplingParamsError
 from kvpilot.engine.server.engine_info import EngineInfo
@@ -38,6 +39,19 @@ def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: i
     if body.stream_options is not None and not body.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     return params
+
+
+def check_prompt_length(text: str, info: EngineInfo) -> None:
+    """Refuse a prompt text whose length alone proves it longer than the context, before tokenizing it, with
+    the error the token count would give."""
+    per_token = info.max_chars_per_token
+    if per_token is None:
+        return
+    at_least = min_tokens(len(text), per_token)
+    if at_least >= info.max_model_len:
+        raise bad_request(f"prompt has at least {at_least} tokens ({len(text)} characters, at most {per_token} "
+                          f"per token); the context limit is {info.max_model_len} (prompt + at least one "
+                          "generated token)", "prompt", code="context_length_exceeded")
 
 
 def check_against_engine(token_ids: list[int], params: SamplingParams, info: EngineInfo,
