@@ -1,24 +1,45 @@
-"""kvpilot.engine — the paged-KV inference engine.
+"""kvpilot.engine — the paged-KV inference engine (how it fits together: docs/architecture.md).
 
 Package map:
-- ``config``      typed engine configuration (``EngineArgs`` → ``EngineConfig``), validated at the boundary
-- ``model/``      Llama-architecture model, HF/GGUF loaders, tiny random model for tests
-- ``tokenizer``   tokenizer + chat template (shared with the router); ``chat_skeleton`` renders templates
-                  that only emit message contents by splicing them into a cached skeleton
-- ``kv/``         block hashing (shared with the router), block pool, KV cache tensors, KV cache manager
-- ``attention/``  attention-backend interface; PyTorch path (CPU) and Triton kernels (GPU)
-- ``native/``     fused float32 C kernels for the CPU hot loop (norm, RoPE, K/V write, SiLU-mul, paged
-                  decode attention, the GEMM of decode steps), compiled once per host; PyTorch references
-                  beside them
-- ``sampling/``   ``SamplingParams`` and the sampler
-- ``request``     request state and the lifecycle state machine
-- ``scheduler``   token-budget scheduler: continuous batching, chunked prefill, preemption
-- ``model_runner`` builds the flattened batch and runs the model
-- ``capacity_plan`` how many KV blocks and how long a context; ``memory_profile`` the KV budget on a GPU
-                  from ``gpu_memory_utilization`` and one profiled step of the largest size
-- ``engine_core`` ``LLMEngine``: add requests, step, outputs
-- ``llm``         offline ``LLM`` API (vLLM-shaped)
-- ``server/``     OpenAI-compatible HTTP server (``kvpilot serve``)
+
+Configuration and entry points:
+- ``config``             typed engine configuration (``EngineArgs`` → ``EngineConfig``), validated once
+- ``arg_utils``          engine-arg CLI flags (vLLM's names), shared by ``kvpilot generate`` and ``serve``
+- ``llm``                offline ``LLM`` API (vLLM-shaped)
+- ``cli``                ``kvpilot generate``: offline generation from the command line
+- ``server/``            OpenAI-compatible HTTP server (``kvpilot serve``)
+
+Prompts and requests (``tokenizer``, ``chat_skeleton``, ``prompt_render``, ``prompt_bound`` and ``tenancy``
+are torch-free and shared with the router):
+- ``tokenizer``          tokenizer + chat template
+- ``chat_skeleton``      renders templates that only emit message contents by splicing them into a cached
+                         skeleton
+- ``prompt_render``      request body → prompt token ids, exactly as the server and the router derive them
+- ``prompt_bound``       a lower bound on a text's token count without tokenizing it (refuses huge prompts)
+- ``tenancy``            a request's tenant (``x-tenant``, else an API-key digest): the prefix-cache salt
+- ``request_validation`` prompt and sampling checks against the loaded model (``RequestError``)
+- ``request``            one sequence's state and the lifecycle state machine
+- ``sequence_group``     a user request and its sequences (parallel samples, beams); builds its output
+- ``beam_search``        beam selection over live sequences that share KV blocks
+- ``detokenizer``        incremental detokenization and the stop-string hold-back buffer
+- ``outputs``            ``RequestOutput`` / ``CompletionOutput`` and the terminal record every request leaves
+
+The engine and its tick:
+- ``engine_core``        ``LLMEngine``: add requests, ``step()`` (one scheduler tick), abort, invariants
+- ``scheduler``          token-budget scheduler: continuous batching, chunked prefill, preemption
+- ``model_runner``       builds the flattened batch of a tick and runs the model
+- ``step_outputs``       logits → tokens → outputs, and the single terminal reclaim routine
+- ``stats``              engine counters and the ``/load`` snapshot
+- ``capacity_plan``      how many KV blocks the cache gets and how long a context the engine accepts
+- ``memory_profile``     the KV budget on a GPU from ``gpu_memory_utilization`` and one profiled step of the
+                         largest size
+- ``kv/``                block hashing (shared with the router), block pool, KV cache tensors, KV manager
+- ``model/``             Llama-architecture model, HF/GGUF loaders, tiny random model for tests
+- ``attention/``         attention-backend interface; PyTorch path (CPU) and Triton kernels (GPU)
+- ``native/``            fused float32 C kernels for the CPU hot loop (norm, RoPE, K/V write, SiLU-mul, paged
+                         attention, the GEMM of decode steps), compiled once per host; PyTorch references
+                         beside them
+- ``sampling/``          ``SamplingParams`` and the logits → token pipeline
 
 Heavy names (``LLM``, ``SamplingParams``, …) are imported lazily so that modules the router shares
 (``kvpilot.engine.kv.block_hash``, ``kvpilot.engine.tokenizer``) load without torch.

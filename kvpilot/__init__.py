@@ -1,11 +1,12 @@
 """kvpilot — Kubernetes-native LLM serving.
 
-Package map (import names; folders per DESIGN.md):
-- ``kvpilot``            version and the ``kvpilot`` CLI dispatcher (``kvpilot.cli``)
+Package map (import names; each part has its own top-level folder, see docs/architecture.md#package-map):
+- ``kvpilot``            the version (``__version__``) and the OpenMP wait policy set before torch loads
+- ``cli``                ``kvpilot.cli``: the ``kvpilot`` command, dispatching to each part's own CLI module
+- ``bench/``             ``kvpilot.bench``: serving/offline benchmark tools behind ``kvpilot bench``
 - ``kvpilot.engine``     paged-KV inference engine, offline ``LLM`` API, OpenAI server (folder ``engine/``)
 - ``kvpilot.router``     cache-aware routing sidecar (folder ``router/``)
 - ``kvpilot.operator``   Kopf operator for ``InferenceService`` (folder ``operator/``)
-- ``kvpilot.bench``      serving/offline benchmark tools behind ``kvpilot bench``
 """
 
 import os as _os

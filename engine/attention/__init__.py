@@ -5,6 +5,7 @@
 - ``torch_backend``   the PyTorch path (CPU default): gathers paged K/V and runs SDPA
 - ``triton_backend``  the Triton kernels (CUDA default; runs in the interpreter on CPU for tests)
 - ``gpu_preflight``   the start-up check that Triton can build and launch a kernel (names what is missing)
+- ``kernels/``        the Triton kernels themselves, one per module, with their PyTorch references
 """
 
 from kvpilot.engine.attention.backend import AttentionBackend, select_backend

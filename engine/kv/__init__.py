@@ -1,1 +1,12 @@
-"""kvpilot.engine.kv."""
+"""kvpilot.engine.kv — the paged KV cache (docs/architecture.md#kv-lifecycle).
+
+Package map:
+- ``block_hash``  the prefix-cache hash chain of full blocks, salted per tenant (torch-free: the router
+                  imports it)
+- ``block_pool``  physical blocks: reference counts, the LRU free queue, the hash → cached-block map
+- ``events``      the ordered, epoch-stamped log of cache changes behind ``/kv/events``
+- ``kv_cache``    the preallocated per-layer K/V tensors and the host swap space
+- ``capacity``    KV arithmetic: bytes per token, blocks per budget, internal fragmentation
+- ``manager``     ``KVCacheManager``: per-request block tables, prefix lookup, copy-on-write, admission
+                  reservations, swap, and the invariant checker
+"""

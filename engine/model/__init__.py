@@ -16,6 +16,7 @@ Forward pass:
 - ``rope_config``    RoPE theta and scaling from either config form (``rope_scaling`` / ``rope_parameters``)
 - ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN)
 - ``llama``          the decoder (RMSNorm, GQA attention through the attention backend, SwiGLU MLP)
+- ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)
 - ``loader``         builds the model on its device from a resolved directory
 
 The tokenizer and chat template live one level up, in ``kvpilot.engine.tokenizer`` (the router shares it).

@@ -7,6 +7,8 @@
 - ``prefill``    varlen prefill/extend attention over a cached paged prefix plus the new tokens
 - ``tuning``     launch configurations and the warm-up tuner that picks them per served shape
 - ``reference``  plain PyTorch references the kernels are tested against
+- ``synthetic``  random paged batches (shuffled blocks, NaN in unused slots) for kernel tests and benchmarks
+- ``warmup``     times the candidate launch configurations on the served shapes before the engine is ready
 
 This package imports no kernel module itself: whether Triton compiles a kernel or runs it in the
 interpreter is decided when the kernel module is imported (``TRITON_INTERPRET``), so
