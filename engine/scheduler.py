@@ -1,7 +1,7 @@
 """Token-budget scheduler: continuous batching with chunked prefill, priorities and preemption.
 
 Each ``schedule()`` call is one tick (seed §5.1): it fills a budget of ``max_num_batched_tokens`` with
-running requests first (one token per decode, the next chunk of an unfinished prefill), then swaps
+running requests first (one token per decode, then the next chunk of each unfinished prefill), then swaps
 requests back in, then admits waiting requests in queue order (priority, then arrival) as long as their
 blocks can be allocated and the sequence cap allows. Scheduling is in tokens, not phases: a request simply
 asks for ``num_tokens - num_computed_tokens`` more tokens, whether those are prompt or output.
@@ -85,8 +85,9 @@ class Scheduler:
         scheduled_ids: set[str] = set()
         preempted_ids: set[str] = set()
 
-        # 1) running requests, highest priority first
-        for req in list(self.running):
+        # 1) running requests, highest priority first; decodes before prefill chunks, so a long prompt
+        #    ahead of them in priority never takes the tokens they need (their count is <= max_num_seqs)
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
                 break
             if req.request_id in preempted_ids or req.status is S.BACKPRESSURED:

@@ -125,6 +125,18 @@ def test_chunked_prefill_lets_decodes_flow():
     assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
 
 
+def test_decodes_take_their_tokens_before_an_earlier_prefill_chunk():
+    """A higher-priority prefill ahead of a decode in the running order cannot take the whole budget."""
+    engine = stub_engine(num_kv_blocks=128, block_size=4, max_num_batched_tokens=8, max_num_seqs=4)
+    engine.add_request("decoding", [3, 4], SamplingParams(temperature=0, max_tokens=6), priority=1)
+    engine.step()
+    engine.add_request("urgent", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=1), priority=0)
+    engine.step()  # urgent admitted behind the decode with the rest of the budget; now it runs first
+    for _ in range(3):
+        engine.step()
+        assert [(rid, n) for rid, _, n in engine.last_step_scheduled] == [("decoding", 1), ("urgent", 7)]
+
+
 def test_prompt_longer_than_budget_without_chunking_is_refused():
     engine = stub_engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
                          enable_chunked_prefill=False)
