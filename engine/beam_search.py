@@ -1,7 +1,7 @@
-"""Beam search over live sequences (seed §3.5): keep the ``width`` best partial sequences by cumulative
-log-probability; a finished hypothesis scores ``cum_logprob / len ** length_penalty`` (len = generated
-tokens). Beams are engine sequences that share KV blocks by reference count: a beam that continues with
-several tokens is forked, a beam that continues with none is released.
+"""Beam search over live sequences (docs/architecture.md#parallel-samples-and-beams): keep the ``width`` best
+partial sequences by cumulative log-probability; a finished hypothesis scores ``cum_logprob / len **
+length_penalty`` (len = generated tokens). Beams are engine sequences that share KV blocks by reference count:
+a beam that continues with several tokens is forked, a beam that continues with none is released.
 
 Per step, each live beam proposes its ``2 × width`` best tokens; candidates are ranked by score (ties by
 beam, then token id). An EOS candidate among the top ``width`` becomes a finished hypothesis; the first

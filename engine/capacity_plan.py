@@ -1,4 +1,5 @@
-"""How many KV blocks the engine allocates and how long a context it accepts (seed §4.1)."""
+"""How many KV blocks the engine allocates and how long a context it accepts
+(docs/architecture.md#kv-cache-sizing)."""
 
 from __future__ import annotations
 

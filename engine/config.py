@@ -69,7 +69,7 @@ class SchedulerConfig:
     #: what a preempted request loses: ``recompute`` frees its blocks, ``swap`` moves them to host memory
     preemption_mode: str = "recompute"
     #: ``continuous`` refills free batch slots every step; ``static`` admits a new batch only when the
-    #: whole previous one has finished (a baseline for comparisons, seed §5.2)
+    #: whole previous one has finished (a baseline for comparisons, docs/architecture.md#scheduling)
     batching_mode: str = "continuous"
 
 

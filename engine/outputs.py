@@ -36,7 +36,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Monotonic timestamps; TTFT/ITL/TPOT follow the seed's definitions (arrival is the boundary)."""
+    """Monotonic timestamps; TTFT/ITL/TPOT as in docs/architecture.md#latency-definitions (arrival is the
+    boundary)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None

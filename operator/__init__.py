@@ -1,4 +1,4 @@
-"""kvpilot.operator — the Kopf operator for InferenceService (DESIGN.md "Kubernetes contracts").
+"""kvpilot.operator — the Kopf operator for InferenceService (docs/architecture.md#operator).
 
 Package map (one responsibility per module):
 

@@ -1,4 +1,4 @@
-"""Every object the operator owns for one InferenceService (DESIGN.md "Kubernetes contracts").
+"""Every object the operator owns for one InferenceService (docs/architecture.md#operator).
 
 ``build_children`` is a pure function of the validated InferenceService: the same input always gives
 the same objects, which is what makes reconciling idempotent and ``kvpilot operator render`` exact.

@@ -1,8 +1,8 @@
 """The pod every replica runs: the engine container, the router sidecar, probes, volumes, placement.
 
-Container command lines follow the engine and router contracts in DESIGN.md exactly; probe timing comes
-from ``startup.py``. The router in each pod watches the EndpointSlices of ``<name>-engines``, so any pod
-can route to the best engine in the whole InferenceService.
+Container command lines, ports and probes follow docs/architecture.md#operator-engine-and-router exactly;
+probe timing comes from ``startup.py``. The router in each pod watches the EndpointSlices of
+``<name>-engines``, so any pod can route to the best engine in the whole InferenceService.
 """
 
 from __future__ import annotations

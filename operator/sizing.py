@@ -1,4 +1,4 @@
-"""N+1 replica sizing (DESIGN.md "Kubernetes contracts"; seeds §2.4 sizing inputs).
+"""N+1 replica sizing (docs/architecture.md#replica-sizing).
 
 desired = clamp(ceil(target × (1 + headroom) / perReplicaGoodput) + spare, min, max), or with a fixed
 count, clamp(replicas + spare, min, max). Arithmetic is exact (fractions of the decimal inputs), so a

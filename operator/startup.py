@@ -1,4 +1,5 @@
-"""How long an engine may take to start, sized from the model (seeds §1.5: warm-up is not steady state).
+"""How long an engine may take to start, sized from the model (warm-up is not steady state:
+docs/architecture.md#readiness-and-warm-up).
 
 The startupProbe must outlast weight loading on the slowest node the model will land on, or Kubernetes
 kills a healthy replica mid-load and it never comes up. So the budget is generous on purpose: weights

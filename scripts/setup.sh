@@ -8,10 +8,11 @@ ROOT=$(pwd)
 PY=${PYTHON:-python3}
 PIP_QUIET=${PIP_QUIET:--q}
 
-# The repo root holds a folder named `operator/` (the kvpilot.operator sources, per DESIGN.md). A
-# `python -m ...` started *in the repo root* puts the root first on sys.path, and a bare interpreter that
-# has not loaded the stdlib's `operator` yet would import ours instead and crash. So the venv is created
-# from another directory and pip runs through its console script (sys.path[0] = .venv/bin).
+# The repo root holds a folder named `operator/` (the kvpilot.operator sources, see
+# docs/architecture.md#package-map). A `python -m ...` started *in the repo root* puts the root first on
+# sys.path, and a bare interpreter that has not loaded the stdlib's `operator` yet would import ours
+# instead and crash. So the venv is created from another directory and pip runs through its console script
+# (sys.path[0] = .venv/bin).
 if [ ! -x .venv/bin/python ]; then
   echo "==> creating .venv"
   (cd / && "$PY" -m venv "$ROOT/.venv")

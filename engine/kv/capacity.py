@@ -1,4 +1,5 @@
-"""KV capacity arithmetic (seed §4.1): bytes per token, blocks per budget, and internal fragmentation.
+"""KV capacity arithmetic (docs/architecture.md#kv-cache-sizing): bytes per token, blocks per budget, and
+internal fragmentation.
 
 ``m_token = 2 · n_layer · n_kv_head · d_head · bytes_per_elem`` is the ideal payload (K and V); block
 allocation rounds every sequence up to whole blocks, so allocated slots exceed logical ones.

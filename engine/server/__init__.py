@@ -21,7 +21,7 @@ Package map (request path first):
 - ``responses``         Generation → JSON or SSE response; first byte = first token; errors mid-stream
 - ``disconnect``        client-disconnect detection (before and during a response)
 - ``generation``        one HTTP request's engine requests: submit, take chunks, time emits, account once
-- ``request_timeline``  emit times → TTFT / ITL / TPOT / E2E (seed §2.1) and SLO attainment
+- ``request_timeline``  emit times → TTFT / ITL / TPOT / E2E and SLO attainment (docs/metrics.md)
 - ``request_stream``    bounded engine-thread → handler hand-off that drives backpressure
 - ``serving_request``   one engine request as the server tracks it; ``Failure``
 - ``engine_loop``       the engine thread: load, warm up, then commands → admission → step → outputs

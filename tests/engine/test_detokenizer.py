@@ -1,4 +1,5 @@
-"""Incremental detokenization (multi-byte UTF-8) and stop strings in streams (seed §3.7, [D03])."""
+"""Incremental detokenization (multi-byte UTF-8) and stop strings in streams
+(docs/architecture.md#stop-conditions-and-streaming)."""
 
 from __future__ import annotations
 

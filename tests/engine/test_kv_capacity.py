@@ -1,4 +1,6 @@
-"""The seed's KV numbers (§4.1, §8(c), [D06]–[D08]) from the engine's own code."""
+"""KV arithmetic from the engine's own code (docs/architecture.md#kv-cache-sizing): bytes per token,
+internal fragmentation of last blocks, blocks per budget, KV heads per tensor-parallel shard, and
+prefix sharing of full blocks (docs/architecture.md#prefix-cache)."""
 
 import pytest
 

@@ -1,4 +1,5 @@
-"""The request state machine (seed §0.2) and the single idempotent reclaim routine (§1.7)."""
+"""The request state machine and the single idempotent reclaim routine
+(docs/architecture.md#request-state-machine, #terminal-reclaim)."""
 
 from __future__ import annotations
 

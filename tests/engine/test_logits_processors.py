@@ -1,4 +1,5 @@
-"""Constraints and penalties with exact values (seed §3.4, §3.6), and the logprobs modes."""
+"""Constraints and penalties with exact values, and the logprobs modes
+(docs/architecture.md#sampling-pipeline)."""
 
 from __future__ import annotations
 

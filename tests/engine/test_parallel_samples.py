@@ -1,5 +1,6 @@
 """n > 1 / best_of share the prompt's KV blocks by reference count with copy-on-write of the shared
-partial block (seed §3.6: M_KV ≈ M_prompt + n·M_generated), and beam search on the same blocks."""
+partial block (M_KV ≈ M_prompt + n·M_generated), and beam search on the same blocks
+(docs/architecture.md#parallel-samples-and-beams)."""
 
 from __future__ import annotations
 

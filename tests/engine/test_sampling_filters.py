@@ -1,5 +1,5 @@
-"""Exact support sets of the truncation filters (seed §3.3, [D01], [D02]) and the sampler's greedy branch,
-temperature limits and seeded determinism."""
+"""Exact support sets of the truncation filters and the sampler's greedy branch, temperature limits
+and seeded determinism (docs/architecture.md#sampling-pipeline)."""
 
 from __future__ import annotations
 

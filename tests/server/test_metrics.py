@@ -1,6 +1,7 @@
-"""``/metrics``: promtool-clean, every name the Helm chart's dashboard and alerts use, and the seed's latency
-definitions (TTFT + ΣITL = t_last_emit − t_arrival ≤ E2E; TPOT = ΣITL / (N − 1)), SLO counters,
-prefix-cache counters and their tenant isolation, measured as exact deltas around single requests."""
+"""``/metrics``: promtool-clean, every name the Helm chart's dashboard and alerts use, and the latency
+definitions of docs/architecture.md#latency-definitions (TTFT + ΣITL = t_last_emit − t_arrival ≤ E2E; TPOT =
+ΣITL / (N − 1)), SLO counters, prefix-cache counters and their tenant isolation, measured as exact deltas
+around single requests."""
 
 from __future__ import annotations
 

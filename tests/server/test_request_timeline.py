@@ -1,5 +1,5 @@
-"""The seed's latency definitions on explicit emit times: TTFT, ITL (0 within a chunk), TPOT per sample,
-E2E, the TTFT + ΣITL identity, and SLO attainment."""
+"""The latency definitions (docs/architecture.md#latency-definitions) on explicit emit times: TTFT, ITL (0
+within a chunk), TPOT per sample, E2E, the TTFT + ΣITL identity, and SLO attainment."""
 
 from __future__ import annotations
 
