@@ -155,7 +155,7 @@ class LLMEngine(StepOutputs):
         sc = self.config.scheduler
         validate_prompt(token_ids, self.arch.vocab_size, self.max_model_len, sc.max_num_batched_tokens,
                         sc.enable_chunked_prefill)
-        validate_params(params, self.arch.vocab_size, self.config.max_logprobs)
+        validate_params(params, self.arch.vocab_size, self.config.max_logprobs, sc.max_num_seqs)
         seq = Request(request_id, token_ids, params, arrival_time=arrival_time, priority=priority,
                       cache_salt=cache_salt, prompt=text, deadline=deadline, eos_token_ids=self.eos_token_ids)
         seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)

@@ -26,7 +26,7 @@ def validate_prompt(token_ids: list[int], vocab: int, max_model_len: int, max_nu
                            f"({max_num_batched_tokens}) with chunked prefill disabled")
 
 
-def validate_params(p: SamplingParams, vocab: int, max_logprobs: int) -> None:
+def validate_params(p: SamplingParams, vocab: int, max_logprobs: int, max_num_seqs: int | None = None) -> None:
     def ids_in_vocab(name: str, ids) -> None:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -39,6 +39,11 @@ def validate_params(p: SamplingParams, vocab: int, max_logprobs: int) -> None:
     for name, value in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if value is not None and value > max_logprobs:
             raise RequestError(f"{name}={value} exceeds the server's max_logprobs ({max_logprobs})")
+    if max_num_seqs is not None and p.num_samples > max_num_seqs:
+        # every sample (or beam) is a sequence of the batch: more than the batch holds could never run
+        what = "beam width" if p.use_beam_search else ("best_of" if p.best_of is not None else "n")
+        raise RequestError(f"{what}={p.num_samples} exceeds the server's max_num_seqs ({max_num_seqs}): "
+                           "its samples run as parallel sequences of one batch")
 
 
 def bad_word_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:

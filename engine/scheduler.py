@@ -126,8 +126,10 @@ class Scheduler:
         # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
         static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)
         if not out.preempted and not self.swapped and not static_busy:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0:
                 req = self.waiting[0]
+                if len(self.running) + self._seats(req) > self.config.max_num_seqs:
+                    break
                 # prompt logprobs need every prompt position's logits, so such requests compute it all
                 hits = [] if req.params.prompt_logprobs is not None else self.kv.lookup_prefix(req)
                 remaining = req.num_tokens - len(hits) * self.block_size
@@ -148,6 +150,15 @@ class Scheduler:
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
         return out
+
+    @staticmethod
+    def _seats(req: Request) -> int:
+        """Batch sequences admitting ``req`` will take: all its parallel samples when they are still to be
+        forked from its prompt (forks join the running set without passing admission), else one."""
+        group = req.group
+        if group is not None and req.num_output_tokens == 0 and len(group.samples) == 1:
+            return req.params.num_samples
+        return 1
 
     def _take(self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> None:
         out.scheduled.append((req, n))

@@ -137,6 +137,26 @@ def test_decodes_take_their_tokens_before_an_earlier_prefill_chunk():
         assert [(rid, n) for rid, _, n in engine.last_step_scheduled] == [("decoding", 1), ("urgent", 7)]
 
 
+def test_parallel_samples_count_against_max_num_seqs_at_admission():
+    engine = stub_engine(num_kv_blocks=128, block_size=4, max_num_seqs=4)
+    engine.add_request("single", [3, 4, 5], SamplingParams(temperature=0, max_tokens=4))
+    engine.add_request("four", [6, 7, 8], SamplingParams(n=4, temperature=1.0, max_tokens=2))
+    most = 0
+    admitted_at = None
+    for tick in range(1, 20):
+        engine.step()
+        engine.check_invariants()
+        most = max(most, len(engine.scheduler.running))
+        if admitted_at is None and "four#1" in engine.requests:
+            admitted_at = tick
+        if not engine.has_unfinished_requests():
+            break
+    assert most == 4  # never more sequences than max_num_seqs, forks included
+    assert admitted_at == 5  # "four" waited until "single" (4 tokens) had finished
+    with pytest.raises(ValueError, match=r"best_of=5 exceeds the server's max_num_seqs \(4\)"):
+        engine.add_request("five", [3], SamplingParams(n=2, best_of=5))
+
+
 def test_prompt_longer_than_budget_without_chunking_is_refused():
     engine = stub_engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
                          enable_chunked_prefill=False)
