@@ -1,6 +1,6 @@
 """``LLMEngine``: owns the model, KV cache, scheduler and sampler; ``step()`` runs one scheduler tick.
 
-Per tick (seed §5.1): expire deadlines → schedule (batch admission, token budget, preemption) → one
+Per tick (docs/architecture.md#engine-tick): expire deadlines → schedule (batch admission, token budget, preemption) → one
 flattened forward → sample the rows whose sequences are fully computed (forking parallel samples off a
 finished prompt, advancing beams) → append tokens, detokenize, check stop conditions → release finished
 sequences; a request whose sequences are all done goes through the single reclaim routine.
@@ -178,7 +178,7 @@ class LLMEngine(StepOutputs):
 
     def admission_cost(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
         """KV blocks admitting this request would reserve: its uncached prompt (after a prefix lookup) and
-        the first block of each sample — the exact phase of two-phase admission (seed §1.2)."""
+        the first block of each sample — the exact phase of two-phase admission, docs/architecture.md#admission."""
         probe = Request("admission-probe", token_ids, params, cache_salt=cache_salt)
         cost = self.scheduler.reservation_for(probe)
         self.kv.forget(probe)  # drop the probe's cached extra-keys entry

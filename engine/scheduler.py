@@ -1,6 +1,6 @@
 """Token-budget scheduler: continuous batching with chunked prefill, priorities and preemption.
 
-Each ``schedule()`` call is one tick (seed §5.1): it fills a budget of ``max_num_batched_tokens`` with
+Each ``schedule()`` call is one tick (docs/architecture.md#scheduling): it fills a budget of ``max_num_batched_tokens`` with
 running requests first (one token per decode, then the next chunk of each unfinished prefill), then swaps
 requests back in, then admits waiting requests in queue order (priority, then arrival) as long as their
 blocks can be allocated and the sequence cap allows. Scheduling is in tokens, not phases: a request simply

@@ -2,7 +2,7 @@
 blocks, admission reservations, swap, and the invariant checker.
 
 Prefix hits are capped at ``num_tokens - 1`` so the last prompt token is always computed: the first output
-token needs its logits, and the cache holds only K/V (seed §1.1).
+token needs its logits, and the cache holds only K/V (docs/architecture.md#prefix-cache).
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class KVCacheManager:
         return True
 
     def _copy_on_write(self, table: list[int]) -> None:
-        """Give the table a private copy of its shared last block (seed §4.2: never write a shared block)."""
+        """Give the table a private copy of its shared last block (never write a shared block: docs/architecture.md#kv-lifecycle)."""
         if self.cache is None:
             raise RuntimeError("copy-on-write needs the KV cache tensors")
         (private,) = self.pool.allocate(1)
@@ -153,7 +153,7 @@ class KVCacheManager:
     def block_table(self, req: Request) -> list[int]:
         return self.tables.get(req.request_id, [])
 
-    # ---- admission reservations (accounting only, seed §1.2) -----------------------------------------
+    # ---- admission reservations (accounting only: docs/architecture.md#admission) --------------------
     def reserve(self, req: Request, num_blocks: int) -> None:
         self._reservations[req.request_id] = num_blocks
 

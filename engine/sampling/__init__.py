@@ -1,5 +1,11 @@
-"""Sampling: parameters and the logits → token pipeline.
+"""Sampling: parameters and the logits → token pipeline (docs/architecture.md#sampling-pipeline).
 
-- ``params``   ``SamplingParams`` (vLLM names), validated on construction
-- ``sampler``  batched sampler: greedy / temperature / top-k / top-p with per-request generators
+- ``params``             ``SamplingParams`` (vLLM names), validated on construction
+- ``logits_processors``  hard constraints (allowed ids, logit bias, bad words, min tokens, n-gram bans) and
+                         penalties (repetition, frequency, presence), batched over the rows that use them
+- ``filters``            truncation with exact support sets: min-p, top-k (no sort), top-p (on top-k
+                         candidates, full sort only for flat rows), typical-p; sort-based references
+- ``draw``               one token per row by a two-level inverse CDF (one uniform number per row)
+- ``sampler``            the batched pipeline: greedy / temperature / filters / draw, per-request generators,
+                         logprobs
 """
