@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from kvpilot.engine.tenancy import TenantError, tenant_from_headers
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.endpointslices import Endpoint, EndpointSliceWatcher, SliceApi
-from kvpilot.router.errors import error_response
+from kvpilot.router.errors import error_response, json_errors
 from kvpilot.router.fleet import Fleet
+from kvpilot.router.json_body import parse_json
 from kvpilot.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpilot.router.picker import ReplicaPicker
 from kvpilot.router.proxy import REPLICA_HEADER, Forwarder, SendProbe, UpstreamFailure
@@ -41,7 +40,6 @@ from kvpilot.router.upstream import UpstreamPool
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
 ATTEMPTS = 2  # the first try and one retry elsewhere
-_INT64_LIMIT = float(2**63)
 #: picks one of the candidate replicas; the decision is None for requests that are not routing decisions
 Choose = Callable[[list[Replica]], tuple[Replica, Decision | None]]
 
@@ -66,7 +64,7 @@ class RouterApp:
         self._pool: UpstreamPool | None = None
 
     def build(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.upstream.max_body_bytes)
+        app = web.Application(client_max_size=self.config.upstream.max_body_bytes, middlewares=[json_errors])
         app.router.add_post(COMPLETIONS, self.inference)
         app.router.add_post(CHAT_COMPLETIONS, self.inference)
         app.router.add_get(MODELS, self.models)
@@ -134,9 +132,10 @@ class RouterApp:
             return self._count(error_response(413, f"request body exceeds {self.config.upstream.max_body_bytes} "
                                                    "bytes", "request_too_large"))
         try:
-            body = _parse_json(raw)
-        except ValueError:
-            return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
+            body = parse_json(raw)
+        except ValueError as error:
+            return self._count(error_response(400, f"request body must be a JSON object: {error}",
+                                              "invalid_json"))
         if not isinstance(body, dict):
             return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
         try:
@@ -256,28 +255,3 @@ class RouterApp:
         if request.path in (COMPLETIONS, CHAT_COMPLETIONS, MODELS, "/health", "/ready", "/metrics"):
             return error_response(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
         return error_response(404, f"no route for {request.path}", "not_found")
-
-
-def _parse_json(raw: bytes) -> object:
-    """The request body as Python's ``json`` reads it, through orjson where that is the same (a third of the
-    time on the routing path). orjson refuses NaN, and reads an integer beyond 64 bits as a float (of
-    magnitude ≥ 2**63): such bodies take ``json``."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
-    return json.loads(raw) if _has_huge_float(body) else body
-
-
-def _has_huge_float(body: object) -> bool:
-    pending = [body]
-    while pending:
-        value = pending.pop()
-        kind = type(value)
-        if kind is dict:
-            pending.extend(value.values())  # type: ignore[attr-defined]
-        elif kind is list:
-            pending.extend(value)  # type: ignore[arg-type]
-        elif kind is float and abs(value) >= _INT64_LIMIT:  # type: ignore[arg-type]
-            return True
-    return False

@@ -1,16 +1,46 @@
-"""OpenAI-style JSON error responses from the router itself (the engines' own errors pass through as is)."""
+"""OpenAI-style JSON errors from the router itself, ``{"error": {"message", "type", "param", "code"}}`` as the
+engine writes them (the engines' own errors pass through as is).
+
+Every response the router makes up is one: the handlers answer bad input with a 4xx, and
+:func:`json_errors` turns what escapes them (aiohttp's own HTTP errors, a bug) into the same shape instead
+of aiohttp's plain-text pages. A 500 means a bug in the router, never bad input.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+
 from aiohttp import web
 
+log = logging.getLogger(__name__)
 # status → OpenAI error type
 _TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
           413: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}
+_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_body(status: int, message: str, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": None,
+                      "code": code}}
 
 
 def error_response(status: int, message: str, code: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": None,
-                      "code": code}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response(error_body(status, message, code), status=status, headers=headers)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise  # redirects and the like are not errors
+        return error_response(error.status, error.reason, _CODES.get(error.status, "http_error"))
+    except Exception:
+        if request.writer is not None and request.writer.output_size > 0:
+            raise  # a response is already on its way: aiohttp closes the connection
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, "internal router error", "internal_error")

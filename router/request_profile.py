@@ -2,7 +2,8 @@
 as the engine derives them, through the shared ``kvpilot.engine`` functions), output budget, block hashes.
 
 A request the router cannot derive a prompt from (a malformed body, a chat template that refuses the
-messages) is not rejected here: it is routed without locality and the engine gives the authoritative error.
+messages, text the tokenizer cannot take such as a lone surrogate, nesting too deep to render) is not
+rejected here: it is routed without locality and the engine gives the authoritative error.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 # Parent of the tie-break key: a constant, so the key does not depend on which replica's root is known.
 _TIE_ROOT = b"kvpilot-router-tie-v1"
+_TOKEN_ID_LIMIT = 1 << 32  # block hashes hold ids as uint32; the engine refuses larger ones anyway
+_MAX_OUTPUT_BUDGET = 1 << 53  # beyond any KV cache, and still exact as the float the scoring divides
+# What rendering and tokenizing arbitrary client JSON can raise: all of it is the request's fault.
+_BAD_INPUT = (ValueError, TypeError, LookupError, RecursionError, ArithmeticError)
 
 
 class PromptError(ValueError):
@@ -68,6 +73,14 @@ class RequestProfiler:
 
     def profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
         """Raises :class:`PromptError` when the body does not give a prompt the router can tokenize."""
+        try:
+            return self._profile(path, body, tenant)
+        except PromptError:
+            raise
+        except _BAD_INPUT as error:
+            raise PromptError(f"{type(error).__name__}: {error}") from None
+
+    def _profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
         if path == CHAT_COMPLETIONS:
             prompts: tuple[Sequence[int], ...] = (self._chat_ids(body),)
         elif path == COMPLETIONS:
@@ -137,12 +150,16 @@ def _completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
 
 
 def _is_token_id(value: Any) -> bool:
+    return _is_count(value) and value < _TOKEN_ID_LIMIT
+
+
+def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _output_budget(body: dict[str, Any]) -> int:
     limit = body.get("max_tokens", body.get("max_completion_tokens"))
     samples = body.get("n", 1)
-    limit = limit if _is_token_id(limit) else 0
-    samples = samples if _is_token_id(samples) and samples > 0 else 1
-    return limit * samples
+    limit = limit if _is_count(limit) else 0
+    samples = samples if _is_count(samples) and samples > 0 else 1
+    return min(limit * samples, _MAX_OUTPUT_BUDGET)

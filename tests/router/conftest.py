@@ -4,7 +4,8 @@ A fake engine speaks the engine ⇄ router contract (docs/engine-router-contract
 derives prompt ids and block hashes with the same shared functions as the real engine, holds a prefix
 cache, publishes ``/kv/events`` and ``/kv/snapshot``, reports ``/load`` from its own queue, and streams SSE.
 Its behaviour (prefill time per uncached token, status to answer, hanging, readiness, overridden ``/load``
-fields) is a mutable :class:`FakeEngineBehavior`; ``crash()`` drops every connection and the listener.
+fields) is a mutable :class:`FakeEngineBehavior`; ``crash()`` drops every connection and the listener. A
+body it cannot derive a prompt from gets a 400 OpenAI error, as from the real engine.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from kvpilot.router.request_profile import RequestProfiler
 from kvpilot.router.server import RouterServer, load_profiler
 
 FAKE_ROOT = root_hash("fake-engine-model")  # every fake serves the same model: one hash chain root
+#: what deriving a prompt from a client's JSON can raise (a fake engine answers 400 to all of it)
+BAD_INPUT = (ValueError, TypeError, LookupError, RecursionError, ArithmeticError)
 
 
 @dataclass
@@ -167,11 +170,14 @@ class FakeEngine:
             return web.json_response({"error": {"message": "fake failure", "code": b.inference_status}},
                                      status=b.inference_status)
         tenant = tenant_from_headers(request.headers)
-        if request.path.endswith("/chat/completions"):
-            ids = chat_prompt_ids(self.tokenizer, body["messages"])
-        else:
-            ids = completion_prompt_ids(self.tokenizer, body["prompt"])
-        hashes = self.prompt_hashes(ids, tenant)
+        try:
+            if request.path.endswith("/chat/completions"):
+                ids = chat_prompt_ids(self.tokenizer, body["messages"])
+            else:
+                ids = completion_prompt_ids(self.tokenizer, body["prompt"])
+            hashes = self.prompt_hashes(ids, tenant)
+        except BAD_INPUT as error:  # as the real engine: bad input is a 400, never a 500
+            return web.json_response(FakeEngine.refusal(error), status=400)
         hit = 0
         while hit < (len(ids) - 1) // b.block_size and hashes[hit] in self.cached:
             hit += 1
@@ -197,6 +203,11 @@ class FakeEngine:
             return await self._answer(request, body, ids, hit * b.block_size)
         finally:
             self.running -= 1
+
+    @staticmethod
+    def refusal(error: Exception) -> dict[str, Any]:
+        return {"error": {"message": f"fake engine: {type(error).__name__}", "type": "invalid_request_error",
+                          "param": None, "code": "invalid_request"}}
 
     async def _answer(self, request: web.Request, body: dict, ids: list[int], cached: int) -> web.StreamResponse:
         usage = {"prompt_tokens": len(ids), "completion_tokens": self.behavior.output_tokens,
