@@ -10,7 +10,7 @@ HTTP handlers talk to it only through commands (a thread-safe queue) and read ba
 the published ``/load`` dict (replaced, never mutated), ``EngineInfo``, and each request's stream.
 An abort (client gone, queue deadline) reclaims the request's blocks in the engine at once, and the
 snapshot published right after shows it. An exception from the engine is fatal: every open request
-gets a 500, the phase becomes failed, ``on_fatal`` stops the server so the pod restarts.
+gets a 500 and is reclaimed as FAILED (its blocks freed, one terminal record), the phase becomes failed, ``on_fatal`` stops the server so the pod restarts.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class EngineLoop:
         except Exception as err:
             log.exception("engine loop failed")
             self._fail_requests(APIError(500, f"engine failure: {type(err).__name__}", code="engine_failure"),
-                                "error", reclaim=False)
+                                "error", reclaim=RequestStatus.FAILED)
             self._fail(f"engine loop failed: {type(err).__name__}: {err}")
 
     def _on_warmup_bucket(self, index: int, bucket) -> None:
@@ -164,7 +164,8 @@ class EngineLoop:
             else:
                 wait = 0.0 if busy else IDLE_WAIT_S
             if not self._handle_commands(wait):  # the server is stopping: cancel what is left
-                self._fail_requests(draining_error(self._config.retry_after_s), "abort", reclaim=True)
+                self._fail_requests(draining_error(self._config.retry_after_s), "abort",
+                                    reclaim=RequestStatus.CANCELLED)
                 return
             now = time.monotonic()
             self._admission.expire(now)
@@ -251,17 +252,26 @@ class EngineLoop:
             self._draining = True
             self._admission.drain()
 
-    def _fail_requests(self, error: APIError, finish_reason: str, reclaim: bool) -> None:
-        """End every open request with ``error`` (pending ones count as turned away); ``reclaim`` frees
-        their blocks too (not after an engine failure, when the engine's state cannot be trusted)."""
+    def _fail_requests(self, error: APIError, finish_reason: str, reclaim: RequestStatus) -> None:
+        """End every open request with ``error`` (pending ones count as turned away). Each live one goes
+        through the engine's reclaim routine as ``reclaim`` (CANCELLED when stopping, FAILED after an
+        engine failure), so it frees its blocks and writes its one terminal record. After a failure the
+        engine's state may be broken: a reclaim that raises stops reclaiming, the clients are answered."""
         for req in self._admission.pending:
             req.fail(error, None)
         self._admission.pending.clear()
+        reclaiming = True
         for req in self._active.values():
-            if reclaim:
-                self._engine.abort_request(req.request_id, RequestStatus.CANCELLED)
+            if reclaiming:
+                try:
+                    self._engine.abort_request(req.request_id, reclaim)
+                except Exception:  # the engine is already failing: answer every client regardless
+                    log.exception("reclaiming %s after the engine failure failed", req.request_id)
+                    reclaiming = False
             req.fail(error, finish_reason)
         self._active.clear()
+        if reclaiming:
+            self._telemetry.consume_terminal_records()
 
     def _publish(self) -> None:
         snap = load_snapshot(self._engine)

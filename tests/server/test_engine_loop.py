@@ -141,3 +141,60 @@ def test_a_client_that_never_reads_is_cancelled_after_the_backpressure_timeout(t
         loop.stop()
 
     asyncio.run(main())
+
+
+class KeptRecords(list):
+    """The engine's terminal-record list, remembering what the telemetry consumed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list = []
+
+    def clear(self) -> None:
+        self.history.extend(self)
+        super().clear()
+
+
+def test_an_engine_failure_reclaims_every_request_as_failed_with_one_record_each(tiny_model_dir):
+    """A step that raises is fatal for the server, but each open request still ends through the reclaim
+    routine: status failed, blocks freed, exactly one terminal record."""
+    from kvpilot.engine.engine_core import LLMEngine
+
+    engines: list[LLMEngine] = []
+    reasons: list[str] = []
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine(EngineArgs(model="tiny-random", num_kv_blocks=64).create_config())
+        engines.append(engine)
+        return engine
+
+    async def main() -> None:
+        metrics = ServerMetrics("tiny-random")
+        lifecycle = Lifecycle(metrics.startup_phase)
+        loop = EngineLoop(factory, ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY),
+                          lifecycle, metrics, placeholder_load(EngineArgs(model="tiny-random").create_config()),
+                          reasons.append)
+        loop.start()
+        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        engine = engines[0]
+        engine.terminal_records = kept = KeptRecords()  # telemetry consumes (clears) the engine's list
+        reqs = [request(loop, f"r{i}", 400) for i in range(2)]
+        loop.submit(reqs)
+        for req in reqs:
+            await req.stream.get()  # both are running
+        real_step = engine.step
+
+        def failing_step():
+            real_step()
+            raise RuntimeError("device lost")
+
+        engine.step = failing_step
+        await wait_for(lambda: lifecycle.phase is Phase.FAILED)
+        records = [*kept.history, *kept]
+        assert sorted((r.request_id, r.status, r.finish_reason) for r in records) == [
+            ("r0", "failed", "error"), ("r1", "failed", "error")]
+        assert engine.pool.num_in_use == 0 and not engine.has_unfinished_requests()
+        assert reasons == ["engine loop failed: RuntimeError: device lost"]
+        loop.stop()
+
+    asyncio.run(main())
