@@ -185,10 +185,13 @@ class StepOutputs:
         generated = sum(s.seq.num_output_tokens for s in group.samples)
         completions = group.completions()
         committed = sum(len(c.token_ids) for c in completions)
+        # best_of and beams send nothing until the end, and then only the n outputs they keep
+        hidden = group.beam is not None or len(group.samples) > group.params.n
+        emitted = committed if hidden else sum(s.num_emitted for s in group.samples)
         primary = group.primary
         self.terminal_records.append(TerminalRecord(
             request_id=group.request_id, status=status.value, finish_reason=reason.value, num_generated=generated,
-            num_emitted=sum(s.num_emitted for s in group.samples), num_committed=committed,
+            num_emitted=emitted, num_committed=committed,
             num_prompt_tokens=primary.num_prompt_tokens, num_cached_tokens=primary.num_cached_tokens,
             num_preemptions=sum(s.seq.num_preemptions for s in group.samples),
             timings={"arrival": primary.times.arrival, "first_scheduled": primary.times.first_scheduled,

@@ -91,3 +91,19 @@ def test_beam_search_matches_a_reference_and_frees_every_block(llm, tiny_model_d
     assert [c.token_ids for c in out.outputs] == expected
     llm.engine.check_invariants()
     assert llm.engine.pool.num_in_use == 0
+
+
+@pytest.mark.parametrize(("params", "generated"), [
+    (SamplingParams(n=1, best_of=4, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), 20),
+    (SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), 15),
+])
+def test_terminal_record_counts_only_tokens_the_client_received(llm, params, generated):
+    """best_of's discarded samples were generated but never sent: they are not in ``num_emitted``."""
+    engine = llm.engine
+    rid = f"counted-{generated}"
+    engine.add_request(rid, PROMPT, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    (record,) = [r for r in engine.terminal_records if r.request_id == rid]
+    assert (record.num_generated, record.num_emitted, record.num_committed) == (generated, 5 * params.n,
+                                                                                5 * params.n)
