@@ -1,14 +1,16 @@
 """A request's state and its lifecycle state machine (docs/architecture.md#request-state-machine), enforced in one place.
 
 States and the resources each holds:
-- QUEUED / DEGRADED: admitted with a KV *reservation* (accounting only); no physical blocks yet.
+- QUEUED: admitted with a KV *reservation* (accounting only); no physical blocks yet.
 - RUNNABLE: picked by a scheduler tick; physical blocks allocated.
 - PREFILL / DECODE: computing the prompt (possibly in chunks) / generating one token per step.
 - BACKPRESSURED: the client is not draining its stream; holds blocks but is not scheduled.
 - PREEMPTED: blocks freed (recompute); waits in the queue to be recomputed.
 - SWAPPED: blocks copied to host memory and freed on the device.
-- FINISHED, CANCELLED, TIMED_OUT, FAILED, REJECTED: terminal; every one goes through one reclaim routine.
-An illegal transition is a bug and raises ``IllegalTransition``.
+- FINISHED, CANCELLED, TIMED_OUT, FAILED: terminal; every one goes through one reclaim routine.
+An illegal transition is a bug and raises ``IllegalTransition``. Rejecting and degrading a request are
+admission decisions the server takes before an engine request exists (an HTTP error; ``best_of`` lowered
+to ``n`` and the response marked), so they are no engine states.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ if TYPE_CHECKING:
 
 class RequestStatus(enum.Enum):
     QUEUED = "queued"
-    DEGRADED = "degraded"
     RUNNABLE = "runnable"
     PREFILL = "prefill"
     DECODE = "decode"
@@ -35,7 +36,6 @@ class RequestStatus(enum.Enum):
     CANCELLED = "cancelled"
     TIMED_OUT = "timed_out"
     FAILED = "failed"
-    REJECTED = "rejected"
 
     @property
     def is_terminal(self) -> bool:
@@ -44,17 +44,16 @@ class RequestStatus(enum.Enum):
     @property
     def is_waiting(self) -> bool:
         """In the scheduler's waiting queue (no physical blocks on the device)."""
-        return self in (RequestStatus.QUEUED, RequestStatus.DEGRADED, RequestStatus.PREEMPTED)
+        return self in (RequestStatus.QUEUED, RequestStatus.PREEMPTED)
 
 
 S = RequestStatus
-TERMINAL = frozenset({S.FINISHED, S.CANCELLED, S.TIMED_OUT, S.FAILED, S.REJECTED})
+TERMINAL = frozenset({S.FINISHED, S.CANCELLED, S.TIMED_OUT, S.FAILED})
 _ABORTS = {S.CANCELLED, S.TIMED_OUT, S.FAILED}
 
 #: legal transitions; every terminal state is reachable from every live one except as listed
 TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
-    S.QUEUED: frozenset({S.RUNNABLE, S.REJECTED} | _ABORTS),
-    S.DEGRADED: frozenset({S.RUNNABLE, S.REJECTED} | _ABORTS),
+    S.QUEUED: frozenset({S.RUNNABLE} | _ABORTS),
     S.RUNNABLE: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
     S.PREFILL: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
     S.DECODE: frozenset({S.DECODE, S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
@@ -75,7 +74,6 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"  # cancelled
     TIMEOUT = "timeout"
     ERROR = "error"
-    REJECTED = "rejected"
 
 
 @dataclass

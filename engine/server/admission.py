@@ -10,7 +10,7 @@ admitted or turned away as a whole):
 3. Admit now — reserve the blocks and hand the request to the scheduler — when its cost fits the headroom
    (free blocks minus outstanding reservations) and nobody is pending ahead of it (FIFO, no overtaking).
 4. Degrade: a ``best_of`` > ``n`` request that does not fit is admitted with ``best_of`` = ``n`` when that
-   smaller reservation fits now (state DEGRADED in the seed's terms; counted, and the response says so).
+   smaller reservation fits now (a degraded admission: counted, and the response says so; docs/architecture.md#admission).
 5. Otherwise it waits in the pending queue, in arrival order, until headroom frees up.
 6. Queue deadline: a request not scheduled within ``queue_timeout`` of its arrival is dropped (its
    reservation rolled back) and answered 503 with ``Retry-After``; nothing was sent, so a router retries it.
