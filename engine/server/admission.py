@@ -3,7 +3,8 @@
 Policy, in order, for each accepted batch (a completions request with several prompts is one batch and is
 admitted or turned away as a whole):
 1. A request whose KV reservation (its uncached prompt + one block per extra sample, after the prefix
-   lookup) exceeds the whole cache can never run: 400.
+   lookup) exceeds the whole cache can never run: 400 — unless it is a ``best_of`` > ``n`` request whose
+   ``n`` samples would fit, which is degraded to ``best_of`` = ``n`` instead (as in 4).
 2. Queue bound: requests accepted but not yet scheduled (pending admission + admitted and waiting for a
    batch slot) may not exceed ``max_queue_len``: otherwise 429 with ``Retry-After`` (reject early, so the
    router or client can go elsewhere instead of waiting behind a queue that cannot clear in time).
@@ -58,6 +59,9 @@ class Admission:
     def submit(self, batch: list[ServingRequest]) -> None:
         for req in batch:
             req.cost_blocks = self._cost(req)
+            if req.cost_blocks > self._total_blocks and self._degradable(req.params) and self._cost(
+                    req, dataclasses.replace(req.params, best_of=None)) <= self._total_blocks:
+                self._degrade(req)  # best_of could never run, n can: degrade before refusing
             if req.cost_blocks > self._total_blocks:
                 error = bad_request(f"the request needs {req.cost_blocks} KV blocks but the cache holds "
                                     f"{self._total_blocks}; shorten the prompt or lower n/best_of",
@@ -89,20 +93,26 @@ class Admission:
             head.span.event("kv_reserved", {"kv_blocks": head.cost_blocks})
             self._admit(head)
 
+    @staticmethod
+    def _degradable(p) -> bool:
+        return not p.use_beam_search and p.best_of is not None and p.best_of > p.n
+
     def _degrade_fits(self, req: ServingRequest) -> bool:
-        p = req.params
-        if self.pending or p.use_beam_search or p.best_of is None or p.best_of <= p.n:
+        if self.pending or not self._degradable(req.params):
             return False
-        return self._cost(req, dataclasses.replace(p, best_of=None)) <= self._engine.admission_headroom()
+        return self._cost(req, dataclasses.replace(req.params, best_of=None)) <= self._engine.admission_headroom()
 
     def _try_degrade(self, req: ServingRequest) -> bool:
         if not self._degrade_fits(req):
             return False
+        self._degrade(req)
+        return True
+
+    def _degrade(self, req: ServingRequest) -> None:
         req.params = dataclasses.replace(req.params, best_of=None)
         req.cost_blocks = self._cost(req)
         req.degraded = True
         self._metrics.degraded.inc()
-        return True
 
     def _admit(self, req: ServingRequest) -> None:
         try:

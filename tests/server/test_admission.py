@@ -67,7 +67,7 @@ def test_fits_now_is_admitted_with_its_reservation(engine, event_loop_obj):
 
 def test_a_request_larger_than_the_cache_is_400(engine, event_loop_obj):
     h = Harness(engine, event_loop_obj)
-    ok, huge = h.request("ok", 10), h.request("huge", 200, n=1, best_of=4)  # 13 + 3 blocks > 15
+    ok, huge = h.request("ok", 10), h.request("huge", 240, n=1, best_of=4)  # 16 blocks even at n = 1
     h.admission.submit([ok, huge])
     assert outcome(huge) == (400, "exceeds_kv_capacity", None, None)
     assert outcome(ok) == (400, "exceeds_kv_capacity", None, None)  # a batch is admitted as a whole
@@ -129,6 +129,15 @@ def test_best_of_degrades_to_n_when_only_that_fits(engine, event_loop_obj):
     h.admission.submit([req])
     assert outcome(req) is None and req.degraded and req.params.best_of is None
     assert req.cost_blocks == 6 and "best" in h.active
+    assert h.metrics.degraded._value.get() == 1
+
+
+def test_best_of_larger_than_the_cache_degrades_to_n_before_it_is_refused(engine, event_loop_obj):
+    h = Harness(engine, event_loop_obj)
+    req = h.request("big-best-of", 200, n=1, best_of=4, temperature=1.0)  # 13 + 3 blocks > 15; 13 fit
+    h.admission.submit([req])
+    assert outcome(req) is None and req.degraded and req.params.best_of is None
+    assert req.cost_blocks == 13 and "big-best-of" in h.active
     assert h.metrics.degraded._value.get() == 1
 
 
