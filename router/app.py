@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable
 
@@ -220,13 +221,16 @@ class RouterApp:
 
     def _no_answer(self, failure: UpstreamFailure | None) -> web.Response:
         if failure is None:
-            return error_response(503, "no engine replica is ready", "no_ready_replica")
+            # A replica becomes routable on a poll: worth asking again after the next one.
+            retry_after = max(1, math.ceil(self.config.poll.interval_s))
+            return error_response(503, "no engine replica is ready", "no_ready_replica",
+                                  headers={"Retry-After": str(retry_after)})
         if failure.response is not None:  # the replica's own 502/503/504: pass it on as it said it
             status, headers, body = failure.response
             response = web.Response(status=status, body=body, headers=headers)
             response.headers[REPLICA_HEADER] = failure.replica_url or ""
             return response
-        return error_response(502, f"engine replica failed: {failure}", "upstream_failed",
+        return error_response(502, failure.client_message(), "upstream_failed",
                               headers={REPLICA_HEADER: failure.replica_url or ""})
 
     def _count(self, response: web.StreamResponse) -> web.StreamResponse:

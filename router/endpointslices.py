@@ -7,7 +7,7 @@ through a callback, which the router hops onto its event loop.
 
 Which addresses count: an endpoint whose ``ready`` condition is not false (nil means ready, per the API)
 and that is not terminating; its first address (the API makes addresses of one endpoint fungible), with
-its zone. The engines' headless Service publishes not-ready addresses (a pod's readiness includes its
+its zone and, from its ``targetRef``, its pod's name (how error messages name a replica). The engines' headless Service publishes not-ready addresses (a pod's readiness includes its
 router's, which needs an engine), so the router's own ``/load`` polls decide which engines take traffic.
 """
 
@@ -30,6 +30,7 @@ HTTP_GONE = 410
 class Endpoint:
     url: str
     zone: str | None = None
+    pod: str | None = None
 
 
 class SliceApi(Protocol):
@@ -57,7 +58,9 @@ def endpoints_from_slices(slices: Iterable[dict[str, Any]], port_name: str) -> l
                 continue
             host = addresses[0]
             url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-            found.setdefault(url, Endpoint(url, endpoint.get("zone")))
+            ref = endpoint.get("targetRef") or {}
+            pod = ref.get("name") if ref.get("kind") == "Pod" else None
+            found.setdefault(url, Endpoint(url, endpoint.get("zone"), pod))
     return sorted(found.values())
 
 

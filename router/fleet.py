@@ -46,9 +46,9 @@ class Fleet:
         for url, endpoint in wanted.items():
             replica = self.replicas.get(url)
             if replica is not None:
-                replica.zone = endpoint.zone
+                replica.zone, replica.pod = endpoint.zone, endpoint.pod
                 continue
-            replica = self.replicas[url] = Replica(url, endpoint.zone)
+            replica = self.replicas[url] = Replica(url, endpoint.zone, endpoint.pod)
             self._metrics.in_flight.labels(url).set(0)
             poller = ReplicaPoller(replica, self._session, self._interval_s, self)
             self._pollers[url] = asyncio.get_running_loop().create_task(poller.run(), name=f"poll {url}")

@@ -2,15 +2,17 @@
 
 Nothing reaches the client until the upstream's first body byte has arrived, so every failure up to that
 point (connect error, timeout, HTTP 502/503/504, a connection dropped before the first byte) can be retried
-on another replica without the client noticing. After the first byte the client gets the error: an SSE
-stream ends with an error event and a broken connection, any other body with a broken connection, never a
-silently truncated answer that looks complete.
+on another replica without the client noticing. After the first byte the client gets the error, never a
+silently truncated answer that looks complete: an SSE stream ends as the engine ends one that fails, with a
+``data: {"error": ...}`` event and ``data: [DONE]`` (an event the replica left half-written is dropped, so
+the error starts on an event boundary); any other body ends with a broken connection.
+
+Messages to clients name a replica by its pod where discovery knows it, never by its address.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -18,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvpilot.router.errors import error_body
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
@@ -39,16 +43,32 @@ REPLICA_HEADER = "x-kvpilot-replica"
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length", "date", "server"})
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
+DONE = b"data: [DONE]\n\n"
+# What ends an SSE event (a blank line, in any of the spec's line endings).
+_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
 
 class UpstreamFailure(Exception):
-    """The replica failed before the client got any byte: eject it and retry elsewhere."""
+    """The replica failed before the client got any byte: eject it and retry elsewhere. ``str()`` is for the
+    log (it holds the replica's URL); :meth:`client_message` is for the client."""
 
-    def __init__(self, reason: str, detail: str, response: tuple[int, CIMultiDict[str], bytes] | None = None):
+    def __init__(self, reason: str, detail: str, problem: str,
+                 response: tuple[int, CIMultiDict[str], bytes] | None = None):
         super().__init__(detail)
         self.reason = reason
+        self.problem = problem  # what went wrong, without addresses
         self.response = response  # what the replica answered, if it answered (502/503/504)
         self.replica_url: str | None = None
+        self.replica_name = describe(None)
+
+    def client_message(self) -> str:
+        return f"{self.replica_name} failed before answering: {self.problem}"
+
+
+def describe(replica: Replica | None) -> str:
+    """A replica as clients may see it: its pod's name if known, never its address."""
+    pod = replica.pod if replica is not None else None
+    return f"engine replica {pod}" if pod else "an upstream replica"
 
 
 @dataclass
@@ -97,7 +117,7 @@ class Forwarder:
         try:
             return await self._forward(request, body, replica, dispatch, probe, on_first_byte)
         except UpstreamFailure as failure:
-            failure.replica_url = replica.url
+            failure.replica_url, failure.replica_name = replica.url, describe(replica)
             raise
 
     def preconnect(self, replica: Replica) -> None:
@@ -125,20 +145,23 @@ class Forwarder:
         try:
             upstream = await self._pool.request(key, head, body, probe.written if probe is not None else None)
         except TimeoutError:
-            raise UpstreamFailure(TIMEOUT, f"{replica.url}: no answer in time") from None
+            raise UpstreamFailure(TIMEOUT, f"{replica.url}: no answer in time", "no answer in time") from None
         except UpstreamError as error:
-            raise UpstreamFailure(ERROR, f"{replica.url}: {error}") from None
+            raise UpstreamFailure(ERROR, f"{replica.url}: {error}", "its connection failed") from None
         async with upstream:
             if upstream.status in _RETRYABLE_STATUS:
                 answer = await _read_quietly(upstream)
                 raise UpstreamFailure(_RETRYABLE_STATUS[upstream.status], f"{replica.url}: HTTP {upstream.status}",
+                                      f"HTTP {upstream.status}",
                                       (upstream.status, forward_headers(upstream.headers), answer))
             try:
                 first = await upstream.read_chunk()
             except TimeoutError:
-                raise UpstreamFailure(TIMEOUT, f"{replica.url}: no first byte in time") from None
+                raise UpstreamFailure(TIMEOUT, f"{replica.url}: no first byte in time",
+                                      "no first byte in time") from None
             except UpstreamError as error:
-                raise UpstreamFailure(ERROR, f"{replica.url}: dropped before the first byte: {error}") from None
+                raise UpstreamFailure(ERROR, f"{replica.url}: dropped before the first byte: {error}",
+                                      "its connection dropped before the first byte") from None
             now = time.perf_counter()
             replica.first_byte(dispatch, now)
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason or None,
@@ -148,28 +171,41 @@ class Forwarder:
                 response.content_length = upstream.content_length
             try:
                 await response.prepare(request)
-                if first:
-                    await response.write(first)
-                if on_first_byte is not None:
-                    on_first_byte()
-                await self._relay(request, upstream, response, replica)
+                await self._relay(request, upstream, response, replica, first, on_first_byte)
             except ConnectionResetError:
                 pass  # the client left; leaving the context closes the upstream, which aborts it there
             return response
 
     async def _relay(self, request: web.Request, upstream: UpstreamResponse, response: web.StreamResponse,
-                     replica: Replica) -> None:
+                     replica: Replica, chunk: bytes, on_first_byte: Callable[[], None] | None) -> None:
+        # an SSE stream that can take an error event after a failure (one of known length cannot)
+        events = response.content_type == "text/event-stream" and response.content_length is None
+        held = b""  # an SSE event not complete yet: relayed with its end, dropped if the replica dies first
         while True:
+            if events and not chunk.endswith(_EVENT_ENDS):  # the engine writes whole events: rarely taken
+                chunk, held = _complete_events(held + chunk)
+            elif held:
+                chunk, held = held + chunk, b""
+            if chunk:
+                await response.write(chunk)
+            if on_first_byte is not None:
+                on_first_byte()
+                on_first_byte = None
             try:
                 chunk = await upstream.read_chunk()
             except (TimeoutError, UpstreamError) as error:
                 log.warning("replica %s failed mid-response: %s", replica.url, error)
-                self._eject(replica, TIMEOUT if isinstance(error, TimeoutError) else ERROR)
-                await _break_response(request, response, f"upstream replica failed mid-response: {error}")
+                timed_out = isinstance(error, TimeoutError)
+                self._eject(replica, TIMEOUT if timed_out else ERROR)
+                problem = "it did not finish in time" if timed_out else "its connection broke"
+                await _end_broken(request, response, events,
+                                  error_body(504 if timed_out else 502, f"{describe(replica)} failed mid-response: "
+                                             f"{problem}", "upstream_timeout" if timed_out else "upstream_failed"))
                 return
             if not chunk:
                 break
-            await response.write(chunk)
+        if held:
+            await response.write(held)  # the replica ended its body there: pass on what it sent
         await response.write_eof()
 
 
@@ -180,10 +216,20 @@ async def _read_quietly(response: UpstreamResponse) -> bytes:
         return b""
 
 
-async def _break_response(request: web.Request, response: web.StreamResponse, message: str) -> None:
-    if response.content_type == "text/event-stream":
-        event = {"error": {"message": message, "type": "bad_gateway", "param": None, "code": 502}}
+def _complete_events(data: bytes) -> tuple[bytes, bytes]:
+    """``data`` split after its last complete SSE event: (complete events, the incomplete rest)."""
+    end = max(data.rfind(ending) + len(ending) if ending in data else 0 for ending in _EVENT_ENDS)
+    return data[:end], data[end:]
+
+
+async def _end_broken(request: web.Request, response: web.StreamResponse, events: bool, error: dict) -> None:
+    """End a response its replica failed to finish: an SSE stream as the engine ends a failed one (an error
+    event, then ``[DONE]``); any other body with a broken connection (no terminating chunk), so the client
+    never takes it for a complete one."""
+    if events:
         with contextlib.suppress(ConnectionResetError):
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+            await response.write(b"data: " + orjson.dumps(error) + b"\n\n" + DONE)
+            await response.write_eof()
+            return
     if request.transport is not None:
-        request.transport.close()  # no terminating chunk: the client sees a broken body, not a short one
+        request.transport.close()

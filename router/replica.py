@@ -37,9 +37,10 @@ class Dispatch:
 
 
 class Replica:
-    def __init__(self, url: str, zone: str | None = None) -> None:
+    def __init__(self, url: str, zone: str | None = None, pod: str | None = None) -> None:
         self.url = url
         self.zone = zone
+        self.pod = pod  # the pod's name, where discovery knows it (error messages name it, not the address)
         self.load: EngineLoad | None = None
         #: when the poll that produced :attr:`load` was sent (requests sent later are not in it)
         self.load_sent_at = -math.inf

@@ -53,6 +53,7 @@ class FakeEngineBehavior:
     hang: bool = False  # never answer inference requests
     load: dict[str, Any] = field(default_factory=dict)  # /load fields to override
     load_delay_s: float = 0.0  # /load answers this late
+    tear_stream: bool = False  # after the tokens of a stream, write half an event and drop the connection
 
 
 class FakeEngine:
@@ -223,6 +224,11 @@ class FakeEngine:
             await response.write(f"data: {json.dumps({'choices': [{'text': f't{i}'}]})}\n\n".encode())
             self.first_bytes.add(request_id)
             await asyncio.sleep(self.behavior.token_delay_s)
+        if self.behavior.tear_stream:
+            await response.write(b'data: {"choices": [{"te')
+            assert request.transport is not None
+            request.transport.abort()
+            return response
         await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
         await response.write_eof()
         return response

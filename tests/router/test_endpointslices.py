@@ -38,6 +38,13 @@ def test_ready_non_terminating_first_addresses_with_zone_and_named_port():
         Endpoint("http://[fd00::7]:8000", "zone-b")]
 
 
+def test_an_endpoints_pod_name_comes_from_its_target_ref():
+    slices = [slice_("s1", [{**endpoint("10.0.0.1"), "targetRef": {"kind": "Pod", "name": "engine-0", "namespace": "ns"}},
+                            {**endpoint("10.0.0.2"), "targetRef": {"kind": "Node", "name": "node-1"}}])]
+    assert endpoints_from_slices(slices, "http") == [Endpoint("http://10.0.0.1:8000", "zone-a", "engine-0"),
+                                                     Endpoint("http://10.0.0.2:8000", "zone-a", None)]
+
+
 class FakeSliceApi:
     """Lists return the current slices; each watch call consumes scripted events until a sentinel."""
 

@@ -8,6 +8,7 @@ import json
 
 import aiohttp
 
+from kvpilot.router.endpointslices import Endpoint
 from kvpilot.router.proxy import REPLICA_HEADER
 
 SLOW = {"queued_prefill_tokens": 1_000_000}  # /load override: this replica looks far slower (chosen second)
@@ -92,27 +93,69 @@ async def test_when_every_try_fails_the_client_gets_the_last_answer_or_a_502(fak
     assert sample(router, "kvpilot_router_retries_total") == 1  # one retry, never more
 
 
-async def test_after_the_first_byte_the_client_gets_the_error(fake_engines, routers, http, until):
+def data_lines(received: bytes) -> list[str]:
+    return [line[6:] for line in received.decode().split("\n\n") if line.startswith("data: ")]
+
+
+MID_STREAM_ERROR = {"error": {"message": "an upstream replica failed mid-response: its connection broke",
+                              "type": "bad_gateway", "param": None, "code": "upstream_failed"}}
+
+
+async def test_a_replica_dying_mid_stream_ends_it_with_an_error_event_then_done(fake_engines, routers, http,
+                                                                                 until):
     (engine,) = await fake_engines(1, output_tokens=50, token_delay_s=0.05)
     router = await routers([engine.url])
-    received = b""
     async with http.post(router.url + "/v1/completions", json=completion()) as response:
         assert response.status == 200
-        first = await response.content.readany()
+        received = await response.content.readany()
         await engine.crash()
-        try:
-            async for chunk in response.content.iter_any():
-                received += chunk
-            broken = False
-        except aiohttp.ClientPayloadError:
-            broken = True
-    assert first.startswith(b"data: ")
-    assert broken, "a stream cut by a dead replica must not end like a complete one"
-    events = [json.loads(line[6:]) for line in received.decode().splitlines() if line.startswith("data: {")]
-    assert events[-1]["error"]["type"] == "bad_gateway"
-    assert b"[DONE]" not in received
+        received += await response.read()  # ends as a complete body (a ClientPayloadError otherwise)
+    data = data_lines(received)
+    assert json.loads(data[0]) == {"choices": [{"text": "t0"}]}
+    assert [json.loads(data[-2]), data[-1]] == [MID_STREAM_ERROR, "[DONE]"]  # as the engine ends a failed one
+    assert received.endswith(b"\n\ndata: [DONE]\n\n") and received.count(b"[DONE]") == 1
     assert sample(router, "kvpilot_router_retries_total") == 0
     await until(lambda: not router.router.fleet.routable())
+
+
+async def test_an_event_the_replica_left_half_written_is_dropped_before_the_error(fake_engines, routers, http):
+    (engine,) = await fake_engines(1, output_tokens=2, tear_stream=True)
+    router = await routers([engine.url])
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        received = await response.read()
+    assert received == (b'data: {"choices": [{"text": "t0"}]}\n\ndata: {"choices": [{"text": "t1"}]}\n\n'
+                        b"data: " + json.dumps(MID_STREAM_ERROR, separators=(",", ":")).encode()
+                        + b"\n\ndata: [DONE]\n\n")
+
+
+async def test_no_ready_replica_is_a_503_with_retry_after_one_poll(fake_engines, routers, http):
+    (engine,) = await fake_engines(1, ready=False)
+    for interval, retry_after in ((0.02, "1"), (2.5, "3")):
+        router = await routers([engine.url], ready=0, poll_interval_s=interval)
+        async with http.post(router.url + "/v1/completions", json=completion()) as response:
+            assert (response.status, response.headers.get("Retry-After"), await response.json()) == (
+                503, retry_after, {"error": {"message": "no engine replica is ready", "type": "service_unavailable",
+                                             "param": None, "code": "no_ready_replica"}})
+
+
+async def test_security_a_502_names_the_replica_by_pod_never_by_address(fake_engines, routers, http):
+    unnamed, named = await fake_engines(2)
+    named.behavior.load = SLOW  # tried second: the 502 is about it
+    router = await routers([unnamed.url, named.url], poll_interval_s=30.0)
+    fleet = router.router.fleet
+    fleet.set_endpoints([Endpoint(unnamed.url), Endpoint(named.url, None, "kvpilot-engine-6d9f-1")])
+    assert (fleet.replicas[unnamed.url].pod, fleet.replicas[named.url].pod) == (None, "kvpilot-engine-6d9f-1")
+    lone = await routers([unnamed.url], poll_interval_s=30.0)
+    await unnamed.crash()
+    await named.crash()
+    for server, name in ((router, "engine replica kvpilot-engine-6d9f-1"), (lone, "an upstream replica")):
+        async with http.post(server.url + "/v1/completions", json=completion()) as response:
+            raw = await response.read()
+            assert (response.status, json.loads(raw)) == (502, {"error": {
+                "message": f"{name} failed before answering: its connection failed", "type": "bad_gateway",
+                "param": None, "code": "upstream_failed"}})
+        assert b"127.0.0.1" not in raw and str(unnamed.port).encode() not in raw
+        assert str(named.port).encode() not in raw
 
 
 async def test_a_client_that_leaves_cancels_the_upstream_request(fake_engines, routers, until):
