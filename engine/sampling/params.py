@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_EPS = 1e-5  # temperatures below this are treated as greedy (T = 0 branch), never divided by
+#: below this temperature a row is drawn from the T -> 0 limit (uniform over the maximal logits) instead of
+#: dividing by T, which would overflow; T = 0 exactly is the greedy branch (lowest id among ties)
+NEAR_ZERO_TEMPERATURE = 1e-5
 LOGIT_BIAS_LIMIT = 100.0
 
 
@@ -88,7 +90,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature < _EPS
+        return self.temperature == 0.0
 
     @property
     def num_samples(self) -> int:

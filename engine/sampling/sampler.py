@@ -3,7 +3,8 @@
 1. constraints: allowed_token_ids → logit_bias (±100) → bad_words → min_tokens → no_repeat_ngram_size
 2. penalties: repetition (prompt + output) → frequency / presence (output)
 3. temperature: T = 0 is a separate greedy branch (argmax of the constrained logits, ties → lowest id);
-   the truncation filters do not apply to it, and nothing is ever divided by zero
+   the truncation filters do not apply to it. 0 < T < ``NEAR_ZERO_TEMPERATURE`` draws from the T → 0
+   limit (uniform over the maximal logits) rather than dividing by a T that would overflow
 4. truncation on z/T: min_p → top_k → top_p → typical_p (``filters.py``)
 5. sampling by inverse CDF with one uniform number per row (``draw.py``), an exact draw from p. A seeded
    request draws its number from its own generator, so its tokens do not depend on what else is in the batch.
@@ -27,6 +28,7 @@ from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
+from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
 
 
 @dataclass
@@ -87,7 +89,13 @@ class Sampler:
             idx = torch.tensor(sample_rows, device=logits.device)
             dev = logits.device
             pick = [states[i].params for i in sample_rows]
-            scaled = proc.index_select(0, idx) / torch.tensor([p.temperature for p in pick], device=dev).unsqueeze(1)
+            temps = torch.tensor([p.temperature for p in pick], device=dev).unsqueeze(1)
+            scaled = proc.index_select(0, idx) / temps.clamp(min=NEAR_ZERO_TEMPERATURE)
+            if min(p.temperature for p in pick) < NEAR_ZERO_TEMPERATURE:
+                # the T -> 0 limit: all mass on the maximal logits, split evenly between ties
+                at_max = scaled == scaled.max(dim=-1, keepdim=True).values
+                limit = torch.zeros_like(scaled).masked_fill_(~at_max, float("-inf"))
+                scaled = torch.where(temps < NEAR_ZERO_TEMPERATURE, limit, scaled)
             apply_min_p(scaled, torch.tensor([p.min_p for p in pick], device=dev))
             apply_top_k(scaled, torch.tensor([p.top_k for p in pick], device=dev))
             apply_top_p(scaled, torch.tensor([p.top_p for p in pick], device=dev))

@@ -99,7 +99,8 @@ def test_greedy_is_a_separate_branch_with_lowest_id_on_ties():
     sampler = Sampler(torch.Generator().manual_seed(0))
     z = torch.tensor([[0.0, 5.0, 5.0, 1.0]])
     assert sampler.sample(z, [row(SamplingParams(temperature=0.0))]).token_ids == [1]
-    assert SamplingParams(temperature=1e-06).temperature != 0 and SamplingParams(temperature=1e-6).is_greedy
+    # a tiny positive temperature is not the greedy branch: it follows the ties rule (test below)
+    assert SamplingParams(temperature=1e-06).temperature != 0 and not SamplingParams(temperature=1e-6).is_greedy
 
 
 def test_temperature_to_zero_limits():
@@ -112,6 +113,18 @@ def test_temperature_to_zero_limits():
     draws = sampler.sample(tied, [row(p)] * 4000).token_ids
     assert set(draws) == {0, 2}
     assert abs(draws.count(0) / 4000 - 0.5) < 0.04  # 1/|A| each, not one-sided
+
+
+def test_near_zero_temperature_follows_the_ties_rule_not_the_greedy_branch():
+    """0 < T < 1e-5 is the T -> 0 limit: uniform over tied maxima (greedy would always take the lower id)."""
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    tied = torch.tensor([[2.0, 0.0, 2.0]]).repeat(4000, 1)
+    draws = sampler.sample(tied, [row(SamplingParams(temperature=1e-7))] * 4000).token_ids
+    assert set(draws) == {0, 2} and abs(draws.count(0) / 4000 - 0.5) < 0.04
+    unique = torch.tensor([[1.0, 1.5, 0.0]]).repeat(500, 1)
+    assert set(sampler.sample(unique, [row(SamplingParams(temperature=1e-9))] * 500).token_ids) == {1}
+    # negative control: T = 0 is the greedy branch, which takes the lowest id among the ties
+    assert set(sampler.sample(tied, [row(SamplingParams(temperature=0.0))] * 100).token_ids) == {0}
 
 
 CHI2_CRIT_DF5_P001 = 20.52
