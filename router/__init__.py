@@ -11,7 +11,8 @@ Package map:
 - ``app``               HTTP surface: proxied endpoints, ``/health``, ``/ready``, ``/metrics``; retry loop
 - ``proxy``             forwards one request to one replica, streaming, retryable until the first byte
 - ``upstream``          lean HTTP/1.1 client of the proxied requests: keep-alive pool, httptools parsing
-- ``errors``            OpenAI-style JSON error responses
+- ``errors``            OpenAI-style JSON error responses; middleware that turns every other error into one
+- ``json_body``         request body → JSON (orjson, the standard parser where they differ), 400 on bad input
 - ``request_profile``   request → tenant, prompt token ids (shared engine functions), output budget
 - ``segment_tokenizer`` exact per-segment token cache for rendered chat prompts
 - ``piece_encoder``     exact per-word id cache for new ASCII stretches (byte-level BPE tokenizers)

@@ -61,11 +61,14 @@ def check_against_engine(token_ids: list[int], params: SamplingParams, info: Eng
     try:
         validate_prompt(token_ids, info.vocab_size, info.max_model_len, info.max_num_batched_tokens,
                         info.enable_chunked_prefill)
-        validate_params(params, info.vocab_size, info.max_logprobs)
+        validate_params(params, info.vocab_size, info.max_logprobs, info.max_num_seqs)
     except RequestError as err:
         message = str(err)
         code = "context_length_exceeded" if "context limit" in message else "invalid_request"
-        raise bad_request(message, "prompt" if "prompt" in message else None, code=code) from None
+        param = "prompt" if "prompt" in message else None
+        if "max_num_seqs" in message:  # parallel samples beyond the batch: name the request's field
+            param = "best_of" if message.startswith("best_of=") else "n"
+        raise bad_request(message, param, code=code) from None
     if explicit_max_tokens and params.max_tokens is not None and \
             len(token_ids) + params.max_tokens > info.max_model_len:
         raise bad_request(f"this model's maximum context length is {info.max_model_len} tokens, but the "

@@ -20,6 +20,8 @@ def _error(exc: pytest.ExceptionInfo) -> tuple[int, str | None, str | None]:
     ({"temperature": -1.0}, "invalid_request", "temperature"),
     ({"top_p": 0.0}, "invalid_request", "top_p"),
     ({"n": 0}, "invalid_request", "n"),
+    ({"n": 65}, "invalid_request", "n"),  # more samples than the server's max_num_seqs (64)
+    ({"n": 2, "best_of": 65}, "invalid_request", "best_of"),
     ({"max_tokens": 0}, "invalid_request", "max_tokens"),
     ({"max_tokens": 600}, "context_length_exceeded", "max_tokens"),
     ({"logprobs": 21}, "invalid_request", None),
