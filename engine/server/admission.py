@@ -1,4 +1,4 @@
-"""Exact admission (seed §1.2, phase two: after tokenization and prefix lookup) on the engine thread.
+"""Exact admission (docs/architecture.md#admission, phase two: after tokenization and prefix lookup) on the engine thread.
 
 Policy, in order, for each accepted batch (a completions request with several prompts is one batch and is
 admitted or turned away as a whole):

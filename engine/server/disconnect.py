@@ -1,4 +1,4 @@
-"""Noticing that a client went away — promptly, streaming or not (seed §1.4: a request nobody listens to
+"""Noticing that a client went away — promptly, streaming or not (docs/architecture.md#backpressure-and-cancellation: a request nobody listens to
 must stop holding the batch and its KV blocks).
 
 The ASGI server reports a closed connection as an ``http.disconnect`` message on ``receive()``, which

@@ -199,7 +199,7 @@ class EngineLoop:
         return engine.num_steps != steps
 
     def _expire_backpressure(self, now: float) -> None:
-        """Seed §1.7: a full buffer cannot wait forever — a client that stopped reading but keeps its
+        """docs/architecture.md#backpressure-and-cancellation: a full buffer cannot wait forever — a client that stopped reading but keeps its
         connection open would hold KV blocks and a batch slot indefinitely."""
         timeout = self._config.backpressure_timeout_s
         if timeout <= 0:

@@ -1,4 +1,4 @@
-"""The ingress gate (seed §1.2, phase one): cheap checks on headers and size, before any JSON parsing or
+"""The ingress gate (docs/architecture.md#admission, phase one): cheap checks on headers and size, before any JSON parsing or
 tokenization, in this order:
 
 1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);

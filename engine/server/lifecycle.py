@@ -1,4 +1,4 @@
-"""The server's phase (``/ready``'s truth) and its startup timings (seed §1.5: cold start is not steady
+"""The server's phase (``/ready``'s truth) and its startup timings (docs/architecture.md#readiness-and-warm-up: cold start is not steady
 state).
 
 loading → warming_up → ready, then draining after SIGTERM; ``failed`` when loading or the engine loop

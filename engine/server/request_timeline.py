@@ -1,4 +1,4 @@
-"""One request's emit times and the seed's latency definitions (§2.1), with arrival at the server as the
+"""One request's emit times and the latency definitions (docs/architecture.md#latency-definitions), with arrival at the server as the
 boundary and the HTTP handler taking a chunk from its stream as the emit:
 
     TTFT = t_first_emit − t_arrival          ITL_j = t_emit,j − t_emit,j−1 (per sample, j ≥ 2)
@@ -10,7 +10,7 @@ exactly, and E2E exceeds it only by what follows the last token (a final chunk w
 For a non-streaming response the handler takes chunks at the same moments but writes them at the end:
 its TTFT/ITL say when tokens were ready at the HTTP layer, its E2E when the response was complete.
 
-SLO attainment (§2.2): a request attains when it completed (finish reason stop or length) and met every
+SLO attainment: a request attains when it completed (finish reason stop or length) and met every
 configured objective: TTFT ≤ slo_ttft, and every sample's TPOT ≤ slo_tpot (a sample of one token has no
 TPOT). Aborted, timed-out and failed requests are misses.
 """
