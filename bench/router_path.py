@@ -27,9 +27,9 @@ import numpy as np
 from kvpilot.bench.config import WorkloadConfig
 from kvpilot.bench.workloads import Workload
 from kvpilot.engine.kv.block_hash import root_hash
-from kvpilot.router.app import _parse_json
 from kvpilot.router.config import ScoringWeights
 from kvpilot.router.engine_load import EngineLoad
+from kvpilot.router.json_body import parse_json
 from kvpilot.router.picker import ReplicaPicker
 from kvpilot.router.replica import Replica
 from kvpilot.router.request_profile import CHAT_COMPLETIONS
@@ -76,7 +76,7 @@ def measure(model: str, requests: int, gap_s: float, seed: int) -> dict[str, dic
             {"role": "system", "content": sample.system_prompt}, {"role": "user", "content": sample.prompt}]}).encode()
         time.sleep(gap_s)
         start = time.perf_counter()
-        body = _parse_json(raw)
+        body = parse_json(raw)
         parsed = time.perf_counter()
         profile = profiler.profile(CHAT_COMPLETIONS, body, sample.tenant)  # type: ignore[arg-type]
         profiled = time.perf_counter()
