@@ -67,10 +67,13 @@ def test_full_queue_is_429_and_a_stale_queued_request_is_503(limited):
     hog.close()
 
 
-def test_a_request_that_can_never_fit_is_400(limited):
+def test_a_request_that_can_never_run_is_400(limited):
+    # 40 samples can never share a batch of max_num_seqs = 1 (nor 40 x 26 blocks a 40-block cache); the
+    # KV-capacity refusal itself is covered in test_admission.py
     with pytest.raises(openai.BadRequestError) as exc:
         tenant_client(limited, "big").completions.create(model=MODEL, prompt=[5] * 400, max_tokens=1, n=40)
-    assert exc.value.code == "exceeds_kv_capacity"
+    assert (exc.value.code, exc.value.param) == ("invalid_request", "n")
+    assert "exceeds the server's max_num_seqs (1)" in exc.value.message
 
 
 def test_a_batch_turned_away_counts_one_rejection_and_no_finished_request(limited):
