@@ -68,6 +68,17 @@ def test_rendered_chart_is_valid_kubernetes(values, tmp_path):
         assert {d["kind"] for d in documents} >= MONITORING_KINDS
 
 
+@pytest.mark.parametrize(("value", "misspelled"), [
+    ("operator.verbos=true", "verbos"), ("metrics.podMonitor.intervl=15s", "intervl"),
+    ("imagee.tag=x", "imagee"), ("serviceAccount.nam=x", "nam"),
+])
+def test_misspelled_values_are_refused_at_install(value, misspelled):
+    result = subprocess.run([tool("helm"), "template", "kvpilot", str(CHART), "--set", value],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "Additional property " + misspelled + " is not allowed" in result.stderr, result.stderr
+
+
 def test_kubectl_install_manifest_is_the_rendered_chart():
     header = ("# Generated: helm template kvpilot charts/kvpilot --namespace kvpilot-system --include-crds "
               "(see manifests/README.md)\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: kvpilot-system\n")
