@@ -21,23 +21,23 @@ from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_top_k, apply_top_p, reference_top_k, reference_top_p
 
 
-def baseline(z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
+def truncated_probs(z: torch.Tensor, k, p, top_k_fn, top_p_fn) -> torch.Tensor:
     scaled = z / 0.8
     if k is not None:
-        reference_top_k(scaled, k)
+        top_k_fn(scaled, k)
     if p is not None:
-        reference_top_p(scaled, p)
-    probs = scaled.softmax(dim=-1)
+        top_p_fn(scaled, p)
+    return scaled.softmax(dim=-1)
+
+
+def baseline(z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
+    probs = truncated_probs(z, k, p, reference_top_k, reference_top_p)
     return (probs / torch.empty_like(probs).exponential_(generator=gen)).argmax(dim=-1)
 
 
 def current(z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
-    scaled = z / 0.8
-    if k is not None:
-        apply_top_k(scaled, k)
-    if p is not None:
-        apply_top_p(scaled, p)
-    return inverse_cdf_draw(scaled.softmax(dim=-1), torch.rand(z.shape[0], generator=gen))
+    probs = truncated_probs(z, k, p, apply_top_k, apply_top_p)
+    return inverse_cdf_draw(probs, torch.rand(z.shape[0], generator=gen))
 
 
 def main(argv: list[str] | None = None) -> int:
