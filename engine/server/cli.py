@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
 from kvpilot.engine.server.config import (
@@ -16,6 +17,7 @@ from kvpilot.engine.server.config import (
     ServerConfigError,
     parse_warmup_buckets,
 )
+from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV, TenantError, parse_api_key
 
 API_KEY_ENV = "KVPILOT_API_KEY"
 
@@ -31,7 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None,
                    help="the name clients pass as 'model' (default: the --model value)")
     s.add_argument("--api-key", action="append", default=None,
-                   help=f"accepted bearer key for /v1/* (repeat for several; also ${API_KEY_ENV})")
+                   help=f"accepted bearer key for /v1/*, KEY or KEY:TENANT to bind it to a tenant (repeat for "
+                        f"several; also ${API_KEY_ENV})")
+    s.add_argument("--api-keys-file", default=None,
+                   help="file of accepted keys, one KEY or KEY:TENANT per line ('#' comments), e.g. from a Secret")
+    s.add_argument("--trust-tenant-header", action="store_true",
+                   help="with API keys, still believe any client's x-tenant header (behind a proxy that sets it)")
+    s.add_argument("--router-token", default=os.environ.get(ROUTER_TOKEN_ENV),
+                   help=f"shared token of the router sidecar, which may name the tenant (default: ${ROUTER_TOKEN_ENV})")
+    s.add_argument("--trace-user", action="store_true",
+                   help="record the request's 'user' field on its trace span (off: it is often an e-mail)")
     s.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
                    help="most requests accepted but not yet scheduled; more get 429")
     s.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
@@ -66,11 +77,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _api_key_specs(ns: argparse.Namespace) -> list[str]:
+    specs = list(ns.api_key or [])
+    if ns.api_keys_file:
+        try:
+            lines = Path(ns.api_keys_file).read_text(encoding="utf-8").splitlines()
+        except OSError as err:
+            raise ServerConfigError(f"--api-keys-file {ns.api_keys_file}: {err.strerror}") from None
+        specs += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not specs and os.environ.get(API_KEY_ENV):
+        specs = [os.environ[API_KEY_ENV]]
+    return specs
+
+
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
-    keys = list(ns.api_key or [])
-    if not keys and os.environ.get(API_KEY_ENV):
-        keys = [os.environ[API_KEY_ENV]]
-    return ServerConfig(host=ns.host, port=ns.port, api_keys=tuple(keys), max_queue_len=ns.max_queue_len,
+    keys, bindings = [], []
+    for spec in _api_key_specs(ns):
+        try:
+            key, tenant = parse_api_key(spec)
+        except TenantError as err:
+            raise ServerConfigError(str(err)) from None
+        keys.append(key)
+        if tenant is not None:
+            bindings.append((key, tenant))
+    return ServerConfig(host=ns.host, port=ns.port, api_keys=tuple(keys), api_key_tenants=tuple(bindings),
+                        trust_tenant_header=ns.trust_tenant_header, router_token=ns.router_token or None,
+                        trace_user=ns.trace_user, max_queue_len=ns.max_queue_len,
                         queue_timeout_s=ns.queue_timeout, max_body_bytes=ns.max_body_bytes,
                         slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot,
                         tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,

@@ -3,8 +3,11 @@ validated once at the boundary: an invalid value raises ``ServerConfigError`` na
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+
+from kvpilot.engine.tenancy import TenantPolicy
 
 
 class ServerConfigError(ValueError):
@@ -45,7 +48,15 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 8000
     #: accepted bearer keys for ``/v1/*``; empty = no authentication
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    #: (key, tenant) bindings: requests with that key belong to that tenant (``--api-key KEY:TENANT``)
+    api_key_tenants: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+    #: believe any client's ``x-tenant`` even with API keys (only behind a proxy that sets the header)
+    trust_tenant_header: bool = False
+    #: the deployment's shared token: a peer presenting it (the router sidecar) may name the tenant
+    router_token: str | None = field(default=None, repr=False)
+    #: record the request's ``user`` field (often an e-mail address) on its trace span
+    trace_user: bool = False
     #: most requests accepted but not yet scheduled (waiting for KV headroom or a batch slot); a request
     #: beyond it gets 429 at once
     max_queue_len: int = 256
@@ -97,6 +108,10 @@ class ServerConfig:
         need(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
         need(all(isinstance(k, str) and k and k == k.strip() for k in self.api_keys),
              "--api-key must be a non-empty key without surrounding whitespace")
+        need({k for k, _ in self.api_key_tenants} <= set(self.api_keys),
+             "every --api-key KEY:TENANT binding must name an accepted key")
+        need(self.router_token is None or len(self.router_token) >= 16,
+             "--router-token must be at least 16 characters (the operator provisions 64)")
         need(self.max_queue_len >= 1, f"--max-queue-len must be >= 1, got {self.max_queue_len}")
         need(finite(self.queue_timeout_s) and self.queue_timeout_s >= 0,
              f"--queue-timeout must be >= 0 seconds (0 = no limit), got {self.queue_timeout_s}")
@@ -122,6 +137,11 @@ class ServerConfig:
              f"--loop-stall-timeout must be > 0 seconds, got {self.loop_stall_timeout_s}")
         need(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
              f"--log-level must be a uvicorn level, got {self.log_level!r}")
+
+    @functools.cached_property
+    def tenant_policy(self) -> TenantPolicy:
+        return TenantPolicy(authenticated=bool(self.api_keys), trust_header=self.trust_tenant_header,
+                            router_token=self.router_token, key_tenants=dict(self.api_key_tenants))
 
     @property
     def effective_tenant_burst(self) -> float:

@@ -69,7 +69,7 @@ class Generation:
                 "gen_ai.operation.name": kind, "gen_ai.request.model": state.model_name,
                 "gen_ai.response.id": rid, "gen_ai.request.max_tokens": params.max_tokens or 0,
                 "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
-                "gen_ai.usage.input_tokens": len(prompt.token_ids), "enduser.id": user or "",
+                "gen_ai.usage.input_tokens": len(prompt.token_ids), "enduser.id": (user or "") if cfg.trace_user else "",
                 "kvpilot.tenant": ctx.tenant or ""}, ctx.headers)
             self.requests.append(ServingRequest(rid, prompt.token_ids, params, ctx.tenant, priority,
                                                 ctx.arrival, stream, span))

@@ -4,8 +4,9 @@ tokenization, in this order:
 1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);
 2. inference POSTs only while ready (503 while loading, warming up or draining, with Retry-After);
 3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread);
-4. the tenant (``x-tenant``, else a digest of the API key) must be well-formed (400) and have a token in
-   its bucket (429 with Retry-After = seconds until it has one).
+4. the tenant (``kvpilot.engine.tenancy.resolve_tenant``: with API keys, the key's tenant unless the
+   router sidecar or ``--trust-tenant-header`` vouches for ``x-tenant``) must be well-formed (400) and have
+   a token in its bucket (429 with Retry-After = seconds until it has one).
 
 It also stamps the request's arrival (the boundary of every latency metric) and tenant into the ASGI
 scope, and counts in-flight inference requests for the drain. The body it read is replayed to the app;
@@ -21,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvpilot.engine.server.errors import APIError, error_response
 from kvpilot.engine.server.state import SCOPE_KEY, RequestContext, ServerState, not_ready
-from kvpilot.engine.tenancy import TenantError, api_key_from_headers, tenant_from_headers
+from kvpilot.engine.tenancy import TenantError, api_key_from_headers, resolve_tenant
 
 INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TRACE_HEADERS = ("traceparent", "tracestate")
@@ -92,7 +93,7 @@ class IngressGate:
 
     def _admit_tenant(self, headers: dict[str, str]) -> str | None:
         try:
-            tenant = tenant_from_headers(headers)
+            tenant = resolve_tenant(headers, self.state.config.tenant_policy)
         except TenantError as err:
             raise APIError(400, str(err), code="invalid_tenant", param="x-tenant") from None
         limiter = self.state.rate_limiter

@@ -26,6 +26,9 @@ from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.tokenizer import Tokenizer
 
 API_KEY = "sk-kvpilot-test"
+#: the session server's router token: tests that name tenants with x-tenant send it, as the router does
+ROUTER_TOKEN = "router-token-for-tests-0123456789"
+TRUSTED = {"x-kvpilot-router-token": ROUTER_TOKEN}
 TINY_ARGS = ["--model", "tiny-random", "--num-kv-blocks", "512", "--warmup-buckets", "1x8,2x16"]
 
 
@@ -71,10 +74,17 @@ class InProcessServer:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
-    server = ServerProcess([*TINY_ARGS, "--max-body-bytes", "65536", "--slo-ttft", "60", "--slo-tpot", "60"],
+    server = ServerProcess([*TINY_ARGS, "--max-body-bytes", "65536", "--slo-ttft", "60", "--slo-tpot", "60",
+                            "--router-token", ROUTER_TOKEN],
                            log, api_key=API_KEY).wait_ready()
     yield server
     assert server.stop() == 0, server.log_path.read_text()
+
+
+@pytest.fixture(scope="session")
+def router_headers() -> dict[str, str]:
+    """Headers that make ``tiny_server`` believe ``x-tenant``, as the router sidecar's token does."""
+    return dict(TRUSTED)
 
 
 @pytest.fixture(scope="session")

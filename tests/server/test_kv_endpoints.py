@@ -30,11 +30,11 @@ def test_load_has_every_contract_field_and_the_router_accepts_it(tiny_server):
 
 
 @pytest.mark.e2e
-def test_events_are_ordered_salted_like_the_routers_and_match_the_snapshot(tiny_server):
+def test_events_are_ordered_salted_like_the_routers_and_match_the_snapshot(tiny_server, router_headers):
     start = tiny_server.get("/kv/events?since=0").json()
     epoch, root, seq0 = start["epoch"], bytes.fromhex(start["root"]), start["seq"]
     prompt = [3 + (i * 5) % 400 for i in range(40)]  # two full blocks
-    tiny_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1}, headers={"x-tenant": "kv-test"})
+    tiny_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1}, headers={"x-tenant": "kv-test", **router_headers})
     batch = tiny_server.get(f"/kv/events?since={seq0}").json()
     assert (batch["epoch"], batch["gap"], batch["block_size"]) == (epoch, False, 16)
     assert batch["root"] == start["root"]

@@ -94,13 +94,13 @@ def test_latency_definitions_hold_exactly_for_one_streamed_request(tiny_server, 
     assert d("kvpilot_request_prompt_tokens_sum") == prompt_tokens
 
 
-def test_prefix_cache_counts_hits_and_never_crosses_tenants(tiny_server):
+def test_prefix_cache_counts_hits_and_never_crosses_tenants(tiny_server, router_headers):
     prompt = [11 + (i % 97) for i in range(70)]  # 4 full blocks; at most (70 - 1) // 16 = 4 can hit
     body = {"prompt": prompt, "max_tokens": 1}
 
     def run(tenant: str) -> tuple[int, float, float]:
         before = scrape(tiny_server)
-        out = tiny_server.post("/v1/completions", body, headers={"x-tenant": tenant}).json()
+        out = tiny_server.post("/v1/completions", body, headers={"x-tenant": tenant, **router_headers}).json()
         after = scrape(tiny_server)
         return (out["usage"]["prompt_tokens_details"]["cached_tokens"],
                 delta(before, after, f"kvpilot_prefix_cache_queries_total{{{M}}}"),

@@ -29,7 +29,7 @@ def test_a_span_per_request_with_phase_events(start_in_process):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    config = ServerConfig(warmup_buckets=(WarmupBucket(1, 8),))
+    config = ServerConfig(warmup_buckets=(WarmupBucket(1, 8),), trace_user=True)
     # a 20-token budget splits the 50-token prompt into three prefill chunks
     server = start_in_process({"max_num_batched_tokens": 20, "max_num_seqs": 4}, config,
                               tracer_provider=provider)
@@ -68,6 +68,19 @@ def test_a_rejected_request_ends_its_span_with_an_error(start_in_process):
     assert span.name == "chat tiny-random" and span.status.status_code is StatusCode.ERROR
     assert [e.name for e in span.events] == ["finished"]
     assert span.events[0].attributes["finish_reason"] == "rejected"
+
+
+def test_security_the_user_field_is_not_exported_by_default(start_in_process):
+    """``user`` is often an e-mail address: it reaches the span only with ``--trace-user``."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    server = start_in_process({"num_kv_blocks": 64}, tracer_provider=provider)
+    r = httpx.post(server.url + "/v1/completions",
+                   json={"prompt": "x", "max_tokens": 1, "user": "someone@example.com"})
+    assert r.status_code == 200
+    (span,) = wait_spans(exporter, 1)
+    assert span.attributes["enduser.id"] == ""
 
 
 def test_otlp_export_follows_the_environment(monkeypatch):
