@@ -95,7 +95,7 @@ def test_key_bindings_and_keys_files_parse_with_clear_errors(tmp_path):
     assert config.api_keys == ("sk-c", "sk-a", "sk-b")
     assert dict(config.api_key_tenants) == {"sk-c": "gamma", "sk-a": "alpha"}
     assert "sk-a" not in repr(config)  # keys never appear in logs of the config
-    with pytest.raises(ServerConfigError, match="--api-keys-file .*: No such file"):
+    with pytest.raises(ServerConfigError, match=r"--api-keys-file .*: No such file"):
         server_config_from_namespace(build_parser().parse_args(["--api-keys-file", str(tmp_path / "nope")]))
     with pytest.raises(ServerConfigError, match="--router-token must be at least 16"):
         server_config_from_namespace(build_parser().parse_args(["--router-token", "short"]))
