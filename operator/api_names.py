@@ -23,3 +23,10 @@ ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 SERVICE_PORT = 80
 DEFAULT_IMAGE = "ghcr.io/kvpilot/kvpilot:0.1.0"
+
+# The per-InferenceService token that proves a request comes from a router sidecar (which may then set
+# x-tenant): Secret <name>-router-token, key "token", given to both containers in this variable.
+ROUTER_TOKEN_SECRET_SUFFIX = "-router-token"
+ROUTER_TOKEN_KEY = "token"
+ROUTER_TOKEN_ENV = "KVPILOT_ROUTER_TOKEN"
+ROUTER_TOKEN_BYTES = 32  # random bytes, hex-encoded: 64 characters

@@ -1,16 +1,20 @@
 """Every object the operator owns for one InferenceService (docs/architecture.md#operator).
 
 ``build_children`` is a pure function of the validated InferenceService: the same input always gives
-the same objects, which is what makes reconciling idempotent and ``kvpilot operator render`` exact.
+the same objects, which is what makes reconciling idempotent and ``kvpilot operator render`` exact. The
+one exception is the router token Secret's value, random unless given: it is written only when the Secret
+is created (``apply.CREATE_ONLY_FIELDS``), so later reconciles never change it.
 """
 
 from __future__ import annotations
 
+import base64
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import api_names
-from kvpilot.operator.pod_template import pod_template
+from kvpilot.operator.pod_template import pod_template, router_token_secret_name
 from kvpilot.operator.sizing import SizingResult, size_replicas
 from kvpilot.operator.spec import InferenceService
 from kvpilot.operator.startup import startup_budget
@@ -61,6 +65,18 @@ def _router_access(isvc: InferenceService) -> list[dict[str, Any]]:
     ]
 
 
+def new_router_token() -> str:
+    return secrets.token_hex(api_names.ROUTER_TOKEN_BYTES)
+
+
+def _router_token(isvc: InferenceService, token: str) -> dict[str, Any]:
+    """The token the router sidecars present to the engines (``x-kvpilot-router-token``), one per
+    InferenceService: every router may send to every engine of the service, so all pods share it."""
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": _metadata(isvc, router_token_secret_name(isvc)),
+            "type": "Opaque",
+            "data": {api_names.ROUTER_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+
+
 def _services(isvc: InferenceService) -> list[dict[str, Any]]:
     selector = selector_labels(isvc)
     engines = {
@@ -107,8 +123,12 @@ def _deployment(isvc: InferenceService, sizing: SizingResult, default_image: str
     }
 
 
-def build_children(isvc: InferenceService, default_image: str = api_names.DEFAULT_IMAGE) -> Children:
+def build_children(isvc: InferenceService, default_image: str = api_names.DEFAULT_IMAGE,
+                   router_token: str | None = None) -> Children:
+    """``router_token``: the Secret's value if it has to be created (a fresh random one when None)."""
     sizing = size_replicas(isvc.spec.scaling)
-    objects = [*_router_access(isvc), *_services(isvc), _disruption_budget(isvc, sizing),
-               _deployment(isvc, sizing, default_image)]
+    token = router_token if router_token is not None else new_router_token()
+    # The Secret before the Deployment: a pod whose secretKeyRef names no Secret cannot start.
+    objects = [*_router_access(isvc), _router_token(isvc, token), *_services(isvc),
+               _disruption_budget(isvc, sizing), _deployment(isvc, sizing, default_image)]
     return Children(sizing=sizing, objects=tuple(objects))

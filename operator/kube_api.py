@@ -15,8 +15,8 @@ from kubernetes import client, config
 
 # kind -> plural for the kinds the operator reads and writes.
 PLURALS = {
-    "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings", "Service": "services",
-    "PodDisruptionBudget": "poddisruptionbudgets", "Deployment": "deployments", "Pod": "pods",
+    "ServiceAccount": "serviceaccounts", "Secret": "secrets", "Role": "roles", "RoleBinding": "rolebindings",
+    "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets", "Deployment": "deployments", "Pod": "pods",
     "InferenceService": "inferenceservices",
 }
 MERGE_PATCH = "application/merge-patch+json"

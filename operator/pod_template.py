@@ -42,6 +42,18 @@ _CACHE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "val
               {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}]
 
 
+def router_token_secret_name(isvc: InferenceService) -> str:
+    return f"{isvc.name}{api_names.ROUTER_TOKEN_SECRET_SUFFIX}"
+
+
+def _router_token_env(isvc: InferenceService) -> dict[str, Any]:
+    """Both containers read the shared router token from the Secret the operator creates (children.py):
+    the router sends it with each proxied request, the engine trusts ``x-tenant`` only when it matches."""
+    return {"name": api_names.ROUTER_TOKEN_ENV,
+            "valueFrom": {"secretKeyRef": {"name": router_token_secret_name(isvc),
+                                           "key": api_names.ROUTER_TOKEN_KEY}}}
+
+
 def engine_args(isvc: InferenceService) -> list[str]:
     spec = isvc.spec
     engine = spec.engine
@@ -104,7 +116,7 @@ def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "command": ["kvpilot", "serve"],
         "args": engine_args(isvc),
         "ports": [{"name": "http", "containerPort": api_names.ENGINE_PORT, "protocol": "TCP"}],
-        "env": [dict(e) for e in _CACHE_ENV],
+        "env": [*(dict(e) for e in _CACHE_ENV), _router_token_env(isvc)],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": _http_probe("/health", "http", period=PROBE_PERIOD_SECONDS,
                                     failures=budget.probe_failure_threshold, timeout=5),
@@ -123,7 +135,7 @@ def _router_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "command": ["kvpilot", "router"],
         "args": router_args(isvc),
         # the router reads the model's tokenizer (from the same source as the engine) into its cache
-        "env": [dict(e) for e in _CACHE_ENV[:2]],
+        "env": [*(dict(e) for e in _CACHE_ENV[:2]), _router_token_env(isvc)],
         "volumeMounts": _model_mounts(isvc),
         "ports": [{"name": "http-router", "containerPort": api_names.ROUTER_PORT, "protocol": "TCP"}],
         "resources": {"requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},

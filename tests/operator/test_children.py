@@ -97,3 +97,42 @@ def test_cpu_pods_keep_a_fixed_kv_size():
                             "resources": {"gpus": 0}})
     assert set_size[16:18] == ["--kv-cache-memory-bytes", "536870912"]
     assert "--gpu-memory-utilization" not in set_size
+
+
+def test_a_router_token_secret_is_owned_and_both_containers_read_it():
+    """Security (issue 26 item 1): the engine trusts x-tenant only from a peer holding this token."""
+    import base64
+    import re
+
+    manifest = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+                "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
+                "spec": {"model": {"source": "tiny-random"}}}
+    isvc = InferenceService.from_manifest(manifest)
+    built = build_children(isvc, "img:1")
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in built.objects}
+    secret = objects[("Secret", "smol-router-token")]
+    assert (secret["apiVersion"], secret["type"], list(secret["data"])) == ("v1", "Opaque", ["token"])
+    assert secret["metadata"]["namespace"] == "ml"
+    assert secret["metadata"]["labels"] == objects[("Deployment", "smol")]["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/instance": "smol",
+        "app.kubernetes.io/component": "inference", "app.kubernetes.io/managed-by": "kvpilot-operator",
+        "kvpilot.dev/inferenceservice": "smol"}
+    assert secret["metadata"]["ownerReferences"] == [{
+        "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "smol", "uid": "u-1",
+        "controller": True, "blockOwnerDeletion": True}]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)  # 32 random bytes
+    def token_of(children: tuple[dict, ...]) -> str:
+        return base64.b64decode(next(o for o in children if o["kind"] == "Secret")["data"]["token"]).decode()
+
+    assert token_of(build_children(isvc, "img:1").objects) != token  # drawn afresh: apply writes it on create only
+    assert token_of(build_children(isvc, "img:1", router_token="ab" * 32).objects) == "ab" * 32
+    # applied before the Deployment, whose pods cannot start without it
+    kinds = [o["kind"] for o in built.objects]
+    assert kinds.index("Secret") < kinds.index("Deployment")
+
+    reference = {"name": "KVPILOT_ROUTER_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "smol-router-token", "key": "token"}}}
+    engine, router = objects[("Deployment", "smol")]["spec"]["template"]["spec"]["containers"]
+    assert [v for v in engine["env"] if v["name"] == "KVPILOT_ROUTER_TOKEN"] == [reference]
+    assert [v for v in router["env"] if v["name"] == "KVPILOT_ROUTER_TOKEN"] == [reference]

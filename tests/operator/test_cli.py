@@ -24,7 +24,7 @@ def test_render_prints_the_children_in_apply_order():
     documents = list(yaml.safe_load_all(out.getvalue()))
     assert [(d["kind"], d["metadata"]["name"]) for d in documents] == [
         ("ServiceAccount", "smol-router"), ("Role", "smol-router"), ("RoleBinding", "smol-router"),
-        ("Service", "smol-engines"), ("Service", "smol"), ("PodDisruptionBudget", "smol"), ("Deployment", "smol")]
+        ("Secret", "smol-router-token"), ("Service", "smol-engines"), ("Service", "smol"), ("PodDisruptionBudget", "smol"), ("Deployment", "smol")]
     assert documents[-1]["spec"]["replicas"] == 4
     assert all(d["metadata"]["namespace"] == "ml" and "ownerReferences" not in d["metadata"] for d in documents)
     assert err.getvalue() == "# ml/smol: clamp(ceil(10 × (1 + 0.2) / 4) + 1, 1, 100) = 4\n"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import copy
+import json
+import re
 from typing import Any
 
 from kvpilot.operator.config import OperatorConfig
@@ -29,3 +33,79 @@ def test_more_than_one_gpu_from_an_older_crd_is_reported_and_builds_no_deploymen
     assert [(c["type"], c["status"], c["reason"], c["message"]) for c in status["conditions"]] == [
         ("Ready", "False", "InvalidSpec", message), ("Progressing", "False", "Idle", message),
         ("Degraded", "True", "InvalidSpec", message)]
+
+
+class MemoryApi:
+    """Objects by (kind, namespace, name); create, get, JSON merge patch and list as the API server does."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str | None], dict[str, Any]] = {}
+        self.writes: list[tuple[str, str, dict[str, Any]]] = []
+
+    @staticmethod
+    def _key(ref: Any) -> tuple[str, str, str | None]:
+        return ref.kind, ref.namespace, ref.name
+
+    def get(self, ref: Any) -> dict[str, Any] | None:
+        found = self.objects.get(self._key(ref))
+        return copy.deepcopy(found) if found is not None else None
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        key = (obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        assert key not in self.objects
+        self.objects[key] = copy.deepcopy(obj)
+        self.writes.append(("create", obj["kind"], obj))
+        return obj
+
+    def merge_patch(self, ref: Any, patch: dict[str, Any], subresource: str = "") -> dict[str, Any]:
+        def merge(target: Any, change: Any) -> Any:
+            if not isinstance(change, dict):
+                return copy.deepcopy(change)
+            result = dict(target) if isinstance(target, dict) else {}
+            for key, value in change.items():
+                if value is None:
+                    result.pop(key, None)
+                else:
+                    result[key] = merge(result.get(key), value)
+            return result
+
+        self.objects[self._key(ref)] = merge(self.objects[self._key(ref)], patch)
+        self.writes.append(("patch", ref.kind, patch))
+        return self.objects[self._key(ref)]
+
+    def list(self, ref: Any, label_selector: str) -> list[dict[str, Any]]:
+        return []
+
+
+def test_later_reconciles_keep_the_router_token_and_never_write_it_anywhere_else():
+    """Security (issue 26 item 1): the token stays what running pods read, and stays out of metadata."""
+    body = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
+            "spec": {"model": {"source": "tiny-random"}}}
+    api, config = MemoryApi(), OperatorConfig(default_image="img:1")
+    first = reconcile(api, body, config)
+    assert {r.action for r in first.applied} == {"created"}
+    secret_key = ("Secret", "ml", "smol-router-token")
+    token = base64.b64decode(api.objects[secret_key]["data"]["token"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    assert token not in json.dumps(api.objects[secret_key]["metadata"])  # not in the last-applied annotation
+
+    api.writes.clear()
+    second = reconcile(api, body, config)  # its builder drew another token
+    assert {r.action for r in second.applied} == {"unchanged"} and api.writes == []
+    assert base64.b64decode(api.objects[secret_key]["data"]["token"]).decode() == token
+
+    # Managed metadata is still reconciled, the token still not touched.
+    api.objects[secret_key]["metadata"]["labels"]["app.kubernetes.io/instance"] = "other"
+    api.objects[secret_key]["data"]["extra"] = "eA=="
+    third = reconcile(api, body, config)
+    patched = [r for r in third.applied if r.action == "patched"]
+    assert [(r.ref.kind, r.patch) for r in patched] == [
+        ("Secret", {"metadata": {"labels": {"app.kubernetes.io/instance": "smol"}}})]
+    assert base64.b64decode(api.objects[secret_key]["data"]["token"]).decode() == token
+
+    # A token key removed by hand is put back (pods could not start without it); the rest is left alone.
+    del api.objects[secret_key]["data"]["token"]
+    reconcile(api, body, config)
+    data = api.objects[secret_key]["data"]
+    assert set(data) == {"token", "extra"} and re.fullmatch(r"[0-9a-f]{64}", base64.b64decode(data["token"]).decode())
