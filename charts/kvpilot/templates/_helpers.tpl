@@ -46,6 +46,11 @@ app.kubernetes.io/component: operator
 - apiGroups: [""]
   resources: [services, serviceaccounts]
   verbs: [get, create, patch]
+# The per-InferenceService router token (<name>-router-token): read and created by name, its labels and
+# owner reference patched; never listed or watched, so the operator cannot enumerate Secrets.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [pods]
   verbs: [list]
