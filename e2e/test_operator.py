@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 import time
 
 import pytest
@@ -44,7 +46,7 @@ def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namesp
     children = {("apps/v1/deployments", "smol"), ("v1/services", "smol"), ("v1/services", "smol-engines"),
                 ("policy/v1/poddisruptionbudgets", "smol"), ("v1/serviceaccounts", "smol-router"),
                 ("rbac.authorization.k8s.io/v1/roles", "smol-router"),
-                ("rbac.authorization.k8s.io/v1/rolebindings", "smol-router")}
+                ("rbac.authorization.k8s.io/v1/rolebindings", "smol-router"), ("v1/secrets", "smol-router-token")}
     for resource, name in children:
         owners = cluster.get(resource, namespace, name)["metadata"]["ownerReferences"]
         assert [(o["kind"], o["uid"], o["controller"]) for o in owners] == [("InferenceService", isvc_uid, True)]
@@ -61,6 +63,32 @@ def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namesp
     table = kubectl("get", "kvis", "-n", namespace).stdout.splitlines()
     assert table[0].split() == ["NAME", "MODEL", "DESIRED", "READY", "PHASE", "AGE"]
     assert table[1].split()[:5] == ["smol", "smollm2-135m", "3", "3", "Ready"]
+
+
+def test_a_router_token_secret_is_created_once_and_referenced_by_both_containers(cluster, kubectl, namespace):
+    """Security (issue 26 item 1): the per-service token the router presents to the engines."""
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 1}"))
+    wait_phase(cluster, namespace, "smol", "Ready")
+    secret = json.loads(kubectl("get", "secret", "smol-router-token", "-n", namespace, "-o", "json").stdout)
+    isvc_uid = cluster.get(ISVC, namespace, "smol")["metadata"]["uid"]
+    assert [(o["kind"], o["uid"], o["controller"]) for o in secret["metadata"]["ownerReferences"]] == [
+        ("InferenceService", isvc_uid, True)]
+    assert secret["metadata"]["labels"]["kvpilot.dev/inferenceservice"] == "smol"
+    assert secret["type"] == "Opaque" and list(secret["data"]) == ["token"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+
+    template = cluster.get(DEPLOYMENTS, namespace, "smol")["spec"]["template"]["spec"]
+    reference = {"name": "KVPILOT_ROUTER_TOKEN",
+                 "valueFrom": {"secretKeyRef": {"name": "smol-router-token", "key": "token"}}}
+    for container in template["containers"]:
+        assert reference in container["env"], container["name"]
+
+    # Refreshes (every 0.3 s here) never rewrite it: one stored version, the same token.
+    cluster.wait_for("a few status refreshes", lambda: len([r for r in cluster.api if r.method.value == "GET"
+                     and r.url.path.endswith(f"/namespaces/{namespace}/secrets/smol-router-token")]) > 5)
+    assert len(cluster.history("v1/secrets", namespace, "smol-router-token")) == 1
+    assert cluster.get("v1/secrets", namespace, "smol-router-token")["data"] == secret["data"]
 
 
 def test_scaling_change_resizes_by_the_n_plus_one_rule(cluster, kubectl, namespace):
@@ -168,7 +196,7 @@ def test_delete_removes_every_child(cluster, kubectl, namespace):
     # for Kopf's default 60 s re-check (operator.handlers.TIMER_EXIT_POLL_SECONDS)
     assert time.monotonic() - started < 15
     for resource in ("apps/v1/deployments", "v1/services", "v1/pods", "policy/v1/poddisruptionbudgets",
-                     "v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles"):
+                     "v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles", "v1/secrets"):
         cluster.wait_for(f"no {resource}", lambda resource=resource: not cluster.list(resource, namespace))
 
 

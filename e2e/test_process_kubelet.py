@@ -5,6 +5,7 @@ liveness kills, SIGTERM then SIGKILL on deletion, refused pod features)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import sys
 import time
@@ -12,8 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from harness.cluster import claim_ip_prefix
-from harness.container_launch import build_launch, empty_dirs, expand
+from harness.cluster import HarnessCluster, claim_ip_prefix
+from harness.container_launch import MissingSecret, build_launch, empty_dirs, expand, resolve_secret_env
 from harness.container_supervisor import RestartBackoff
 from harness.probes import LIVENESS, READINESS, HttpGet, ProbeSpec, ProbeVerdict, UnsupportedPod, parse_probe
 from harness.process_runner import ProcessPodRunner
@@ -111,6 +112,60 @@ def test_a_container_becomes_a_command_line_on_the_pod_address(tmp_path):
                      tmp_path, volumes, tmp_path)
     with pytest.raises(UnsupportedPod, match="env 'X': valueFrom"):
         build_launch(pod, {**container, "env": [{"name": "X", "valueFrom": {}}]}, tmp_path, volumes, tmp_path)
+
+
+def test_secret_key_refs_become_the_stored_values_and_a_missing_secret_holds_the_pod():
+    secrets = {("ns", "tok"): {"data": {"token": base64.b64encode(b"s3cret").decode()}}}
+
+    def lookup(namespace: str, name: str) -> dict | None:
+        return secrets.get((namespace, name))
+
+    def ref(name: str, key: str = "token", **extra: bool) -> dict:
+        return {"name": "T", "valueFrom": {"secretKeyRef": {"name": name, "key": key, **extra}}}
+
+    def with_env(*env: dict) -> dict:
+        return {"metadata": {"name": "p", "namespace": "ns"},
+                "spec": {"containers": [{"name": "engine", "env": [{"name": "A", "value": "1"}, *env]}]}}
+
+    manifest = with_env(ref("tok"))
+    resolved = resolve_secret_env(manifest, lookup)
+    assert resolved["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}, {"name": "T", "value": "s3cret"}]
+    assert "valueFrom" in manifest["spec"]["containers"][0]["env"][1]  # the stored pod is left as it was
+    assert resolve_secret_env(with_env(ref("absent", optional=True)), lookup)["spec"]["containers"][0]["env"] == [
+        {"name": "A", "value": "1"}]
+    with pytest.raises(MissingSecret, match="env 'T': secret \"absent\" not found"):
+        resolve_secret_env(with_env(ref("absent")), lookup)
+    with pytest.raises(MissingSecret, match="key \"other\" in secret \"tok\" not found"):
+        resolve_secret_env(with_env(ref("tok", key="other")), lookup)
+    other = {"name": "X", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
+    assert resolve_secret_env(with_env(other), lookup)["spec"]["containers"][0]["env"][1] == other  # refused later
+
+
+def test_the_kubelet_loop_starts_a_pod_once_its_secret_exists_with_the_value_in_the_process_env(tmp_path):
+    """The operator's pods read the router token from a Secret: the real processes must see its value."""
+    import kmock
+
+    runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
+    cluster = HarnessCluster(tmp_path, runner=runner).start()
+    try:
+        write_env = "import os, time; open('token.txt', 'w').write(os.environ['TOKEN']); time.sleep(60)"
+        pod_manifest = {"metadata": {"name": "reader"}, "spec": {"terminationGracePeriodSeconds": 1, "containers": [
+            {"name": "app", "image": "unused", "command": [sys.executable, "-c", write_env],
+             "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}}]}]}}
+        cluster.call(cluster.api.create(kmock.resource("", "v1", "pods"), "default", pod_manifest))
+        time.sleep(0.5)  # several kubelet steps: the pod waits for its Secret, without an address
+        assert not cluster.get("v1/pods", "default", "reader").get("status", {}).get("podIP")
+        assert runner.containers("default") == []
+        cluster.call(cluster.api.create(kmock.resource("", "v1", "secrets"), "default", {
+            "metadata": {"name": "tok"}, "type": "Opaque", "data": {"token": base64.b64encode(b"ab" * 32).decode()}}))
+        written = tmp_path / "pods" / "default" / "reader" / "token.txt"
+        cluster.wait_for("the container wrote its env", lambda: written.exists() and written.read_text(), timeout=10)
+        assert written.read_text() == "ab" * 32
+    finally:
+        try:
+            cluster.stop()
+        finally:
+            runner.kill_all()
 
 
 # ---- the runner with real processes -------------------------------------------------------------------

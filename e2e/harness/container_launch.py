@@ -10,7 +10,11 @@ container has:
   template's: each pod has its own address, so two pods' port 8000 never meet.
 - **volumes**: an ``emptyDir`` is a directory under the pod's directory; a path in ``env`` values,
   ``args`` or ``workingDir`` that lies under its ``mountPath`` is rewritten to it. Other volume types are
-  refused (``UnsupportedPod``), as are ``envFrom`` and ``valueFrom`` (no ConfigMaps, Secrets or downward API).
+  refused (``UnsupportedPod``), as are ``envFrom`` and ``valueFrom`` other than ``secretKeyRef`` (no
+  ConfigMaps or downward API).
+- **Secrets**: the kubelet loop (``workloads``) replaces each ``valueFrom.secretKeyRef`` with the stored
+  Secret's value (``resolve_secret_env``) before the pod's containers start; a Secret or key that is not
+  there yet holds the pod back until it is, as a kubelet retries a container it cannot configure.
 - **image**: there is none; the image's environment is emulated as this interpreter's ``bin`` directory
   first on ``PATH`` (where ``kvpilot`` is installed) plus ``PYTHONUNBUFFERED=1``, like the Dockerfile's.
 - **service account**: ``KUBECONFIG`` points at the harness API server (a pod would read its mounted
@@ -19,10 +23,14 @@ container has:
 
 from __future__ import annotations
 
+import base64
+import binascii
+import copy
 import os
 import re
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +56,49 @@ def expand(value: str, env: dict[str, str]) -> str:
         return env.get(match.group(1), match.group(0))
 
     return _REFERENCE.sub(replace, value)
+
+
+class MissingSecret(Exception):
+    """A container's env names a Secret (or key) that does not exist yet: the pod cannot start now."""
+
+
+def _secret_value(secret: dict[str, Any], key: str) -> str | None:
+    if key in secret.get("data", {}):
+        try:
+            return base64.b64decode(secret["data"][key], validate=True).decode("utf-8", errors="replace")
+        except (binascii.Error, TypeError) as error:
+            raise MissingSecret(f"key {key!r} of the Secret is not base64: {error}") from None
+    # a real API server folds stringData into data on write; the harness stores what it was sent
+    value = secret.get("stringData", {}).get(key)
+    return value if isinstance(value, str) else None
+
+
+def resolve_secret_env(pod: dict[str, Any],
+                       secret_of: Callable[[str, str], dict[str, Any] | None]) -> dict[str, Any]:
+    """The pod with each ``env[].valueFrom.secretKeyRef`` turned into a plain ``value``, read through
+    ``secret_of(namespace, name)``; ``MissingSecret`` names the first Secret or key that is absent (an
+    ``optional`` one is left out instead). Other ``valueFrom`` sources stay, for ``build_launch`` to refuse."""
+    resolved = copy.deepcopy(pod)
+    namespace = pod["metadata"].get("namespace", "default")
+    for container in resolved["spec"].get("containers", []):
+        env = []
+        for variable in container.get("env", []):
+            ref = variable.get("valueFrom", {}).get("secretKeyRef")
+            if ref is None:
+                env.append(variable)
+                continue
+            secret = secret_of(namespace, ref.get("name", ""))
+            value = _secret_value(secret, ref.get("key", "")) if secret is not None else None
+            if value is None:
+                if ref.get("optional"):
+                    continue
+                what = f'secret "{ref.get("name")}"' if secret is None else \
+                    f'key "{ref.get("key")}" in secret "{ref.get("name")}"'
+                raise MissingSecret(f"container {container['name']!r} env {variable['name']!r}: {what} not found")
+            env.append({"name": variable["name"], "value": value})
+        if "env" in container:
+            container["env"] = env
+    return resolved
 
 
 def empty_dirs(pod: dict[str, Any], pod_dir: Path) -> dict[str, Path]:

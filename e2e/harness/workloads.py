@@ -2,8 +2,9 @@
 
 - a Deployment controller that creates pods from the template (labelled with ``pod-template-hash``),
   rolls them honouring ``maxSurge``/``maxUnavailable``, and writes the Deployment's status;
-- a kubelet loop that gives each new pod a loopback IP, has a ``PodRunner`` start it, writes the pod
-  status the runner reports, and has the runner stop deleted pods;
+- a kubelet loop that gives each new pod a loopback IP, has a ``PodRunner`` start it (with env from
+  ``secretKeyRef`` resolved; a pod whose Secret is not there yet waits), writes the pod status the runner
+  reports, and has the runner stop deleted pods;
 - an EndpointSlice controller for Services with selectors (what the router sidecar watches).
 
 ``PodRunner`` is the seam: ``FakePodRunner`` (``pod_runners``) lets a test set each pod's stage;
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 import kmock
 from harness.apiserver import ApiServerHarness
+from harness.container_launch import MissingSecret, resolve_secret_env
 from harness.patches import matches_label_selector
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ DEPLOYMENTS = kmock.resource("apps", "v1", "deployments")
 PODS = kmock.resource("", "v1", "pods")
 SERVICES = kmock.resource("", "v1", "services")
 SLICES = kmock.resource("discovery.k8s.io", "v1", "endpointslices")
+SECRETS = kmock.resource("", "v1", "secrets")
 LAST_POD_ADDRESS = 254  # pods get <ip_prefix>.2 … .254
 
 
@@ -65,6 +68,7 @@ class WorkloadControllers:
         self.api, self.runner, self.ip_prefix = api, runner, ip_prefix
         self._next_ip = 2
         self._started: set[str] = set()
+        self._waiting: set[str] = set()  # pods held back for a Secret, each logged once
         self._events_seen = 0  # index into the store's event log: pod deletions handled so far
         self._task: asyncio.Task[None] | None = None
 
@@ -153,12 +157,21 @@ class WorkloadControllers:
             pod = json.loads(json.dumps(pod))
             status = pod.setdefault("status", {})
             if pod["metadata"]["uid"] not in self._started:
+                try:
+                    # what the containers get: env from Secrets resolved, as the kubelet does at start
+                    launched = resolve_secret_env(pod, self._secret)
+                except MissingSecret as error:
+                    if pod["metadata"]["uid"] not in self._waiting:
+                        self._waiting.add(pod["metadata"]["uid"])
+                        log.info("pod %s/%s waits: %s", key[1], key[2], error)
+                    continue
+                self._waiting.discard(pod["metadata"]["uid"])
                 if self._next_ip > LAST_POD_ADDRESS:
                     raise RuntimeError(f"the harness ran out of pod addresses in {self.ip_prefix}.0/24")
                 self._started.add(pod["metadata"]["uid"])
                 status["podIP"] = f"{self.ip_prefix}.{self._next_ip}"
                 self._next_ip += 1
-                await self.runner.start({**pod, "status": status})
+                await self.runner.start({**launched, "status": status})
             new_status = self.runner.status(pod, status)
             if new_status != status:
                 await self.api.update(key, {**pod, "status": new_status}, subresource="status")
@@ -168,6 +181,9 @@ class WorkloadControllers:
             if uid in self._started:
                 self._started.discard(uid)
                 await self.runner.stop(event.object)
+
+    def _secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.api.store.get((SECRETS, namespace, name))
 
     async def _endpoint_slices(self) -> None:
         for key, service in self.api.store.all_live():
