@@ -127,6 +127,10 @@ class RouterApp:
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
+        limit = self.config.upstream.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            # refused unread: a client declaring 30 MB gets its answer before sending any of it
+            return self._count(error_response(413, f"request body exceeds {limit} bytes", "request_too_large"))
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:

@@ -96,8 +96,9 @@ class UpstreamConfig:
     connect_timeout_s: float = 2.0
     #: the whole upstream request, streaming included (long generations need long limits)
     request_timeout_s: float = 600.0
-    #: largest request body accepted from clients
-    max_body_bytes: int = 32 * 1024 * 1024
+    #: largest request body accepted from clients: the engine's own default limit (``kvpilot serve
+    #: --max-body-bytes``), so the router never buffers and parses a body every engine would refuse
+    max_body_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _check_positive("--connect-timeout", self.connect_timeout_s)

@@ -205,3 +205,28 @@ async def test_a_replica_discovery_drops_leaves_no_connections_or_targets_behind
     async with http.post(router.url + "/v1/chat/completions", json=chat("again", stream=False)) as response:
         assert response.headers[REPLICA_HEADER] == engines[0].url
     assert gone not in app._pool._idle
+
+
+async def test_security_a_declared_oversized_body_is_refused_unread(fake_engines, routers):
+    """A Content-Length beyond the limit is answered 413 at once, before any of the body is sent."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], max_body_bytes=1000)
+    address = urlsplit(router.url)
+    reader, writer = await asyncio.open_connection(address.hostname, address.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 30000000\r\n\r\n")
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=5)
+    writer.close()
+    assert status_line.startswith(b"HTTP/1.1 413")
+    assert engine.received == []
+
+
+def test_the_default_body_limit_is_the_engines():
+    from kvpilot.engine.server.config import ServerConfig
+    from kvpilot.router.config import UpstreamConfig
+
+    assert UpstreamConfig().max_body_bytes == ServerConfig().max_body_bytes
