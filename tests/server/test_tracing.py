@@ -25,14 +25,18 @@ def wait_spans(exporter: InMemorySpanExporter, count: int):
     return spans
 
 
-def test_a_span_per_request_with_phase_events(start_in_process):
+def traced_server(start_in_process, engine_args: dict, config: ServerConfig | None = None):
+    """An in-process server whose spans land in the returned in-memory exporter."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return start_in_process(engine_args, config, tracer_provider=provider), exporter
+
+
+def test_a_span_per_request_with_phase_events(start_in_process):
     config = ServerConfig(warmup_buckets=(WarmupBucket(1, 8),), trace_user=True)
     # a 20-token budget splits the 50-token prompt into three prefill chunks
-    server = start_in_process({"max_num_batched_tokens": 20, "max_num_seqs": 4}, config,
-                              tracer_provider=provider)
+    server, exporter = traced_server(start_in_process, {"max_num_batched_tokens": 20, "max_num_seqs": 4}, config)
     body = {"prompt": list(range(5, 55)), "max_tokens": 3, "ignore_eos": True, "user": "u-1"}
     r = httpx.post(server.url + "/v1/completions", json=body,
                    headers={"traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01", "x-tenant": "acme"})
@@ -57,10 +61,7 @@ def test_a_span_per_request_with_phase_events(start_in_process):
 
 
 def test_a_rejected_request_ends_its_span_with_an_error(start_in_process):
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    server = start_in_process({"num_kv_blocks": 8}, tracer_provider=provider)
+    server, exporter = traced_server(start_in_process, {"num_kv_blocks": 8})
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "x"}], "n": 20, "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["code"] == "exceeds_kv_capacity"
@@ -72,10 +73,7 @@ def test_a_rejected_request_ends_its_span_with_an_error(start_in_process):
 
 def test_security_the_user_field_is_not_exported_by_default(start_in_process):
     """``user`` is often an e-mail address: it reaches the span only with ``--trace-user``."""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    server = start_in_process({"num_kv_blocks": 64}, tracer_provider=provider)
+    server, exporter = traced_server(start_in_process, {"num_kv_blocks": 64})
     r = httpx.post(server.url + "/v1/completions",
                    json={"prompt": "x", "max_tokens": 1, "user": "someone@example.com"})
     assert r.status_code == 200
