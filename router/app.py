@@ -85,7 +85,8 @@ class RouterApp:
         self._sessions = [poll_session]
         self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics, on_routable=self._preconnect,
                            on_removed=self._forget)
-        self._forwarder = Forwarder(self._pool, self.fleet.eject)
+        vouch = self.config.router_token if self.config.trust_tenant_header else None
+        self._forwarder = Forwarder(self._pool, self.fleet.eject, vouch)
         if self.config.discovery.endpointslice_service:
             assert self._slice_api is not None
             self._watcher = self._start_watcher(self._slice_api)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV
 from kvpilot.router.app import RouterApp
 from kvpilot.router.config import (
     POLICIES,
@@ -56,6 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds between /load and /kv/events polls of each replica")
     parser.add_argument("--poll-timeout", type=float, default=poll.timeout_s, metavar="S",
                         help="a slower poll ejects the replica")
+    parser.add_argument("--trust-tenant-header", action="store_true",
+                        help="believe clients' x-tenant (behind a gateway that sets it) and vouch for it to the "
+                             "engines with the router token")
+    parser.add_argument("--router-token", default=os.environ.get(ROUTER_TOKEN_ENV),
+                        help=f"the deployment's shared token (default: ${ROUTER_TOKEN_ENV})")
     parser.add_argument("--connect-timeout", type=float, default=upstream.connect_timeout_s, metavar="S",
                         help="TCP connect to an engine")
     parser.add_argument("--request-timeout", type=float, default=upstream.request_timeout_s, metavar="S",
@@ -91,7 +98,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         poll=PollConfig(interval_s=args.poll_interval, timeout_s=args.poll_timeout),
         upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
                                 max_body_bytes=args.max_body_bytes),
-        prefill_rate_prior=args.prefill_rate_prior, per_replica_prefill_rate=args.per_replica_prefill_rate)
+        prefill_rate_prior=args.prefill_rate_prior, per_replica_prefill_rate=args.per_replica_prefill_rate,
+        trust_tenant_header=args.trust_tenant_header, router_token=args.router_token or None)
 
 
 def main(argv: list[str] | None = None) -> int:

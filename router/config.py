@@ -151,8 +151,17 @@ class RouterConfig:
     #: several prompts runs more tokens per second than one short prompt), so per-replica rates make the
     #: busiest replica look fastest and cold requests pile onto it
     per_replica_prefill_rate: bool = False
+    #: believe the client's ``x-tenant`` and vouch for it to the engines with ``router_token`` (only behind
+    #: a gateway that sets the header); otherwise the engines decide the tenant themselves
+    trust_tenant_header: bool = False
+    #: the deployment's shared token (``$KVPILOT_ROUTER_TOKEN``, provisioned by the operator); a client's own
+    #: ``x-kvpilot-router-token`` is never passed on
+    router_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.trust_tenant_header and not self.router_token:
+            raise ConfigError("--trust-tenant-header needs --router-token (or $KVPILOT_ROUTER_TOKEN): the "
+                              "engines believe a tenant the router names only with the deployment's token")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:

@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
 from kvpilot.router.errors import error_body
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
@@ -98,14 +99,22 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
 
 
-def forward_raw_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The client's header lines as it sent them, without hop-by-hop ones."""
-    return [(name, value) for name, value in raw_headers if name.decode("latin-1").lower() not in _HOP_BY_HOP]
+def forward_raw_headers(raw_headers: Iterable[tuple[bytes, bytes]],
+                        vouch: bytes | None = None) -> list[tuple[bytes, bytes]]:
+    """The client's header lines as it sent them, without hop-by-hop ones and without any router token a
+    client sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``)."""
+    lines = [(name, value) for name, value in raw_headers
+             if (lower := name.decode("latin-1").lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER]
+    if vouch is not None:
+        lines.append((ROUTER_TOKEN_HEADER.encode(), vouch))
+    return lines
 
 
 class Forwarder:
-    def __init__(self, pool: UpstreamPool, eject: Callable[[Replica, str], None]) -> None:
+    def __init__(self, pool: UpstreamPool, eject: Callable[[Replica, str], None],
+                 vouch_token: str | None = None) -> None:
         self._pool = pool
+        self._vouch = vouch_token.encode("latin-1") if vouch_token else None
         self._eject = eject  # called when a replica fails mid-response (earlier failures raise instead)
         self._targets: dict[str, tuple[UpstreamKey, str]] = {}  # replica URL → (connection key, Host)
 
@@ -141,7 +150,7 @@ class Forwarder:
                        on_first_byte: Callable[[], None] | None) -> web.StreamResponse:
         key, host = self._target(replica.url)
         head = request_head(request.method, request.raw_path, host, len(body),
-                            forward_raw_headers(request.raw_headers))
+                            forward_raw_headers(request.raw_headers, self._vouch))
         try:
             upstream = await self._pool.request(key, head, body, probe.written if probe is not None else None)
         except TimeoutError:

@@ -267,8 +267,8 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
 
     async def make(urls: list[str], policy: str = "cache_aware", weights: str = "", ready: int | None = None,
                    poll_interval_s: float = 0.02, request_timeout_s: float = 20.0,
-                   max_body_bytes: int = 1 << 20) -> RouterServer:
-        config = RouterConfig(DiscoveryConfig(replicas=tuple(urls)), policy=policy,
+                   max_body_bytes: int = 1 << 20, **tenancy: Any) -> RouterServer:
+        config = RouterConfig(DiscoveryConfig(replicas=tuple(urls)), policy=policy, **tenancy,
                               weights=ScoringWeights.parse(weights),
                               poll=PollConfig(interval_s=poll_interval_s, timeout_s=0.5),
                               upstream=UpstreamConfig(request_timeout_s=request_timeout_s,

@@ -230,3 +230,34 @@ def test_the_default_body_limit_is_the_engines():
     from kvpilot.router.config import UpstreamConfig
 
     assert UpstreamConfig().max_body_bytes == ServerConfig().max_body_bytes
+
+
+TOKEN = "deployment-token-0123456789abcdef"
+
+
+async def test_security_a_client_cannot_pass_a_router_token_through(fake_engines, routers, http):
+    """A client's own x-kvpilot-router-token never reaches the engine: only the router may vouch."""
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], router_token=TOKEN)
+    async with http.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                         headers={"x-tenant": "victim", "x-kvpilot-router-token": TOKEN}) as response:
+        assert response.status == 200
+    (_, headers, _) = engine.received[-1]
+    assert "x-kvpilot-router-token" not in headers and headers["x-tenant"] == "victim"
+
+
+async def test_a_router_trusting_the_tenant_header_vouches_for_it(fake_engines, routers, http):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], router_token=TOKEN, trust_tenant_header=True)
+    async with http.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                         headers={"x-tenant": "gateway-set", "x-kvpilot-router-token": "forged"}) as response:
+        assert response.status == 200
+    (_, headers, _) = engine.received[-1]
+    assert headers.getall("x-kvpilot-router-token") == [TOKEN] and headers["x-tenant"] == "gateway-set"
+
+
+def test_trusting_the_tenant_header_needs_the_token():
+    from kvpilot.router.config import ConfigError, DiscoveryConfig, RouterConfig
+
+    with pytest.raises(ConfigError, match="--trust-tenant-header needs --router-token"):
+        RouterConfig(DiscoveryConfig(replicas=("http://127.0.0.1:1",)), trust_tenant_header=True)
