@@ -47,6 +47,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=d.enable_chunked_prefill)
     g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
     g.add_argument("--batching-mode", default=d.batching_mode, choices=BATCHING_MODES)
+    g.add_argument("--reserved-output-fraction", type=float, default=d.reserved_output_fraction,
+                   help="share of each request's output budget kept free in the KV cache before another "
+                        "request starts (0: as vLLM; 1: no preemption for requests that start)")
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
     g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
                    help="auto = oneDNN-packed weights for float32 on CPU")

@@ -71,6 +71,11 @@ class SchedulerConfig:
     #: ``continuous`` refills free batch slots every step; ``static`` admits a new batch only when the
     #: whole previous one has finished (a baseline for comparisons, docs/architecture.md#scheduling)
     batching_mode: str = "continuous"
+    #: share of each request's output budget (``max_tokens``, else the context left) whose KV blocks must
+    #: stay free, for it and for every running request, before a waiting request is started: 0 = start
+    #: whatever fits its prompt now (vLLM's policy: most concurrency, preemption when outputs grow), 1 =
+    #: start only what can finish without preemption
+    reserved_output_fraction: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     batching_mode: str = "continuous"
+    reserved_output_fraction: float = 0.0
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     native_cpu_ops: str = "auto"
@@ -172,6 +178,8 @@ class EngineArgs:
              f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         need(self.preemption_mode != "swap" or self.swap_space > 0,
              "preemption_mode='swap' needs swap_space > 0 (GiB of host memory for swapped KV)")
+        need(0.0 <= self.reserved_output_fraction <= 1.0,
+             f"reserved_output_fraction must be in [0, 1], got {self.reserved_output_fraction}")
         need(self.batching_mode in BATCHING_MODES,
              f"batching_mode must be one of {BATCHING_MODES}, got {self.batching_mode!r}")
         need(self.attention_backend in ATTENTION_BACKENDS,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from kvpilot.engine.config import SchedulerConfig
@@ -126,6 +127,7 @@ class Scheduler:
         # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
         static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)
         if not out.preempted and not self.swapped and not static_busy:
+            promised = sum(self._output_reserve(r) for r in self.running)
             while self.waiting and budget > 0:
                 req = self.waiting[0]
                 if len(self.running) + self._seats(req) > self.config.max_num_seqs:
@@ -136,6 +138,12 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
                 n = min(remaining, budget)
+                future = self._output_reserve(req, blocks_for_tokens(len(hits) * self.block_size + n,
+                                                                     self.block_size), self._seats(req))
+                if self.running and self.kv.blocks_to_allocate(req, n, hits) + future + promised > \
+                        self.kv.pool.num_free:
+                    break  # the outputs already running (and this one's) keep their share of the cache
+                promised += future
                 if not self.kv.allocate(req, n, hits):
                     break
                 self.waiting.pop(0)
@@ -150,6 +158,20 @@ class Scheduler:
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
         return out
+
+    def _output_reserve(self, req: Request, held: int | None = None, samples: int = 1) -> int:
+        """Blocks ``reserved_output_fraction`` keeps free for ``req``'s growth beyond the ``held`` blocks
+        (default: its table): the rest of its prompt, then up to that share of its output budget for each
+        of its ``samples`` (forked samples share the prompt's blocks and grow apart)."""
+        fraction = self.config.reserved_output_fraction
+        if fraction == 0.0:
+            return 0
+        held = len(self.kv.block_table(req)) if held is None else held
+        prompt = blocks_for_tokens(req.num_prompt_tokens, self.block_size)
+        room = self.max_model_len - req.num_prompt_tokens
+        budget = min(req.params.max_tokens if req.params.max_tokens is not None else room, room)
+        target = blocks_for_tokens(req.num_prompt_tokens + math.ceil(fraction * budget), self.block_size)
+        return max(0, prompt - held) + samples * max(0, target - max(held, prompt))
 
     @staticmethod
     def _seats(req: Request) -> int:

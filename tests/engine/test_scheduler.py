@@ -157,6 +157,29 @@ def test_parallel_samples_count_against_max_num_seqs_at_admission():
         engine.add_request("five", [3], SamplingParams(n=2, best_of=5))
 
 
+@pytest.mark.parametrize(("fraction", "preempts"), [(0.0, True), (0.5, True), (1.0, False)])
+def test_reserved_output_fraction_trades_concurrency_for_preemptions(fraction, preempts):
+    """11 usable blocks of 4 tokens; three requests of 8 prompt + 8 output tokens need 4 blocks each at the
+    end. Starting all three (fraction 0) must preempt; keeping every running output's share free (1.0)
+    starts the third only when it fits, and nothing is preempted."""
+    engine = stub_engine(num_kv_blocks=12, block_size=4, max_num_seqs=4, enable_prefix_caching=False,
+                         reserved_output_fraction=fraction)
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(10 * i + 3, 10 * i + 11)),
+                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    engine.step()
+    started = len(engine.scheduler.running)
+    ticks = completion_ticks(engine)
+    assert set(ticks) == {"r0", "r1", "r2"} and engine.pool.num_in_use == 0
+    assert (engine.scheduler.num_preemptions > 0) is preempts
+    assert started == (2 if fraction == 1.0 else 3)
+
+
+def test_reserved_output_fraction_is_validated():
+    with pytest.raises(ValueError, match=r"reserved_output_fraction must be in \[0, 1\], got 1.5"):
+        EngineArgs(model="tiny-random", reserved_output_fraction=1.5).create_config()
+
+
 def test_prompt_longer_than_budget_without_chunking_is_refused():
     engine = stub_engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
                          enable_chunked_prefill=False)
