@@ -132,8 +132,13 @@ class RouterApp:
         if request.content_length is not None and request.content_length > limit:
             # refused unread: a client declaring 30 MB gets its answer before sending any of it
             return self._count(error_response(413, f"request body exceeds {limit} bytes", "request_too_large"))
+        read_timeout = self.config.upstream.body_read_timeout_s
         try:
-            raw = await request.read()
+            async with asyncio.timeout(read_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            return self._count(error_response(408, f"the request body did not arrive within {read_timeout:g} s",
+                                              "request_timeout"))
         except web.HTTPRequestEntityTooLarge:
             return self._count(error_response(413, f"request body exceeds {self.config.upstream.max_body_bytes} "
                                                    "bytes", "request_too_large"))

@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the deployment's shared token (default: ${ROUTER_TOKEN_ENV})")
     parser.add_argument("--connect-timeout", type=float, default=upstream.connect_timeout_s, metavar="S",
                         help="TCP connect to an engine")
+    parser.add_argument("--body-read-timeout", type=float, default=upstream.body_read_timeout_s, metavar="S",
+                        help="a client request body slower than this gets 408")
     parser.add_argument("--request-timeout", type=float, default=upstream.request_timeout_s, metavar="S",
                         help="whole upstream request, streaming included")
     parser.add_argument("--max-body-bytes", type=int, default=upstream.max_body_bytes, metavar="N",
@@ -97,7 +99,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         weights=ScoringWeights.parse(args.weights),
         poll=PollConfig(interval_s=args.poll_interval, timeout_s=args.poll_timeout),
         upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
-                                max_body_bytes=args.max_body_bytes),
+                                max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout),
         prefill_rate_prior=args.prefill_rate_prior, per_replica_prefill_rate=args.per_replica_prefill_rate,
         trust_tenant_header=args.trust_tenant_header, router_token=args.router_token or None)
 

@@ -99,10 +99,14 @@ class UpstreamConfig:
     #: largest request body accepted from clients: the engine's own default limit (``kvpilot serve
     #: --max-body-bytes``), so the router never buffers and parses a body every engine would refuse
     max_body_bytes: int = 8 * 1024 * 1024
+    #: seconds a client's whole request body may take to arrive (408 after), as the engine's
+    #: ``--body-read-timeout``: a slow sender cannot hold a connection and its buffer forever
+    body_read_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         _check_positive("--connect-timeout", self.connect_timeout_s)
         _check_positive("--request-timeout", self.request_timeout_s)
+        _check_positive("--body-read-timeout", self.body_read_timeout_s)
         if self.max_body_bytes <= 0:
             raise ConfigError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
 

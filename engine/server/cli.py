@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may wait to be scheduled before it gets 503 (0 = no limit)")
     s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help="larger request bodies get 413")
+    s.add_argument("--body-read-timeout", type=float, default=d.body_read_timeout_s,
+                   help="seconds a request body may take to arrive; then 408")
     s.add_argument("--slo-ttft", type=float, default=None,
                    help="TTFT objective in seconds (SLO attainment / goodput metrics)")
     s.add_argument("--slo-tpot", type=float, default=None,
@@ -104,6 +106,7 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
                         trust_tenant_header=ns.trust_tenant_header, router_token=ns.router_token or None,
                         trace_user=ns.trace_user, max_queue_len=ns.max_queue_len,
                         queue_timeout_s=ns.queue_timeout, max_body_bytes=ns.max_body_bytes,
+                        body_read_timeout_s=ns.body_read_timeout,
                         slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot,
                         tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,
                         drain_grace_s=ns.drain_grace_seconds,

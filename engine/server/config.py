@@ -64,6 +64,9 @@ class ServerConfig:
     queue_timeout_s: float = 60.0
     #: largest request body in bytes (413 beyond); checked before the body is parsed
     max_body_bytes: int = 8 << 20
+    #: seconds the whole request body may take to arrive (408 after): a client trickling bytes cannot hold
+    #: a connection and its buffer forever
+    body_read_timeout_s: float = 30.0
     #: latency objectives in seconds (None = no objective); a request that meets all given ones counts
     #: toward ``kvpilot_slo_attained_requests_total`` (goodput)
     slo_ttft_s: float | None = None
@@ -116,6 +119,8 @@ class ServerConfig:
         need(finite(self.queue_timeout_s) and self.queue_timeout_s >= 0,
              f"--queue-timeout must be >= 0 seconds (0 = no limit), got {self.queue_timeout_s}")
         need(self.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        need(finite(self.body_read_timeout_s) and self.body_read_timeout_s > 0,
+             f"--body-read-timeout must be > 0 seconds, got {self.body_read_timeout_s}")
         for flag, value in (("--slo-ttft", self.slo_ttft_s), ("--slo-tpot", self.slo_tpot_s)):
             need(value is None or (finite(value) and value > 0), f"{flag} must be > 0 seconds, got {value}")
         need(finite(self.tenant_rate_limit) and self.tenant_rate_limit >= 0,

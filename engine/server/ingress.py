@@ -3,7 +3,8 @@ tokenization, in this order:
 
 1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);
 2. inference POSTs only while ready (503 while loading, warming up or draining, with Retry-After);
-3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread);
+3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread) nor take
+   longer than ``--body-read-timeout`` to arrive (408);
 4. the tenant (``kvpilot.engine.tenancy.resolve_tenant``: with API keys, the key's tenant unless the
    router sidecar or ``--trust-tenant-header`` vouches for ``x-tenant``) must be well-formed (400) and have
    a token in its bucket (429 with Retry-After = seconds until it has one).
@@ -15,6 +16,7 @@ after that, ``receive`` is the server's own again, so disconnects still reach th
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 
@@ -72,6 +74,15 @@ class IngressGate:
                            code="invalid_api_key")
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        timeout = self.state.config.body_read_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._read_body_unbounded(headers, receive)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                           code="request_timeout") from None
+
+    async def _read_body_unbounded(self, headers: dict[str, str], receive: Receive) -> bytes:
         limit = self.state.config.max_body_bytes
         too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         declared = headers.get("content-length", "")

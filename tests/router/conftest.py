@@ -267,12 +267,14 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
 
     async def make(urls: list[str], policy: str = "cache_aware", weights: str = "", ready: int | None = None,
                    poll_interval_s: float = 0.02, request_timeout_s: float = 20.0,
-                   max_body_bytes: int = 1 << 20, **tenancy: Any) -> RouterServer:
+                   max_body_bytes: int = 1 << 20, body_read_timeout_s: float = 30.0,
+                   **tenancy: Any) -> RouterServer:
         config = RouterConfig(DiscoveryConfig(replicas=tuple(urls)), policy=policy, **tenancy,
                               weights=ScoringWeights.parse(weights),
                               poll=PollConfig(interval_s=poll_interval_s, timeout_s=0.5),
                               upstream=UpstreamConfig(request_timeout_s=request_timeout_s,
-                                                      max_body_bytes=max_body_bytes))
+                                                      max_body_bytes=max_body_bytes,
+                                                      body_read_timeout_s=body_read_timeout_s))
         server = await RouterServer(RouterApp(config, tiny_profiler)).start()
         started.append(server)
         await wait_for(lambda: len(server.router.fleet.routable()) == (len(urls) if ready is None else ready))

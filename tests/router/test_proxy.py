@@ -261,3 +261,23 @@ def test_trusting_the_tenant_header_needs_the_token():
 
     with pytest.raises(ConfigError, match="--trust-tenant-header needs --router-token"):
         RouterConfig(DiscoveryConfig(replicas=("http://127.0.0.1:1",)), trust_tenant_header=True)
+
+
+async def test_security_a_trickled_body_is_timed_out_with_408(fake_engines, routers):
+    """A client that declares a body and stops sending gets 408 after the body-read timeout (slowloris)."""
+    import asyncio
+    import time
+    from urllib.parse import urlsplit
+
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], body_read_timeout_s=0.3)
+    address = urlsplit(router.url)
+    reader, writer = await asyncio.open_connection(address.hostname, address.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    await writer.drain()
+    start = time.monotonic()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=5)
+    writer.close()
+    assert status_line.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 3
+    assert engine.received == []

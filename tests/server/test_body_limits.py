@@ -1,0 +1,32 @@
+"""Security: request bodies are bounded in time as well as size (slowloris): a body that stops arriving gets
+408 after ``--body-read-timeout``, and the server keeps serving others."""
+
+from __future__ import annotations
+
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+
+from kvpilot.engine.server.config import ServerConfig, WarmupBucket
+
+
+def test_security_a_stalled_body_gets_408_and_others_are_served(start_in_process):
+    server = start_in_process({"num_kv_blocks": 64},
+                              ServerConfig(body_read_timeout_s=0.3, warmup_buckets=(WarmupBucket(1, 8),)))
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=5) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        start = time.monotonic()
+        reply = b""
+        while b"}}" not in reply and time.monotonic() - start < 5:  # headers, then the JSON error body
+            chunk = stalled.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 3
+        assert b'"code":"request_timeout"' in reply.replace(b" ", b"")
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
+    assert ok.status_code == 200
