@@ -57,6 +57,8 @@ class RouterApp:
         self.picker = ReplicaPicker(config.policy, config.weights, config.prefill_rate_prior,
                                     per_replica_rate=config.per_replica_prefill_rate)
         self._profiler = profiler
+        if profiler is not None:
+            profiler.context_limit = self._context_limit
         self._slice_api = slice_api
         self.fleet: Fleet | None = None
         self._watcher: EndpointSliceWatcher | None = None
@@ -123,6 +125,11 @@ class RouterApp:
             await session.close()
         if self._pool is not None:
             self._pool.close()
+
+    def _context_limit(self) -> int | None:
+        """The largest context limit the routable replicas report (None before any reports one)."""
+        limits = [r.load.max_model_len for r in self.fleet.routable() if r.load is not None] if self.fleet else []
+        return max(limits, default=0) or None
 
     # --- proxied endpoints ---------------------------------------------------------------------------
 

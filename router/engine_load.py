@@ -38,6 +38,8 @@ class EngineLoad:
     prefill_tokens_per_second: float
     #: the engine's EMA of a decode-only step's wall time (0 before any)
     decode_step_seconds: float
+    #: the engine's context limit in tokens (0: not reported, e.g. an older engine)
+    max_model_len: int = 0
 
     @classmethod
     def from_json(cls, body: Any) -> EngineLoad:
@@ -61,6 +63,7 @@ class EngineLoad:
             max_num_seqs=_count(body, "max_num_seqs", minimum=1),
             prefill_tokens_per_second=_rate(body, "prefill_tokens_per_second"),
             decode_step_seconds=_rate(body, "decode_step_seconds"),
+            max_model_len=_count(body, "max_model_len") if "max_model_len" in body else 0,
         )
 
     @property

@@ -9,11 +9,12 @@ rejected here: it is routed without locality and the engine gives the authoritat
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpilot.engine.kv.block_hash import encode_extra_keys, hash_block
+from kvpilot.engine.prompt_bound import max_chars_per_token, min_tokens
 from kvpilot.engine.prompt_render import completion_prompt_ids, render_chat_prompt
 from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.block_chain import BlockChain, HashMemo
@@ -70,6 +71,18 @@ class RequestProfiler:
         self._tokenizer = tokenizer
         self._segments = segments
         self._memo = HashMemo()
+        #: the most characters one token can stand for (None: no bound for this tokenizer)
+        self._chars_per_token = max_chars_per_token(tokenizer)
+        #: the fleet's largest context limit in tokens (None: unknown yet); set by the app
+        self.context_limit: Callable[[], int | None] = lambda: None
+
+    def _check_length(self, chars: int) -> None:
+        """Refuse to tokenize a text whose length alone proves it longer than every replica's context (the
+        engine's own character bound, ``kvpilot.engine.prompt_bound``): it is routed without locality and
+        the engine answers 400 without tokenizing it either."""
+        limit = self.context_limit()
+        if limit and self._chars_per_token and min_tokens(chars, self._chars_per_token) >= limit:
+            raise PromptError(f"{chars} characters cannot fit a {limit}-token context")
 
     def profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
         """Raises :class:`PromptError` when the body does not give a prompt the router can tokenize."""
@@ -84,7 +97,11 @@ class RequestProfiler:
         if path == CHAT_COMPLETIONS:
             prompts: tuple[Sequence[int], ...] = (self._chat_ids(body),)
         elif path == COMPLETIONS:
-            prompts = tuple(completion_prompt_ids(self._tokenizer, p) for p in _completion_prompts(body))
+            texts = _completion_prompts(body)
+            for prompt in texts:
+                if isinstance(prompt, str):
+                    self._check_length(len(prompt))
+            prompts = tuple(completion_prompt_ids(self._tokenizer, p) for p in texts)
         else:
             raise PromptError(f"no prompt on {path}")
         return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
@@ -127,6 +144,7 @@ class RequestProfiler:
             text = render_chat_prompt(self._tokenizer, messages, add_generation_prompt, **kwargs)
         except ValueError as error:
             raise PromptError(str(error)) from None
+        self._check_length(len(text))
         return self._segments.encode_rendered(text)
 
 

@@ -54,7 +54,7 @@ def placeholder_load(config: EngineConfig) -> dict:
     return {"model": served_model_name(config), "epoch": "", "waiting": 0, "running": 0, "swapped": 0,
             "queued_prefill_tokens": 0, "running_decode_tokens": 0, "kv_blocks_total": 0, "kv_blocks_free": 0,
             "kv_blocks_cached": 0, "kv_blocks_reserved": 0, "kv_usage": 0.0,
-            "block_size": config.cache.block_size, "kv_cache_bytes": 0, "kv_cache_sizing": "",
+            "block_size": config.cache.block_size, "max_model_len": 0, "kv_cache_bytes": 0, "kv_cache_sizing": "",
             "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
             "prefill_tokens_per_second": 0.0, "decode_step_seconds": 0.0, "pending_admission": 0,
             "backpressured": 0}

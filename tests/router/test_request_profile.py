@@ -192,3 +192,25 @@ def test_warm_up_without_a_chat_template(tiny_model_dir):
     profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
     profiler.warm_up()  # chat shapes are skipped, completions still run
     assert len(profiler._memo) > 0
+
+
+def test_security_a_text_longer_than_every_context_is_not_tokenized(tiny_model_dir, monkeypatch):
+    """Once replicas report their context limit, a prompt whose characters alone prove it too long is
+    refused before tokenizing (routed without locality; the engine answers 400 without tokenizing it)."""
+    from kvpilot.router import request_profile
+    from kvpilot.router.server import load_profiler
+
+    profiler = load_profiler(str(tiny_model_dir))
+    calls = []
+    real = request_profile.completion_prompt_ids
+    monkeypatch.setattr(request_profile, "completion_prompt_ids", lambda *a: calls.append(1) or real(*a))
+    huge = {"prompt": "word " * 200_000, "max_tokens": 1}
+    profiler.profile(COMPLETIONS, {"prompt": "short", "max_tokens": 1}, None)  # no limit known: tokenized
+    assert calls == [1]
+    profiler.context_limit = lambda: 512
+    with pytest.raises(PromptError, match="1000000 characters cannot fit a 512-token context"):
+        profiler.profile(COMPLETIONS, huge, None)
+    with pytest.raises(PromptError, match="cannot fit a 512-token context"):
+        profiler.profile(CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "word " * 200_000}]}, None)
+    assert calls == [1]  # neither huge prompt reached the tokenizer
+    assert profiler.profile(COMPLETIONS, {"prompt": "short", "max_tokens": 1}, None).prompts  # small ones still

@@ -16,7 +16,7 @@ LOAD_FIELDS = {"model": str, "epoch": str, "ready": bool, "phase": str, "waiting
                "swapped": int, "queued_prefill_tokens": int, "running_decode_tokens": int,
                "kv_blocks_total": int,
                "kv_blocks_free": int, "kv_blocks_cached": int, "kv_blocks_reserved": int, "kv_usage": float,
-               "block_size": int, "kv_cache_bytes": int, "kv_cache_sizing": str, "max_num_seqs": int, "max_num_batched_tokens": int,
+               "block_size": int, "max_model_len": int, "kv_cache_bytes": int, "kv_cache_sizing": str, "max_num_seqs": int, "max_num_batched_tokens": int,
                "prefill_tokens_per_second": float, "decode_step_seconds": float}
 
 
