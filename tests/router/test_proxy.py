@@ -207,20 +207,29 @@ async def test_a_replica_discovery_drops_leaves_no_connections_or_targets_behind
     assert gone not in app._pool._idle
 
 
-async def test_security_a_declared_oversized_body_is_refused_unread(fake_engines, routers):
-    """A Content-Length beyond the limit is answered 413 at once, before any of the body is sent."""
+async def raw_status_line(url: str, head: bytes) -> tuple[bytes, float]:
+    """Send ``head`` (request line, headers, maybe part of a body) and nothing more; the status line the
+    server answers with, and how long it took."""
     import asyncio
+    import time
     from urllib.parse import urlsplit
 
-    (engine,) = await fake_engines(1)
-    router = await routers([engine.url], max_body_bytes=1000)
-    address = urlsplit(router.url)
+    address = urlsplit(url)
     reader, writer = await asyncio.open_connection(address.hostname, address.port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 30000000\r\n\r\n")
+    writer.write(head)
     await writer.drain()
+    start = time.monotonic()
     status_line = await asyncio.wait_for(reader.readline(), timeout=5)
     writer.close()
+    return status_line, time.monotonic() - start
+
+
+async def test_security_a_declared_oversized_body_is_refused_unread(fake_engines, routers):
+    """A Content-Length beyond the limit is answered 413 at once, before any of the body is sent."""
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], max_body_bytes=1000)
+    status_line, _ = await raw_status_line(router.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                           b"Content-Type: application/json\r\nContent-Length: 30000000\r\n\r\n")
     assert status_line.startswith(b"HTTP/1.1 413")
     assert engine.received == []
 
@@ -265,19 +274,10 @@ def test_trusting_the_tenant_header_needs_the_token():
 
 async def test_security_a_trickled_body_is_timed_out_with_408(fake_engines, routers):
     """A client that declares a body and stops sending gets 408 after the body-read timeout (slowloris)."""
-    import asyncio
-    import time
-    from urllib.parse import urlsplit
-
     (engine,) = await fake_engines(1)
     router = await routers([engine.url], body_read_timeout_s=0.3)
-    address = urlsplit(router.url)
-    reader, writer = await asyncio.open_connection(address.hostname, address.port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 100\r\n\r\n{\"prompt\": ")
-    await writer.drain()
-    start = time.monotonic()
-    status_line = await asyncio.wait_for(reader.readline(), timeout=5)
-    writer.close()
-    assert status_line.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 3
+    status_line, seconds = await raw_status_line(
+        router.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+    assert status_line.startswith(b"HTTP/1.1 408") and seconds < 3
     assert engine.received == []
