@@ -127,10 +127,12 @@ class Scheduler:
         # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
         static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)
         if not out.preempted and not self.swapped and not static_busy:
-            promised = sum(self._output_reserve(r) for r in self.running)
+            reserving = self.config.reserved_output_fraction > 0.0
+            promised = sum(self._output_reserve(r) for r in self.running) if reserving else 0
             while self.waiting and budget > 0:
                 req = self.waiting[0]
-                if len(self.running) + self._seats(req) > self.config.max_num_seqs:
+                seats = self._seats(req)
+                if len(self.running) + seats > self.config.max_num_seqs:
                     break
                 # prompt logprobs need every prompt position's logits, so such requests compute it all
                 hits = [] if req.params.prompt_logprobs is not None else self.kv.lookup_prefix(req)
@@ -138,12 +140,13 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
                 n = min(remaining, budget)
-                future = self._output_reserve(req, blocks_for_tokens(len(hits) * self.block_size + n,
-                                                                     self.block_size), self._seats(req))
-                if self.running and self.kv.blocks_to_allocate(req, n, hits) + future + promised > \
-                        self.kv.pool.num_free:
-                    break  # the outputs already running (and this one's) keep their share of the cache
-                promised += future
+                if reserving:
+                    future = self._output_reserve(req, blocks_for_tokens(len(hits) * self.block_size + n,
+                                                                         self.block_size), seats)
+                    if self.running and self.kv.blocks_to_allocate(req, n, hits) + future + promised > \
+                            self.kv.pool.num_free:
+                        break  # the outputs already running (and this one's) keep their share of the cache
+                    promised += future
                 if not self.kv.allocate(req, n, hits):
                     break
                 self.waiting.pop(0)
@@ -164,8 +167,6 @@ class Scheduler:
         (default: its table): the rest of its prompt, then up to that share of its output budget for each
         of its ``samples`` (forked samples share the prompt's blocks and grow apart)."""
         fraction = self.config.reserved_output_fraction
-        if fraction == 0.0:
-            return 0
         held = len(self.kv.block_table(req)) if held is None else held
         prompt = blocks_for_tokens(req.num_prompt_tokens, self.block_size)
         room = self.max_model_len - req.num_prompt_tokens

@@ -105,7 +105,7 @@ class SequenceGroup:
         if self.beam is not None:
             return self.beam.completions(n, self.tokenizer, self.params) if self.finished else []
         samples = self.samples
-        if len(samples) > n:
+        if self.hides_samples:
             if not self.finished:
                 return []
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
@@ -115,6 +115,11 @@ class SequenceGroup:
                                  finish_reason=s.finish_reason.value if s.finish_reason else None,
                                  stop_reason=s.stop_reason)
                 for i, s in enumerate(samples)]
+
+    @property
+    def hides_samples(self) -> bool:
+        """Beams and ``best_of`` samples are sent only when the request ends, and then only the ``n`` kept."""
+        return self.beam is not None or len(self.samples) > self.params.n
 
     @property
     def wants_scores(self) -> bool:

@@ -185,9 +185,7 @@ class StepOutputs:
         generated = sum(s.seq.num_output_tokens for s in group.samples)
         completions = group.completions()
         committed = sum(len(c.token_ids) for c in completions)
-        # best_of and beams send nothing until the end, and then only the n outputs they keep
-        hidden = group.beam is not None or len(group.samples) > group.params.n
-        emitted = committed if hidden else sum(s.num_emitted for s in group.samples)
+        emitted = committed if group.hides_samples else sum(s.num_emitted for s in group.samples)
         primary = group.primary
         self.terminal_records.append(TerminalRecord(
             request_id=group.request_id, status=status.value, finish_reason=reason.value, num_generated=generated,

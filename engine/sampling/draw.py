@@ -26,11 +26,12 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     """Token ids [N] for ``probs`` [N, V] (rows sum to ~1, entries >= 0) and ``uniforms`` [N] in [0, 1)."""
     rows, vocab = probs.shape
     padded = F.pad(probs, (0, -vocab % CHUNK)).view(rows, -1, CHUNK)
-    chunk_cdf = padded.sum(dim=-1).double().cumsum(dim=-1)  # [N, C]
+    chunk_mass = padded.sum(dim=-1)  # [N, C]
+    chunk_cdf = chunk_mass.double().cumsum(dim=-1)
     target = uniforms.double().unsqueeze(1) * chunk_cdf[:, -1:]
     chunk = torch.searchsorted(chunk_cdf, target, right=True).squeeze(1)
     overshoot = chunk >= chunk_cdf.shape[1]
-    chunk = torch.where(overshoot, _last_positive(padded.sum(dim=-1)), chunk)
+    chunk = torch.where(overshoot, _last_positive(chunk_mass), chunk)
     start = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
     local = padded.gather(1, chunk.view(rows, 1, 1).expand(rows, 1, CHUNK)).squeeze(1)  # [N, CHUNK]
     local_cdf = local.double().cumsum(dim=-1)
