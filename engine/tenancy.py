@@ -60,12 +60,17 @@ class TenantPolicy:
             hmac.compare_digest(given.encode(), self.router_token.encode())
 
 
+def _well_formed(tenant: str) -> bool:
+    """A tenant id: printable ASCII of at most ``MAX_TENANT_LEN`` characters (header and key bindings alike)."""
+    return len(tenant) <= MAX_TENANT_LEN and tenant.isascii() and tenant.isprintable()
+
+
 def _header_tenant(headers: Mapping[str, str]) -> str | None:
     raw = headers.get(TENANT_HEADER) or headers.get(TENANT_HEADER.title())
     if raw is None or not raw.strip():
         return None
     tenant = raw.strip()
-    if len(tenant) > MAX_TENANT_LEN or not tenant.isascii() or not tenant.isprintable():
+    if not _well_formed(tenant):
         raise TenantError(f"{TENANT_HEADER} must be printable ASCII of at most {MAX_TENANT_LEN} characters")
     return tenant
 
@@ -96,7 +101,7 @@ def parse_api_key(spec: str) -> tuple[str, str | None]:
     key, sep, tenant = spec.rpartition(":")
     if not sep:
         return spec, None
-    if not key or not tenant or len(tenant) > MAX_TENANT_LEN or not tenant.isascii() or not tenant.isprintable():
+    if not key or not tenant or not _well_formed(tenant):
         raise TenantError(f"--api-key {'KEY:TENANT'!r}: the key and a printable ASCII tenant of at most "
                           f"{MAX_TENANT_LEN} characters, got a malformed binding")
     return key, tenant
