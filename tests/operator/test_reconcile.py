@@ -6,7 +6,13 @@ import base64
 import copy
 import json
 import re
+import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e"))  # the harness package (read only)
+
+from harness.patches import merge_patch  # RFC 7386, as the harness API server applies it
 
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.reconcile import reconcile
@@ -58,18 +64,7 @@ class MemoryApi:
         return obj
 
     def merge_patch(self, ref: Any, patch: dict[str, Any], subresource: str = "") -> dict[str, Any]:
-        def merge(target: Any, change: Any) -> Any:
-            if not isinstance(change, dict):
-                return copy.deepcopy(change)
-            result = dict(target) if isinstance(target, dict) else {}
-            for key, value in change.items():
-                if value is None:
-                    result.pop(key, None)
-                else:
-                    result[key] = merge(result.get(key), value)
-            return result
-
-        self.objects[self._key(ref)] = merge(self.objects[self._key(ref)], patch)
+        self.objects[self._key(ref)] = merge_patch(self.objects[self._key(ref)], patch)
         self.writes.append(("patch", ref.kind, patch))
         return self.objects[self._key(ref)]
 
