@@ -59,9 +59,10 @@ class Admission:
     def submit(self, batch: list[ServingRequest]) -> None:
         for req in batch:
             req.cost_blocks = self._cost(req)
-            if req.cost_blocks > self._total_blocks and self._degradable(req.params) and self._cost(
-                    req, dataclasses.replace(req.params, best_of=None)) <= self._total_blocks:
-                self._degrade(req)  # best_of could never run, n can: degrade before refusing
+            if req.cost_blocks > self._total_blocks:
+                cost = self._degraded_cost(req)
+                if cost is not None and cost <= self._total_blocks:
+                    self._degrade(req, cost)  # best_of could never run, n can: degrade before refusing
             if req.cost_blocks > self._total_blocks:
                 error = bad_request(f"the request needs {req.cost_blocks} KV blocks but the cache holds "
                                     f"{self._total_blocks}; shorten the prompt or lower n/best_of",
@@ -93,24 +94,26 @@ class Admission:
             head.span.event("kv_reserved", {"kv_blocks": head.cost_blocks})
             self._admit(head)
 
-    @staticmethod
-    def _degradable(p) -> bool:
-        return not p.use_beam_search and p.best_of is not None and p.best_of > p.n
-
-    def _degrade_fits(self, req: ServingRequest) -> bool:
-        if self.pending or not self._degradable(req.params):
-            return False
-        return self._cost(req, dataclasses.replace(req.params, best_of=None)) <= self._engine.admission_headroom()
+    def _degraded_cost(self, req: ServingRequest) -> int | None:
+        """The KV cost of ``req`` with ``best_of`` lowered to ``n``; None when it has nothing to lower."""
+        p = req.params
+        if p.use_beam_search or p.best_of is None or p.best_of <= p.n:
+            return None
+        return self._cost(req, dataclasses.replace(p, best_of=None))
 
     def _try_degrade(self, req: ServingRequest) -> bool:
-        if not self._degrade_fits(req):
+        """Degrade ``req`` if that makes it fit the headroom now (never past requests pending ahead)."""
+        if self.pending:
             return False
-        self._degrade(req)
+        cost = self._degraded_cost(req)
+        if cost is None or cost > self._engine.admission_headroom():
+            return False
+        self._degrade(req, cost)
         return True
 
-    def _degrade(self, req: ServingRequest) -> None:
+    def _degrade(self, req: ServingRequest, cost: int) -> None:
         req.params = dataclasses.replace(req.params, best_of=None)
-        req.cost_blocks = self._cost(req)
+        req.cost_blocks = cost
         req.degraded = True
         self._metrics.degraded.inc()
 
