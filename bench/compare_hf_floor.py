@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 
 
-def run_floor(model_dir: Path, prompts_by_batch: dict[int, list[str]], output_len: int, threads: int,
-              repeats: int) -> dict:
+def run_floor(
+    model_dir: Path, prompts_by_batch: dict[int, list[str]], output_len: int, threads: int, repeats: int
+) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -43,8 +44,13 @@ def run_floor(model_dir: Path, prompts_by_batch: dict[int, list[str]], output_le
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            out = model.generate(
+                **batch,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
         wall = time.perf_counter() - start
         return wall, (out.shape[1] - batch["input_ids"].shape[1]) * len(prompts)
 
@@ -61,14 +67,27 @@ def run_floor(model_dir: Path, prompts_by_batch: dict[int, list[str]], output_le
             walls.append(wall)
         wall = statistics.median(walls)
         batches[str(size)] = {
-            "batch": size, "walls_s": walls, "wall_s": wall, "output_tokens": produced,
-            "output_tok_per_s": produced / wall, "step_s": wall / output_len,
+            "batch": size,
+            "walls_s": walls,
+            "wall_s": wall,
+            "output_tokens": produced,
+            "output_tok_per_s": produced / wall,
+            "step_s": wall / output_len,
             "prompt_tokens": [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in prompts],
         }
         print(f"HF generate batch {size:>3}: {produced / wall:7.1f} output tok/s ({wall:.1f} s)", flush=True)
-    return {"system": "hf", "threads": threads, "dtype": "float32", "output_len": output_len,
-            "repeats": repeats, "load_s": load_s, "warmup_s": warmup_s, "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "batches": batches}
+    return {
+        "system": "hf",
+        "threads": threads,
+        "dtype": "float32",
+        "output_len": output_len,
+        "repeats": repeats,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "batches": batches,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

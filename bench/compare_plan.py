@@ -60,16 +60,20 @@ class ComparePlan:
             raise PlanError(f"--request-rate values must be positive and finite (got {self.request_rates})")
         if len(set(self.request_rates)) != len(self.request_rates):
             raise PlanError(f"--request-rate lists a rate twice (got {self.request_rates})")
-        for flag, value in (("--min-requests", self.min_requests),
-                            ("--rounds-per-client", self.rounds_per_client),
-                            ("--open-requests", self.open_requests)):
+        for flag, value in (
+            ("--min-requests", self.min_requests),
+            ("--rounds-per-client", self.rounds_per_client),
+            ("--open-requests", self.open_requests),
+        ):
             if value < 1:
                 raise PlanError(f"{flag} must be >= 1 (got {value})")
         if self.warmup_requests < 1:
             # Without warm-up the first measured request pays the cold start that must be reported apart.
             raise PlanError(f"--warmup-requests must be >= 1 (got {self.warmup_requests})")
         if not (self.request_timeout_s > 0 and math.isfinite(self.request_timeout_s)):
-            raise PlanError(f"--request-timeout must be a positive number of seconds (got {self.request_timeout_s})")
+            raise PlanError(
+                f"--request-timeout must be a positive number of seconds (got {self.request_timeout_s})"
+            )
 
     @property
     def levels(self) -> tuple[int, ...]:
@@ -91,24 +95,38 @@ class ComparePlan:
 
     def _common_args(self, base_url: str) -> list[str]:
         return [
-            "--base-url", base_url, "--api", "completions",
-            "--input-len", f"{self.input_len[0]}:{self.input_len[1]}",
-            "--output-len", f"{self.output_len}:{self.output_len}",
-            "--ignore-eos", "--temperature", "0",
-            "--warmup-requests", str(self.warmup_requests),
-            "--request-timeout", f"{self.request_timeout_s:g}",
+            "--base-url",
+            base_url,
+            "--api",
+            "completions",
+            "--input-len",
+            f"{self.input_len[0]}:{self.input_len[1]}",
+            "--output-len",
+            f"{self.output_len}:{self.output_len}",
+            "--ignore-eos",
+            "--temperature",
+            "0",
+            "--warmup-requests",
+            str(self.warmup_requests),
+            "--request-timeout",
+            f"{self.request_timeout_s:g}",
             "--no-progress",
         ]
 
-    def closed_loop_args(self, base_url: str, concurrency: int, output_json: Path, plot_dir: Path | None = None
-                         ) -> list[str]:
+    def closed_loop_args(
+        self, base_url: str, concurrency: int, output_json: Path, plot_dir: Path | None = None
+    ) -> list[str]:
         """``bench serve`` flags for one closed-loop level."""
         args = [
             *self._common_args(base_url),
-            "--concurrency", str(concurrency),
-            "--num-requests", str(self.closed_requests(concurrency)),
-            "--seed", str(self.closed_seed(concurrency)),
-            "--output-json", str(output_json),
+            "--concurrency",
+            str(concurrency),
+            "--num-requests",
+            str(self.closed_requests(concurrency)),
+            "--seed",
+            str(self.closed_seed(concurrency)),
+            "--output-json",
+            str(output_json),
         ]
         if plot_dir is not None:
             args += ["--plot-dir", str(plot_dir)]
@@ -118,10 +136,14 @@ class ComparePlan:
         """``bench serve`` flags for the open-loop rate sweep (Poisson arrivals)."""
         args = [
             *self._common_args(base_url),
-            "--request-rate", ",".join(f"{rate:g}" for rate in self.rates),
-            "--num-requests", str(self.open_requests),
-            "--seed", str(self.open_seed),
-            "--output-json", str(output_json),
+            "--request-rate",
+            ",".join(f"{rate:g}" for rate in self.rates),
+            "--num-requests",
+            str(self.open_requests),
+            "--seed",
+            str(self.open_seed),
+            "--output-json",
+            str(output_json),
         ]
         if plot_dir is not None:
             args += ["--plot-dir", str(plot_dir)]
@@ -141,7 +163,12 @@ class ComparePlan:
         from kvpilot.bench.workloads import Workload
 
         request_root = np.random.SeedSequence(self.closed_seed(batch)).spawn(4)[3]
-        workload = Workload(WorkloadConfig(kind="random", input_len_range=self.input_len,
-                                           output_len_range=(self.output_len, self.output_len)))
+        workload = Workload(
+            WorkloadConfig(
+                kind="random",
+                input_len_range=self.input_len,
+                output_len_range=(self.output_len, self.output_len),
+            )
+        )
         stream = workload.stream(np.random.default_rng(request_root.spawn(1)[0]))
         return [next(stream).prompt for _ in range(batch)]

@@ -30,23 +30,42 @@ def plot_throughput(summary: dict, path: Path) -> Path:
         measured = output_tps_by_level(summary["systems"].get(name, {}))
         if measured:
             levels = sorted(measured)
-            ax.plot(levels, [measured[c] for c in levels], "o-", color=COLORS[name],
-                    label=f"{SYSTEM_TITLES[name]} (measured)")
+            ax.plot(
+                levels,
+                [measured[c] for c in levels],
+                "o-",
+                color=COLORS[name],
+                label=f"{SYSTEM_TITLES[name]} (measured)",
+            )
         reference = REFERENCE_OUTPUT_TPS.get(name)
         if reference:
             levels = sorted(reference)
-            ax.plot(levels, [reference[c] for c in levels], "s--", color=COLORS[name], alpha=0.5,
-                    markerfacecolor="none", label=f"{SYSTEM_TITLES[name]} (issue's figures)")
-    ax.axhline(GEMM_CEILING_OUTPUT_TPS, color="black", linestyle=":", linewidth=1,
-               label=f"fp32 GEMM ceiling ≈ {GEMM_CEILING_OUTPUT_TPS:.0f}")
+            ax.plot(
+                levels,
+                [reference[c] for c in levels],
+                "s--",
+                color=COLORS[name],
+                alpha=0.5,
+                markerfacecolor="none",
+                label=f"{SYSTEM_TITLES[name]} (issue's figures)",
+            )
+    ax.axhline(
+        GEMM_CEILING_OUTPUT_TPS,
+        color="black",
+        linestyle=":",
+        linewidth=1,
+        label=f"fp32 GEMM ceiling ≈ {GEMM_CEILING_OUTPUT_TPS:.0f}",
+    )
     ax.set_xscale("log", base=2)
     reference_levels = {level for figures in REFERENCE_OUTPUT_TPS.values() for level in figures}
     ax.set_xticks(sorted(set(summary["plan"]["concurrencies"]) | reference_levels))
     _plain_numbers(ax.xaxis)
     ax.set_xlabel("closed-loop concurrency (HF: batch size)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"SmolLM2-135M fp32, {summary['plan']['output_len']} greedy tokens, "
-                 f"{summary['environment']['cpu_count']} cores")
+    ax.set_title(
+        f"SmolLM2-135M fp32, {summary['plan']['output_len']} greedy tokens, "
+        f"{summary['environment']['cpu_count']} cores"
+    )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -56,8 +75,12 @@ def plot_throughput(summary: dict, path: Path) -> Path:
 
 
 def plot_open_loop(summary: dict, path: Path) -> Path | None:
-    servers = [name for name in SERVERS if summary["systems"].get(name, {}).get("status") == STATUS_OK
-               and summary["systems"][name].get("open")]
+    servers = [
+        name
+        for name in SERVERS
+        if summary["systems"].get(name, {}).get("status") == STATUS_OK
+        and summary["systems"][name].get("open")
+    ]
     if not servers:
         return None
     fig, (ax_ttft, ax_tpot) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -67,8 +90,13 @@ def plot_open_loop(summary: dict, path: Path) -> Path | None:
         for stat, style in (("p50", "o-"), ("p99", "s--")):
             ttft = [to_ms(p["ttft_s"][stat]) for p in points]
             ax_ttft.plot(x, ttft, style, color=COLORS[name], label=f"{SYSTEM_TITLES[name]} TTFT {stat}")
-        ax_tpot.plot(x, [to_ms(p["tpot_s"]["p50"]) for p in points], "o-", color=COLORS[name],
-                     label=f"{SYSTEM_TITLES[name]} TPOT p50")
+        ax_tpot.plot(
+            x,
+            [to_ms(p["tpot_s"]["p50"]) for p in points],
+            "o-",
+            color=COLORS[name],
+            label=f"{SYSTEM_TITLES[name]} TPOT p50",
+        )
     for ax, what in ((ax_ttft, "TTFT"), (ax_tpot, "TPOT")):
         ax.set_xscale("log", base=2)  # the sweep's rates are geometric
         ax.set_xticks(sorted(summary["plan"]["request_rates"]))
@@ -95,5 +123,8 @@ def _plain_numbers(axis: matplotlib.axis.Axis) -> None:
 
 def write_plots(summary: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [plot_throughput(summary, out_dir / THROUGHPUT_PNG), plot_open_loop(summary, out_dir / OPEN_LOOP_PNG)]
+    paths = [
+        plot_throughput(summary, out_dir / THROUGHPUT_PNG),
+        plot_open_loop(summary, out_dir / OPEN_LOOP_PNG),
+    ]
     return [path for path in paths if path is not None]

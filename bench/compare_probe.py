@@ -32,9 +32,15 @@ print(2 * 256 * 576 * 1536 * iters / (time.perf_counter() - start) / 1e9)
 def gemm_gflops(threads: int, env: dict[str, str], seconds: float = 1.0) -> float | None:
     """fp32 GEMM GFLOP/s available now, or None when the probe could not run (it never fails a run)."""
     try:
-        result = subprocess.run([sys.executable, "-c", _PROBE, str(threads), str(seconds)], capture_output=True,
-                                text=True, env=env, timeout=PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL,
-                                cwd=tempfile.gettempdir())  # not the repo root: operator/ shadows the stdlib
+        result = subprocess.run(
+            [sys.executable, "-c", _PROBE, str(threads), str(seconds)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=PROBE_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            cwd=tempfile.gettempdir(),
+        )  # not the repo root: operator/ shadows the stdlib
     except (subprocess.TimeoutExpired, OSError):
         return None
     try:

@@ -72,8 +72,12 @@ def saturation_figures(report: dict) -> dict | None:
     saturation = report.get("saturation")
     if saturation is None:
         return None
-    return {"saturated": saturation["saturated"], "load": saturation.get("load"),
-            "request_rps": saturation.get("request_throughput_rps"), "reason": saturation["reason"]}
+    return {
+        "saturated": saturation["saturated"],
+        "load": saturation.get("load"),
+        "request_rps": saturation.get("request_throughput_rps"),
+        "reason": saturation["reason"],
+    }
 
 
 def thin_p99(figures: dict) -> bool:
@@ -87,5 +91,8 @@ def output_tps_by_level(system: dict) -> dict[int, float]:
         return {}
     if "batches" in system:
         return {int(size): batch["output_tok_per_s"] for size, batch in system["batches"].items()}
-    return {int(level): figures["output_tps"] for level, figures in system.get("closed", {}).items()
-            if figures["requests_ok"] > 0}
+    return {
+        int(level): figures["output_tps"]
+        for level, figures in system.get("closed", {}).items()
+        if figures["requests_ok"] > 0
+    }

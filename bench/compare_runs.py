@@ -37,21 +37,32 @@ def bench_serve(args: list[str], log_path: Path, report_path: Path, timeout_s: f
     with open(log_path, "w", encoding="utf-8") as log:
         try:
             # cwd: `python -m` puts it on sys.path, and at the repo root operator/ shadows the stdlib.
-            result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                    stdin=subprocess.DEVNULL, cwd=log_path.parent)
+            result = subprocess.run(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+                cwd=log_path.parent,
+            )
         except subprocess.TimeoutExpired:
-            raise RunError(f"`bench serve` ran past {timeout_s:g} s (raise --bench-timeout); log: {log_path}") from None
+            raise RunError(
+                f"`bench serve` ran past {timeout_s:g} s (raise --bench-timeout); log: {log_path}"
+            ) from None
     if result.returncode != 0:
-        raise RunError(f"`bench serve` exited with code {result.returncode}; last lines of {log_path}:\n"
-                       f"{log_tail(log_path, BENCH_ERROR_LINES)}")
+        raise RunError(
+            f"`bench serve` exited with code {result.returncode}; last lines of {log_path}:\n"
+            f"{log_tail(log_path, BENCH_ERROR_LINES)}"
+        )
     try:
         return json.loads(report_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise RunError(f"`bench serve` wrote no readable report at {report_path}: {exc}") from None
 
 
-def measure_server(spec: ServerSpec, plan: ComparePlan, work_dir: Path, plot_dir: Path | None,
-                   timeouts: Timeouts, say=print) -> dict:
+def measure_server(
+    spec: ServerSpec, plan: ComparePlan, work_dir: Path, plot_dir: Path | None, timeouts: Timeouts, say=print
+) -> dict:
     """Start the server, wait until ready, run every closed-loop level and the open-loop sweep, stop it.
 
     Returns the system's part of the summary: ``cold_start``, ``closed`` (level -> figures), ``open``
@@ -76,8 +87,10 @@ def measure_server(spec: ServerSpec, plan: ComparePlan, work_dir: Path, plot_dir
             first_report = first_report or report
             figures = point_figures(report["points"][0])
             closed[str(level)] = figures
-            say(f"[{spec.name}] closed loop c={level}: {figures['output_tps']:.1f} output tok/s, "
-                f"{figures['requests_ok']}/{figures['requests_total']} ok ({time.perf_counter() - started:.0f} s)")
+            say(
+                f"[{spec.name}] closed loop c={level}: {figures['output_tps']:.1f} output tok/s, "
+                f"{figures['requests_ok']}/{figures['requests_total']} ok ({time.perf_counter() - started:.0f} s)"
+            )
         open_points, saturation = {}, None
         if plan.rates:
             report_path = system_dir / "open_sweep.json"
@@ -87,37 +100,77 @@ def measure_server(spec: ServerSpec, plan: ComparePlan, work_dir: Path, plot_dir
             for point in report["points"]:
                 figures = point_figures(point)
                 open_points[f"{figures['load']:g}"] = figures
-                say(f"[{spec.name}] open loop {figures['load']:g} req/s: achieved "
-                    f"{figures['request_rps']:.2f} req/s, TTFT p50 {_ms(figures['ttft_s']['p50'])}")
+                say(
+                    f"[{spec.name}] open loop {figures['load']:g} req/s: achieved "
+                    f"{figures['request_rps']:.2f} req/s, TTFT p50 {_ms(figures['ttft_s']['p50'])}"
+                )
             saturation = saturation_figures(report)
     say(f"[{spec.name}] stopped")
-    return {"cold_start": cold_start_figures(first_report, ready_s), "closed": closed, "open": open_points,
-            "saturation": saturation}
+    return {
+        "cold_start": cold_start_figures(first_report, ready_s),
+        "closed": closed,
+        "open": open_points,
+        "saturation": saturation,
+    }
 
 
-def measure_hf(plan: ComparePlan, model_dir: Path, threads: int, repeats: int, work_dir: Path,
-               env: dict[str, str], timeout_s: float, say=print) -> dict:
+def measure_hf(
+    plan: ComparePlan,
+    model_dir: Path,
+    threads: int,
+    repeats: int,
+    work_dir: Path,
+    env: dict[str, str],
+    timeout_s: float,
+    say=print,
+) -> dict:
     """HF ``generate`` at every batch size in a child process; returns its JSON result."""
     hf_dir = work_dir / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
     prompts_path, result_path, log_path = hf_dir / "prompts.json", hf_dir / "hf.json", hf_dir / "hf.log"
     prompts_path.write_text(json.dumps({str(b): plan.hf_prompts(b) for b in plan.levels}))
-    argv = [sys.executable, str(HF_FLOOR_SCRIPT), "--model-dir", str(model_dir), "--prompts", str(prompts_path),
-            "--output-len", str(plan.output_len), "--threads", str(threads), "--repeats", str(repeats),
-            "--output-json", str(result_path)]
+    argv = [
+        sys.executable,
+        str(HF_FLOOR_SCRIPT),
+        "--model-dir",
+        str(model_dir),
+        "--prompts",
+        str(prompts_path),
+        "--output-len",
+        str(plan.output_len),
+        "--threads",
+        str(threads),
+        "--repeats",
+        str(repeats),
+        "--output-json",
+        str(result_path),
+    ]
     say(f"[hf] generate at batch {', '.join(map(str, plan.levels))} ({threads} threads)")
     with open(log_path, "w", encoding="utf-8") as log:
         try:
-            result = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                                    env=env, stdin=subprocess.DEVNULL, cwd=hf_dir)
+            result = subprocess.run(
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout_s,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                cwd=hf_dir,
+            )
         except subprocess.TimeoutExpired:
-            raise RunError(f"HF generate ran past {timeout_s:g} s (raise --hf-timeout); log: {log_path}") from None
+            raise RunError(
+                f"HF generate ran past {timeout_s:g} s (raise --hf-timeout); log: {log_path}"
+            ) from None
     if result.returncode != 0:
-        raise RunError(f"HF generate exited with code {result.returncode}; last lines of {log_path}:\n"
-                       f"{log_tail(log_path, BENCH_ERROR_LINES)}")
+        raise RunError(
+            f"HF generate exited with code {result.returncode}; last lines of {log_path}:\n"
+            f"{log_tail(log_path, BENCH_ERROR_LINES)}"
+        )
     figures = json.loads(result_path.read_text(encoding="utf-8"))
     for batch in sorted(figures["batches"].values(), key=lambda b: b["batch"]):
-        say(f"[hf] batch {batch['batch']}: {batch['output_tok_per_s']:.1f} output tok/s ({batch['wall_s']:.1f} s)")
+        say(
+            f"[hf] batch {batch['batch']}: {batch['output_tok_per_s']:.1f} output tok/s ({batch['wall_s']:.1f} s)"
+        )
     return figures
 
 

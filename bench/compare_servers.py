@@ -81,9 +81,15 @@ class ManagedServer:
         with open(self.log_path, "wb") as log:
             try:
                 # cwd: `python -m` puts it on sys.path, and at the repo root operator/ shadows the stdlib.
-                self.process = subprocess.Popen(self.spec.argv, stdout=log, stderr=subprocess.STDOUT,
-                                                stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-                                                cwd=self.log_path.parent)
+                self.process = subprocess.Popen(
+                    self.spec.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
+                    start_new_session=True,
+                    cwd=self.log_path.parent,
+                )
             except OSError as exc:
                 raise ServerError(f"{self.spec.name}: cannot run {self.spec.argv[0]}: {exc}") from None
         self.started_at = time.perf_counter()
@@ -96,14 +102,18 @@ class ManagedServer:
         while time.perf_counter() < deadline:
             code = self.process.poll()
             if code is not None:
-                raise ServerError(f"{self.spec.name} exited with code {code} before it was ready; "
-                                  f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+                raise ServerError(
+                    f"{self.spec.name} exited with code {code} before it was ready; "
+                    f"last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                )
             if _answers_ok(url):
                 self.ready_after_s = time.perf_counter() - self.started_at
                 return self.ready_after_s
             time.sleep(READY_POLL_INTERVAL_S)
-        raise ServerError(f"{self.spec.name} was not ready at {url} within {self.spec.start_timeout_s:g} s; "
-                          f"last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+        raise ServerError(
+            f"{self.spec.name} was not ready at {url} within {self.spec.start_timeout_s:g} s; "
+            f"last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+        )
 
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL it after a grace period; safe to call twice."""

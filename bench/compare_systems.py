@@ -49,14 +49,45 @@ def vllm_env(threads_bind: str, extra: dict[str, str]) -> dict[str, str]:
     return {**env, **extra}
 
 
-def vllm_spec(python: Path, model_dir: Path, port: int, threads_bind: str, extra_args: list[str],
-              extra_env: dict[str, str], base_env: dict[str, str], start_timeout_s: float) -> ServerSpec:
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", SERVED_MODEL_NAME,
-            "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--seed", "0", *extra_args]
-    return ServerSpec(name="vllm", argv=argv, port=port, ready_path="/health",
-                      env=vllm_env(threads_bind, extra_env), base_env=base_env, start_timeout_s=start_timeout_s)
+def vllm_spec(
+    python: Path,
+    model_dir: Path,
+    port: int,
+    threads_bind: str,
+    extra_args: list[str],
+    extra_env: dict[str, str],
+    base_env: dict[str, str],
+    start_timeout_s: float,
+) -> ServerSpec:
+    argv = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--dtype",
+        "float32",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(VLLM_MAX_MODEL_LEN),
+        "--seed",
+        "0",
+        *extra_args,
+    ]
+    return ServerSpec(
+        name="vllm",
+        argv=argv,
+        port=port,
+        ready_path="/health",
+        env=vllm_env(threads_bind, extra_env),
+        base_env=base_env,
+        start_timeout_s=start_timeout_s,
+    )
 
 
 def vllm_startup_note(server_log: str) -> str:
@@ -65,19 +96,43 @@ def vllm_startup_note(server_log: str) -> str:
     has no attribute 'finalize_loading'", so every start recompiles)."""
     init = re.search(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s", server_log)
     reload_failed = re.search(r"Compiling model again due to a load failure.*?reason: ([^\n]*)", server_log)
-    parts = [f"engine init incl. compilation {float(init.group(1)):.0f} s" if init else "engine init time not logged"]
+    parts = [
+        f"engine init incl. compilation {float(init.group(1)):.0f} s"
+        if init
+        else "engine init time not logged"
+    ]
     if reload_failed:
-        parts.append(f"the saved compile artefact failed to load ({reload_failed.group(1).strip()}), so it "
-                     "compiled again")
+        parts.append(
+            f"the saved compile artefact failed to load ({reload_failed.group(1).strip()}), so it "
+            "compiled again"
+        )
     return "; ".join(parts)
 
 
-def kvpilot_spec(model: str, port: int, extra_args: list[str], extra_env: dict[str, str],
-                 start_timeout_s: float) -> ServerSpec:
-    argv = [sys.executable, "-m", "kvpilot.cli", "serve", "--model", model, "--host", "127.0.0.1",
-            "--port", str(port), *extra_args]
-    return ServerSpec(name="kvpilot", argv=argv, port=port, ready_path="/ready", env=extra_env,
-                      start_timeout_s=start_timeout_s)
+def kvpilot_spec(
+    model: str, port: int, extra_args: list[str], extra_env: dict[str, str], start_timeout_s: float
+) -> ServerSpec:
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpilot.cli",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *extra_args,
+    ]
+    return ServerSpec(
+        name="kvpilot",
+        argv=argv,
+        port=port,
+        ready_path="/ready",
+        env=extra_env,
+        start_timeout_s=start_timeout_s,
+    )
 
 
 def kvpilot_serve_missing() -> str | None:
@@ -85,8 +140,14 @@ def kvpilot_serve_missing() -> str | None:
     argv = [sys.executable, "-m", "kvpilot.cli", "serve", "--help"]
     try:
         # cwd: `python -m` puts it on sys.path, and at the repo root operator/ shadows the stdlib.
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=KVPILOT_CHECK_TIMEOUT_S,
-                                stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+        result = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=KVPILOT_CHECK_TIMEOUT_S,
+            stdin=subprocess.DEVNULL,
+            cwd=tempfile.gettempdir(),
+        )
     except subprocess.TimeoutExpired:
         return f"`kvpilot serve --help` did not answer within {KVPILOT_CHECK_TIMEOUT_S:g} s"
     if result.returncode == 0:

@@ -43,31 +43,45 @@ def _is_busy(summary: dict) -> bool:
     load after the run still carries the last system's own threads, so it is not a sign of others)."""
     cores = summary["environment"].get("cpu_count") or 1
     loads = [summary["environment"].get("load_before", [0.0])[0]]
-    loads += [system["load_at_start"][0] for system in summary["systems"].values() if system.get("load_at_start")]
+    loads += [
+        system["load_at_start"][0] for system in summary["systems"].values() if system.get("load_at_start")
+    ]
     return max(loads) / cores > BUSY_LOAD_PER_CORE
 
 
 def _environment_lines(summary: dict) -> list[str]:
     env, plan = summary["environment"], summary["plan"]
-    loads = " → ".join(", ".join(f"{x:.2f}" for x in env[key]) for key in ("load_before", "load_after")
-                       if env.get(key))
-    starts = ", ".join(f"{SYSTEM_TITLES[name]} {system['load_at_start'][0]:.2f}"
-                       for name, system in summary["systems"].items() if system.get("load_at_start"))
+    loads = " → ".join(
+        ", ".join(f"{x:.2f}" for x in env[key]) for key in ("load_before", "load_after") if env.get(key)
+    )
+    starts = ", ".join(
+        f"{SYSTEM_TITLES[name]} {system['load_at_start'][0]:.2f}"
+        for name, system in summary["systems"].items()
+        if system.get("load_at_start")
+    )
     lines = [
         f"Run {env['started_at']} on {env['cpu_model']}, {env['cpu_count']} cores; "
         f"load average (1, 5, 15 min) before → after: {loads}"
         + (f"; 1-min load average as each system started: {starts}" if starts else "")
         + ". While a system runs it adds about its own thread count to the load average.",
     ]
-    probes = ", ".join(f"{SYSTEM_TITLES[name]} {system['gemm_gflops_at_start']:.0f}"
-                       for name, system in summary["systems"].items() if system.get("gemm_gflops_at_start"))
+    probes = ", ".join(
+        f"{SYSTEM_TITLES[name]} {system['gemm_gflops_at_start']:.0f}"
+        for name, system in summary["systems"].items()
+        if system.get("gemm_gflops_at_start")
+    )
     if probes:
-        lines[0] += (f" fp32 GEMM GFLOP/s available (1 s probe, {env.get('probe_threads', 2)} threads) as "
-                     f"each system started: {probes}; a quiet machine of this kind gives ~{QUIET_GEMM_GFLOPS:.0f}+.")
+        lines[0] += (
+            f" fp32 GEMM GFLOP/s available (1 s probe, {env.get('probe_threads', 2)} threads) as "
+            f"each system started: {probes}; a quiet machine of this kind gives ~{QUIET_GEMM_GFLOPS:.0f}+."
+        )
     if _is_busy(summary):
-        lines += ["", "> **Noisy:** the machine was shared and busy during this run (load average above "
-                      f"{BUSY_LOAD_PER_CORE:g} per core). Treat every figure as indicative only; the final "
-                      "figures must be re-taken on a quiet machine."]
+        lines += [
+            "",
+            "> **Noisy:** the machine was shared and busy during this run (load average above "
+            f"{BUSY_LOAD_PER_CORE:g} per core). Treat every figure as indicative only; the final "
+            "figures must be re-taken on a quiet machine.",
+        ]
     lines += [
         "",
         f"Workload (the same for every system): seed {plan['seed']}, prompts of "
@@ -88,19 +102,37 @@ def _closed_throughput_lines(summary: dict) -> list[str]:
     measured = {name: output_tps_by_level(systems.get(name, {})) for name in ("hf", "vllm", "kvpilot")}
     levels = sorted(set(summary["plan"]["concurrencies"]))
     lines = ["## Closed loop: output tokens/s by concurrency (HF: batch size)", ""]
-    lines += _header(["concurrency / batch", *(SYSTEM_TITLES[n] for n in measured),
-                      "kvpilot / vLLM", "issue: HF", "issue: vLLM"])
+    lines += _header(
+        [
+            "concurrency / batch",
+            *(SYSTEM_TITLES[n] for n in measured),
+            "kvpilot / vLLM",
+            "issue: HF",
+            "issue: vLLM",
+        ]
+    )
     for level in levels:
         kv, vl = measured["kvpilot"].get(level), measured["vllm"].get(level)
         ratio = f"{kv / vl:.2f}×" if kv and vl else "—"
-        lines.append(_row([str(level), *(_num(measured[n].get(level)) for n in measured), ratio,
-                           _num(REFERENCE_OUTPUT_TPS["hf"].get(level)),
-                           _num(REFERENCE_OUTPUT_TPS["vllm"].get(level))]))
-    lines += ["", f"fp32 GEMM ceiling on this kind of machine: about {GEMM_CEILING_OUTPUT_TPS:.0f} output "
-                  "tok/s at large batch. A closed loop of c clients is the served analogue of batch c; HF "
-                  "runs one static batch (all prompts together, left-padded, no arrivals). Output tok/s "
-                  "here includes the cost of every prompt's prefill; the latency tables also give total "
-                  "(prompt + output) tok/s."]
+        lines.append(
+            _row(
+                [
+                    str(level),
+                    *(_num(measured[n].get(level)) for n in measured),
+                    ratio,
+                    _num(REFERENCE_OUTPUT_TPS["hf"].get(level)),
+                    _num(REFERENCE_OUTPUT_TPS["vllm"].get(level)),
+                ]
+            )
+        )
+    lines += [
+        "",
+        f"fp32 GEMM ceiling on this kind of machine: about {GEMM_CEILING_OUTPUT_TPS:.0f} output "
+        "tok/s at large batch. A closed loop of c clients is the served analogue of batch c; HF "
+        "runs one static batch (all prompts together, left-padded, no arrivals). Output tok/s "
+        "here includes the cost of every prompt's prefill; the latency tables also give total "
+        "(prompt + output) tok/s.",
+    ]
     return lines
 
 
@@ -108,14 +140,34 @@ def _latency_row(name: str, load: str, figures: dict) -> list[str]:
     ttft, tpot = figures["ttft_s"], figures["tpot_s"]
     mark = THIN if thin_p99(figures) else ""
     errors = ", ".join(f"{k} {v}" for k, v in figures["errors"].items()) or "0"
-    return [SYSTEM_TITLES[name], load, f"{figures['requests_ok']}/{figures['requests_total']}",
-            _num(figures["request_rps"], 2), _num(figures["output_tps"]), _num(figures["total_tps"]),
-            _ms(ttft["p50"]), _ms(ttft["p99"]) + mark, _ms(tpot["p50"]), _ms(tpot["p99"]) + mark,
-            _ms(figures["e2e_s"]["p50"]), errors]
+    return [
+        SYSTEM_TITLES[name],
+        load,
+        f"{figures['requests_ok']}/{figures['requests_total']}",
+        _num(figures["request_rps"], 2),
+        _num(figures["output_tps"]),
+        _num(figures["total_tps"]),
+        _ms(ttft["p50"]),
+        _ms(ttft["p99"]) + mark,
+        _ms(tpot["p50"]),
+        _ms(tpot["p99"]) + mark,
+        _ms(figures["e2e_s"]["p50"]),
+        errors,
+    ]
 
 
-LATENCY_COLUMNS = ["req ok/all", "req/s", "output tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                   "E2E p50", "errors"]
+LATENCY_COLUMNS = [
+    "req ok/all",
+    "req/s",
+    "output tok/s",
+    "total tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p50",
+    "TPOT p99",
+    "E2E p50",
+    "errors",
+]
 
 
 def _closed_latency_lines(summary: dict) -> list[str]:
@@ -129,10 +181,15 @@ def _closed_latency_lines(summary: dict) -> list[str]:
             lines.append(_row(_latency_row(name, level, figures)))
     hf = summary["systems"].get("hf", {})
     if hf.get("status") == STATUS_OK:
-        lines += ["", "HF generate (one static batch; no per-request stream, so no TTFT): "
-                  + "; ".join(f"batch {b['batch']}: {b['wall_s']:.1f} s for {b['output_tokens']} tokens, "
-                              f"{_ms(b['step_s'])} per decode step"
-                              for b in sorted(hf["batches"].values(), key=lambda b: b["batch"]))]
+        lines += [
+            "",
+            "HF generate (one static batch; no per-request stream, so no TTFT): "
+            + "; ".join(
+                f"batch {b['batch']}: {b['wall_s']:.1f} s for {b['output_tokens']} tokens, "
+                f"{_ms(b['step_s'])} per decode step"
+                for b in sorted(hf["batches"].values(), key=lambda b: b["batch"])
+            ),
+        ]
     return lines
 
 
@@ -148,33 +205,64 @@ def _open_loop_lines(summary: dict) -> list[str]:
             lines.append(_row(_latency_row(name, _num(figures["offered_rps"], 2), figures)))
         saturation = system.get("saturation")
         if saturation is not None:
-            where = "not saturated within the sweep" if not saturation["saturated"] else (
-                f"saturation point {saturation['load']} req/s offered" if saturation["load"] is not None
-                else "saturated already at the lowest rate")
+            where = (
+                "not saturated within the sweep"
+                if not saturation["saturated"]
+                else (
+                    f"saturation point {saturation['load']} req/s offered"
+                    if saturation["load"] is not None
+                    else "saturated already at the lowest rate"
+                )
+            )
             saturation_notes.append(f"- {SYSTEM_TITLES[name]}: {where} ({saturation['reason']})")
-    lines += ["", "Offered req/s is the rate the Poisson schedule actually produced; latency counts from each "
-                  "request's scheduled arrival (no coordinated omission)."]
+    lines += [
+        "",
+        "Offered req/s is the rate the Poisson schedule actually produced; latency counts from each "
+        "request's scheduled arrival (no coordinated omission).",
+    ]
     if summary["plan"]["open_requests"] < FEW_OPEN_REQUESTS:
-        lines += ["", f"Only {summary['plan']['open_requests']} requests per rate: achieved req/s counts up to the "
-                      "last completion, so draining the last requests weighs heavily and the saturation verdict "
-                      "below is unreliable."]
+        lines += [
+            "",
+            f"Only {summary['plan']['open_requests']} requests per rate: achieved req/s counts up to the "
+            "last completion, so draining the last requests weighs heavily and the saturation verdict "
+            "below is unreliable.",
+        ]
     return lines + (["", *saturation_notes] if saturation_notes else [])
 
 
 def _cold_start_lines(summary: dict) -> list[str]:
     lines = ["## Cold start (reported apart; excluded from every table above)", ""]
-    lines += _header(["system", "spawn → ready", "first request TTFT", "first request E2E",
-                      "last warm-up E2E"])
+    lines += _header(
+        ["system", "spawn → ready", "first request TTFT", "first request E2E", "last warm-up E2E"]
+    )
     for name in SERVERS:
         system = summary["systems"].get(name, {})
         cold = system.get("cold_start")
         if system.get("status") == STATUS_OK and cold:
-            lines.append(_row([SYSTEM_TITLES[name], _ms(cold["ready_after_s"]), _ms(cold["first_request_ttft_s"]),
-                               _ms(cold["first_request_e2e_s"]), _ms(cold["last_warmup_e2e_s"])]))
+            lines.append(
+                _row(
+                    [
+                        SYSTEM_TITLES[name],
+                        _ms(cold["ready_after_s"]),
+                        _ms(cold["first_request_ttft_s"]),
+                        _ms(cold["first_request_e2e_s"]),
+                        _ms(cold["last_warmup_e2e_s"]),
+                    ]
+                )
+            )
     hf = summary["systems"].get("hf", {})
     if hf.get("status") == STATUS_OK:
-        lines.append(_row([SYSTEM_TITLES["hf"], _ms(hf["load_s"]) + " (load)", "—",
-                           _ms(hf["warmup_s"]) + " (warm-up generate)", "—"]))
+        lines.append(
+            _row(
+                [
+                    SYSTEM_TITLES["hf"],
+                    _ms(hf["load_s"]) + " (load)",
+                    "—",
+                    _ms(hf["warmup_s"]) + " (warm-up generate)",
+                    "—",
+                ]
+            )
+        )
     return lines
 
 
@@ -199,10 +287,14 @@ def render_markdown(summary: dict) -> str:
         _open_loop_lines(summary),
         _cold_start_lines(summary),
         _not_measured_lines(summary),
-        ["## Notes", "",
-         f"- {THIN} p99 on fewer than 100 samples: noisy, shown for shape only.",
-         "- Metric definitions and the system boundary (client side, one monotonic clock): "
-         "`bench/README.md`. Per-request records and server logs: " + f"`{summary['environment']['work_dir']}`.",
-         *(f"- {note}" for note in summary.get("notes", []))],
+        [
+            "## Notes",
+            "",
+            f"- {THIN} p99 on fewer than 100 samples: noisy, shown for shape only.",
+            "- Metric definitions and the system boundary (client side, one monotonic clock): "
+            "`bench/README.md`. Per-request records and server logs: "
+            + f"`{summary['environment']['work_dir']}`.",
+            *(f"- {note}" for note in summary.get("notes", [])),
+        ],
     ]
     return "\n\n".join("\n".join(section) for section in sections if section) + "\n"

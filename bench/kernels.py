@@ -39,21 +39,34 @@ class Shape:
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
-        return (f"B={self.batch} L={self.seq_len} H={self.num_heads}/{self.num_kv_heads} D={self.head_dim} "
-                f"bs={self.block_size} {dtype}")
+        return (
+            f"B={self.batch} L={self.seq_len} H={self.num_heads}/{self.num_kv_heads} D={self.head_dim} "
+            f"bs={self.block_size} {dtype}"
+        )
 
 
 def _shapes(device: torch.device, quick: bool) -> tuple[list[Shape], list[Shape]]:
     """(decode shapes, prefill shapes); decode ``seq_len`` counts the new token."""
     if quick or device.type != "cuda":
         # the 600-token decode is long enough for the split-KV path (and its merge kernel) on one "SM"
-        return ([Shape(2, 48, 4, 2, 64, 16, torch.float32), Shape(1, 600, 8, 1, 128, 32, torch.float16)],
-                [Shape(2, 24, 4, 2, 64, 16, torch.float32)])
+        return (
+            [Shape(2, 48, 4, 2, 64, 16, torch.float32), Shape(1, 600, 8, 1, 128, 32, torch.float16)],
+            [Shape(2, 24, 4, 2, 64, 16, torch.float32)],
+        )
     bf16 = torch.bfloat16
-    return ([Shape(64, 2048, 32, 8, 128, 16, bf16), Shape(8, 8192, 32, 8, 128, 16, bf16),
-             Shape(1, 32768, 32, 8, 128, 16, bf16), Shape(32, 4096, 8, 1, 256, 32, bf16)],
-            [Shape(4, 2048, 32, 8, 128, 16, bf16), Shape(1, 8192, 32, 8, 128, 16, bf16),
-             Shape(8, 1024, 16, 16, 64, 64, torch.float16)])
+    return (
+        [
+            Shape(64, 2048, 32, 8, 128, 16, bf16),
+            Shape(8, 8192, 32, 8, 128, 16, bf16),
+            Shape(1, 32768, 32, 8, 128, 16, bf16),
+            Shape(32, 4096, 8, 1, 256, 32, bf16),
+        ],
+        [
+            Shape(4, 2048, 32, 8, 128, 16, bf16),
+            Shape(1, 8192, 32, 8, 128, 16, bf16),
+            Shape(8, 1024, 16, 16, 64, 64, torch.float16),
+        ],
+    )
 
 
 def _timer(device: torch.device):
@@ -80,34 +93,72 @@ def _contiguous_kv(batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     positions = torch.arange(seq_len, device=batch.block_tables.device)
     slots = batch.block_tables[:, positions // block_size].long() * block_size + positions % block_size
     flat = (-1, *batch.key_cache.shape[2:])
-    return (batch.key_cache.view(flat)[slots].transpose(1, 2).contiguous(),
-            batch.value_cache.view(flat)[slots].transpose(1, 2).contiguous())
+    return (
+        batch.key_cache.view(flat)[slots].transpose(1, 2).contiguous(),
+        batch.value_cache.view(flat)[slots].transpose(1, 2).contiguous(),
+    )
 
 
 def _make(shape: Shape, query_len: int, device: torch.device) -> PagedBatch:
-    return make_paged_batch([shape.seq_len - query_len] * shape.batch, [query_len] * shape.batch,
-                            shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.block_size, shape.dtype,
-                            device=device, seed=shape.seq_len)
+    return make_paged_batch(
+        [shape.seq_len - query_len] * shape.batch,
+        [query_len] * shape.batch,
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.block_size,
+        shape.dtype,
+        device=device,
+        seed=shape.seq_len,
+    )
 
 
 def bench_decode(kernels: TritonKernels, shape: Shape, device: torch.device, num_sms: int, measure) -> dict:
     batch = _make(shape, 1, device)
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
     splits = kernels.split_kv.choose_num_kv_splits(shape.batch, shape.num_kv_heads, shape.seq_len, num_sms)
-    partials = (kernels.split_kv.allocate_partials(shape.batch, shape.num_heads, splits, shape.head_dim, device)
-                if splits > 1 else None)
+    partials = (
+        kernels.split_kv.allocate_partials(shape.batch, shape.num_heads, splits, shape.head_dim, device)
+        if splits > 1
+        else None
+    )
     out = torch.empty_like(batch.query)
     config = kernels.tuning.DECODE_DEFAULT
     if device.type == "cuda":
         config = kernels.tuning.ConfigTable().tune(
-            "decode", (), kernels.tuning.decode_candidates(shape.head_dim),
-            lambda cfg: kernels.decode.paged_decode(out, batch.query, batch.key_cache, batch.value_cache,
-                                                    batch.block_tables, batch.seq_lens, scale, None, splits,
-                                                    partials, cfg), measure)
+            "decode",
+            (),
+            kernels.tuning.decode_candidates(shape.head_dim),
+            lambda cfg: kernels.decode.paged_decode(
+                out,
+                batch.query,
+                batch.key_cache,
+                batch.value_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                scale,
+                None,
+                splits,
+                partials,
+                cfg,
+            ),
+            measure,
+        )
 
     def triton_decode():
-        kernels.decode.paged_decode(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                                    batch.seq_lens, scale, None, splits, partials, config)
+        kernels.decode.paged_decode(
+            out,
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            scale,
+            None,
+            splits,
+            partials,
+            config,
+        )
 
     keys, values = _contiguous_kv(batch)
     query = batch.query.unsqueeze(2)  # [B, H, 1, D]
@@ -117,39 +168,69 @@ def bench_decode(kernels: TritonKernels, shape: Shape, device: torch.device, num
 
     triton_ms, sdpa_ms = measure(triton_decode), measure(sdpa_decode)
     element = batch.key_cache.element_size()
-    moved = (2 * shape.batch * shape.seq_len * shape.num_kv_heads * shape.head_dim
-             + 2 * shape.batch * shape.num_heads * shape.head_dim) * element
+    moved = (
+        2 * shape.batch * shape.seq_len * shape.num_kv_heads * shape.head_dim
+        + 2 * shape.batch * shape.num_heads * shape.head_dim
+    ) * element
     error = (out.float() - sdpa_decode().squeeze(2).float()).abs().max().item()
-    return {"triton_ms": triton_ms, "sdpa_ms": sdpa_ms, "unit": "GB/s", "triton_rate": moved / triton_ms / 1e6,
-            "sdpa_rate": moved / sdpa_ms / 1e6, "max_err": error, "note": f"splits={splits} {_brief(config)}"}
+    return {
+        "triton_ms": triton_ms,
+        "sdpa_ms": sdpa_ms,
+        "unit": "GB/s",
+        "triton_rate": moved / triton_ms / 1e6,
+        "sdpa_rate": moved / sdpa_ms / 1e6,
+        "max_err": error,
+        "note": f"splits={splits} {_brief(config)}",
+    }
 
 
 def bench_prefill(kernels: TritonKernels, shape: Shape, device: torch.device, measure) -> dict:
     batch = _make(shape, shape.seq_len, device)
-    scale = shape.head_dim ** -0.5
+    scale = shape.head_dim**-0.5
     out = torch.empty_like(batch.query)
     config = kernels.tuning.PREFILL_DEFAULT
 
     def run(cfg) -> None:
-        kernels.prefill.paged_prefill(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                                      batch.seq_lens, batch.query_start_loc, shape.seq_len, scale, None, cfg)
+        kernels.prefill.paged_prefill(
+            out,
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            shape.seq_len,
+            scale,
+            None,
+            cfg,
+        )
 
     if device.type == "cuda":
-        config = kernels.tuning.ConfigTable().tune("prefill", (), kernels.tuning.prefill_candidates(shape.head_dim),
-                                                   run, measure)
+        config = kernels.tuning.ConfigTable().tune(
+            "prefill", (), kernels.tuning.prefill_candidates(shape.head_dim), run, measure
+        )
     keys, values = _contiguous_kv(batch)
     query = batch.query.view(shape.batch, shape.seq_len, shape.num_heads, shape.head_dim).transpose(1, 2)
 
     def sdpa_prefill():
-        return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(
+            query, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
 
     triton_ms, sdpa_ms = measure(lambda: run(config)), measure(sdpa_prefill)
     causal_pairs = shape.seq_len * (shape.seq_len + 1) // 2
     flops = 4 * shape.batch * shape.num_heads * shape.head_dim * causal_pairs
     expected = sdpa_prefill().transpose(1, 2).reshape(out.shape)
     error = (out.float() - expected.float()).abs().max().item()
-    return {"triton_ms": triton_ms, "sdpa_ms": sdpa_ms, "unit": "TFLOP/s", "triton_rate": flops / triton_ms / 1e9,
-            "sdpa_rate": flops / sdpa_ms / 1e9, "max_err": error, "note": _brief(config)}
+    return {
+        "triton_ms": triton_ms,
+        "sdpa_ms": sdpa_ms,
+        "unit": "TFLOP/s",
+        "triton_rate": flops / triton_ms / 1e9,
+        "sdpa_rate": flops / sdpa_ms / 1e9,
+        "max_err": error,
+        "note": _brief(config),
+    }
 
 
 def _brief(config) -> str:
@@ -159,17 +240,23 @@ def _brief(config) -> str:
 
 def _row(kind: str, shape: Shape, result: dict) -> str:
     unit = result["unit"]
-    return (f"{kind:<8}{shape.describe():<44}{result['triton_ms']:>11.3f}{result['sdpa_ms']:>10.3f}"
-            f"{result['triton_rate']:>12.3f}{result['sdpa_rate']:>12.3f} {unit:<8}"
-            f"{result['sdpa_ms'] / result['triton_ms']:>7.2f}{result['max_err']:>10.1e}  {result['note']}")
+    return (
+        f"{kind:<8}{shape.describe():<44}{result['triton_ms']:>11.3f}{result['sdpa_ms']:>10.3f}"
+        f"{result['triton_rate']:>12.3f}{result['sdpa_rate']:>12.3f} {unit:<8}"
+        f"{result['sdpa_ms'] / result['triton_ms']:>7.2f}{result['max_err']:>10.1e}  {result['note']}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (always used on CPU)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--max-err", type=float, default=None,
-                        help="exit 1 if any Triton output differs from SDPA by more than this")
+    parser.add_argument(
+        "--max-err",
+        type=float,
+        default=None,
+        help="exit 1 if any Triton output differs from SDPA by more than this",
+    )
     args = parser.parse_args(argv)
     if args.device == "auto":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -184,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# paged attention: Triton vs torch SDPA on {where}")
     if device.type != "cuda":
         print("# interpreter timings are not GPU performance; this run checks the kernels and the benchmark")
-    print(f"{'kernel':<8}{'shape':<44}{'triton_ms':>11}{'sdpa_ms':>10}{'triton':>12}{'sdpa':>12} {'unit':<8}"
-          f"{'ratio':>7}{'max_err':>10}  config")
+    print(
+        f"{'kernel':<8}{'shape':<44}{'triton_ms':>11}{'sdpa_ms':>10}{'triton':>12}{'sdpa':>12} {'unit':<8}"
+        f"{'ratio':>7}{'max_err':>10}  config"
+    )
     worst = 0.0
     for shape in decode_shapes:
         result = bench_decode(kernels, shape, device, num_sms, measure)

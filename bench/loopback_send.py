@@ -42,8 +42,11 @@ def keep_prefilling(url: str, model: str, stop: threading.Event) -> None:
         if stop.is_set():
             return
         prompt = " ".join(f"b{i}_{j}" for j in range(300))
-        request = urllib.request.Request(url + "/v1/completions", headers={"content-type": "application/json"},
-                                         data=json.dumps({"model": model, "prompt": prompt, "max_tokens": 4}).encode())
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            headers={"content-type": "application/json"},
+            data=json.dumps({"model": model, "prompt": prompt, "max_tokens": 4}).encode(),
+        )
         try:
             urllib.request.urlopen(request, timeout=120).read()
         except OSError:
@@ -52,11 +55,21 @@ def keep_prefilling(url: str, model: str, stop: threading.Event) -> None:
 
 def chat_request(model: str, index: int) -> bytes:
     system = " ".join(f"w{i}" for i in range(900))
-    body = json.dumps({"model": model, "max_tokens": 8, "stream": True,
-                       "messages": [{"role": "system", "content": system},
-                                    {"role": "user", "content": f"question {index} please"}]}).encode()
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 8,
+            "stream": True,
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {index} please"},
+            ],
+        }
+    ).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     return head + body
 
 
@@ -86,19 +99,26 @@ def report(samples: list[tuple[float, float]], label: str) -> str:
     times = sorted(ms for ms, _ in samples)
     slow = [(ms, wait) for ms, wait in samples if ms > 1.0]
     n = len(times)
-    line = (f"{label}: send ms p50 {times[n // 2]:.3f} p90 {times[int(n * 0.9)]:.3f} "
-            f"p99 {times[min(n - 1, int(n * 0.99))]:.3f} max {times[-1]:.3f}; > 1 ms: {len(slow)} of {n}")
+    line = (
+        f"{label}: send ms p50 {times[n // 2]:.3f} p90 {times[int(n * 0.9)]:.3f} "
+        f"p99 {times[min(n - 1, int(n * 0.99))]:.3f} max {times[-1]:.3f}; > 1 ms: {len(slow)} of {n}"
+    )
     if slow:
-        line += (f", of their time on the run queue: "
-                 f"{sum(wait for _, wait in slow) / sum(ms for ms, _ in slow):.0%}")
+        line += (
+            f", of their time on the run queue: "
+            f"{sum(wait for _, wait in slow) / sum(ms for ms, _ in slow):.0%}"
+        )
     return line
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--engine-args", default="--kv-cache-memory-bytes 200000000 --max-num-batched-tokens 512")
+    parser.add_argument(
+        "--engine-args", default="--kv-cache-memory-bytes 200000000 --max-num-batched-tokens 512"
+    )
     parser.add_argument("--engine-sched", choices=("idle", "other"), default="other")
     parser.add_argument("--engine-nice", type=int, default=10)
     parser.add_argument("--sender-sched", choices=("rr", "other"), default="other")
@@ -112,10 +132,23 @@ def main() -> int:
         processes = Processes(Path(logs))
         try:
             port = free_port()
-            processes.start("engine", [KVPILOT, "serve", "--model", args.model, "--host", "127.0.0.1",
-                                       "--port", str(port), *shlex.split(args.engine_args)],
-                            env={"OMP_NUM_THREADS": "1"}, nice=args.engine_nice,
-                            idle=args.engine_sched == "idle")
+            processes.start(
+                "engine",
+                [
+                    KVPILOT,
+                    "serve",
+                    "--model",
+                    args.model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    *shlex.split(args.engine_args),
+                ],
+                env={"OMP_NUM_THREADS": "1"},
+                nice=args.engine_nice,
+                idle=args.engine_sched == "idle",
+            )
             url = f"http://127.0.0.1:{port}"
             processes.wait_ready(url + "/ready", args.ready_timeout)
             stop = threading.Event()

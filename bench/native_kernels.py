@@ -37,8 +37,12 @@ from kvpilot.engine.native.reference import reference_add_rms_norm, reference_si
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 30, 576, 9, 3, 64, 1536
 #: (in, out) of qkv, o, gate_up and down
-PROJECTIONS = ((HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN),
-               (HIDDEN, 2 * INTERMEDIATE), (INTERMEDIATE, HIDDEN))
+PROJECTIONS = (
+    (HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM),
+    (HEADS * HEAD_DIM, HIDDEN),
+    (HIDDEN, 2 * INTERMEDIATE),
+    (INTERMEDIATE, HIDDEN),
+)
 
 
 def best_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
@@ -57,34 +61,57 @@ def best_ms(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, floa
 
 def bench_linear(ops: NativeOps, rows: int, repeat: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(rows)
-    weights = [[torch.randn(n_out, n_in, generator=gen) / n_in ** 0.5 for n_in, n_out in PROJECTIONS]
-               for _ in range(LAYERS)]
+    weights = [
+        [torch.randn(n_out, n_in, generator=gen) / n_in**0.5 for n_in, n_out in PROJECTIONS]
+        for _ in range(LAYERS)
+    ]
     inputs = [torch.randn(rows, n_in, generator=gen) for n_in, _ in PROJECTIONS]
     panels = [[(ops.pack_linear_weight(w), w.shape[0]) for w in layer] for layer in weights]
-    fns = {"native": lambda: [ops.linear(x, w, None, n_out) for layer in panels
-                              for x, (w, n_out) in zip(inputs, layer, strict=True)],
-           "F.linear": lambda: [F.linear(x, w) for layer in weights for x, w in zip(inputs, layer, strict=True)]}
+    fns = {
+        "native": lambda: [
+            ops.linear(x, w, None, n_out)
+            for layer in panels
+            for x, (w, n_out) in zip(inputs, layer, strict=True)
+        ],
+        "F.linear": lambda: [F.linear(x, w) for layer in weights for x, w in zip(inputs, layer, strict=True)],
+    }
     if onednn_available():
         packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in layer] for layer in weights]
-        fns["oneDNN"] = lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-                                 for layer in packed for x, w in zip(inputs, layer, strict=True)]
+        fns["oneDNN"] = lambda: [
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+            for layer in packed
+            for x, w in zip(inputs, layer, strict=True)
+        ]
     return best_ms(fns, repeat)
 
 
-def layer_caches(num_blocks: int, block_size: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def layer_caches(
+    num_blocks: int, block_size: int, gen: torch.Generator
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Random K/V HND caches of every layer (each layer its own, so a sweep streams from memory)."""
-    return [(torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
-             torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen)) for _ in range(LAYERS)]
+    return [
+        (
+            torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
+            torch.randn(num_blocks, KV_HEADS, block_size, HEAD_DIM, generator=gen),
+        )
+        for _ in range(LAYERS)
+    ]
 
 
-def attention_sweeps(ops: NativeOps, baseline: str, meta: AttentionMetadata, query: torch.Tensor,
-                     key: torch.Tensor | None, value: torch.Tensor | None,
-                     caches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Callable[[], object]]:
+def attention_sweeps(
+    ops: NativeOps,
+    baseline: str,
+    meta: AttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    caches: list[tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, Callable[[], object]]:
     """One 30-layer ``attend`` sweep of the torch backend with the native kernels and one without
     (``baseline``), each planned into its own copy of ``meta`` (prepare() plans into extras)."""
     fns = {}
     for name, native in (("native", ops), (baseline, None)):
-        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5)
+        backend = TorchAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
         backend.native = native
         own = dataclasses.replace(meta, extras={})
         backend.prepare(own)
@@ -101,11 +128,16 @@ def decode_step(batch: int, context: int, block_size: int = 16):
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).int()
     tables = order.view(batch, blocks_per_seq)
     lens = [context] * batch
-    meta = AttentionMetadata(slot_mapping=torch.zeros(batch, dtype=torch.long),
-                             query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
-                             seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=tables,
-                             num_decodes=batch, query_lens_host=[1] * batch, seq_lens_host=lens,
-                             block_size=block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(batch, dtype=torch.long),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        block_tables=tables,
+        num_decodes=batch,
+        query_lens_host=[1] * batch,
+        seq_lens_host=lens,
+        block_size=block_size,
+    )
     query = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
     return caches, meta, query
 
@@ -125,17 +157,24 @@ def prefill_step(seqs: int, new: int, cached: int, block_size: int = 16):
     caches = layer_caches(num_blocks, block_size, gen)
     tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).int().view(seqs, blocks_per_seq)
     tokens = seqs * new
-    meta = AttentionMetadata(slot_mapping=torch.zeros(tokens, dtype=torch.long),
-                             query_start_loc=torch.arange(0, tokens + 1, new, dtype=torch.int32),
-                             seq_lens=torch.full((seqs,), length, dtype=torch.int32), block_tables=tables,
-                             num_decodes=0, query_lens_host=[new] * seqs, seq_lens_host=[length] * seqs,
-                             block_size=block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(tokens, dtype=torch.long),
+        query_start_loc=torch.arange(0, tokens + 1, new, dtype=torch.int32),
+        seq_lens=torch.full((seqs,), length, dtype=torch.int32),
+        block_tables=tables,
+        num_decodes=0,
+        query_lens_host=[new] * seqs,
+        seq_lens_host=[length] * seqs,
+        block_size=block_size,
+    )
     query = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen)
     key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen) for _ in range(2))
     return caches, meta, query, key, value
 
 
-def bench_prefill_attention(ops: NativeOps, seqs: int, new: int, cached: int, repeat: int) -> dict[str, float]:
+def bench_prefill_attention(
+    ops: NativeOps, seqs: int, new: int, cached: int, repeat: int
+) -> dict[str, float]:
     caches, meta, query, key, value = prefill_step(seqs, new, cached)
     return best_ms(attention_sweeps(ops, "SDPA", meta, query, key, value, caches), repeat)
 
@@ -147,17 +186,28 @@ def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dic
     deltas = [torch.randn(tokens, HIDDEN, generator=gen) * 0.01 for _ in range(LAYERS)]
     weight = torch.rand(HIDDEN, generator=gen) + 0.5
     return {
-        "silu_mul": best_ms({"native": lambda: [ops.silu_mul(x) for x in gate_up],
-                             "torch": lambda: [reference_silu_mul(x) for x in gate_up]}, repeat),
-        "add_rms_norm": best_ms({"native": lambda: [ops.add_rms_norm(residual, d, weight, 1e-5) for d in deltas],
-                                 "torch": lambda: [reference_add_rms_norm(residual, d, weight, 1e-5)
-                                                   for d in deltas]}, repeat),
+        "silu_mul": best_ms(
+            {
+                "native": lambda: [ops.silu_mul(x) for x in gate_up],
+                "torch": lambda: [reference_silu_mul(x) for x in gate_up],
+            },
+            repeat,
+        ),
+        "add_rms_norm": best_ms(
+            {
+                "native": lambda: [ops.add_rms_norm(residual, d, weight, 1e-5) for d in deltas],
+                "torch": lambda: [reference_add_rms_norm(residual, d, weight, 1e-5) for d in deltas],
+            },
+            repeat,
+        ),
     }
 
 
 def row(op: str, shape: str, times: dict[str, float]) -> str:
     native = times["native"]
-    others = "  ".join(f"{name} {ms:8.2f} ms (x{ms / native:5.2f})" for name, ms in times.items() if name != "native")
+    others = "  ".join(
+        f"{name} {ms:8.2f} ms (x{ms / native:5.2f})" for name, ms in times.items() if name != "native"
+    )
     return f"{op:<18}{shape:<22}native {native:8.2f} ms  {others}"
 
 
@@ -170,16 +220,30 @@ def main(argv: list[str] | None = None) -> int:
     repeat = 1 if args.quick else args.repeat
     torch.set_num_threads(args.threads)
     ops = load_native_ops(default_cache_dir())  # where the engine builds it: compiled once per host
-    print(f"# native C kernels vs PyTorch, SmolLM2 shapes x {LAYERS} layers, fp32, {args.threads} threads; "
-          "(xN) = baseline time / native time")
+    print(
+        f"# native C kernels vs PyTorch, SmolLM2 shapes x {LAYERS} layers, fp32, {args.threads} threads; "
+        "(xN) = baseline time / native time"
+    )
     for rows in (1, 24) if args.quick else (1, 8, 16, 24, 32, 64, 96, 128):
         print(row("linear", f"rows={rows}", bench_linear(ops, rows, repeat)), flush=True)
     for batch, context in ((2, 64),) if args.quick else ((2, 176), (24, 176), (32, 300)):
-        print(row("decode_attention", f"batch={batch} ctx={context}",
-                  bench_decode_attention(ops, batch, context, repeat)), flush=True)
+        print(
+            row(
+                "decode_attention",
+                f"batch={batch} ctx={context}",
+                bench_decode_attention(ops, batch, context, repeat),
+            ),
+            flush=True,
+        )
     for seqs, new, cached in ((2, 40, 0),) if args.quick else ((14, 146, 0), (8, 256, 0), (1, 32, 1024)):
-        print(row("prefill_attention", f"{seqs}x{new} after {cached}",
-                  bench_prefill_attention(ops, seqs, new, cached, repeat)), flush=True)
+        print(
+            row(
+                "prefill_attention",
+                f"{seqs}x{new} after {cached}",
+                bench_prefill_attention(ops, seqs, new, cached, repeat),
+            ),
+            flush=True,
+        )
     for tokens in (24,) if args.quick else (24, 2048):
         for op, times in bench_elementwise(ops, tokens, repeat).items():
             print(row(op, f"tokens={tokens}", times), flush=True)

@@ -42,8 +42,14 @@ def hf_one_at_a_time(hf, prompts, outs) -> dict:
     with torch.no_grad():
         for p, n in zip(prompts, outs, strict=True):
             ids = torch.tensor([p])
-            res = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)
+            res = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
             produced += res.shape[1] - len(p)
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "output_tokens": produced, "output_tok_per_s": produced / wall}
@@ -54,17 +60,28 @@ def hf_padded_batch(hf, prompts, outs) -> dict:
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding, as HF decoder-only generation wants
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     t0 = time.perf_counter()
     with torch.no_grad():
-        res = hf.generate(ids, attention_mask=mask, max_new_tokens=max(outs), min_new_tokens=max(outs),
-                          do_sample=False, pad_token_id=0)
+        res = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max(outs),
+            min_new_tokens=max(outs),
+            do_sample=False,
+            pad_token_id=0,
+        )
     wall = time.perf_counter() - t0
     generated = (res.shape[1] - width) * len(prompts)
     useful = sum(outs)
-    return {"wall_s": wall, "output_tokens": useful, "generated_tokens": generated,
-            "output_tok_per_s": useful / wall, "generated_tok_per_s": generated / wall}
+    return {
+        "wall_s": wall,
+        "output_tokens": useful,
+        "generated_tokens": generated,
+        "output_tok_per_s": useful / wall,
+        "generated_tok_per_s": generated / wall,
+    }
 
 
 def prefix_ttft(prefix_len: int, suffix_len: int, seed: int) -> dict:
@@ -78,22 +95,47 @@ def prefix_ttft(prefix_len: int, suffix_len: int, seed: int) -> dict:
     llm.engine.pool.reset_cache()
     miss2 = llm.generate([{"prompt_token_ids": base[2]}], one)[0]  # a second miss, after a reset
     ttft_miss = min(miss.metrics.ttft, miss2.metrics.ttft)
-    return {"prefix_tokens": prefix_len, "suffix_tokens": suffix_len, "ttft_miss_s": ttft_miss,
-            "ttft_hit_s": hit.metrics.ttft, "hit_cached_tokens": hit.num_cached_tokens,
-            "speedup": ttft_miss / hit.metrics.ttft}
+    return {
+        "prefix_tokens": prefix_len,
+        "suffix_tokens": suffix_len,
+        "ttft_miss_s": ttft_miss,
+        "ttft_hit_s": hit.metrics.ttft,
+        "hit_cached_tokens": hit.num_cached_tokens,
+        "speedup": ttft_miss / hit.metrics.ttft,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=32)
-    ap.add_argument("--hf-serial-requests", type=int, default=None,
-                    help="time HF one-at-a-time on only the first N requests (its tok/s is per request)")
-    ap.add_argument("--prompt-len", type=length_range, default=(16, 256), metavar="MIN:MAX",
-                    help="prompt tokens per request (uniform)")
-    ap.add_argument("--output-len", type=length_range, default=(16, 128), metavar="MIN:MAX",
-                    help="output tokens per request (uniform, exact)")
-    ap.add_argument("--kvpilot-runs", type=int, default=3, choices=range(1, 10), metavar="N",
-                    help="kvpilot runs interleaved with the HF runs; the median counts (1-9)")
+    ap.add_argument(
+        "--hf-serial-requests",
+        type=int,
+        default=None,
+        help="time HF one-at-a-time on only the first N requests (its tok/s is per request)",
+    )
+    ap.add_argument(
+        "--prompt-len",
+        type=length_range,
+        default=(16, 256),
+        metavar="MIN:MAX",
+        help="prompt tokens per request (uniform)",
+    )
+    ap.add_argument(
+        "--output-len",
+        type=length_range,
+        default=(16, 128),
+        metavar="MIN:MAX",
+        help="output tokens per request (uniform, exact)",
+    )
+    ap.add_argument(
+        "--kvpilot-runs",
+        type=int,
+        default=3,
+        choices=range(1, 10),
+        metavar="N",
+        help="kvpilot runs interleaved with the HF runs; the median counts (1-9)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output-json", type=Path, default=Path("bench/results/offline_vs_hf.json"))
@@ -105,9 +147,11 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     wl = make_workload(args.num_requests, args.prompt_len, args.output_len, args.seed)
-    print(f"workload: {args.num_requests} requests, {wl.num_prompt_tokens} prompt tokens "
-          f"({args.prompt_len[0]}–{args.prompt_len[1]}), {wl.num_output_tokens} output tokens "
-          f"({args.output_len[0]}–{args.output_len[1]}), SmolLM2-135M fp32, {args.threads} threads")
+    print(
+        f"workload: {args.num_requests} requests, {wl.num_prompt_tokens} prompt tokens "
+        f"({args.prompt_len[0]}–{args.prompt_len[1]}), {wl.num_output_tokens} output tokens "
+        f"({args.output_len[0]}–{args.output_len[1]}), SmolLM2-135M fp32, {args.threads} threads"
+    )
     llm = LLM("smollm2-135m", kv_cache_memory_bytes=512 << 20)
     run_kvpilot(llm, make_workload(4, (8, 32), (4, 8), args.seed + 1))  # warm-up
     runs: list[dict] = []
@@ -117,8 +161,11 @@ def main() -> None:
         runs.append(run_kvpilot(engine, wl))
         if runs[-1]["cached_prompt_tokens"]:
             raise RuntimeError("a kvpilot run hit the prefix cache; its figure would not be comparable")
-        print(f"kvpilot (continuous batching), run {len(runs)}: {runs[-1]['output_tok_per_s']:7.1f} output tok/s  "
-              f"({runs[-1]['wall_s']:.1f} s)", flush=True)
+        print(
+            f"kvpilot (continuous batching), run {len(runs)}: {runs[-1]['output_tok_per_s']:7.1f} output tok/s  "
+            f"({runs[-1]['wall_s']:.1f} s)",
+            flush=True,
+        )
 
     # kvpilot's runs go between HF's, so both sides sample the machine over the same minutes
     schedule = [len(range(i, args.kvpilot_runs, 3)) for i in range(3)]
@@ -127,38 +174,63 @@ def main() -> None:
     hf = LlamaForCausalLM.from_pretrained(resolve_model("smollm2-135m"), torch_dtype=torch.float32).eval()
     hf.generate(torch.tensor([[100, 101, 102]]), max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
     batch = hf_padded_batch(hf, wl.prompts, wl.output_lens)
-    print(f"HF padded batch:                {batch['output_tok_per_s']:7.1f} useful tok/s  "
-          f"({batch['generated_tok_per_s']:.1f} generated incl. padding waste; {batch['wall_s']:.1f} s)", flush=True)
+    print(
+        f"HF padded batch:                {batch['output_tok_per_s']:7.1f} useful tok/s  "
+        f"({batch['generated_tok_per_s']:.1f} generated incl. padding waste; {batch['wall_s']:.1f} s)",
+        flush=True,
+    )
     for _ in range(schedule[1]):
         kvpilot_run(llm)
     k = args.hf_serial_requests or args.num_requests
     serial = hf_one_at_a_time(hf, wl.prompts[:k], wl.output_lens[:k])
-    print(f"HF one at a time ({k} requests): {serial['output_tok_per_s']:7.1f} output tok/s  ({serial['wall_s']:.1f} s)",
-          flush=True)
+    print(
+        f"HF one at a time ({k} requests): {serial['output_tok_per_s']:7.1f} output tok/s  ({serial['wall_s']:.1f} s)",
+        flush=True,
+    )
     del hf
     for _ in range(schedule[2]):
         kvpilot_run(llm)
     del llm
-    kv = {**sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2],
-          "runs_wall_s": [r["wall_s"] for r in runs]}
-    print(f"kvpilot median of {len(runs)} runs: {kv['output_tok_per_s']:7.1f} output tok/s  ({kv['wall_s']:.1f} s)")
+    kv = {
+        **sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2],
+        "runs_wall_s": [r["wall_s"] for r in runs],
+    }
+    print(
+        f"kvpilot median of {len(runs)} runs: {kv['output_tok_per_s']:7.1f} output tok/s  ({kv['wall_s']:.1f} s)"
+    )
 
     pref = prefix_ttft(1024, 32, args.seed + 2)
-    ratios = {"vs_hf_one_at_a_time": kv["output_tok_per_s"] / serial["output_tok_per_s"],
-              "vs_hf_padded_batch": kv["output_tok_per_s"] / batch["output_tok_per_s"],
-              "prefix_hit_ttft_speedup": pref["speedup"]}
-    print(f"prefix caching, 1024-token shared prefix + 32: TTFT miss {pref['ttft_miss_s'] * 1000:.0f} ms, "
-          f"hit {pref['ttft_hit_s'] * 1000:.0f} ms ({pref['hit_cached_tokens']} tokens from cache)")
-    print(f"ratios: kvpilot / HF one-at-a-time = {ratios['vs_hf_one_at_a_time']:.1f}x (target >= 10x); "
-          f"kvpilot / HF padded batch = {ratios['vs_hf_padded_batch']:.2f}x (target >= 1.2x); "
-          f"prefix hit TTFT speedup = {ratios['prefix_hit_ttft_speedup']:.1f}x (target >= 5x)")
+    ratios = {
+        "vs_hf_one_at_a_time": kv["output_tok_per_s"] / serial["output_tok_per_s"],
+        "vs_hf_padded_batch": kv["output_tok_per_s"] / batch["output_tok_per_s"],
+        "prefix_hit_ttft_speedup": pref["speedup"],
+    }
+    print(
+        f"prefix caching, 1024-token shared prefix + 32: TTFT miss {pref['ttft_miss_s'] * 1000:.0f} ms, "
+        f"hit {pref['ttft_hit_s'] * 1000:.0f} ms ({pref['hit_cached_tokens']} tokens from cache)"
+    )
+    print(
+        f"ratios: kvpilot / HF one-at-a-time = {ratios['vs_hf_one_at_a_time']:.1f}x (target >= 10x); "
+        f"kvpilot / HF padded batch = {ratios['vs_hf_padded_batch']:.2f}x (target >= 1.2x); "
+        f"prefix hit TTFT speedup = {ratios['prefix_hit_ttft_speedup']:.1f}x (target >= 5x)"
+    )
     args.output_json.parent.mkdir(parents=True, exist_ok=True)
-    args.output_json.write_text(json.dumps({"kvpilot": kv, "hf_padded_batch": batch, "hf_one_at_a_time": serial,
-                                            "prefix_caching": pref, "ratios": ratios,
-                                            "prompt_len": list(args.prompt_len),
-                                            "output_len": list(args.output_len),
-                                            "threads": args.threads, "num_requests": args.num_requests},
-                                           indent=2))
+    args.output_json.write_text(
+        json.dumps(
+            {
+                "kvpilot": kv,
+                "hf_padded_batch": batch,
+                "hf_one_at_a_time": serial,
+                "prefix_caching": pref,
+                "ratios": ratios,
+                "prompt_len": list(args.prompt_len),
+                "output_len": list(args.output_len),
+                "threads": args.threads,
+                "num_requests": args.num_requests,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

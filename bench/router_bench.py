@@ -89,8 +89,9 @@ def parse_cpus(text: str) -> set[int] | None:
         raise argparse.ArgumentTypeError(f"expected a CPU list such as 0, 0,2 or 0-3, got {text!r}") from None
     available = os.sched_getaffinity(0)
     if not cpus or not cpus <= available:
-        raise argparse.ArgumentTypeError(f"CPU list {text!r} is not within this process's CPUs "
-                                         f"{sorted(available)}")
+        raise argparse.ArgumentTypeError(
+            f"CPU list {text!r} is not within this process's CPUs {sorted(available)}"
+        )
     return cpus
 
 
@@ -116,7 +117,9 @@ def placement(nice: int, cpus: set[int] | None, idle: bool = False, realtime: bo
 
 
 def policy_name(pid: int) -> str:
-    return {os.SCHED_OTHER: "other", os.SCHED_IDLE: "idle", os.SCHED_RR: "rr"}.get(os.sched_getscheduler(pid), "?")
+    return {os.SCHED_OTHER: "other", os.SCHED_IDLE: "idle", os.SCHED_RR: "rr"}.get(
+        os.sched_getscheduler(pid), "?"
+    )
 
 
 class Processes:
@@ -126,12 +129,24 @@ class Processes:
         self.log_dir = log_dir
         self.running: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None, nice: int = 0,
-              cpus: set[int] | None = None, idle: bool = False, realtime: bool = False) -> subprocess.Popen:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        nice: int = 0,
+        cpus: set[int] | None = None,
+        idle: bool = False,
+        realtime: bool = False,
+    ) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
-        process = subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})},
-                                   preexec_fn=placement(nice, cpus, idle, realtime))
+        process = subprocess.Popen(
+            argv,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            preexec_fn=placement(nice, cpus, idle, realtime),
+        )
         self.running.append((process, log))
         return process
 
@@ -140,8 +155,10 @@ class Processes:
         while http_get(url)[0] != 200:
             for process, log in self.running:
                 if process.poll() is not None:
-                    raise SystemExit(f"{process.args[:3]} exited ({process.returncode}); log {log}:\n"
-                                     + log.read_text()[-2000:])
+                    raise SystemExit(
+                        f"{process.args[:3]} exited ({process.returncode}); log {log}:\n"
+                        + log.read_text()[-2000:]
+                    )
             if time.monotonic() > deadline:
                 raise SystemExit(f"{url} not ready after {timeout_s:.0f}s")
             time.sleep(0.2)
@@ -163,20 +180,60 @@ def engine_argv(args: argparse.Namespace, port: int) -> list[str]:
         return [sys.executable, __file__, "--null-engine", str(port), "--model", args.model]
     serve_help = subprocess.run([KVPILOT, "serve", "--help"], capture_output=True, text=True).stdout
     host = ["--host", "127.0.0.1"] if "--host" in serve_help else []
-    return [KVPILOT, "serve", "--model", args.model, *host, "--port", str(port), *shlex.split(args.engine_args)]
+    return [
+        KVPILOT,
+        "serve",
+        "--model",
+        args.model,
+        *host,
+        "--port",
+        str(port),
+        *shlex.split(args.engine_args),
+    ]
 
 
 def bench_serve(args: argparse.Namespace, base_url: str, output: Path, warmup: bool = False) -> dict:
     """The measured load, or (``warmup``) ``--warmup-requests`` requests one at a time, of another seed's
     tenants: they warm the processes (the router's word cache, the engines' kernels), not the measured
     tenants' prefixes."""
-    load = (["--max-concurrency", "1", "--num-requests", str(args.warmup_requests), "--seed", str(args.seed + 1)]
-            if warmup else ["--request-rate", args.request_rate, "--num-requests", str(args.num_requests),
-                            "--seed", str(args.seed)])
-    argv = [KVPILOT, "bench", "serve", "--base-url", base_url, "--api", "chat", "--workload", "shared-prefix",
-            "--num-tenants", str(args.num_tenants), "--system-prompt-len", str(args.system_prompt_len),
-            "--input-len", args.input_len, "--output-len", args.output_len, *load, "--warmup-requests", "0",
-            "--ignore-eos", "--output-json", str(output), "--no-progress"]
+    load = (
+        ["--max-concurrency", "1", "--num-requests", str(args.warmup_requests), "--seed", str(args.seed + 1)]
+        if warmup
+        else [
+            "--request-rate",
+            args.request_rate,
+            "--num-requests",
+            str(args.num_requests),
+            "--seed",
+            str(args.seed),
+        ]
+    )
+    argv = [
+        KVPILOT,
+        "bench",
+        "serve",
+        "--base-url",
+        base_url,
+        "--api",
+        "chat",
+        "--workload",
+        "shared-prefix",
+        "--num-tenants",
+        str(args.num_tenants),
+        "--system-prompt-len",
+        str(args.system_prompt_len),
+        "--input-len",
+        args.input_len,
+        "--output-len",
+        args.output_len,
+        *load,
+        "--warmup-requests",
+        "0",
+        "--ignore-eos",
+        "--output-json",
+        str(output),
+        "--no-progress",
+    ]
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, preexec_fn=placement(0, args.engine_cpus))
     return json.loads(output.read_text())["points"][0]["summary"]
 
@@ -197,8 +254,11 @@ def histogram_quantile(metrics: str, name: str, q: float) -> float | None:
 def metrics_delta(before: str, after: str) -> str:
     """``after`` with each sample less its value in ``before`` (counters and histograms over the requests in
     between; comments and samples only ``after`` has are kept as they are)."""
-    earlier = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-               for line in before.splitlines() if line and not line.startswith("#")}
+    earlier = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in before.splitlines()
+        if line and not line.startswith("#")
+    }
     lines = []
     for line in after.splitlines():
         if line and not line.startswith("#"):
@@ -225,27 +285,51 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
     try:
         ports = [free_port() for _ in range(args.replicas if policy else 1)]
         for i, port in enumerate(ports):
-            processes.start(f"{tag}-engine{i}", engine_argv(args, port),
-                            env={"OMP_NUM_THREADS": str(args.engine_threads)}, nice=args.engine_nice,
-                            cpus=args.engine_cpus, idle=args.engine_sched == "idle")
+            processes.start(
+                f"{tag}-engine{i}",
+                engine_argv(args, port),
+                env={"OMP_NUM_THREADS": str(args.engine_threads)},
+                nice=args.engine_nice,
+                cpus=args.engine_cpus,
+                idle=args.engine_sched == "idle",
+            )
         for port in ports:
             processes.wait_ready(f"http://127.0.0.1:{port}/ready", args.ready_timeout)
         base_url, metrics, warm, router, cpu = f"http://127.0.0.1:{ports[0]}", "", "", None, None
         if policy:
             router_port = free_port()
-            router = processes.start(f"{tag}-router", [
-                KVPILOT, "router", "--host", "127.0.0.1", "--port", str(router_port), "--policy", policy,
-                "--model", args.model, "--replicas", ",".join(f"http://127.0.0.1:{p}" for p in ports),
-                *(["--weights", args.weights] if args.weights else [])], cpus=args.router_cpus,
-                realtime=args.router_sched == "rr")
+            router = processes.start(
+                f"{tag}-router",
+                [
+                    KVPILOT,
+                    "router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(router_port),
+                    "--policy",
+                    policy,
+                    "--model",
+                    args.model,
+                    "--replicas",
+                    ",".join(f"http://127.0.0.1:{p}" for p in ports),
+                    *(["--weights", args.weights] if args.weights else []),
+                ],
+                cpus=args.router_cpus,
+                realtime=args.router_sched == "rr",
+            )
             if args.router_sched == "rr" and policy_name(router.pid) != "rr":
-                print("  (no permission for SCHED_RR: the router runs under the normal policy)", file=sys.stderr)
+                print(
+                    "  (no permission for SCHED_RR: the router runs under the normal policy)", file=sys.stderr
+                )
             base_url = f"http://127.0.0.1:{router_port}"
             processes.wait_ready(base_url + "/ready", 60)
         if args.warmup_requests:
             bench_serve(args, base_url, out / f"{tag}-warmup.json", warmup=True)
         warm = http_get(base_url + "/metrics")[1] if router else ""
-        cpu_before = cpu_seconds(router.pid) if router else 0.0  # after that scrape: its CPU is not per request
+        cpu_before = (
+            cpu_seconds(router.pid) if router else 0.0
+        )  # after that scrape: its CPU is not per request
         summary = bench_serve(args, base_url, out / f"{tag}.json")
         if router:
             cpu = (cpu_seconds(router.pid) - cpu_before) / args.num_requests
@@ -255,43 +339,63 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
             metrics = metrics_delta(warm, cumulative)  # the measured requests only
     finally:
         processes.stop_all()
-    decisions = {reason: sample_value(metrics, f'kvpilot_router_decisions_total{{policy="{policy}",reason="{reason}"}}')
-                 for reason in ("affinity", "load", "cold", "fallback")}
+    decisions = {
+        reason: sample_value(
+            metrics, f'kvpilot_router_decisions_total{{policy="{policy}",reason="{reason}"}}'
+        )
+        for reason in ("affinity", "load", "cold", "fallback")
+    }
     prompt = sample_value(metrics, "kvpilot_router_prompt_tokens_total")
-    return {"policy": tag, "ttft_p50": summary["ttft_s"]["p50"], "ttft_p99": summary["ttft_s"]["p99"],
-            "rps": summary["request_throughput_rps"], "out_tps": summary["output_token_throughput_tps"],
-            "overhead_p50": histogram_quantile(metrics, OVERHEAD, 0.5),
-            "overhead_p99": histogram_quantile(metrics, OVERHEAD, 0.99), "cpu_per_request": cpu,
-            "overhead_max": histogram_quantile(metrics, OVERHEAD, 1.0),
-            "overhead_max_warmup": histogram_quantile(warm, OVERHEAD, 1.0),
-            "cached": sample_value(metrics, "kvpilot_router_cached_prompt_tokens_total") / prompt if prompt else None,
-            "decisions": {k: int(v) for k, v in decisions.items() if v}}
+    return {
+        "policy": tag,
+        "ttft_p50": summary["ttft_s"]["p50"],
+        "ttft_p99": summary["ttft_s"]["p99"],
+        "rps": summary["request_throughput_rps"],
+        "out_tps": summary["output_token_throughput_tps"],
+        "overhead_p50": histogram_quantile(metrics, OVERHEAD, 0.5),
+        "overhead_p99": histogram_quantile(metrics, OVERHEAD, 0.99),
+        "cpu_per_request": cpu,
+        "overhead_max": histogram_quantile(metrics, OVERHEAD, 1.0),
+        "overhead_max_warmup": histogram_quantile(warm, OVERHEAD, 1.0),
+        "cached": sample_value(metrics, "kvpilot_router_cached_prompt_tokens_total") / prompt
+        if prompt
+        else None,
+        "decisions": {k: int(v) for k, v in decisions.items() if v},
+    }
 
 
 def report(rows: list[dict]) -> None:
     def ms(value: float | None, bound: bool = False) -> str:
         return "-" if value is None else ("≤" if bound else "") + f"{value * 1000:.2f}"
 
-    print(f"{'policy':<13}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'req/s':>8}{'out tok/s':>10}"
-          f"{'ovh p50 ms':>11}{'ovh p99 ms':>11}{'CPU ms/req':>11}{'cached':>8}  decisions")
+    print(
+        f"{'policy':<13}{'TTFT p50 ms':>12}{'TTFT p99 ms':>12}{'req/s':>8}{'out tok/s':>10}"
+        f"{'ovh p50 ms':>11}{'ovh p99 ms':>11}{'CPU ms/req':>11}{'cached':>8}  decisions"
+    )
     for r in rows:
         cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
-        print(f"{r['policy']:<13}{ms(r['ttft_p50']):>12}{ms(r['ttft_p99']):>12}{r['rps']:>8.2f}{r['out_tps']:>10.1f}"
-              f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}{ms(r['cpu_per_request']):>11}"
-              f"{cached:>8}  {r['decisions']}")
+        print(
+            f"{r['policy']:<13}{ms(r['ttft_p50']):>12}{ms(r['ttft_p99']):>12}{r['rps']:>8.2f}{r['out_tps']:>10.1f}"
+            f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}{ms(r['cpu_per_request']):>11}"
+            f"{cached:>8}  {r['decisions']}"
+        )
     by_policy = {r["policy"]: r for r in rows}
     baseline = by_policy.get("round_robin")
     if baseline:
         print("\nratios to round_robin (TTFT p50: lower is better; throughput: higher is better)")
         for r in rows:
             if r["policy"] != "round_robin":
-                print(f"  {r['policy']:<13} TTFT p50 x{r['ttft_p50'] / baseline['ttft_p50']:.3f}   "
-                      f"throughput x{r['rps'] / baseline['rps']:.3f}")
+                print(
+                    f"  {r['policy']:<13} TTFT p50 x{r['ttft_p50'] / baseline['ttft_p50']:.3f}   "
+                    f"throughput x{r['rps'] / baseline['rps']:.3f}"
+                )
     if "direct" in by_policy:
         for r in rows:
             if r["policy"] != "direct":
-                print(f"  {r['policy']:<13} TTFT p50 through the router / direct: "
-                      f"x{r['ttft_p50'] / by_policy['direct']['ttft_p50']:.3f}")
+                print(
+                    f"  {r['policy']:<13} TTFT p50 through the router / direct: "
+                    f"x{r['ttft_p50'] / by_policy['direct']['ttft_p50']:.3f}"
+                )
     aware = by_policy.get("cache_aware")
     if aware and baseline:
         print("\ntargets (issue 6):")
@@ -301,9 +405,15 @@ def report(rows: list[dict]) -> None:
         # a bucket's upper bound: "≤ 2 ms" says 99 % of the windows ended within 2 ms (le="0.002")
         print(f"  routing overhead p99 < 2 ms:      {aware['overhead_p99'] <= 0.002}")
         # The warm-up's windows are not part of the figures above, as for every other figure of the bench.
-        print(f"  (slowest measured window ≤{aware['overhead_max'] * 1000:.2f} ms; slowest warm-up window "
-              + ("-" if aware["overhead_max_warmup"] is None else f"≤{aware['overhead_max_warmup'] * 1000:.2f} ms")
-              + ")")
+        print(
+            f"  (slowest measured window ≤{aware['overhead_max'] * 1000:.2f} ms; slowest warm-up window "
+            + (
+                "-"
+                if aware["overhead_max_warmup"] is None
+                else f"≤{aware['overhead_max_warmup'] * 1000:.2f} ms"
+            )
+            + ")"
+        )
 
 
 def run_null_engine(port: int, model: str) -> None:
@@ -321,22 +431,46 @@ def run_null_engine(port: int, model: str) -> None:
     # The router's exact token cache and hash memo: the null engine must cost the shared host little.
     model_dir = resolve_model(model, progress=False)
     tokenizer = Tokenizer.from_dir(model_dir)
-    segments, memo, root, epoch = SegmentTokenizer(tokenizer, model_dir), HashMemo(), root_hash("null"), uuid.uuid4().hex
+    segments, memo, root, epoch = (
+        SegmentTokenizer(tokenizer, model_dir),
+        HashMemo(),
+        root_hash("null"),
+        uuid.uuid4().hex,
+    )
     cached: set[str] = set()
     events: list[dict] = []
     head = {"epoch": epoch, "root": root.hex(), "block_size": 16}
 
     async def load(request: web.Request) -> web.Response:
-        return web.json_response({
-            "model": model, "epoch": epoch, "ready": True, "phase": "ready", "waiting": 0, "running": 0,
-            "swapped": 0, "queued_prefill_tokens": 0, "running_decode_tokens": 0, "kv_blocks_total": 100000,
-            "kv_blocks_free": 100000, "kv_blocks_cached": len(cached), "kv_blocks_reserved": 0, "kv_usage": 0.0,
-            "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
-            "prefill_tokens_per_second": 0.0, "decode_step_seconds": 0.0})
+        return web.json_response(
+            {
+                "model": model,
+                "epoch": epoch,
+                "ready": True,
+                "phase": "ready",
+                "waiting": 0,
+                "running": 0,
+                "swapped": 0,
+                "queued_prefill_tokens": 0,
+                "running_decode_tokens": 0,
+                "kv_blocks_total": 100000,
+                "kv_blocks_free": 100000,
+                "kv_blocks_cached": len(cached),
+                "kv_blocks_reserved": 0,
+                "kv_usage": 0.0,
+                "block_size": 16,
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": 8192,
+                "prefill_tokens_per_second": 0.0,
+                "decode_step_seconds": 0.0,
+            }
+        )
 
     async def kv_events(request: web.Request) -> web.Response:
         since = int(request.query.get("since", "0"))
-        return web.json_response({**head, "seq": len(events), "gap": since > len(events), "events": events[since:]})
+        return web.json_response(
+            {**head, "seq": len(events), "gap": since > len(events), "events": events[since:]}
+        )
 
     async def kv_snapshot(request: web.Request) -> web.Response:
         return web.json_response({**head, "seq": len(events), "block_hashes": sorted(cached)})
@@ -344,8 +478,11 @@ def run_null_engine(port: int, model: str) -> None:
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         chat = "messages" in body
-        ids = (segments.encode_rendered(tokenizer.apply_chat_template(body["messages"])) if chat
-               else completion_prompt_ids(tokenizer, body["prompt"]))
+        ids = (
+            segments.encode_rendered(tokenizer.apply_chat_template(body["messages"]))
+            if chat
+            else completion_prompt_ids(tokenizer, body["prompt"])
+        )
         salt = encode_extra_keys(cache_salt=tenant_from_headers(request.headers))
         new = [h.hex() for h in BlockChain(ids, 16, root, salt, memo).all_hashes() if h.hex() not in cached]
         if new:
@@ -363,8 +500,14 @@ def run_null_engine(port: int, model: str) -> None:
         return web.json_response({"object": "list", "data": [{"id": model, "object": "model"}]})
 
     app = web.Application()
-    for path, handler in (("/load", load), ("/kv/events", kv_events), ("/kv/snapshot", kv_snapshot),
-                          ("/health", ok), ("/ready", ok), ("/v1/models", models)):
+    for path, handler in (
+        ("/load", load),
+        ("/kv/events", kv_events),
+        ("/kv/snapshot", kv_snapshot),
+        ("/health", ok),
+        ("/ready", ok),
+        ("/v1/models", models),
+    ):
         app.router.add_get(path, handler)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/v1/completions", completions)
@@ -372,45 +515,82 @@ def run_null_engine(port: int, model: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--engine", choices=("serve", "null"), default="serve")
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--policies", default="round_robin,least_loaded,cache_aware")
-    parser.add_argument("--engine-args", default="--kv-cache-memory-bytes 200000000 --max-num-batched-tokens 512",
-                        help="extra kvpilot serve flags (a KV cache that holds ~5 of the 12 tenants' system "
-                             "prompts makes them compete for it; a 512-token step budget chunks their prefills)")
-    parser.add_argument("--engine-threads", type=int, default=1,
-                        help="OMP_NUM_THREADS per engine (replicas share this host's cores)")
-    parser.add_argument("--engine-sched", choices=("idle", "other"), default="idle",
-                        help="scheduling policy of the engines: idle (SCHED_IDLE) runs them only when the "
-                             "router and the load generator - which a deployment gives their own CPU - do not "
-                             "need the core; other: the normal policy at --engine-nice")
-    parser.add_argument("--engine-nice", type=int, default=10,
-                        help="niceness of the engines (what it means under --engine-sched idle: nothing)")
-    parser.add_argument("--engine-cpus", type=parse_cpus, default=None, metavar="LIST",
-                        help="pin the engines and the load generator to these CPUs (e.g. 0 or 0-2)")
-    parser.add_argument("--router-sched", choices=("rr", "other"), default="rr",
-                        help="scheduling policy of the router: rr (SCHED_RR at the lowest real-time priority, "
-                             "where permitted) keeps tasks it wakes - the engine it sends a request to, the load "
-                             "generator - from preempting it mid-send, as a router with its own CPU would not "
-                             "be; other: the normal policy")
-    parser.add_argument("--router-cpus", type=parse_cpus, default=None, metavar="LIST",
-                        help="pin the router to these CPUs: a core of its own, as its Deployment would give it")
+    parser.add_argument(
+        "--engine-args",
+        default="--kv-cache-memory-bytes 200000000 --max-num-batched-tokens 512",
+        help="extra kvpilot serve flags (a KV cache that holds ~5 of the 12 tenants' system "
+        "prompts makes them compete for it; a 512-token step budget chunks their prefills)",
+    )
+    parser.add_argument(
+        "--engine-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS per engine (replicas share this host's cores)",
+    )
+    parser.add_argument(
+        "--engine-sched",
+        choices=("idle", "other"),
+        default="idle",
+        help="scheduling policy of the engines: idle (SCHED_IDLE) runs them only when the "
+        "router and the load generator - which a deployment gives their own CPU - do not "
+        "need the core; other: the normal policy at --engine-nice",
+    )
+    parser.add_argument(
+        "--engine-nice",
+        type=int,
+        default=10,
+        help="niceness of the engines (what it means under --engine-sched idle: nothing)",
+    )
+    parser.add_argument(
+        "--engine-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="LIST",
+        help="pin the engines and the load generator to these CPUs (e.g. 0 or 0-2)",
+    )
+    parser.add_argument(
+        "--router-sched",
+        choices=("rr", "other"),
+        default="rr",
+        help="scheduling policy of the router: rr (SCHED_RR at the lowest real-time priority, "
+        "where permitted) keeps tasks it wakes - the engine it sends a request to, the load "
+        "generator - from preempting it mid-send, as a router with its own CPU would not "
+        "be; other: the normal policy",
+    )
+    parser.add_argument(
+        "--router-cpus",
+        type=parse_cpus,
+        default=None,
+        metavar="LIST",
+        help="pin the router to these CPUs: a core of its own, as its Deployment would give it",
+    )
     parser.add_argument("--weights", default="", help="router --weights for cache_aware")
     parser.add_argument("--num-tenants", type=int, default=12)
     parser.add_argument("--system-prompt-len", type=int, default=600, help="words per tenant system prompt")
     parser.add_argument("--input-len", default="32:96", help="user words MIN:MAX")
     parser.add_argument("--output-len", default="16:32", help="max_tokens MIN:MAX")
-    parser.add_argument("--request-rate", default="0.35",
-                        help="Poisson arrivals per second (3 SmolLM2 replicas on 2 cores saturate near 0.5/s "
-                             "without prefix hits; above that every policy only measures its queues)")
+    parser.add_argument(
+        "--request-rate",
+        default="0.35",
+        help="Poisson arrivals per second (3 SmolLM2 replicas on 2 cores saturate near 0.5/s "
+        "without prefix hits; above that every policy only measures its queues)",
+    )
     parser.add_argument("--num-requests", type=int, default=80)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-requests", type=int, default=2,
-                        help="requests sent one at a time through each fresh router and its engines before the "
-                             "measured load (tenants of seed + 1); excluded from every figure")
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=2,
+        help="requests sent one at a time through each fresh router and its engines before the "
+        "measured load (tenants of seed + 1); excluded from every figure",
+    )
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     parser.add_argument("--output-dir", type=Path, help="logs and bench JSON (default: a temporary folder)")
     parser.add_argument("--null-engine", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -418,15 +598,21 @@ def main() -> int:
     if args.null_engine is not None:
         run_null_engine(args.null_engine, args.model)
         return 0
-    if args.engine == "serve" and subprocess.run([KVPILOT, "serve", "--help"], capture_output=True).returncode:
+    if (
+        args.engine == "serve"
+        and subprocess.run([KVPILOT, "serve", "--help"], capture_output=True).returncode
+    ):
         print("kvpilot serve is not available yet: nothing to benchmark (try --engine null)", file=sys.stderr)
         return 2
     out = args.output_dir or Path(tempfile.mkdtemp(prefix="router-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    print(f"router bench: {args.replicas} x {args.engine} ({args.model}), {args.num_tenants} tenants x "
-          f"{args.system_prompt_len}-word system prompts, {args.num_requests} requests at {args.request_rate}/s; "
-          f"logs in {out}", flush=True)
+    print(
+        f"router bench: {args.replicas} x {args.engine} ({args.model}), {args.num_tenants} tenants x "
+        f"{args.system_prompt_len}-word system prompts, {args.num_requests} requests at {args.request_rate}/s; "
+        f"logs in {out}",
+        flush=True,
+    )
     rows = [run_policy(args, None, out)] if args.engine == "null" else []
     for policy in policies:
         rows.append(run_policy(args, policy, out))

@@ -46,18 +46,41 @@ def replicas(count: int, root: bytes) -> list[Replica]:
     made = []
     for i in range(count):
         replica = Replica(f"http://10.0.0.{i + 1}:8000")
-        replica.accept_load(EngineLoad(
-            ready=True, phase="ready", epoch="e", waiting=0, running=1, queued_prefill_tokens=0,
-            running_decode_tokens=1, kv_blocks_total=10_000, kv_blocks_free=9_000, kv_blocks_reserved=0,
-            block_size=16, max_num_seqs=64, prefill_tokens_per_second=5000.0, decode_step_seconds=0.02), 0.0)
-        replica.index.root, replica.index.block_size, replica.index.synced, replica.index.epoch = root, 16, True, "e"
+        replica.accept_load(
+            EngineLoad(
+                ready=True,
+                phase="ready",
+                epoch="e",
+                waiting=0,
+                running=1,
+                queued_prefill_tokens=0,
+                running_decode_tokens=1,
+                kv_blocks_total=10_000,
+                kv_blocks_free=9_000,
+                kv_blocks_reserved=0,
+                block_size=16,
+                max_num_seqs=64,
+                prefill_tokens_per_second=5000.0,
+                decode_step_seconds=0.02,
+            ),
+            0.0,
+        )
+        replica.index.root, replica.index.block_size, replica.index.synced, replica.index.epoch = (
+            root,
+            16,
+            True,
+            "e",
+        )
         made.append(replica)
     return made
 
 
 def start_hog(cpu: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", HOG], preexec_fn=placement(0, {cpu}, idle=True),
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, "-c", HOG],
+        preexec_fn=placement(0, {cpu}, idle=True),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def measure(model: str, requests: int, gap_s: float, seed: int) -> dict[str, dict[str, list[float]]]:
@@ -66,14 +89,28 @@ def measure(model: str, requests: int, gap_s: float, seed: int) -> dict[str, dic
     root = root_hash(model)
     fleet = replicas(3, root)
     picker = ReplicaPicker("cache_aware", ScoringWeights(), prefill_rate_prior=4000.0)
-    workload = WorkloadConfig(kind="shared-prefix", input_len_range=(32, 96), output_len_range=(16, 32),
-                              num_tenants=12, system_prompt_len=600)
+    workload = WorkloadConfig(
+        kind="shared-prefix",
+        input_len_range=(32, 96),
+        output_len_range=(16, 32),
+        num_tenants=12,
+        system_prompt_len=600,
+    )
     stream = Workload(workload, seed).stream(np.random.default_rng(seed))
     times: dict[str, dict[str, list[float]]] = {}
     for _ in range(requests):
         sample = next(stream)
-        raw = json.dumps({"model": model, "max_tokens": sample.max_tokens, "stream": True, "messages": [
-            {"role": "system", "content": sample.system_prompt}, {"role": "user", "content": sample.prompt}]}).encode()
+        raw = json.dumps(
+            {
+                "model": model,
+                "max_tokens": sample.max_tokens,
+                "stream": True,
+                "messages": [
+                    {"role": "system", "content": sample.system_prompt},
+                    {"role": "user", "content": sample.prompt},
+                ],
+            }
+        ).encode()
         time.sleep(gap_s)
         start = time.perf_counter()
         body = parse_json(raw)
@@ -84,8 +121,9 @@ def measure(model: str, requests: int, gap_s: float, seed: int) -> dict[str, dic
         picked = time.perf_counter()
         replica.index.hashes.update(replica.chains(profile)[0].all_hashes())  # the engine caches the prompt
         by_stage = times.setdefault(decision.reason, {stage: [] for stage in STAGES})
-        for stage, seconds in zip(STAGES, (parsed - start, profiled - parsed, picked - profiled, picked - start),
-                                  strict=True):
+        for stage, seconds in zip(
+            STAGES, (parsed - start, profiled - parsed, picked - profiled, picked - start), strict=True
+        ):
             by_stage[stage].append(seconds * 1000)
     return times
 
@@ -93,14 +131,17 @@ def measure(model: str, requests: int, gap_s: float, seed: int) -> dict[str, dic
 def report(times: dict[str, dict[str, list[float]]]) -> list[str]:
     lines = []
     for reason in sorted(times):
-        cells = [f"{stage} p50 {statistics.median(v):.3f} max {max(v):.3f}" for stage, v in times[reason].items()]
+        cells = [
+            f"{stage} p50 {statistics.median(v):.3f} max {max(v):.3f}" for stage, v in times[reason].items()
+        ]
         lines.append(f"{reason} ({len(times[reason]['total'])}): " + ", ".join(cells))
     return lines
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--gap-ms", type=float, default=20.0, help="sleep before each request")

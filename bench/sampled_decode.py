@@ -19,8 +19,9 @@ from kvpilot.engine import LLM, SamplingParams
 
 CASES = {
     "temperature=1.0": SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True),
-    "T=0.8 top_p=0.95 top_k=50": SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=64,
-                                                ignore_eos=True),
+    "T=0.8 top_p=0.95 top_k=50": SamplingParams(
+        temperature=0.8, top_p=0.95, top_k=50, max_tokens=64, ignore_eos=True
+    ),
     "greedy": SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True),
 }
 
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         outs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        print(f"{args.label:5s} {name:28s} {tokens / seconds:7.1f} output tok/s ({seconds:.2f} s)", flush=True)
+        print(
+            f"{args.label:5s} {name:28s} {tokens / seconds:7.1f} output tok/s ({seconds:.2f} s)", flush=True
+        )
     return 0
 
 

@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         z = torch.randn(args.rows, vocab, generator=gen) * 2
         z[:, :8] += 8
         full = torch.full((args.rows,), 1)
-        cases = {"T=0.8": (None, None), "T=0.8 top_k=50 top_p=0.95": (full * 50, full * 0.95),
-                 "T=0.8 top_p=0.9": (None, full * 0.9)}
+        cases = {
+            "T=0.8": (None, None),
+            "T=0.8 top_k=50 top_p=0.95": (full * 50, full * 0.95),
+            "T=0.8 top_p=0.9": (None, full * 0.9),
+        }
         for name, (k, p) in cases.items():
             repeat = 10 if vocab <= 4096 else 2
             best = {"baseline": float("inf"), "current": float("inf")}
@@ -62,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(repeat):
                         fn(z, k, p, gen)
                     best[label] = min(best[label], (time.perf_counter() - start) / repeat * 1e3)
-            print(f"{args.rows}x{vocab:<6d} {name:<26s} baseline {best['baseline']:8.2f} ms  current "
-                  f"{best['current']:8.2f} ms  ratio {best['baseline'] / best['current']:5.1f}")
+            print(
+                f"{args.rows}x{vocab:<6d} {name:<26s} baseline {best['baseline']:8.2f} ms  current "
+                f"{best['current']:8.2f} ms  ratio {best['baseline'] / best['current']:5.1f}"
+            )
     return 0
 
 

@@ -69,14 +69,22 @@ class StageTimer:
 def sampling_params(sampling: bool, max_tokens: int) -> SamplingParams:
     if not sampling:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_tokens=max_tokens, ignore_eos=True, seed=None)
+    return SamplingParams(
+        temperature=0.8, top_p=0.95, top_k=50, max_tokens=max_tokens, ignore_eos=True, seed=None
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.batch,
-              max_num_batched_tokens=max(args.batch, 2048), block_size=16,
-              num_kv_blocks=args.batch * (-(-(args.prompt_len + args.warmup + args.steps + 2) // 16)) + 8,
-              enable_prefix_caching=False)
+    llm = LLM(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=max(args.batch, 2048),
+        block_size=16,
+        num_kv_blocks=args.batch * (-(-(args.prompt_len + args.warmup + args.steps + 2) // 16)) + 8,
+        enable_prefix_caching=False,
+    )
     engine = llm.engine
     cuda = engine.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
@@ -112,10 +120,19 @@ def run(args: argparse.Namespace) -> dict:
     step_ms = statistics.median(walls) * 1e3
     stage_ms = {s: statistics.median(st[s] for st in stages) * 1e3 for s in STAGES}
     stage_ms["other"] = max(0.0, step_ms - sum(stage_ms.values()))
-    result = {"model": args.model, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-              "batch": args.batch, "prompt_len": args.prompt_len, "sampling": args.sampling, "steps": args.steps,
-              "step_ms_p50": step_ms, "step_ms_p90": sorted(walls)[int(0.9 * (len(walls) - 1))] * 1e3,
-              "stage_ms_p50": stage_ms, "output_tokens_per_second": args.batch / statistics.median(walls)}
+    result = {
+        "model": args.model,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "sampling": args.sampling,
+        "steps": args.steps,
+        "step_ms_p50": step_ms,
+        "step_ms_p90": sorted(walls)[int(0.9 * (len(walls) - 1))] * 1e3,
+        "stage_ms_p50": stage_ms,
+        "output_tokens_per_second": args.batch / statistics.median(walls),
+    }
     if args.gpu_busy and cuda:
         result["gpu_busy_fraction"] = profile_gpu_busy(engine, sync, args.steps)
     return result
@@ -133,8 +150,11 @@ def profile_gpu_busy(engine, sync: Callable[[], None], steps: int) -> float:
             engine.step()
         sync()
         wall_us = (time.perf_counter() - start) * 1e6
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
     return busy_fraction(kernels, wall_us)
 
 
@@ -148,17 +168,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--sampling", action=argparse.BooleanOptionalAction, default=True,
-                        help="temperature 0.8, top-p 0.95, top-k 50 (default); --no-sampling: greedy")
-    parser.add_argument("--gpu-busy", action="store_true", help="on CUDA: GPU-busy fraction from torch.profiler")
+    parser.add_argument(
+        "--sampling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="temperature 0.8, top-p 0.95, top-k 50 (default); --no-sampling: greedy",
+    )
+    parser.add_argument(
+        "--gpu-busy", action="store_true", help="on CUDA: GPU-busy fraction from torch.profiler"
+    )
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     if min(args.batch, args.prompt_len, args.steps) < 1 or args.warmup < 0:
         parser.error("--batch, --prompt-len and --steps must be >= 1, --warmup >= 0")
     result = run(args)
-    print(f"{result['model']} on {result['device']} ({result['dtype']}), {result['batch']} decodes, "
-          f"sampling {'on' if result['sampling'] else 'off'}: step p50 {result['step_ms_p50']:.2f} ms, "
-          f"p90 {result['step_ms_p90']:.2f} ms, {result['output_tokens_per_second']:.0f} output tok/s")
+    print(
+        f"{result['model']} on {result['device']} ({result['dtype']}), {result['batch']} decodes, "
+        f"sampling {'on' if result['sampling'] else 'off'}: step p50 {result['step_ms_p50']:.2f} ms, "
+        f"p90 {result['step_ms_p90']:.2f} ms, {result['output_tokens_per_second']:.0f} output tok/s"
+    )
     for stage, ms in result["stage_ms_p50"].items():
         print(f"  {stage:<12} {ms:8.3f} ms  {ms / result['step_ms_p50']:6.1%}")
     if "gpu_busy_fraction" in result:

@@ -41,9 +41,17 @@ class Kubectl:
         self.binary = binary
         self.env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
 
-    def __call__(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([self.binary, "--cache-dir", str(Path(self.env["KUBECONFIG"]).parent / "cache"),
-                                 *args], input=stdin, capture_output=True, text=True, env=self.env, timeout=60)
+    def __call__(
+        self, *args: str, stdin: str | None = None, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.binary, "--cache-dir", str(Path(self.env["KUBECONFIG"]).parent / "cache"), *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=60,
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
         return result
@@ -70,9 +78,24 @@ def operator(cluster: HarnessCluster, kubectl: Kubectl) -> Iterator[subprocess.P
     log_path = cluster.workdir / "operator.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
-            [_tool("kvpilot", "install the project (pip install -e .)"), "operator", "run", "--all-namespaces",
-             "--standalone", "--status-interval", "0.3", "--engine-probe-timeout", "0.3", "--log-format", "plain"],
-            stdout=log, stderr=subprocess.STDOUT, text=True, env=kubectl.env)
+            [
+                _tool("kvpilot", "install the project (pip install -e .)"),
+                "operator",
+                "run",
+                "--all-namespaces",
+                "--standalone",
+                "--status-interval",
+                "0.3",
+                "--engine-probe-timeout",
+                "0.3",
+                "--log-format",
+                "plain",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=kubectl.env,
+        )
     yield process
     process.terminate()
     try:

@@ -17,9 +17,11 @@ DEPLOYMENTS = "apps/v1/deployments"
 
 
 def manifest(namespace: str, name: str, scaling: str, extra: str = "") -> str:
-    return (f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\n"
-            f"metadata: {{name: {name}, namespace: {namespace}}}\n"
-            f"spec:\n  model: {{source: smollm2-135m, servedName: smol}}\n  scaling: {scaling}\n{extra}")
+    return (
+        f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\n"
+        f"metadata: {{name: {name}, namespace: {namespace}}}\n"
+        f"spec:\n  model: {{source: smollm2-135m, servedName: smol}}\n  scaling: {scaling}\n{extra}"
+    )
 
 
 def status_of(cluster: HarnessCluster, namespace: str, name: str) -> dict:
@@ -27,9 +29,11 @@ def status_of(cluster: HarnessCluster, namespace: str, name: str) -> dict:
 
 
 def wait_phase(cluster: HarnessCluster, namespace: str, name: str, phase: str, timeout: float = 60) -> dict:
-    return cluster.wait_for(f"phase {phase}",
-                            lambda: (s := status_of(cluster, namespace, name)).get("phase") == phase and s,
-                            timeout=timeout)
+    return cluster.wait_for(
+        f"phase {phase}",
+        lambda: (s := status_of(cluster, namespace, name)).get("phase") == phase and s,
+        timeout=timeout,
+    )
 
 
 def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namespace):
@@ -43,21 +47,39 @@ def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namesp
     assert status["coldStart"]["samples"] == 3
 
     isvc_uid = cluster.get(ISVC, namespace, "smol")["metadata"]["uid"]
-    children = {("apps/v1/deployments", "smol"), ("v1/services", "smol"), ("v1/services", "smol-engines"),
-                ("policy/v1/poddisruptionbudgets", "smol"), ("v1/serviceaccounts", "smol-router"),
-                ("rbac.authorization.k8s.io/v1/roles", "smol-router"),
-                ("rbac.authorization.k8s.io/v1/rolebindings", "smol-router"), ("v1/secrets", "smol-router-token")}
+    children = {
+        ("apps/v1/deployments", "smol"),
+        ("v1/services", "smol"),
+        ("v1/services", "smol-engines"),
+        ("policy/v1/poddisruptionbudgets", "smol"),
+        ("v1/serviceaccounts", "smol-router"),
+        ("rbac.authorization.k8s.io/v1/roles", "smol-router"),
+        ("rbac.authorization.k8s.io/v1/rolebindings", "smol-router"),
+        ("v1/secrets", "smol-router-token"),
+    }
     for resource, name in children:
         owners = cluster.get(resource, namespace, name)["metadata"]["ownerReferences"]
-        assert [(o["kind"], o["uid"], o["controller"]) for o in owners] == [("InferenceService", isvc_uid, True)]
+        assert [(o["kind"], o["uid"], o["controller"]) for o in owners] == [
+            ("InferenceService", isvc_uid, True)
+        ]
 
     deployment = json.loads(kubectl("get", "deployment", "smol", "-n", namespace, "-o", "json").stdout)
     engine, router = deployment["spec"]["template"]["spec"]["containers"]
     assert deployment["spec"]["replicas"] == 3
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxUnavailable": 1, "maxSurge": 0}
     assert engine["args"][:6] == ["--model", "smollm2-135m", "--port", "8000", "--served-model-name", "smol"]
-    assert router["args"] == ["--model", "smollm2-135m", "--port", "8080", "--endpointslices", "smol-engines",
-                              "--namespace", namespace, "--policy", "cache_aware"]
+    assert router["args"] == [
+        "--model",
+        "smollm2-135m",
+        "--port",
+        "8080",
+        "--endpointslices",
+        "smol-engines",
+        "--namespace",
+        namespace,
+        "--policy",
+        "cache_aware",
+    ]
     assert cluster.get("policy/v1/poddisruptionbudgets", namespace, "smol")["spec"]["maxUnavailable"] == 1
 
     table = kubectl("get", "kvis", "-n", namespace).stdout.splitlines()
@@ -72,21 +94,36 @@ def test_a_router_token_secret_is_created_once_and_referenced_by_both_containers
     secret = json.loads(kubectl("get", "secret", "smol-router-token", "-n", namespace, "-o", "json").stdout)
     isvc_uid = cluster.get(ISVC, namespace, "smol")["metadata"]["uid"]
     assert [(o["kind"], o["uid"], o["controller"]) for o in secret["metadata"]["ownerReferences"]] == [
-        ("InferenceService", isvc_uid, True)]
+        ("InferenceService", isvc_uid, True)
+    ]
     assert secret["metadata"]["labels"]["kvpilot.dev/inferenceservice"] == "smol"
     assert secret["type"] == "Opaque" and list(secret["data"]) == ["token"]
     token = base64.b64decode(secret["data"]["token"]).decode()
     assert re.fullmatch(r"[0-9a-f]{64}", token)
 
     template = cluster.get(DEPLOYMENTS, namespace, "smol")["spec"]["template"]["spec"]
-    reference = {"name": "KVPILOT_ROUTER_TOKEN",
-                 "valueFrom": {"secretKeyRef": {"name": "smol-router-token", "key": "token"}}}
+    reference = {
+        "name": "KVPILOT_ROUTER_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "smol-router-token", "key": "token"}},
+    }
     for container in template["containers"]:
         assert reference in container["env"], container["name"]
 
     # Refreshes (every 0.3 s here) never rewrite it: one stored version, the same token.
-    cluster.wait_for("a few status refreshes", lambda: len([r for r in cluster.api if r.method.value == "GET"
-                     and r.url.path.endswith(f"/namespaces/{namespace}/secrets/smol-router-token")]) > 5)
+    cluster.wait_for(
+        "a few status refreshes",
+        lambda: (
+            len(
+                [
+                    r
+                    for r in cluster.api
+                    if r.method.value == "GET"
+                    and r.url.path.endswith(f"/namespaces/{namespace}/secrets/smol-router-token")
+                ]
+            )
+            > 5
+        ),
+    )
     assert len(cluster.history("v1/secrets", namespace, "smol-router-token")) == 1
     assert cluster.get("v1/secrets", namespace, "smol-router-token")["data"] == secret["data"]
 
@@ -97,10 +134,19 @@ def test_scaling_change_resizes_by_the_n_plus_one_rule(cluster, kubectl, namespa
     status = wait_phase(cluster, namespace, "smol", "Ready")
     assert status["sizing"]["desiredReplicas"] == 4  # ceil(10 × 1.2 / 4) = 3, + 1 spare
     kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", rate.format(20)))
-    cluster.wait_for("7 replicas", lambda: cluster.get(DEPLOYMENTS, namespace, "smol")["spec"]["replicas"] == 7)
+    cluster.wait_for(
+        "7 replicas", lambda: cluster.get(DEPLOYMENTS, namespace, "smol")["spec"]["replicas"] == 7
+    )
     # the status of generation 1 still says Ready until the operator has seen the change
-    status = cluster.wait_for("generation 2 Ready", lambda: (s := status_of(cluster, namespace, "smol")).get(
-        "observedGeneration") == 2 and s["phase"] == "Ready" and s, timeout=60)
+    status = cluster.wait_for(
+        "generation 2 Ready",
+        lambda: (
+            (s := status_of(cluster, namespace, "smol")).get("observedGeneration") == 2
+            and s["phase"] == "Ready"
+            and s
+        ),
+        timeout=60,
+    )
     assert status["sizing"]["formula"] == "clamp(ceil(20 × (1 + 0.2) / 4) + 1, 1, 100) = 7"
     assert (status["readyReplicas"], status["observedGeneration"]) == (7, 2)
 
@@ -109,41 +155,60 @@ def test_rollout_never_drops_below_the_serving_replicas(cluster, kubectl, namesp
     kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 3}"))
     wait_phase(cluster, namespace, "smol", "Ready")
     start = len(cluster.history("v1/pods", namespace, ""))  # nothing: pods are keyed by name
-    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 3}",
-                                                  "  engine: {maxNumSeqs: 32}\n"))
+    kubectl(
+        "apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 3}", "  engine: {maxNumSeqs: 32}\n")
+    )
     lowest = 4
+
     def rolled() -> bool:
         nonlocal lowest
         pods = cluster.list("v1/pods", namespace)
-        ready = sum(any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get(
-            "conditions", [])) for p in pods)
+        ready = sum(
+            any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in p.get("status", {}).get("conditions", [])
+            )
+            for p in pods
+        )
         lowest = min(lowest, ready)
         args = [p["spec"]["containers"][0]["args"] for p in pods]
         return len(pods) == 4 and all("32" in a for a in args) and ready == 4
+
     cluster.wait_for("the new template on every pod", rolled, timeout=30, interval=0.05)
     assert start == 0 and lowest >= 3  # at most the one spare replica was ever down
 
 
 def test_invalid_specs_are_refused_or_reported(cluster, kubectl, namespace):
-    refused = kubectl("apply", "-f", "-", check=False,
-                      stdin=manifest(namespace, "bad", "{replicas: 2, spare: -1}"))
+    refused = kubectl(
+        "apply", "-f", "-", check=False, stdin=manifest(namespace, "bad", "{replicas: 2, spare: -1}")
+    )
     assert refused.returncode != 0
     assert "spec.scaling.spare" in refused.stderr
     assert cluster.get(ISVC, namespace, "bad") is None
     # One engine drives one GPU until tensor parallelism exists: the CRD's maximum refuses more.
-    refused = kubectl("apply", "-f", "-", check=False,
-                      stdin=manifest(namespace, "tp", "{replicas: 1}", "  resources: {gpus: 2}\n"))
+    refused = kubectl(
+        "apply",
+        "-f",
+        "-",
+        check=False,
+        stdin=manifest(namespace, "tp", "{replicas: 1}", "  resources: {gpus: 2}\n"),
+    )
     assert refused.returncode != 0
     assert "spec.resources.gpus" in refused.stderr
     assert cluster.get(ISVC, namespace, "tp") is None
     # Both sizing forms at once: a CEL rule on a real cluster; the harness has no CEL, so the operator reports.
-    kubectl("apply", "-f", "-", stdin=manifest(
-        namespace, "both", "{replicas: 2, targetRequestsPerSecond: 5, perReplicaGoodput: 1}"))
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        stdin=manifest(namespace, "both", "{replicas: 2, targetRequestsPerSecond: 5, perReplicaGoodput: 1}"),
+    )
     status = wait_phase(cluster, namespace, "both", "Failed")
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["reason"]) == ("False", "InvalidSpec")
-    assert ready["message"] == ("spec.scaling.replicas: set either scaling.replicas or "
-                                "scaling.targetRequestsPerSecond, not both")
+    assert ready["message"] == (
+        "spec.scaling.replicas: set either scaling.replicas or scaling.targetRequestsPerSecond, not both"
+    )
     assert cluster.get(DEPLOYMENTS, namespace, "both") is None
 
 
@@ -169,22 +234,55 @@ def test_phases_follow_warm_up_and_failures(cluster, kubectl, namespace):
 def test_reconcile_is_idempotent_and_reverts_manual_edits(cluster, kubectl, namespace):
     kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 1}"))
     wait_phase(cluster, namespace, "smol", "Ready")
+
     def operator_writes() -> int:
-        return sum(1 for r in cluster.api if r.method.value in ("POST", "PATCH", "PUT")
-                   and f"/namespaces/{namespace}/" in r.url.path and "/inferenceservices/" not in r.url.path)
+        return sum(
+            1
+            for r in cluster.api
+            if r.method.value in ("POST", "PATCH", "PUT")
+            and f"/namespaces/{namespace}/" in r.url.path
+            and "/inferenceservices/" not in r.url.path
+        )
+
     before = operator_writes()
-    cluster.wait_for("a few status refreshes", lambda: len([r for r in cluster.api if r.method.value == "GET"
-                     and r.url.path.endswith(f"/namespaces/{namespace}/deployments/smol")]) > 6)
+    cluster.wait_for(
+        "a few status refreshes",
+        lambda: (
+            len(
+                [
+                    r
+                    for r in cluster.api
+                    if r.method.value == "GET"
+                    and r.url.path.endswith(f"/namespaces/{namespace}/deployments/smol")
+                ]
+            )
+            > 6
+        ),
+    )
     assert operator_writes() == before  # reconciles without a single write to any child
 
-    kubectl("patch", "deployment", "smol", "-n", namespace, "--type=merge",
-            "-p", '{"spec": {"replicas": 5, "template": {"spec": {"terminationGracePeriodSeconds": 1}}}}')
+    kubectl(
+        "patch",
+        "deployment",
+        "smol",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec": {"replicas": 5, "template": {"spec": {"terminationGracePeriodSeconds": 1}}}}',
+    )
     kubectl("label", "service", "smol", "-n", namespace, "--overwrite", "app.kubernetes.io/instance=other")
-    cluster.wait_for("the managed fields put back", lambda: (
-        (d := cluster.get(DEPLOYMENTS, namespace, "smol"))["spec"]["replicas"] == 2
-        and d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
-        and cluster.get("v1/services", namespace, "smol")["metadata"]["labels"]["app.kubernetes.io/instance"]
-        == "smol"))
+    cluster.wait_for(
+        "the managed fields put back",
+        lambda: (
+            (d := cluster.get(DEPLOYMENTS, namespace, "smol"))["spec"]["replicas"] == 2
+            and d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 120
+            and cluster.get("v1/services", namespace, "smol")["metadata"]["labels"][
+                "app.kubernetes.io/instance"
+            ]
+            == "smol"
+        ),
+    )
 
 
 def test_delete_removes_every_child(cluster, kubectl, namespace):
@@ -195,8 +293,15 @@ def test_delete_removes_every_child(cluster, kubectl, namespace):
     # Kopf holds its finalizer until the refresh timer stops; one caught mid-reconcile used to keep it
     # for Kopf's default 60 s re-check (operator.handlers.TIMER_EXIT_POLL_SECONDS)
     assert time.monotonic() - started < 15
-    for resource in ("apps/v1/deployments", "v1/services", "v1/pods", "policy/v1/poddisruptionbudgets",
-                     "v1/serviceaccounts", "rbac.authorization.k8s.io/v1/roles", "v1/secrets"):
+    for resource in (
+        "apps/v1/deployments",
+        "v1/services",
+        "v1/pods",
+        "policy/v1/poddisruptionbudgets",
+        "v1/serviceaccounts",
+        "rbac.authorization.k8s.io/v1/roles",
+        "v1/secrets",
+    ):
         cluster.wait_for(f"no {resource}", lambda resource=resource: not cluster.list(resource, namespace))
 
 
@@ -210,9 +315,16 @@ def test_a_dependent_created_after_its_owner_is_gone_is_collected(cluster, kubec
     owner = cluster.call(cluster.api.create(configmaps, namespace, {"metadata": {"name": "owner"}}))
 
     def dependent(name: str, uid: str) -> dict:
-        return {"metadata": {"name": name, "ownerReferences": [
-            {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}]}}
+        return {
+            "metadata": {
+                "name": name,
+                "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}],
+            }
+        }
 
     cluster.call(cluster.api.create(configmaps, namespace, dependent("kept", owner["metadata"]["uid"])))
     cluster.call(cluster.api.create(configmaps, namespace, dependent("dangling", "uid-of-a-deleted-owner")))
-    assert sorted(cm["metadata"]["name"] for cm in cluster.list("v1/configmaps", namespace)) == ["kept", "owner"]
+    assert sorted(cm["metadata"]["name"] for cm in cluster.list("v1/configmaps", namespace)) == [
+        "kept",
+        "owner",
+    ]

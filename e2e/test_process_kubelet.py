@@ -22,7 +22,7 @@ from harness.process_runner import ProcessPodRunner
 pytestmark = pytest.mark.e2e
 
 # A container: an HTTP server answering /health (200) and /ready (503 until --ready-after seconds).
-CONTAINER_SCRIPT = '''
+CONTAINER_SCRIPT = """
 import argparse, http.server, os, signal, subprocess, sys, threading, time
 parser = argparse.ArgumentParser()
 for flag in ("--host", "--port", "--ready-after", "--exit-after", "--exit-code"):
@@ -45,7 +45,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *_):
         pass
 http.server.HTTPServer((args.host, int(args.port)), Handler).serve_forever()
-'''
+"""
 
 
 # ---- pure parts ---------------------------------------------------------------------------------------
@@ -68,7 +68,13 @@ def test_probe_verdicts_need_a_run_of_results_and_hold_after_a_failed_liveness_p
     readiness.follow("c1")
     assert readiness.value is False  # readiness starts failed
     assert [readiness.record(r) for r in (True, True, False, True, False, False)] == [
-        False, True, True, True, True, False]
+        False,
+        True,
+        True,
+        True,
+        True,
+        False,
+    ]
     liveness = ProbeVerdict(ProbeSpec(LIVENESS, HttpGet(8000), failure_threshold=3))
     liveness.follow("c1")
     assert [liveness.record(r) for r in (False, False, True, False, False)] == [True, True, True, True, True]
@@ -80,9 +86,12 @@ def test_probe_verdicts_need_a_run_of_results_and_hold_after_a_failed_liveness_p
 
 
 def test_probe_specs_get_the_api_defaults_and_resolve_named_ports():
-    container = {"name": "engine", "ports": [{"name": "http", "containerPort": 8000}],
-                 "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
-                 "livenessProbe": {"exec": {"command": ["true"]}}}
+    container = {
+        "name": "engine",
+        "ports": [{"name": "http", "containerPort": 8000}],
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}},
+        "livenessProbe": {"exec": {"command": ["true"]}},
+    }
     assert parse_probe(READINESS, container) == ProbeSpec(READINESS, HttpGet(8000, "/ready"))
     assert parse_probe("startup", container) is None
     with pytest.raises(UnsupportedPod, match="livenessProbe: only httpGet and tcpSocket probes are emulated"):
@@ -90,26 +99,53 @@ def test_probe_specs_get_the_api_defaults_and_resolve_named_ports():
 
 
 def test_a_container_becomes_a_command_line_on_the_pod_address(tmp_path):
-    pod = {"metadata": {"name": "p-1"}, "status": {"podIP": "127.1.2.3"},
-           "spec": {"volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "model", "persistentVolumeClaim": {}}]}}
-    container = {"name": "engine", "command": ["kvpilot", "serve"], "ports": [{"containerPort": 8000}],
-                 "args": ["--download-dir", "/tmp/models", "--seed", "$(SEED)", "--price", "$$(SEED)"],
-                 "env": [{"name": "HOME", "value": "/tmp"}, {"name": "SEED", "value": "7"}],
-                 "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}
+    pod = {
+        "metadata": {"name": "p-1"},
+        "status": {"podIP": "127.1.2.3"},
+        "spec": {
+            "volumes": [{"name": "tmp", "emptyDir": {}}, {"name": "model", "persistentVolumeClaim": {}}]
+        },
+    }
+    container = {
+        "name": "engine",
+        "command": ["kvpilot", "serve"],
+        "ports": [{"containerPort": 8000}],
+        "args": ["--download-dir", "/tmp/models", "--seed", "$(SEED)", "--price", "$$(SEED)"],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "SEED", "value": "7"}],
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
     volumes = empty_dirs(pod, tmp_path)
     launch = build_launch(pod, container, tmp_path, volumes, tmp_path / "kubeconfig")
     scratch = str(tmp_path / "volumes" / "tmp")
-    assert launch.argv == [str(Path(sys.executable).parent / "kvpilot"), "serve", "--download-dir",
-                           f"{scratch}/models", "--seed", "7", "--price", "$(SEED)", "--host", "127.1.2.3"]
-    assert (launch.env["HOME"], launch.env["KUBECONFIG"], launch.cwd) == (scratch, str(tmp_path / "kubeconfig"),
-                                                                         tmp_path)
+    assert launch.argv == [
+        str(Path(sys.executable).parent / "kvpilot"),
+        "serve",
+        "--download-dir",
+        f"{scratch}/models",
+        "--seed",
+        "7",
+        "--price",
+        "$(SEED)",
+        "--host",
+        "127.1.2.3",
+    ]
+    assert (launch.env["HOME"], launch.env["KUBECONFIG"], launch.cwd) == (
+        scratch,
+        str(tmp_path / "kubeconfig"),
+        tmp_path,
+    )
     assert launch.env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
     wildcard = build_launch(pod, {**container, "args": ["--host", "0.0.0.0"]}, tmp_path, volumes, tmp_path)
     assert wildcard.argv[2:] == ["--host", "127.1.2.3"]
     assert expand("$(A)-$(B)", {"A": "1"}) == "1-$(B)"
     with pytest.raises(UnsupportedPod, match="mounts volume 'model' \\(persistentVolumeClaim\\)"):
-        build_launch(pod, {**container, "volumeMounts": [{"name": "model", "mountPath": "/models"}]},
-                     tmp_path, volumes, tmp_path)
+        build_launch(
+            pod,
+            {**container, "volumeMounts": [{"name": "model", "mountPath": "/models"}]},
+            tmp_path,
+            volumes,
+            tmp_path,
+        )
     with pytest.raises(UnsupportedPod, match="env 'X': valueFrom"):
         build_launch(pod, {**container, "env": [{"name": "X", "valueFrom": {}}]}, tmp_path, volumes, tmp_path)
 
@@ -124,21 +160,29 @@ def test_secret_key_refs_become_the_stored_values_and_a_missing_secret_holds_the
         return {"name": "T", "valueFrom": {"secretKeyRef": {"name": name, "key": key, **extra}}}
 
     def with_env(*env: dict) -> dict:
-        return {"metadata": {"name": "p", "namespace": "ns"},
-                "spec": {"containers": [{"name": "engine", "env": [{"name": "A", "value": "1"}, *env]}]}}
+        return {
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"containers": [{"name": "engine", "env": [{"name": "A", "value": "1"}, *env]}]},
+        }
 
     manifest = with_env(ref("tok"))
     resolved = resolve_secret_env(manifest, lookup)
-    assert resolved["spec"]["containers"][0]["env"] == [{"name": "A", "value": "1"}, {"name": "T", "value": "s3cret"}]
+    assert resolved["spec"]["containers"][0]["env"] == [
+        {"name": "A", "value": "1"},
+        {"name": "T", "value": "s3cret"},
+    ]
     assert "valueFrom" in manifest["spec"]["containers"][0]["env"][1]  # the stored pod is left as it was
-    assert resolve_secret_env(with_env(ref("absent", optional=True)), lookup)["spec"]["containers"][0]["env"] == [
-        {"name": "A", "value": "1"}]
+    assert resolve_secret_env(with_env(ref("absent", optional=True)), lookup)["spec"]["containers"][0][
+        "env"
+    ] == [{"name": "A", "value": "1"}]
     with pytest.raises(MissingSecret, match="env 'T': secret \"absent\" not found"):
         resolve_secret_env(with_env(ref("absent")), lookup)
-    with pytest.raises(MissingSecret, match="key \"other\" in secret \"tok\" not found"):
+    with pytest.raises(MissingSecret, match='key "other" in secret "tok" not found'):
         resolve_secret_env(with_env(ref("tok", key="other")), lookup)
     other = {"name": "X", "valueFrom": {"configMapKeyRef": {"name": "c", "key": "k"}}}
-    assert resolve_secret_env(with_env(other), lookup)["spec"]["containers"][0]["env"][1] == other  # refused later
+    assert (
+        resolve_secret_env(with_env(other), lookup)["spec"]["containers"][0]["env"][1] == other
+    )  # refused later
 
 
 def test_the_kubelet_loop_starts_a_pod_once_its_secret_exists_with_the_value_in_the_process_env(tmp_path):
@@ -149,17 +193,41 @@ def test_the_kubelet_loop_starts_a_pod_once_its_secret_exists_with_the_value_in_
     cluster = HarnessCluster(tmp_path, runner=runner).start()
     try:
         write_env = "import os, time; open('token.txt', 'w').write(os.environ['TOKEN']); time.sleep(60)"
-        pod_manifest = {"metadata": {"name": "reader"}, "spec": {"terminationGracePeriodSeconds": 1, "containers": [
-            {"name": "app", "image": "unused", "command": [sys.executable, "-c", write_env],
-             "env": [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}}]}]}}
+        pod_manifest = {
+            "metadata": {"name": "reader"},
+            "spec": {
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "app",
+                        "image": "unused",
+                        "command": [sys.executable, "-c", write_env],
+                        "env": [
+                            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "tok", "key": "token"}}}
+                        ],
+                    }
+                ],
+            },
+        }
         cluster.call(cluster.api.create(kmock.resource("", "v1", "pods"), "default", pod_manifest))
         time.sleep(0.5)  # several kubelet steps: the pod waits for its Secret, without an address
         assert not cluster.get("v1/pods", "default", "reader").get("status", {}).get("podIP")
         assert runner.containers("default") == []
-        cluster.call(cluster.api.create(kmock.resource("", "v1", "secrets"), "default", {
-            "metadata": {"name": "tok"}, "type": "Opaque", "data": {"token": base64.b64encode(b"ab" * 32).decode()}}))
+        cluster.call(
+            cluster.api.create(
+                kmock.resource("", "v1", "secrets"),
+                "default",
+                {
+                    "metadata": {"name": "tok"},
+                    "type": "Opaque",
+                    "data": {"token": base64.b64encode(b"ab" * 32).decode()},
+                },
+            )
+        )
         written = tmp_path / "pods" / "default" / "reader" / "token.txt"
-        cluster.wait_for("the container wrote its env", lambda: written.exists() and written.read_text(), timeout=10)
+        cluster.wait_for(
+            "the container wrote its env", lambda: written.exists() and written.read_text(), timeout=10
+        )
         assert written.read_text() == "ab" * 32
     finally:
         try:
@@ -183,18 +251,32 @@ def script(tmp_path: Path) -> Path:
     return path
 
 
-def pod(name: str, ip: str, script: Path, containers: dict[str, list[str]], grace: float = 30,
-        **probes: dict) -> dict:
-    return {"metadata": {"name": name, "namespace": "kubelet", "uid": f"uid-{name}"}, "status": {"podIP": ip},
-            "spec": {"terminationGracePeriodSeconds": grace, "containers": [
-                {"name": container, "image": "unused", "command": [sys.executable, str(script)],
-                 "args": ["--port", str(8000 + index), *args],
-                 "ports": [{"name": "http", "containerPort": 8000 + index}], **probes}
-                for index, (container, args) in enumerate(containers.items())]}}
+def pod(
+    name: str, ip: str, script: Path, containers: dict[str, list[str]], grace: float = 30, **probes: dict
+) -> dict:
+    return {
+        "metadata": {"name": name, "namespace": "kubelet", "uid": f"uid-{name}"},
+        "status": {"podIP": ip},
+        "spec": {
+            "terminationGracePeriodSeconds": grace,
+            "containers": [
+                {
+                    "name": container,
+                    "image": "unused",
+                    "command": [sys.executable, str(script)],
+                    "args": ["--port", str(8000 + index), *args],
+                    "ports": [{"name": "http", "containerPort": 8000 + index}],
+                    **probes,
+                }
+                for index, (container, args) in enumerate(containers.items())
+            ],
+        },
+    }
 
 
-async def observe(runner: ProcessPodRunner, manifest: dict, until: Callable[[dict], bool],
-                  timeout: float = 10) -> list[dict]:
+async def observe(
+    runner: ProcessPodRunner, manifest: dict, until: Callable[[dict], bool], timeout: float = 10
+) -> list[dict]:
     """Pod statuses every 20 ms until ``until`` holds for one; all of them, in order."""
     seen, deadline = [], time.monotonic() + timeout
     while not seen or not until(seen[-1]):
@@ -231,9 +313,15 @@ async def seconds_until_gone(pids: list[int], since: float, timeout: float = 10)
 
 async def test_startup_and_readiness_probes_gate_started_and_ready(tmp_path, addresses, script):
     runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
-    probes = {"startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1,
-                               "failureThreshold": 5, "initialDelaySeconds": 2},
-              "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1}}
+    probes = {
+        "startupProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 1,
+            "failureThreshold": 5,
+            "initialDelaySeconds": 2,
+        },
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1},
+    }
     manifest = pod("gated", next(addresses), script, {"app": ["--ready-after", "4"]}, **probes)
     try:
         began = time.monotonic()
@@ -247,7 +335,11 @@ async def test_startup_and_readiness_probes_gate_started_and_ready(tmp_path, add
         assert 2.0 <= started_s < 4.5, started_s
         assert stages[0] == (False, False) and (True, False) in stages and stages[-1] == (True, True)
         conditions = {c["type"]: c["status"] for c in seen[-1]["conditions"]}
-        assert (seen[-1]["phase"], conditions["Ready"], conditions["ContainersReady"]) == ("Running", "True", "True")
+        assert (seen[-1]["phase"], conditions["Ready"], conditions["ContainersReady"]) == (
+            "Running",
+            "True",
+            "True",
+        )
         assert not gone(pid_of(seen[-1]))
     finally:
         await runner.close()
@@ -259,14 +351,19 @@ async def test_an_exited_container_restarts_at_once_then_backs_off(tmp_path, add
     manifest = pod("crashy", next(addresses), script, {"app": ["--exit-after", "0.2", "--exit-code", "3"]})
     try:
         await runner.start(manifest)
-        seen = await observe(runner, manifest, lambda s: container(s)["state"].get("waiting", {}).get("reason")
-                             == "CrashLoopBackOff")
+        seen = await observe(
+            runner,
+            manifest,
+            lambda s: container(s)["state"].get("waiting", {}).get("reason") == "CrashLoopBackOff",
+        )
         restarted = container(seen[-1])
         assert restarted["restartCount"] == 1  # the first exit restarted at once, the second waits
         assert restarted["state"]["waiting"]["reason"] == "CrashLoopBackOff"
         assert "back-off 10s restarting failed container=app" in restarted["state"]["waiting"]["message"]
-        assert (restarted["lastState"]["terminated"]["exitCode"], restarted["lastState"]["terminated"]["reason"]) \
-            == (3, "Error")
+        assert (
+            restarted["lastState"]["terminated"]["exitCode"],
+            restarted["lastState"]["terminated"]["reason"],
+        ) == (3, "Error")
         assert seen[-1]["phase"] == "Running" and not restarted["ready"]
         assert len(runner.containers("kubelet")[0].pids) == 2
     finally:
@@ -275,13 +372,21 @@ async def test_an_exited_container_restarts_at_once_then_backs_off(tmp_path, add
 
 async def test_a_failed_liveness_probe_restarts_the_container(tmp_path, addresses, script):
     runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
-    liveness = {"livenessProbe": {"httpGet": {"path": "/missing", "port": "http"}, "periodSeconds": 1,
-                                  "failureThreshold": 2}}
+    liveness = {
+        "livenessProbe": {
+            "httpGet": {"path": "/missing", "port": "http"},
+            "periodSeconds": 1,
+            "failureThreshold": 2,
+        }
+    }
     manifest = pod("unwell", next(addresses), script, {"app": []}, **liveness)
     try:
         await runner.start(manifest)
-        seen = await observe(runner, manifest, lambda s: container(s)["restartCount"] == 1
-                             and "running" in container(s)["state"])
+        seen = await observe(
+            runner,
+            manifest,
+            lambda s: container(s)["restartCount"] == 1 and "running" in container(s)["state"],
+        )
         first, second = runner.containers("kubelet")[0].pids
         assert gone(first) and not gone(second) and pid_of(seen[-1]) == second
         assert container(seen[-1])["lastState"]["terminated"]["exitCode"] == 0  # it took the SIGTERM and left
@@ -289,17 +394,28 @@ async def test_a_failed_liveness_probe_restarts_the_container(tmp_path, addresse
         await runner.close()
 
 
-async def test_deletion_sends_sigterm_and_sigkills_what_outlives_the_grace_period(tmp_path, addresses, script):
+async def test_deletion_sends_sigterm_and_sigkills_what_outlives_the_grace_period(
+    tmp_path, addresses, script
+):
     runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
     readiness = {"readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1}}
-    manifest = pod("leaving", next(addresses), script, grace=1.5,
-                   containers={"polite": [], "stubborn": ["--ignore-sigterm", "--spawn-child"]}, **readiness)
+    manifest = pod(
+        "leaving",
+        next(addresses),
+        script,
+        grace=1.5,
+        containers={"polite": [], "stubborn": ["--ignore-sigterm", "--spawn-child"]},
+        **readiness,
+    )
     try:
         await runner.start(manifest)
         child_pid_file = tmp_path / "pods" / "kubelet" / "leaving" / "child.pid"
         # both serving (their SIGTERM handling is in place), the stubborn one's child started
-        seen = await observe(runner, manifest, lambda s: all(c["ready"] for c in s["containerStatuses"])
-                             and child_pid_file.exists())
+        seen = await observe(
+            runner,
+            manifest,
+            lambda s: all(c["ready"] for c in s["containerStatuses"]) and child_pid_file.exists(),
+        )
         polite, stubborn, child = pid_of(seen[-1], 0), pid_of(seen[-1], 1), int(child_pid_file.read_text())
         began = time.monotonic()
         await runner.stop(manifest)

@@ -47,12 +47,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarnessCluster
 
 
 def manifest(namespace: str, replicas: int) -> str:
-    return (f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\n"
-            f"metadata: {{name: {NAME}, namespace: {namespace}}}\n"
-            f"spec:\n"
-            f"  model: {{source: tiny-random, servedName: {NAME}}}\n"
-            f"  engine: {{kvCacheMemory: 1Mi, extraArgs: ['--warmup-buckets', '1x8']}}\n"
-            f"  scaling: {{replicas: {replicas}}}\n")
+    return (
+        f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\n"
+        f"metadata: {{name: {NAME}, namespace: {namespace}}}\n"
+        f"spec:\n"
+        f"  model: {{source: tiny-random, servedName: {NAME}}}\n"
+        f"  engine: {{kvCacheMemory: 1Mi, extraArgs: ['--warmup-buckets', '1x8']}}\n"
+        f"  scaling: {{replicas: {replicas}}}\n"
+    )
 
 
 def ready_status(cluster: HarnessCluster, namespace: str, replicas: int) -> dict:
@@ -66,7 +68,10 @@ def ready_status(cluster: HarnessCluster, namespace: str, replicas: int) -> dict
 
 def pod_processes(pod: dict) -> dict[str, int]:
     """Container name -> PID, from the containerIDs (``process://<pid>``) the process kubelet reports."""
-    return {c["name"]: int(c["containerID"].removeprefix("process://")) for c in pod["status"]["containerStatuses"]}
+    return {
+        c["name"]: int(c["containerID"].removeprefix("process://"))
+        for c in pod["status"]["containerStatuses"]
+    }
 
 
 def alive(pid: int) -> bool:
@@ -89,9 +94,15 @@ def group_alive(pid: int) -> bool:
 def assert_serving_pod(pod: dict) -> None:
     status = pod["status"]
     conditions = {c["type"]: c["status"] for c in status["conditions"]}
-    assert (status["phase"], conditions["Ready"], conditions["ContainersReady"]) == ("Running", "True", "True")
+    assert (status["phase"], conditions["Ready"], conditions["ContainersReady"]) == (
+        "Running",
+        "True",
+        "True",
+    )
     for container in status["containerStatuses"]:
-        assert (container["started"], container["ready"], container["restartCount"]) == (True, True, 0), container
+        assert (container["started"], container["ready"], container["restartCount"]) == (True, True, 0), (
+            container
+        )
         assert "running" in container["state"]
     assert all(alive(pid) for pid in pod_processes(pod).values())
 
@@ -119,8 +130,9 @@ def test_inference_service_serves_completions_from_real_processes(cluster, kubec
 
     router = router_url(cluster, namespace)
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0, timeout=30)
-    response = client.completions.with_raw_response.create(model=NAME, prompt="The kubelet starts", max_tokens=6,
-                                                           temperature=0)
+    response = client.completions.with_raw_response.create(
+        model=NAME, prompt="The kubelet starts", max_tokens=6, temperature=0
+    )
     completion = response.parse()
     assert completion.model == NAME and completion.usage.completion_tokens > 0
     assert completion.choices[0].finish_reason in ("length", "stop")
@@ -136,8 +148,11 @@ def test_inference_service_serves_completions_from_real_processes(cluster, kubec
     assert len(added) == 1
     # Every router found the new engine through its EndpointSlice watch (via the harness kubeconfig).
     routers = [f"http://{pod['status']['podIP']}:{ROUTER_PORT}" for pod in pods]
-    cluster.wait_for("every router routing to 3 engines", lambda: all(
-        httpx.get(f"{url}/ready", timeout=5).json()["routable"] == 3 for url in routers), timeout=10)
+    cluster.wait_for(
+        "every router routing to 3 engines",
+        lambda: all(httpx.get(f"{url}/ready", timeout=5).json()["routable"] == 3 for url in routers),
+        timeout=10,
+    )
 
     containers = runner.containers(namespace)
     pids = [pid for container in containers for pid in container.pids]
@@ -146,7 +161,10 @@ def test_inference_service_serves_completions_from_real_processes(cluster, kubec
     for resource in ("apps/v1/deployments", "v1/pods", "v1/services"):
         cluster.wait_for(f"no {resource}", lambda resource=resource: not cluster.list(resource, namespace))
     # SIGTERM, then the engines drain (nothing in flight) and exit; nothing of any container group is left.
-    cluster.wait_for("every container process gone",
-                     lambda: not any(alive(pid) or group_alive(pid) for pid in pids), timeout=20)
+    cluster.wait_for(
+        "every container process gone",
+        lambda: not any(alive(pid) or group_alive(pid) for pid in pids),
+        timeout=20,
+    )
     exits = {(c.pod_name, c.name): c.state.get("terminated", {}).get("exitCode") for c in containers}
     assert set(exits.values()) == {0}, exits  # each stopped on SIGTERM by itself, none needed the SIGKILL

@@ -60,8 +60,15 @@ _LAZY = {
     "CompletionOutput": "kvpilot.engine.outputs",
 }
 
-__all__ = ["LLM", "CompletionOutput", "EngineArgs", "EngineConfig", "LLMEngine", "RequestOutput",
-           "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineArgs",
+    "EngineConfig",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvpilot.engine.config import EngineArgs, EngineConfig

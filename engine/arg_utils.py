@@ -22,39 +22,79 @@ _BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineArgs()
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=d.model,
-                   help="smollm2-135m (bundled, default), tiny-random, a .gguf path or an HF safetensors directory")
+    g.add_argument(
+        "--model",
+        default=d.model,
+        help="smollm2-135m (bundled, default), tiny-random, a .gguf path or an HF safetensors directory",
+    )
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA")
-    g.add_argument("--max-model-len", type=int, default=d.max_model_len,
-                   help="context limit in tokens (default: the model's, capped by KV capacity)")
+    g.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="context limit in tokens (default: the model's, capped by KV capacity)",
+    )
     g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     g.add_argument("--download-dir", default=d.download_dir, help="cache for converted weights")
     g.add_argument("--seed", type=int, default=d.seed, help="engine RNG seed for unseeded requests")
     g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    g.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks", type=int,
-                   default=d.num_kv_blocks, help="exact number of KV blocks (overrides the memory budget)")
-    g.add_argument("--kv-cache-memory-bytes", type=int, default=d.kv_cache_memory_bytes,
-                   help="KV cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on CUDA)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization,
-                   help="fraction of the GPU's memory for this engine: the KV cache gets what the weights and "
-                        "one profiled step of --max-num-batched-tokens leave (default: %(default)s)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching)
+    g.add_argument(
+        "--num-gpu-blocks-override",
+        "--num-kv-blocks",
+        dest="num_kv_blocks",
+        type=int,
+        default=d.num_kv_blocks,
+        help="exact number of KV blocks (overrides the memory budget)",
+    )
+    g.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=d.kv_cache_memory_bytes,
+        help="KV cache budget in bytes (default: 1 GiB on CPU, --gpu-memory-utilization on CUDA)",
+    )
+    g.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=d.gpu_memory_utilization,
+        help="fraction of the GPU's memory for this engine: the KV cache gets what the weights and "
+        "one profiled step of --max-num-batched-tokens leave (default: %(default)s)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
+    )
     g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                   help="token budget per step (prefill chunks + decodes)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=d.enable_chunked_prefill)
+    g.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="token budget per step (prefill chunks + decodes)",
+    )
+    g.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=d.enable_chunked_prefill
+    )
     g.add_argument("--preemption-mode", default=d.preemption_mode, choices=PREEMPTION_MODES)
     g.add_argument("--batching-mode", default=d.batching_mode, choices=BATCHING_MODES)
-    g.add_argument("--reserved-output-fraction", type=float, default=d.reserved_output_fraction,
-                   help="share of each request's output budget kept free in the KV cache before another "
-                        "request starts (0: as vLLM; 1: no preemption for requests that start)")
+    g.add_argument(
+        "--reserved-output-fraction",
+        type=float,
+        default=d.reserved_output_fraction,
+        help="share of each request's output budget kept free in the KV cache before another "
+        "request starts (0: as vLLM; 1: no preemption for requests that start)",
+    )
     g.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS)
-    g.add_argument("--linear-backend", default=d.linear_backend, choices=LINEAR_BACKENDS,
-                   help="auto = oneDNN-packed weights for float32 on CPU")
-    g.add_argument("--native-cpu-ops", default=d.native_cpu_ops, choices=NATIVE_CPU_OPS,
-                   help="fused C kernels for float32 on CPU (auto = when a C compiler builds them)")
+    g.add_argument(
+        "--linear-backend",
+        default=d.linear_backend,
+        choices=LINEAR_BACKENDS,
+        help="auto = oneDNN-packed weights for float32 on CPU",
+    )
+    g.add_argument(
+        "--native-cpu-ops",
+        default=d.native_cpu_ops,
+        choices=NATIVE_CPU_OPS,
+        help="fused C kernels for float32 on CPU (auto = when a C compiler builds them)",
+    )
     g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES)
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
 

@@ -77,8 +77,11 @@ class BeamSearch:
         cands: list[tuple[float, int, int, Hashable]] = []
         for order, (key, (_toks, cum)) in enumerate(self.live.items()):
             values, ids = self.pending[key].topk(min(2 * self.width, self.pending[key].shape[-1]))
-            cands += [(cum + v, order, t, key) for v, t in zip(values.tolist(), ids.tolist(), strict=True)
-                      if v != float("-inf")]
+            cands += [
+                (cum + v, order, t, key)
+                for v, t in zip(values.tolist(), ids.tolist(), strict=True)
+                if v != float("-inf")
+            ]
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[Continuation] = []
         for rank, (score, _order, tok, key) in enumerate(cands):
@@ -92,11 +95,15 @@ class BeamSearch:
                 break
         new_len = len(next(iter(self.live.values()))[0]) + 1
         if new_len >= self.max_tokens:
-            self.finished += [Hypothesis(self.live[c.parent][0] + [c.token], c.cum_logprob, "length") for c in chosen]
+            self.finished += [
+                Hypothesis(self.live[c.parent][0] + [c.token], c.cum_logprob, "length") for c in chosen
+            ]
             chosen = []
         if chosen and len(self.finished) >= self.width:
-            worst_kept = sorted((h.score(self.length_penalty) for h in self.finished), reverse=True)[self.width - 1]
-            best_live = max(c.cum_logprob for c in chosen) / new_len ** self.length_penalty
+            worst_kept = sorted((h.score(self.length_penalty) for h in self.finished), reverse=True)[
+                self.width - 1
+            ]
+            best_live = max(c.cum_logprob for c in chosen) / new_len**self.length_penalty
             if best_live <= worst_kept:
                 chosen = []
         continuing = {c.parent for c in chosen}
@@ -118,14 +125,26 @@ class BeamSearch:
     def completions(self, n: int, tokenizer: Tokenizer, params: SamplingParams) -> list[CompletionOutput]:
         out = []
         for i, h in enumerate(self.best(n)):
-            text = tokenizer.decode(h.tokens, skip_special_tokens=params.skip_special_tokens) if params.detokenize else ""
+            text = (
+                tokenizer.decode(h.tokens, skip_special_tokens=params.skip_special_tokens)
+                if params.detokenize
+                else ""
+            )
             reason, stop_reason = h.finish_reason, None
             for stop in params.stop:
                 pos = text.find(stop)
                 if pos >= 0:
-                    text = text[:pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
+                    text = text[: pos + len(stop)] if params.include_stop_str_in_output else text[:pos]
                     reason, stop_reason = "stop", stop
                     break
-            out.append(CompletionOutput(index=i, text=text, token_ids=list(h.tokens), cumulative_logprob=h.cum_logprob,
-                                        finish_reason=reason, stop_reason=stop_reason))
+            out.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(h.tokens),
+                    cumulative_logprob=h.cum_logprob,
+                    finish_reason=reason,
+                    stop_reason=stop_reason,
+                )
+            )
         return out

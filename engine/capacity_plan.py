@@ -33,8 +33,10 @@ def plan_num_kv_blocks(cache: CacheConfig, bytes_per_token: int, profiled_budget
         budget = profiled_budget if profiled_budget is not None else DEFAULT_CPU_KV_CACHE_BYTES
     blocks = num_blocks_for_memory(budget, bytes_per_token, cache.block_size)
     if blocks < 2:
-        raise ConfigError(f"KV budget of {budget} bytes holds {blocks} blocks of {cache.block_size} tokens "
-                          f"({bytes_per_token} bytes/token); need at least 2")
+        raise ConfigError(
+            f"KV budget of {budget} bytes holds {blocks} blocks of {cache.block_size} tokens "
+            f"({bytes_per_token} bytes/token); need at least 2"
+        )
     return blocks
 
 
@@ -43,10 +45,14 @@ def plan_max_model_len(wanted: int | None, model_limit: int, capacity_tokens: in
     the model's limit and what the KV cache can hold for one sequence."""
     if wanted is not None:
         if wanted > model_limit:
-            raise ConfigError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {model_limit}")
+            raise ConfigError(
+                f"max_model_len {wanted} exceeds the model's max_position_embeddings {model_limit}"
+            )
         if wanted > capacity_tokens:
-            raise ConfigError(f"max_model_len {wanted} exceeds the KV cache capacity of {capacity_tokens} "
-                              "tokens; raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len")
+            raise ConfigError(
+                f"max_model_len {wanted} exceeds the KV cache capacity of {capacity_tokens} "
+                "tokens; raise num_kv_blocks / kv_cache_memory_bytes or lower max_model_len"
+            )
         return wanted
     if capacity_tokens < model_limit:
         log.info("max_model_len limited by the KV cache to %d tokens", capacity_tokens)

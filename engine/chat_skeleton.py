@@ -40,8 +40,16 @@ _TYPE_TESTS = frozenset({"string", "defined", "undefined", "none"})
 #: global functions whose result depends only on their arguments
 _PURE_CALLS = frozenset({"raise_exception", "namespace", "range", "dict", "cycler", "joiner"})
 #: statements that capture, transform or import output, so an emitted content could be inspected later
-_OPAQUE_STATEMENTS = (nodes.Macro, nodes.CallBlock, nodes.AssignBlock, nodes.FilterBlock, nodes.Include,
-                      nodes.Import, nodes.FromImport, nodes.Extends)
+_OPAQUE_STATEMENTS = (
+    nodes.Macro,
+    nodes.CallBlock,
+    nodes.AssignBlock,
+    nodes.FilterBlock,
+    nodes.Include,
+    nodes.Import,
+    nodes.FromImport,
+    nodes.Extends,
+)
 _CONTENT = "content"
 #: value types whose repr() differs for every two different values, across these types too
 _REPR_EXACT = frozenset({str, int, float, bool, type(None)})
@@ -60,7 +68,11 @@ def emits_content_only(template: jinja2.Template, source: str) -> bool:
 def _violates(node: nodes.Node, parents: tuple[nodes.Node, ...]) -> bool:
     if isinstance(node, _OPAQUE_STATEMENTS):
         return True
-    if isinstance(node, nodes.Call) and isinstance(node.node, nodes.Name) and node.node.name not in _PURE_CALLS:
+    if (
+        isinstance(node, nodes.Call)
+        and isinstance(node.node, nodes.Name)
+        and node.node.name not in _PURE_CALLS
+    ):
         return True
     if _reads_content(node):
         if not _emitted(node, parents):
@@ -75,7 +87,9 @@ def _violates(node: nodes.Node, parents: tuple[nodes.Node, ...]) -> bool:
 def _reads_content(node: nodes.Node) -> bool:
     if isinstance(node, nodes.Getattr):
         return node.attr == _CONTENT
-    return isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == _CONTENT
+    return (
+        isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == _CONTENT
+    )
 
 
 def _emitted(read: nodes.Node, parents: tuple[nodes.Node, ...]) -> bool:
@@ -125,8 +139,24 @@ class _Probe(str):
 
 
 for _name in [n for n in dir(str) if not n.startswith("_")] + [
-        "__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__contains__", "__len__", "__iter__",
-        "__getitem__", "__hash__", "__mod__", "__rmod__", "__mul__", "__rmul__", "__format__", "__repr__"]:
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__contains__",
+    "__len__",
+    "__iter__",
+    "__getitem__",
+    "__hash__",
+    "__mod__",
+    "__rmod__",
+    "__mul__",
+    "__rmul__",
+    "__format__",
+    "__repr__",
+]:
     setattr(_Probe, _name, _looking(_name))
 
 
@@ -141,8 +171,9 @@ class ChatSkeletons:
         self._skeletons: dict[str, Any] = {}
         self._lock = threading.Lock()
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-               variables: Mapping[str, Any]) -> str | None:
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, variables: Mapping[str, Any]
+    ) -> str | None:
         """The rendered prompt, or None where a skeleton cannot be used (the caller renders it with jinja)."""
         if not self.enabled:
             return None
@@ -166,16 +197,20 @@ class ChatSkeletons:
             pieces.append(part)
         return "".join(pieces)
 
-    def _probe(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-               variables: Mapping[str, Any]) -> Any:
+    def _probe(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, variables: Mapping[str, Any]
+    ) -> Any:
         nonce = secrets.token_hex(6)
         # Edge whitespace (trim), quotes and a backslash (JSON, repr, HTML escaping), private-use marks.
         probes = [f" \n\"'\\\ue000{nonce}-{i}\ue001\\'\"\t " for i in range(len(messages))]
         trace = _Trace()
-        probe_messages = [{**message, _CONTENT: _Probe(probes[i], trace)} for i, message in enumerate(messages)]
+        probe_messages = [
+            {**message, _CONTENT: _Probe(probes[i], trace)} for i, message in enumerate(messages)
+        ]
         try:
-            text = self._template.render(messages=probe_messages, add_generation_prompt=add_generation_prompt,
-                                         **variables)
+            text = self._template.render(
+                messages=probe_messages, add_generation_prompt=add_generation_prompt, **variables
+            )
         except Exception:  # any failure: let jinja render (and report) it the usual way
             return _INELIGIBLE
         if trace.looked:
@@ -188,8 +223,9 @@ class ChatSkeletons:
         return parts, slots
 
 
-def _shape(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
-           variables: Mapping[str, Any]) -> tuple[str, list[str]] | None:
+def _shape(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, variables: Mapping[str, Any]
+) -> tuple[str, list[str]] | None:
     """(key of everything but the contents, the contents), or None if a content is not a plain string or
     the rest is not JSON (the key must tell apart everything a template can see)."""
     fields, contents = [], []
@@ -203,8 +239,10 @@ def _shape(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
     # The usual shape (string roles and names, scalar variables) keys by repr, which tells apart every two
     # values of these types (1, 1.0, True, "1") and costs no Python-level encoder (on a cold core, 0.08 ms
     # of JSON encoding per request); anything nested keys by its JSON.
-    if all(type(name) is str and type(value) in _REPR_EXACT
-           for name, value in chain(chain.from_iterable(fields), rest[2])):
+    if all(
+        type(name) is str and type(value) in _REPR_EXACT
+        for name, value in chain(chain.from_iterable(fields), rest[2])
+    ):
         return "r" + repr(rest), contents
     try:
         key = json.dumps(rest, ensure_ascii=False)

@@ -34,8 +34,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvpilot.engine.sampling.params import SamplingParams, SamplingParamsError
 
     try:
-        params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                                top_k=ns.top_k, seed=ns.sampling_seed, ignore_eos=ns.ignore_eos)
+        params = SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            top_k=ns.top_k,
+            seed=ns.sampling_seed,
+            ignore_eos=ns.ignore_eos,
+        )
     except SamplingParamsError as err:
         parser.error(str(err))
     t0 = time.monotonic()
@@ -59,9 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     gen_s = time.monotonic() - t1
     for prompt, out in zip(prompts, outs, strict=True):
         c = out.outputs[0]
-        print(f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
-              f"ttft={out.metrics.ttft * 1000:.0f} ms]\n")
+        print(
+            f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
+            f"ttft={out.metrics.ttft * 1000:.0f} ms]\n"
+        )
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"model {llm_engine.served_model_name} ({llm_engine.dtype}, {llm_engine.device}): loaded in {load_s:.1f} s; "
-          f"{len(outs)} requests, {n_out} output tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s")
+    print(
+        f"model {llm_engine.served_model_name} ({llm_engine.dtype}, {llm_engine.device}): loaded in {load_s:.1f} s; "
+        f"{len(outs)} requests, {n_out} output tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s"
+    )
     return 0

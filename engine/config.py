@@ -143,10 +143,14 @@ class EngineArgs:
         def pick(area):
             return area(**{f.name: getattr(self, f.name) for f in fields(area)})
 
-        top = {f.name: getattr(self, f.name) for f in fields(EngineConfig) if f.name not in ("model", "cache",
-                                                                                             "scheduler")}
-        return EngineConfig(model=pick(ModelConfig), cache=pick(CacheConfig), scheduler=pick(SchedulerConfig),
-                            **top)
+        top = {
+            f.name: getattr(self, f.name)
+            for f in fields(EngineConfig)
+            if f.name not in ("model", "cache", "scheduler")
+        }
+        return EngineConfig(
+            model=pick(ModelConfig), cache=pick(CacheConfig), scheduler=pick(SchedulerConfig), **top
+        )
 
     def _validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -155,40 +159,71 @@ class EngineArgs:
 
         need(isinstance(self.model, str) and bool(self.model), "model must be a non-empty string")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        need(self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
-             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
-        need(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
-             f"block_size must be a power of two in [1, 128], got {self.block_size}")
-        need(self.num_kv_blocks is None or self.num_kv_blocks >= 2,
-             f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}")
-        need(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-             f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}")
-        need(0.0 < self.gpu_memory_utilization <= 1.0,
-             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(
+            self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
+            f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
+        )
+        need(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            f"block_size must be a power of two in [1, 128], got {self.block_size}",
+        )
+        need(
+            self.num_kv_blocks is None or self.num_kv_blocks >= 2,
+            f"num_kv_blocks must be >= 2 (block 0 is reserved), got {self.num_kv_blocks}",
+        )
+        need(
+            self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+            f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes}",
+        )
+        need(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
+        )
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.max_num_batched_tokens >= 1,
-             f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        need(self.max_num_batched_tokens >= self.max_num_seqs,
-             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-             f"({self.max_num_seqs}): every running sequence needs at least one token of each step's budget")
-        need(self.max_model_len is None or self.max_model_len >= 1,
-             f"max_model_len must be >= 1, got {self.max_model_len}")
-        need(self.preemption_mode in PREEMPTION_MODES,
-             f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        need(self.preemption_mode != "swap" or self.swap_space > 0,
-             "preemption_mode='swap' needs swap_space > 0 (GiB of host memory for swapped KV)")
-        need(0.0 <= self.reserved_output_fraction <= 1.0,
-             f"reserved_output_fraction must be in [0, 1], got {self.reserved_output_fraction}")
-        need(self.batching_mode in BATCHING_MODES,
-             f"batching_mode must be one of {BATCHING_MODES}, got {self.batching_mode!r}")
-        need(self.attention_backend in ATTENTION_BACKENDS,
-             f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        need(self.linear_backend in LINEAR_BACKENDS,
-             f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
-        need(self.native_cpu_ops in NATIVE_CPU_OPS,
-             f"native_cpu_ops must be one of {NATIVE_CPU_OPS}, got {self.native_cpu_ops!r}")
-        need(self.logprobs_mode in LOGPROBS_MODES,
-             f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
+        need(
+            self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}",
+        )
+        need(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+            f"({self.max_num_seqs}): every running sequence needs at least one token of each step's budget",
+        )
+        need(
+            self.max_model_len is None or self.max_model_len >= 1,
+            f"max_model_len must be >= 1, got {self.max_model_len}",
+        )
+        need(
+            self.preemption_mode in PREEMPTION_MODES,
+            f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}",
+        )
+        need(
+            self.preemption_mode != "swap" or self.swap_space > 0,
+            "preemption_mode='swap' needs swap_space > 0 (GiB of host memory for swapped KV)",
+        )
+        need(
+            0.0 <= self.reserved_output_fraction <= 1.0,
+            f"reserved_output_fraction must be in [0, 1], got {self.reserved_output_fraction}",
+        )
+        need(
+            self.batching_mode in BATCHING_MODES,
+            f"batching_mode must be one of {BATCHING_MODES}, got {self.batching_mode!r}",
+        )
+        need(
+            self.attention_backend in ATTENTION_BACKENDS,
+            f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
+        )
+        need(
+            self.linear_backend in LINEAR_BACKENDS,
+            f"linear_backend must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}",
+        )
+        need(
+            self.native_cpu_ops in NATIVE_CPU_OPS,
+            f"native_cpu_ops must be one of {NATIVE_CPU_OPS}, got {self.native_cpu_ops!r}",
+        )
+        need(
+            self.logprobs_mode in LOGPROBS_MODES,
+            f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
+        )
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
-

@@ -21,7 +21,9 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True
+    ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
@@ -34,10 +36,10 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Text newly completed by ``token_id`` (may be empty while a character is incomplete)."""
         self.tokens.append(token_id)
-        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full = self._decode(self.tokens[self.prefix_offset:])
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            delta = full[len(prefix):]
+            delta = full[len(prefix) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
             return delta
@@ -45,10 +47,10 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still undecided (an incomplete character decodes as U+FFFD)."""
-        prefix = self._decode(self.tokens[self.prefix_offset:self.read_offset])
-        full = self._decode(self.tokens[self.prefix_offset:])
+        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        full = self._decode(self.tokens[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.tokens)
-        return full[len(prefix):] if len(full) > len(prefix) else ""
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
 
 
 class StopStringBuffer:
@@ -78,13 +80,13 @@ class StopStringBuffer:
                 best = (pos, stop)
         if best is not None:
             pos, stop = best
-            self.released += text[:pos + len(stop)] if self.include_stop else text[:pos]
+            self.released += text[: pos + len(stop)] if self.include_stop else text[:pos]
             self.pending = ""
             self.matched = stop
             return stop
         hold = self._holdback(text)
-        self.released += text[:len(text) - hold]
-        self.pending = text[len(text) - hold:]
+        self.released += text[: len(text) - hold]
+        self.pending = text[len(text) - hold :]
         return None
 
     def _holdback(self, text: str) -> int:

@@ -70,9 +70,15 @@ class LLMEngine(StepOutputs):
         self.arch = arch = ModelArchConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.served_model_name = mc.served_model_name or mc.model
-        self.backend = select_backend(config.attention_backend, self.device, num_heads=arch.num_attention_heads,
-                                      num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-                                      scale=arch.head_dim ** -0.5, sliding_window=arch.sliding_window)
+        self.backend = select_backend(
+            config.attention_backend,
+            self.device,
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            scale=arch.head_dim**-0.5,
+            sliding_window=arch.sliding_window,
+        )
         if self.device.type == "cuda" and self.backend.name == "triton":
             # before the weights load and the first forward: an image without a C compiler (or Python.h,
             # libcuda) fails start-up in seconds, with a message naming what is missing
@@ -80,8 +86,12 @@ class LLMEngine(StepOutputs):
 
             check_triton_launch(self.device)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
-        self.native_ops = resolve_native_ops(config.native_cpu_ops, self.device, self.dtype,
-                                             Path(mc.download_dir) if mc.download_dir else default_cache_dir())
+        self.native_ops = resolve_native_ops(
+            config.native_cpu_ops,
+            self.device,
+            self.dtype,
+            Path(mc.download_dir) if mc.download_dir else default_cache_dir(),
+        )
         #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
         self.kv_cache_sizing = kv_cache_sizing(cc, self.device)
         if self.kv_cache_sizing in ("num_kv_blocks", "kv_cache_memory_bytes"):
@@ -90,28 +100,58 @@ class LLMEngine(StepOutputs):
             device_memory = CudaMemory(self.device)
         # taken before the weights load: what other processes use
         baseline = take_baseline(device_memory) if device_memory is not None else None
-        self.model = load_model(self.model_dir, self.dtype, self.device, self.backend, self.linear_backend,
-                                batch_hint=min(config.scheduler.max_num_seqs, 64), native=self.native_ops)
+        self.model = load_model(
+            self.model_dir,
+            self.dtype,
+            self.device,
+            self.backend,
+            self.linear_backend,
+            batch_hint=min(config.scheduler.max_num_seqs, 64),
+            native=self.native_ops,
+        )
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.native = self.native_ops
-        self.kv_bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads,
-                                                     arch.head_dim, self.dtype.itemsize)
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
+        )
         profiled_budget = None
         if device_memory is not None and baseline is not None:
             sc = config.scheduler
             profiled_budget = profiled_kv_budget(
-                self.model, device_memory, baseline, device=self.device, dtype=self.dtype, block_size=cc.block_size,
-                max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs,
+                self.model,
+                device_memory,
+                baseline,
+                device=self.device,
+                dtype=self.dtype,
+                block_size=cc.block_size,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
+                max_num_seqs=sc.max_num_seqs,
                 max_model_len=mc.max_model_len or arch.max_position_embeddings,
-                kv_layout=self.backend.kv_cache_layout, utilization=cc.gpu_memory_utilization)
+                kv_layout=self.backend.kv_cache_layout,
+                utilization=cc.gpu_memory_utilization,
+            )
             self.kv_cache_sizing = "gpu_memory_utilization"
         num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token, profiled_budget)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)", num_blocks, cc.block_size,
-                 num_blocks * cc.block_size * self.kv_bytes_per_token / (1 << 30), self.kv_cache_sizing)
-        self.max_model_len = plan_max_model_len(mc.max_model_len, arch.max_position_embeddings,
-                                                (num_blocks - 1) * cc.block_size)
-        self.kv_cache = KVCache(arch.num_hidden_layers, num_blocks, cc.block_size, arch.num_key_value_heads,
-                                arch.head_dim, self.dtype, self.device, layout=self.backend.kv_cache_layout)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)",
+            num_blocks,
+            cc.block_size,
+            num_blocks * cc.block_size * self.kv_bytes_per_token / (1 << 30),
+            self.kv_cache_sizing,
+        )
+        self.max_model_len = plan_max_model_len(
+            mc.max_model_len, arch.max_position_embeddings, (num_blocks - 1) * cc.block_size
+        )
+        self.kv_cache = KVCache(
+            arch.num_hidden_layers,
+            num_blocks,
+            cc.block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+            layout=self.backend.kv_cache_layout,
+        )
         swap = None
         if cc.swap_space > 0:
             swap_blocks = int(cc.swap_space * (1 << 30)) // (self.kv_bytes_per_token * cc.block_size)
@@ -119,7 +159,9 @@ class LLMEngine(StepOutputs):
         self.kv_events = KVEventLog()
         self.model_identity = f"{model_fingerprint(self.model_dir)}:{self.dtype}"
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching, self.kv_events)
-        self.kv = KVCacheManager(self.pool, cc.block_size, root_hash(self.model_identity), self.kv_cache, swap)
+        self.kv = KVCacheManager(
+            self.pool, cc.block_size, root_hash(self.model_identity), self.kv_cache, swap
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
@@ -141,9 +183,17 @@ class LLMEngine(StepOutputs):
         return self.stats.steps
 
     # ---- requests ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                    deadline: float | None = None) -> SequenceGroup:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+    ) -> SequenceGroup:
         """Admit a request (tokenized here when given as text). Raises ``RequestError`` for bad input."""
         params = params or SamplingParams()
         if request_id in self.groups or request_id in self.requests:
@@ -153,17 +203,36 @@ class LLMEngine(StepOutputs):
         else:
             text, token_ids = None, [int(t) for t in prompt]
         sc = self.config.scheduler
-        validate_prompt(token_ids, self.arch.vocab_size, self.max_model_len, sc.max_num_batched_tokens,
-                        sc.enable_chunked_prefill)
+        validate_prompt(
+            token_ids,
+            self.arch.vocab_size,
+            self.max_model_len,
+            sc.max_num_batched_tokens,
+            sc.enable_chunked_prefill,
+        )
         validate_params(params, self.arch.vocab_size, self.config.max_logprobs, sc.max_num_seqs)
-        seq = Request(request_id, token_ids, params, arrival_time=arrival_time, priority=priority,
-                      cache_salt=cache_salt, prompt=text, deadline=deadline, eos_token_ids=self.eos_token_ids)
+        seq = Request(
+            request_id,
+            token_ids,
+            params,
+            arrival_time=arrival_time,
+            priority=priority,
+            cache_salt=cache_salt,
+            prompt=text,
+            deadline=deadline,
+            eos_token_ids=self.eos_token_ids,
+        )
         seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
         group = SequenceGroup(request_id, text, token_ids, params, self.tokenizer)
         if params.use_beam_search:
             limit = self.max_model_len - len(token_ids)
-            group.beam = BeamSearch(params.effective_beam_width, params.length_penalty,
-                                    min(params.max_tokens or limit, limit), self.eos_token_ids, params.ignore_eos)
+            group.beam = BeamSearch(
+                params.effective_beam_width,
+                params.length_penalty,
+                min(params.max_tokens or limit, limit),
+                self.eos_token_ids,
+                params.ignore_eos,
+            )
             group.beam.start(request_id)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(token_ids)
@@ -176,7 +245,9 @@ class LLMEngine(StepOutputs):
         self.scheduler.add_request(seq)
         return group
 
-    def admission_cost(self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None) -> int:
+    def admission_cost(
+        self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> int:
         """KV blocks admitting this request would reserve: its uncached prompt (after a prefix lookup) and
         the first block of each sample — the exact phase of two-phase admission, docs/architecture.md#admission."""
         probe = Request("admission-probe", token_ids, params, cache_salt=cache_salt)
@@ -193,8 +264,11 @@ class LLMEngine(StepOutputs):
         group = self.groups.get(request_id)
         if group is None:
             return False
-        reason = {S.CANCELLED: FinishReason.ABORT, S.TIMED_OUT: FinishReason.TIMEOUT,
-                  S.FAILED: FinishReason.ERROR}[status]
+        reason = {
+            S.CANCELLED: FinishReason.ABORT,
+            S.TIMED_OUT: FinishReason.TIMEOUT,
+            S.FAILED: FinishReason.ERROR,
+        }[status]
         return self._reclaim(group, status, reason)
 
     def set_backpressure(self, request_id: str, paused: bool) -> None:
@@ -237,7 +311,9 @@ class LLMEngine(StepOutputs):
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
-        for group in [g for g in self.groups.values() if g.primary.deadline is not None and now >= g.primary.deadline]:
+        for group in [
+            g for g in self.groups.values() if g.primary.deadline is not None and now >= g.primary.deadline
+        ]:
             self._reclaim(group, S.TIMED_OUT, FinishReason.TIMEOUT)
 
     # ---- introspection -------------------------------------------------------------------------------

@@ -113,25 +113,44 @@ def kv_budget_bytes(profile: MemoryProfile, utilization: float) -> int:
             f"({profile.weights_bytes / GIB:.2f} GiB), the activation peak ({profile.activation_peak_bytes / GIB:.2f}"
             f" GiB) and non-torch memory ({profile.non_torch_bytes / GIB:.2f} GiB) already take "
             f"{used / GIB:.2f} GiB: no room for a KV cache; raise gpu_memory_utilization or lower "
-            "max_num_batched_tokens")
+            "max_num_batched_tokens"
+        )
     if budget > profile.free_bytes:
         raise ConfigError(
             f"the KV cache would need {budget / GIB:.2f} GiB but only {profile.free_bytes / GIB:.2f} GiB of the "
             f"device are free (other processes use it); lower gpu_memory_utilization below "
-            f"{utilization} or set kv_cache_memory_bytes")
+            f"{utilization} or set kv_cache_memory_bytes"
+        )
     return budget
 
 
-def profile_step_memory(model: LlamaForCausalLM, memory: DeviceMemory, baseline: MemoryBaseline, *,
-                        device: torch.device, dtype: torch.dtype, block_size: int, num_tokens: int,
-                        num_seqs: int, kv_layout: str) -> MemoryProfile:
+def profile_step_memory(
+    model: LlamaForCausalLM,
+    memory: DeviceMemory,
+    baseline: MemoryBaseline,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    num_tokens: int,
+    num_seqs: int,
+    kv_layout: str,
+) -> MemoryProfile:
     """Run the largest step once and measure what it and the weights use (see the module docstring)."""
     arch = model.arch
     memory.synchronize()
     weights = memory.memory_allocated()
     num_blocks = -(-num_tokens // block_size) + 1  # block 0 stays reserved
-    scratch = KVCache(arch.num_hidden_layers, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim,
-                      dtype, device, layout=kv_layout)
+    scratch = KVCache(
+        arch.num_hidden_layers,
+        num_blocks,
+        block_size,
+        arch.num_key_value_heads,
+        arch.head_dim,
+        dtype,
+        device,
+        layout=kv_layout,
+    )
     runner = ModelRunner(model, scratch, device)
     probe = Request("memory-profile", [0] * num_tokens, SamplingParams(max_tokens=1))
     batch = runner.build_batch([(probe, num_tokens)], [list(range(1, num_blocks))])
@@ -140,7 +159,7 @@ def profile_step_memory(model: LlamaForCausalLM, memory: DeviceMemory, baseline:
     memory.reset_peak()
     with torch.inference_mode():
         hidden = model(batch.input_ids, batch.positions, scratch.layers, batch.meta)
-        rows = hidden[-min(num_seqs, num_tokens):]
+        rows = hidden[-min(num_seqs, num_tokens) :]
         logits = model.compute_logits(rows)
         logits.log_softmax(dim=-1).sort(dim=-1, descending=True, stable=True)
     memory.synchronize()
@@ -149,20 +168,55 @@ def profile_step_memory(model: LlamaForCausalLM, memory: DeviceMemory, baseline:
     memory.empty_cache()
     free, total = memory.mem_get_info()
     # device memory our process added beyond what torch's allocator holds
-    non_torch = max(0, (baseline.free_bytes - free) - (memory.memory_reserved() - baseline.torch_reserved_bytes))
-    profile = MemoryProfile(total_bytes=total, free_bytes=free, weights_bytes=weights,
-                            activation_peak_bytes=max(0, peak), non_torch_bytes=non_torch)
-    log.info("memory profile: weights %.2f GiB, activation peak %.2f GiB (%d tokens, %d logits rows), "
-             "non-torch %.2f GiB, free %.2f of %.2f GiB", weights / GIB, profile.activation_peak_bytes / GIB,
-             num_tokens, min(num_seqs, num_tokens), non_torch / GIB, free / GIB, total / GIB)
+    non_torch = max(
+        0, (baseline.free_bytes - free) - (memory.memory_reserved() - baseline.torch_reserved_bytes)
+    )
+    profile = MemoryProfile(
+        total_bytes=total,
+        free_bytes=free,
+        weights_bytes=weights,
+        activation_peak_bytes=max(0, peak),
+        non_torch_bytes=non_torch,
+    )
+    log.info(
+        "memory profile: weights %.2f GiB, activation peak %.2f GiB (%d tokens, %d logits rows), "
+        "non-torch %.2f GiB, free %.2f of %.2f GiB",
+        weights / GIB,
+        profile.activation_peak_bytes / GIB,
+        num_tokens,
+        min(num_seqs, num_tokens),
+        non_torch / GIB,
+        free / GIB,
+        total / GIB,
+    )
     return profile
 
 
-def profiled_kv_budget(model: LlamaForCausalLM, memory: DeviceMemory, baseline: MemoryBaseline, *,
-                       device: torch.device, dtype: torch.dtype, block_size: int, max_num_batched_tokens: int,
-                       max_num_seqs: int, max_model_len: int, kv_layout: str, utilization: float) -> int:
+def profiled_kv_budget(
+    model: LlamaForCausalLM,
+    memory: DeviceMemory,
+    baseline: MemoryBaseline,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    max_model_len: int,
+    kv_layout: str,
+    utilization: float,
+) -> int:
     """The KV budget in bytes for ``utilization``, from one profiled step of the largest size the engine runs."""
     num_tokens = max(1, min(max_num_batched_tokens, max_model_len))
-    profile = profile_step_memory(model, memory, baseline, device=device, dtype=dtype, block_size=block_size,
-                                  num_tokens=num_tokens, num_seqs=max_num_seqs, kv_layout=kv_layout)
+    profile = profile_step_memory(
+        model,
+        memory,
+        baseline,
+        device=device,
+        dtype=dtype,
+        block_size=block_size,
+        num_tokens=num_tokens,
+        num_seqs=max_num_seqs,
+        kv_layout=kv_layout,
+    )
     return kv_budget_bytes(profile, utilization)

@@ -43,7 +43,7 @@ class ModelRunner:
         num_decodes = 0
         for req, n in scheduled:
             c = req.num_computed_tokens
-            ids.extend(req.all_token_ids[c:c + n])
+            ids.extend(req.all_token_ids[c : c + n])
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             query_lens.append(n)
@@ -60,7 +60,9 @@ class ModelRunner:
                     prompt_rows.extend(range(starts[-2], starts[-2] + last - c))
         dev = self.device
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+        )
         qsl = torch.tensor(starts, dtype=torch.int32, device=dev)
         lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
         # per-token positions and slots with tensor ops (no Python loop over prompt tokens)
@@ -70,13 +72,25 @@ class ModelRunner:
         positions = (lens.long() - qlens)[seq_of_token] + offset_in_seq
         blocks = block_tables[seq_of_token, positions // self.block_size].long()
         slot_mapping = blocks * self.block_size + positions % self.block_size
-        meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=qsl, seq_lens=lens,
-                                 block_tables=block_tables, num_decodes=num_decodes,
-                                 query_lens_host=query_lens, seq_lens_host=seq_lens, block_size=self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=qsl,
+            seq_lens=lens,
+            block_tables=block_tables,
+            num_decodes=num_decodes,
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+            block_size=self.block_size,
+        )
         prompt_spans = [(r, len(logits_rows) + off, cnt, pos) for r, off, cnt, pos in prompt_spans]
-        return StepBatch(torch.tensor(ids, dtype=torch.long, device=dev), positions, meta,
-                         torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev), sampling,
-                         prompt_spans)
+        return StepBatch(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            positions,
+            meta,
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
+            sampling,
+            prompt_spans,
+        )
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the forward pass; float32 logits for ``batch.logits_indices`` (sampling rows first)."""

@@ -35,7 +35,11 @@ def max_chars_per_token(tokenizer: Tokenizer) -> int | None:
     """The most characters of text one token can stand for, or None where no such bound is sound."""
     backend = tokenizer.backend
     shrink = _normalizer_shrink(_state(backend.normalizer))
-    if shrink is None or not _keeps_characters(_state(backend.pre_tokenizer)) or not _model_is_bounded(backend):
+    if (
+        shrink is None
+        or not _keeps_characters(_state(backend.pre_tokenizer))
+        or not _model_is_bounded(backend)
+    ):
         return None
     if backend.truncation is not None:
         return None  # a truncating tokenizer makes any text fit; the token check decides as before

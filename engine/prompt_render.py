@@ -26,7 +26,11 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                if not (
+                    isinstance(part, dict)
+                    and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)
+                ):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ValueError(f"only text content parts are supported, got a {kind!r} part")
                 texts.append(part["text"])
@@ -35,19 +39,29 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def render_chat_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                       **template_kwargs: Any) -> str:
+def render_chat_prompt(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> str:
     """The chat prompt text: content parts normalized, then the model's chat template."""
-    return tokenizer.apply_chat_template(normalize_messages(messages), add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
+    return tokenizer.apply_chat_template(
+        normalize_messages(messages), add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **template_kwargs: Any) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> list[int]:
     """``/v1/chat/completions``: the rendered chat prompt, encoded without extra special tokens (the template
     already writes them)."""
-    return encode_chat_prompt(tokenizer, render_chat_prompt(tokenizer, messages, add_generation_prompt,
-                                                            **template_kwargs))
+    return encode_chat_prompt(
+        tokenizer, render_chat_prompt(tokenizer, messages, add_generation_prompt, **template_kwargs)
+    )
 
 
 def encode_chat_prompt(tokenizer: Tokenizer, text: str) -> list[int]:

@@ -92,10 +92,20 @@ class RequestTimes:
 class Request:
     """One sequence being generated. Parallel samples (``n`` > 1) are sibling requests sharing KV blocks."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                 adapter_id: str | None = None, prompt: str | None = None, eos_token_ids: frozenset[int] = frozenset(),
-                 deadline: float | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        prompt: str | None = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        deadline: float | None = None,
+    ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
         self.request_id = request_id
@@ -160,9 +170,18 @@ class Request:
     def fork(self, child_id: str) -> Request:
         """A new sequence that continues from this one's tokens and computed KV (parallel samples, beams).
         It starts in this sequence's state; the KV manager shares the blocks by reference count."""
-        child = Request(child_id, self.prompt_token_ids, self.params, arrival_time=self.times.arrival,
-                        priority=self.priority, cache_salt=self.cache_salt, adapter_id=self.adapter_id,
-                        prompt=self.prompt, eos_token_ids=self.eos_token_ids, deadline=self.deadline)
+        child = Request(
+            child_id,
+            self.prompt_token_ids,
+            self.params,
+            arrival_time=self.times.arrival,
+            priority=self.priority,
+            cache_salt=self.cache_salt,
+            adapter_id=self.adapter_id,
+            prompt=self.prompt,
+            eos_token_ids=self.eos_token_ids,
+            deadline=self.deadline,
+        )
         child.output_token_ids = list(self.output_token_ids)
         child._all_token_ids = list(self._all_token_ids)
         child.status = self.status
@@ -182,7 +201,9 @@ class Request:
     # ---- state machine -------------------------------------------------------------------------------
     def transition(self, new: RequestStatus) -> None:
         if new not in TRANSITIONS[self.status]:
-            raise IllegalTransition(f"request {self.request_id}: illegal transition {self.status.value} -> {new.value}")
+            raise IllegalTransition(
+                f"request {self.request_id}: illegal transition {self.status.value} -> {new.value}"
+            )
         self.status = new
 
     @property
@@ -194,5 +215,7 @@ class Request:
         return (self.priority, self.times.arrival, self.seq_no)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
-                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )

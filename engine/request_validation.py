@@ -11,22 +11,29 @@ class RequestError(ValueError):
     """A request cannot be served as given (e.g. prompt longer than the context); message says why."""
 
 
-def validate_prompt(token_ids: list[int], vocab: int, max_model_len: int, max_num_batched_tokens: int,
-                    chunked_prefill: bool) -> None:
+def validate_prompt(
+    token_ids: list[int], vocab: int, max_model_len: int, max_num_batched_tokens: int, chunked_prefill: bool
+) -> None:
     if not token_ids:
         raise RequestError("the prompt is empty")
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
         raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
     if len(token_ids) >= max_model_len:
-        raise RequestError(f"prompt has {len(token_ids)} tokens; the context limit is {max_model_len} "
-                           "(prompt + at least one generated token)")
+        raise RequestError(
+            f"prompt has {len(token_ids)} tokens; the context limit is {max_model_len} "
+            "(prompt + at least one generated token)"
+        )
     if not chunked_prefill and len(token_ids) > max_num_batched_tokens:
-        raise RequestError(f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-                           f"({max_num_batched_tokens}) with chunked prefill disabled")
+        raise RequestError(
+            f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
+            f"({max_num_batched_tokens}) with chunked prefill disabled"
+        )
 
 
-def validate_params(p: SamplingParams, vocab: int, max_logprobs: int, max_num_seqs: int | None = None) -> None:
+def validate_params(
+    p: SamplingParams, vocab: int, max_logprobs: int, max_num_seqs: int | None = None
+) -> None:
     def ids_in_vocab(name: str, ids) -> None:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
@@ -42,8 +49,10 @@ def validate_params(p: SamplingParams, vocab: int, max_logprobs: int, max_num_se
     if max_num_seqs is not None and p.num_samples > max_num_seqs:
         # every sample (or beam) is a sequence of the batch: more than the batch holds could never run
         what = "beam width" if p.use_beam_search else ("best_of" if p.best_of is not None else "n")
-        raise RequestError(f"{what}={p.num_samples} exceeds the server's max_num_seqs ({max_num_seqs}): "
-                           "its samples run as parallel sequences of one batch")
+        raise RequestError(
+            f"{what}={p.num_samples} exceeds the server's max_num_seqs ({max_num_seqs}): "
+            "its samples run as parallel sequences of one batch"
+        )
 
 
 def bad_word_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:

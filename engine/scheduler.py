@@ -141,10 +141,14 @@ class Scheduler:
                     break
                 n = min(remaining, budget)
                 if reserving:
-                    future = self._output_reserve(req, blocks_for_tokens(len(hits) * self.block_size + n,
-                                                                         self.block_size), seats)
-                    if self.running and self.kv.blocks_to_allocate(req, n, hits) + future + promised > \
-                            self.kv.pool.num_free:
+                    future = self._output_reserve(
+                        req, blocks_for_tokens(len(hits) * self.block_size + n, self.block_size), seats
+                    )
+                    if (
+                        self.running
+                        and self.kv.blocks_to_allocate(req, n, hits) + future + promised
+                        > self.kv.pool.num_free
+                    ):
                         break  # the outputs already running (and this one's) keep their share of the cache
                     promised += future
                 if not self.kv.allocate(req, n, hits):

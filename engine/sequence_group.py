@@ -56,10 +56,18 @@ class SequenceGroup:
 
     def new_sample(self, seq: Request, index: int) -> SampleState:
         p = self.params
-        detok = IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.skip_special_tokens) \
-            if p.detokenize and self.beam is None else None
-        state = SampleState(index, seq, detok, StopStringBuffer(p.stop, p.include_stop_str_in_output),
-                            logprobs=[] if p.logprobs is not None else None)
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.skip_special_tokens)
+            if p.detokenize and self.beam is None
+            else None
+        )
+        state = SampleState(
+            index,
+            seq,
+            detok,
+            StopStringBuffer(p.stop, p.include_stop_str_in_output),
+            logprobs=[] if p.logprobs is not None else None,
+        )
         self.samples.append(state)
         return state
 
@@ -73,8 +81,9 @@ class SequenceGroup:
         return [s for s in self.samples if s.finish_reason is None]
 
     # ---- per token -------------------------------------------------------------------------------------
-    def on_token(self, sample: SampleState, token: int, logprob: float | None,
-                 top: dict[int, Logprob] | None) -> str | None:
+    def on_token(
+        self, sample: SampleState, token: int, logprob: float | None, top: dict[int, Logprob] | None
+    ) -> str | None:
         """Record a generated token; returns a matched stop string, if the text now contains one."""
         if logprob is not None:
             sample.cumulative_logprob += logprob
@@ -109,12 +118,18 @@ class SequenceGroup:
             if not self.finished:
                 return []
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
-        return [CompletionOutput(index=i, text=s.text, token_ids=list(s.seq.output_token_ids),
-                                 cumulative_logprob=s.cumulative_logprob if self.wants_scores else None,
-                                 logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                                 finish_reason=s.finish_reason.value if s.finish_reason else None,
-                                 stop_reason=s.stop_reason)
-                for i, s in enumerate(samples)]
+        return [
+            CompletionOutput(
+                index=i,
+                text=s.text,
+                token_ids=list(s.seq.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if self.wants_scores else None,
+                logprobs=list(s.logprobs) if s.logprobs is not None else None,
+                finish_reason=s.finish_reason.value if s.finish_reason else None,
+                stop_reason=s.stop_reason,
+            )
+            for i, s in enumerate(samples)
+        ]
 
     @property
     def hides_samples(self) -> bool:
@@ -129,11 +144,20 @@ class SequenceGroup:
     def make_output(self, num_cached_tokens: int) -> RequestOutput:
         t = self.primary.times
         last = max((s.seq.times.last_token or 0.0 for s in self.samples), default=0.0) or None
-        metrics = RequestMetrics(arrival_time=t.arrival, first_scheduled_time=t.first_scheduled,
-                                 first_token_time=t.first_token, last_token_time=last,
-                                 finished_time=max((s.seq.times.finished or 0.0 for s in self.samples),
-                                                   default=0.0) or None)
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=self.completions(), finished=self.finished,
-                             num_cached_tokens=num_cached_tokens, metrics=metrics,
-                             prompt_logprobs=self.prompt_logprobs)
+        metrics = RequestMetrics(
+            arrival_time=t.arrival,
+            first_scheduled_time=t.first_scheduled,
+            first_token_time=t.first_token,
+            last_token_time=last,
+            finished_time=max((s.seq.times.finished or 0.0 for s in self.samples), default=0.0) or None,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=self.completions(),
+            finished=self.finished,
+            num_cached_tokens=num_cached_tokens,
+            metrics=metrics,
+            prompt_logprobs=self.prompt_logprobs,
+        )

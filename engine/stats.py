@@ -39,11 +39,17 @@ class EngineStats:
         self.last_step_decode_tokens = decode_tokens
         if prefill_tokens and seconds > 0:
             rate = prefill_tokens / seconds
-            self.prefill_tokens_per_second = rate if not self.prefill_tokens_per_second else \
-                (1 - _EMA) * self.prefill_tokens_per_second + _EMA * rate
+            self.prefill_tokens_per_second = (
+                rate
+                if not self.prefill_tokens_per_second
+                else (1 - _EMA) * self.prefill_tokens_per_second + _EMA * rate
+            )
         elif decode_tokens:
-            self.decode_step_seconds = seconds if not self.decode_step_seconds else \
-                (1 - _EMA) * self.decode_step_seconds + _EMA * seconds
+            self.decode_step_seconds = (
+                seconds
+                if not self.decode_step_seconds
+                else (1 - _EMA) * self.decode_step_seconds + _EMA * seconds
+            )
 
 
 def load_snapshot(engine) -> dict:
@@ -51,19 +57,31 @@ def load_snapshot(engine) -> dict:
     KV blocks, and the engine's measured speeds."""
     sched, pool, kv = engine.scheduler, engine.pool, engine.kv
     queued_prefill = sum(r.num_tokens - r.num_computed_tokens for r in sched.waiting)
-    queued_prefill += sum(r.num_prompt_tokens - r.num_computed_tokens for r in sched.running
-                          if r.num_computed_tokens < r.num_prompt_tokens)
+    queued_prefill += sum(
+        r.num_prompt_tokens - r.num_computed_tokens
+        for r in sched.running
+        if r.num_computed_tokens < r.num_prompt_tokens
+    )
     running_decode = sum(1 for r in sched.running if r.num_computed_tokens >= r.num_prompt_tokens)
     total = pool.num_usable
     return {
-        "model": engine.served_model_name, "epoch": engine.kv_events.epoch,
-        "waiting": len(sched.waiting), "running": len(sched.running), "swapped": len(sched.swapped),
-        "queued_prefill_tokens": queued_prefill, "running_decode_tokens": running_decode,
-        "kv_blocks_total": total, "kv_blocks_free": pool.num_free, "kv_blocks_cached": pool.num_cached,
-        "kv_blocks_reserved": kv.num_reserved_blocks, "kv_usage": 1 - pool.num_free / total,
-        "block_size": kv.block_size, "max_model_len": engine.max_model_len,
+        "model": engine.served_model_name,
+        "epoch": engine.kv_events.epoch,
+        "waiting": len(sched.waiting),
+        "running": len(sched.running),
+        "swapped": len(sched.swapped),
+        "queued_prefill_tokens": queued_prefill,
+        "running_decode_tokens": running_decode,
+        "kv_blocks_total": total,
+        "kv_blocks_free": pool.num_free,
+        "kv_blocks_cached": pool.num_cached,
+        "kv_blocks_reserved": kv.num_reserved_blocks,
+        "kv_usage": 1 - pool.num_free / total,
+        "block_size": kv.block_size,
+        "max_model_len": engine.max_model_len,
         "kv_cache_bytes": engine.kv_cache.total_bytes,
-        "kv_cache_sizing": engine.kv_cache_sizing, "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "kv_cache_sizing": engine.kv_cache_sizing,
+        "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "prefill_tokens_per_second": engine.stats.prefill_tokens_per_second,
         "decode_step_seconds": engine.stats.decode_step_seconds,

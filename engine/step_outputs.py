@@ -33,11 +33,12 @@ class StepOutputs:
     def _record_prompt_logprobs(self, batch, logits: torch.Tensor) -> None:
         for seq, first_row, count, first_pos in batch.prompt_spans:
             group = seq.group
-            lp = logits[first_row:first_row + count].log_softmax(dim=-1)
+            lp = logits[first_row : first_row + count].log_softmax(dim=-1)
             for i in range(count):
                 pos = first_pos + i + 1  # the prompt token these logits score
                 group.prompt_logprobs[pos] = self._decoded(
-                    top_logprobs_of(lp[i], seq.prompt_token_ids[pos], seq.params.prompt_logprobs))
+                    top_logprobs_of(lp[i], seq.prompt_token_ids[pos], seq.params.prompt_logprobs)
+                )
 
     def _decoded(self, entries: dict[int, Logprob]) -> dict[int, Logprob]:
         for tok, lp in entries.items():
@@ -62,12 +63,29 @@ class StepOutputs:
             else:
                 rows.append((seq, "sample"))
                 sources.append(src)
-        row_logits = logits if len(sources) == len(seqs) else logits.index_select(0, torch.tensor(sources, device=logits.device))
-        states = [RowState(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.bad_word_ids,
-                           s.ngram_index, self._generators.get(s.request_id)) for s, _ in rows]
-        res = self.sampler.sample(row_logits, states,
-                                  want_sampled_logprob=[s.group.wants_scores for s, _ in rows],
-                                  want_full=[kind == "beam" for _, kind in rows])
+        row_logits = (
+            logits
+            if len(sources) == len(seqs)
+            else logits.index_select(0, torch.tensor(sources, device=logits.device))
+        )
+        states = [
+            RowState(
+                s.params,
+                s.prompt_token_ids,
+                s.output_token_ids,
+                s.eos_token_ids,
+                s.bad_word_ids,
+                s.ngram_index,
+                self._generators.get(s.request_id),
+            )
+            for s, _ in rows
+        ]
+        res = self.sampler.sample(
+            row_logits,
+            states,
+            want_sampled_logprob=[s.group.wants_scores for s, _ in rows],
+            want_full=[kind == "beam" for _, kind in rows],
+        )
         now = time.monotonic()
         beams_ready: list[SequenceGroup] = []
         for i, (seq, kind) in enumerate(rows):
@@ -92,8 +110,9 @@ class StepOutputs:
         return child
 
     # ---- per token -----------------------------------------------------------------------------------
-    def _append(self, seq: Request, token: int, now: float, logprob: float | None,
-                top: dict[int, Logprob] | None) -> None:
+    def _append(
+        self, seq: Request, token: int, now: float, logprob: float | None, top: dict[int, Logprob] | None
+    ) -> None:
         seq.append_output_token(token)
         self.stats.generation_tokens += 1
         times = seq.times
@@ -118,7 +137,9 @@ class StepOutputs:
             if not group.live_samples():
                 self._reclaim(group, S.FINISHED, reason)
 
-    def _stop_reason(self, seq: Request, token: int, matched: str | None) -> tuple[FinishReason | None, str | int | None]:
+    def _stop_reason(
+        self, seq: Request, token: int, matched: str | None
+    ) -> tuple[FinishReason | None, str | int | None]:
         p = seq.params
         if matched is not None:
             return FinishReason.STOP, matched
@@ -143,8 +164,11 @@ class StepOutputs:
         used: set[str] = set()
         for c in step.continue_with:  # fork duplicates first, while every parent still has its old tokens
             parent = self.requests[c.parent]
-            seq = parent if c.parent not in used else self._fork(parent, f"{group.request_id}#b{len(group.samples)}",
-                                                                 len(group.samples))
+            seq = (
+                parent
+                if c.parent not in used
+                else self._fork(parent, f"{group.request_id}#b{len(group.samples)}", len(group.samples))
+            )
             used.add(c.parent)
             targets.append((seq, c.token, c.cum_logprob))
         for seq, token, _ in targets:
@@ -187,13 +211,25 @@ class StepOutputs:
         committed = sum(len(c.token_ids) for c in completions)
         emitted = committed if group.hides_samples else sum(s.num_emitted for s in group.samples)
         primary = group.primary
-        self.terminal_records.append(TerminalRecord(
-            request_id=group.request_id, status=status.value, finish_reason=reason.value, num_generated=generated,
-            num_emitted=emitted, num_committed=committed,
-            num_prompt_tokens=primary.num_prompt_tokens, num_cached_tokens=primary.num_cached_tokens,
-            num_preemptions=sum(s.seq.num_preemptions for s in group.samples),
-            timings={"arrival": primary.times.arrival, "first_scheduled": primary.times.first_scheduled,
-                     "first_token": primary.times.first_token, "finished": time.monotonic()}))
+        self.terminal_records.append(
+            TerminalRecord(
+                request_id=group.request_id,
+                status=status.value,
+                finish_reason=reason.value,
+                num_generated=generated,
+                num_emitted=emitted,
+                num_committed=committed,
+                num_prompt_tokens=primary.num_prompt_tokens,
+                num_cached_tokens=primary.num_cached_tokens,
+                num_preemptions=sum(s.seq.num_preemptions for s in group.samples),
+                timings={
+                    "arrival": primary.times.arrival,
+                    "first_scheduled": primary.times.first_scheduled,
+                    "first_token": primary.times.first_token,
+                    "finished": time.monotonic(),
+                },
+            )
+        )
         self._pending_outputs[group.request_id] = group
         return True
 

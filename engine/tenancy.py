@@ -56,8 +56,11 @@ class TenantPolicy:
         if not self.authenticated or self.trust_header:
             return True
         given = headers.get(ROUTER_TOKEN_HEADER)
-        return self.router_token is not None and given is not None and \
-            hmac.compare_digest(given.encode(), self.router_token.encode())
+        return (
+            self.router_token is not None
+            and given is not None
+            and hmac.compare_digest(given.encode(), self.router_token.encode())
+        )
 
 
 def _well_formed(tenant: str) -> bool:
@@ -102,6 +105,8 @@ def parse_api_key(spec: str) -> tuple[str, str | None]:
     if not sep:
         return spec, None
     if not key or not tenant or not _well_formed(tenant):
-        raise TenantError(f"--api-key {'KEY:TENANT'!r}: the key and a printable ASCII tenant of at most "
-                          f"{MAX_TENANT_LEN} characters, got a malformed binding")
+        raise TenantError(
+            f"--api-key {'KEY:TENANT'!r}: the key and a printable ASCII tenant of at most "
+            f"{MAX_TENANT_LEN} characters, got a malformed binding"
+        )
     return key, tenant

@@ -41,8 +41,14 @@ def common_labels(isvc: InferenceService) -> dict[str, str]:
 
 
 def owner_reference(isvc: InferenceService) -> dict[str, Any]:
-    return {"apiVersion": api_names.API_VERSION, "kind": api_names.KIND, "name": isvc.name, "uid": isvc.uid,
-            "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": api_names.API_VERSION,
+        "kind": api_names.KIND,
+        "name": isvc.name,
+        "uid": isvc.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def _metadata(isvc: InferenceService, name: str) -> dict[str, Any]:
@@ -56,12 +62,25 @@ def _router_access(isvc: InferenceService) -> list[dict[str, Any]]:
     name = f"{isvc.name}-router"
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(isvc, name)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(isvc, name),
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(isvc, name),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(isvc, name),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(isvc, name),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}],
+        },
     ]
 
 
@@ -72,50 +91,80 @@ def new_router_token() -> str:
 def _router_token(isvc: InferenceService, token: str) -> dict[str, Any]:
     """The token the router sidecars present to the engines (``x-kvpilot-router-token``), one per
     InferenceService: every router may send to every engine of the service, so all pods share it."""
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _metadata(isvc, router_token_secret_name(isvc)),
-            "type": "Opaque",
-            "data": {api_names.ROUTER_TOKEN_KEY: base64.b64encode(token.encode()).decode()}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(isvc, router_token_secret_name(isvc)),
+        "type": "Opaque",
+        "data": {api_names.ROUTER_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
 
 
 def _services(isvc: InferenceService) -> list[dict[str, Any]]:
     selector = selector_labels(isvc)
     engines = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(isvc, f"{isvc.name}-engines"),
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(isvc, f"{isvc.name}-engines"),
         # Headless: the router needs every engine's address (via EndpointSlices), not one virtual IP.
         # Not-ready engines are published too: the router probes each engine's /ready itself, and a
         # pod only turns Ready once its router is ready, which needs an engine it can see (chicken, egg).
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector,
-                 "ports": [{"name": "http", "port": api_names.ENGINE_PORT, "targetPort": "http",
-                            "protocol": "TCP"}]},
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector,
+            "ports": [
+                {"name": "http", "port": api_names.ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
     }
     client = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _metadata(isvc, isvc.name),
-        "spec": {"type": "ClusterIP", "selector": selector,
-                 "ports": [{"name": "http", "port": api_names.SERVICE_PORT, "targetPort": "http-router",
-                            "protocol": "TCP"}]},
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(isvc, isvc.name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector,
+            "ports": [
+                {
+                    "name": "http",
+                    "port": api_names.SERVICE_PORT,
+                    "targetPort": "http-router",
+                    "protocol": "TCP",
+                }
+            ],
+        },
     }
     return [engines, client]
 
 
 def _disruption_budget(isvc: InferenceService, sizing: SizingResult) -> dict[str, Any]:
     return {
-        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": _metadata(isvc, isvc.name),
-        "spec": {"maxUnavailable": sizing.disruption_allowance,
-                 "selector": {"matchLabels": selector_labels(isvc)}},
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(isvc, isvc.name),
+        "spec": {
+            "maxUnavailable": sizing.disruption_allowance,
+            "selector": {"matchLabels": selector_labels(isvc)},
+        },
     }
 
 
 def _deployment(isvc: InferenceService, sizing: SizingResult, default_image: str) -> dict[str, Any]:
     allowance = sizing.disruption_allowance
     return {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(isvc, isvc.name),
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(isvc, isvc.name),
         "spec": {
             "replicas": sizing.desired,
             "selector": {"matchLabels": selector_labels(isvc)},
             # Roll by taking down at most the spare pods, never more, so N stay serving; with no spare,
             # surge one new pod first instead (Kubernetes refuses maxSurge = maxUnavailable = 0).
-            "strategy": {"type": "RollingUpdate",
-                         "rollingUpdate": {"maxUnavailable": allowance, "maxSurge": 0 if allowance else 1}},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxUnavailable": allowance, "maxSurge": 0 if allowance else 1},
+            },
             "progressDeadlineSeconds": startup_budget(isvc.spec.model).progress_deadline_seconds,
             "revisionHistoryLimit": 5,
             "template": pod_template(isvc, common_labels(isvc), selector_labels(isvc), default_image),
@@ -123,12 +172,18 @@ def _deployment(isvc: InferenceService, sizing: SizingResult, default_image: str
     }
 
 
-def build_children(isvc: InferenceService, default_image: str = api_names.DEFAULT_IMAGE,
-                   router_token: str | None = None) -> Children:
+def build_children(
+    isvc: InferenceService, default_image: str = api_names.DEFAULT_IMAGE, router_token: str | None = None
+) -> Children:
     """``router_token``: the Secret's value if it has to be created (a fresh random one when None)."""
     sizing = size_replicas(isvc.spec.scaling)
     token = router_token if router_token is not None else new_router_token()
     # The Secret before the Deployment: a pod whose secretKeyRef names no Secret cannot start.
-    objects = [*_router_access(isvc), _router_token(isvc, token), *_services(isvc),
-               _disruption_budget(isvc, sizing), _deployment(isvc, sizing, default_image)]
+    objects = [
+        *_router_access(isvc),
+        _router_token(isvc, token),
+        *_services(isvc),
+        _disruption_budget(isvc, sizing),
+        _deployment(isvc, sizing, default_image),
+    ]
     return Children(sizing=sizing, objects=tuple(objects))

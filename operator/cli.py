@@ -28,17 +28,30 @@ def _parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", help="run the operator (Kopf) against the current cluster")
     scope = run.add_mutually_exclusive_group(required=True)
-    scope.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
-                       help="watch this namespace (repeatable)")
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        default=[],
+        help="watch this namespace (repeatable)",
+    )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     run.add_argument("--standalone", action="store_true", help="no peering: this is the only operator")
-    run.add_argument("--liveness", metavar="URL", help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument(
+        "--liveness", metavar="URL", help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+    )
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")
     run.add_argument("--log-format", choices=("plain", "full", "json"), default="full")
     run.add_argument("--engine-image", default=DEFAULT_IMAGE, help="image when spec.engine.image is unset")
-    run.add_argument("--status-interval", type=float, default=10.0, metavar="SECONDS",
-                     help="how often status is refreshed and drift reverted")
+    run.add_argument(
+        "--status-interval",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how often status is refreshed and drift reverted",
+    )
     run.add_argument("--engine-probe-timeout", type=float, default=1.0, metavar="SECONDS")
     run.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
 
@@ -53,8 +66,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _kopf_args(args: argparse.Namespace) -> list[str]:
     kopf_args = ["run"]
-    kopf_args += ["--all-namespaces"] if args.all_namespaces else [
-        flag for namespace in args.namespaces for flag in ("--namespace", namespace)]
+    kopf_args += (
+        ["--all-namespaces"]
+        if args.all_namespaces
+        else [flag for namespace in args.namespaces for flag in ("--namespace", namespace)]
+    )
     if args.standalone:
         kopf_args.append("--standalone")
     if args.liveness:
@@ -72,9 +88,12 @@ def _run(args: argparse.Namespace) -> int:
     from kvpilot.operator.handlers import register
 
     try:
-        config = OperatorConfig(default_image=args.engine_image, status_interval_seconds=args.status_interval,
-                                engine_probe_timeout_seconds=args.engine_probe_timeout,
-                                metrics_port=args.metrics_port)
+        config = OperatorConfig(
+            default_image=args.engine_image,
+            status_interval_seconds=args.status_interval,
+            engine_probe_timeout_seconds=args.engine_probe_timeout,
+            metrics_port=args.metrics_port,
+        )
     except ValueError as error:
         print(f"kvpilot operator run: {error}", file=sys.stderr)
         return EXIT_INVALID
@@ -116,8 +135,13 @@ def _render(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -
     return 0
 
 
-def main(argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None,
-         stdin: TextIO | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+    stdin: TextIO | None = None,
+) -> int:
     out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
     args = _parser().parse_args(list(argv) if argv is not None else None)
     if args.command == "run":

@@ -57,14 +57,16 @@ def crd_manifest() -> dict[str, Any]:
                 "shortNames": list(api_names.SHORT_NAMES),
                 "categories": ["kvpilot"],
             },
-            "versions": [{
-                "name": api_names.VERSION,
-                "served": True,
-                "storage": True,
-                "subresources": {"status": {}},
-                "additionalPrinterColumns": [dict(column) for column in PRINTER_COLUMNS],
-                "schema": {"openAPIV3Schema": openapi_schema()},
-            }],
+            "versions": [
+                {
+                    "name": api_names.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [dict(column) for column in PRINTER_COLUMNS],
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
         },
     }
 

@@ -17,8 +17,18 @@ from kubernetes.utils import parse_quantity
 
 # Flags the operator derives from the spec; repeating one in extraArgs would silently override the spec.
 OPERATOR_OWNED_FLAGS = (
-    "model", "port", "served-model-name", "dtype", "block-size", "max-num-seqs", "max-num-batched-tokens",
-    "kv-cache-memory-bytes", "gpu-memory-utilization", "slo-ttft", "slo-tpot", "(no-)?enable-prefix-caching",
+    "model",
+    "port",
+    "served-model-name",
+    "dtype",
+    "block-size",
+    "max-num-seqs",
+    "max-num-batched-tokens",
+    "kv-cache-memory-bytes",
+    "gpu-memory-utilization",
+    "slo-ttft",
+    "slo-tpot",
+    "(no-)?enable-prefix-caching",
     "(no-)?enable-chunked-prefill",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
@@ -49,49 +59,58 @@ def _quantity_less(smaller: str, larger: str) -> bool:
 
 RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
-        node=("spec", "scaling"), field="replicas",
+        node=("spec", "scaling"),
+        field="replicas",
         cel="!(has(self.replicas) && has(self.targetRequestsPerSecond))",
         message="set either scaling.replicas or scaling.targetRequestsPerSecond, not both",
         holds=lambda s: not ("replicas" in s and "targetRequestsPerSecond" in s),
     ),
     CrossFieldRule(
-        node=("spec", "scaling"), field="perReplicaGoodput",
+        node=("spec", "scaling"),
+        field="perReplicaGoodput",
         cel="has(self.targetRequestsPerSecond) == has(self.perReplicaGoodput)",
         message="scaling.targetRequestsPerSecond and scaling.perReplicaGoodput are given together",
         holds=lambda s: ("targetRequestsPerSecond" in s) == ("perReplicaGoodput" in s),
     ),
     CrossFieldRule(
-        node=("spec", "scaling"), field="minReplicas",
+        node=("spec", "scaling"),
+        field="minReplicas",
         cel="self.minReplicas <= self.maxReplicas",
         message="scaling.minReplicas must not exceed scaling.maxReplicas",
         holds=lambda s: s["minReplicas"] <= s["maxReplicas"],
     ),
     CrossFieldRule(
-        node=("spec", "engine"), field="maxNumBatchedTokens",
+        node=("spec", "engine"),
+        field="maxNumBatchedTokens",
         cel="self.maxNumBatchedTokens >= self.maxNumSeqs",
         message="engine.maxNumBatchedTokens must be at least engine.maxNumSeqs (one token per sequence)",
         holds=lambda e: e["maxNumBatchedTokens"] >= e["maxNumSeqs"],
     ),
     CrossFieldRule(
-        node=("spec", "engine"), field="extraArgs",
+        node=("spec", "engine"),
+        field="extraArgs",
         cel=f"self.extraArgs.all(a, !a.matches('{OWNED_FLAG_PATTERN}'))",
         message="engine.extraArgs must not repeat a flag the operator sets from the spec",
         holds=lambda e: not any(re.match(OWNED_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
     ),
     CrossFieldRule(
-        node=("spec", "resources"), field="gpuType",
+        node=("spec", "resources"),
+        field="gpuType",
         cel="!has(self.gpuType) || self.gpus > 0",
         message="resources.gpuType needs resources.gpus > 0",
         holds=lambda r: "gpuType" not in r or r["gpus"] > 0,
     ),
     CrossFieldRule(
-        node=("spec",), field="engine.kvCacheMemory",
+        node=("spec",),
+        field="engine.kvCacheMemory",
         cel="self.resources.gpus > 0 || quantity(has(self.engine.kvCacheMemory) ? self.engine.kvCacheMemory "
-            f": '{CPU_KV_CACHE_MEMORY}').isLessThan(quantity(self.resources.memory))",
+        f": '{CPU_KV_CACHE_MEMORY}').isLessThan(quantity(self.resources.memory))",
         message=f"on CPU the KV cache lives in the pod's memory: engine.kvCacheMemory ({CPU_KV_CACHE_MEMORY} "
-                "when unset) must be less than resources.memory",
-        holds=lambda s: s["resources"]["gpus"] > 0
-        or _quantity_less(s["engine"].get("kvCacheMemory", CPU_KV_CACHE_MEMORY), s["resources"]["memory"]),
+        "when unset) must be less than resources.memory",
+        holds=lambda s: (
+            s["resources"]["gpus"] > 0
+            or _quantity_less(s["engine"].get("kvCacheMemory", CPU_KV_CACHE_MEMORY), s["resources"]["memory"])
+        ),
     ),
 )
 

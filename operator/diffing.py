@@ -31,17 +31,22 @@ def contains(want: Any, have: Any, parent_key: str = "") -> bool:
         # A nested object is judged in its own key's context; a scalar in its parent's ("requests").
         return isinstance(have, dict) and all(
             key in have and contains(value, have[key], key if isinstance(value, dict | list) else parent_key)
-            for key, value in want.items())
+            for key, value in want.items()
+        )
     if isinstance(want, list):
-        return (isinstance(have, list) and len(want) == len(have)
-                and all(contains(w, h, parent_key) for w, h in zip(want, have, strict=True)))
+        return (
+            isinstance(have, list)
+            and len(want) == len(have)
+            and all(contains(w, h, parent_key) for w, h in zip(want, have, strict=True))
+        )
     if parent_key in QUANTITY_PARENTS and isinstance(want, str) and isinstance(have, str):
         return want == have or _same_quantity(want, have)
     return bool(want == have and type(want) is type(have))
 
 
-def merge_patch(desired: dict[str, Any], live: dict[str, Any], last_applied: dict[str, Any],
-                parent_key: str = "") -> dict[str, Any]:
+def merge_patch(
+    desired: dict[str, Any], live: dict[str, Any], last_applied: dict[str, Any], parent_key: str = ""
+) -> dict[str, Any]:
     """The JSON merge patch that makes ``live`` contain ``desired``; empty when it already does."""
     patch: dict[str, Any] = {}
     for key, want in desired.items():

@@ -32,7 +32,8 @@ def _configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.persistence.finalizer = f"{api_names.GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=api_names.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=api_names.GROUP, key="last-handled-configuration")
+        prefix=api_names.GROUP, key="last-handled-configuration"
+    )
     settings.posting.level = logging.WARNING  # Kubernetes Events only for what a user must look at
     settings.watching.server_timeout = 300  # reconnect watches regularly, as long-lived clients should
     # The refresh timer makes Kopf hold a finalizer. A timer that is mid-reconcile when its object is
@@ -79,8 +80,12 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
     async def on_change(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
         await reconcile_into(body, patch, logger)
 
-    @kopf.timer(*RESOURCE, interval=config.status_interval_seconds, initial_delay=config.status_interval_seconds,
-                registry=registry)
+    @kopf.timer(
+        *RESOURCE,
+        interval=config.status_interval_seconds,
+        initial_delay=config.status_interval_seconds,
+        registry=registry,
+    )
     async def refresh(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, **_: Any) -> None:
         await reconcile_into(body, patch, logger)
 

@@ -15,8 +15,14 @@ from kubernetes import client, config
 
 # kind -> plural for the kinds the operator reads and writes.
 PLURALS = {
-    "ServiceAccount": "serviceaccounts", "Secret": "secrets", "Role": "roles", "RoleBinding": "rolebindings",
-    "Service": "services", "PodDisruptionBudget": "poddisruptionbudgets", "Deployment": "deployments", "Pod": "pods",
+    "ServiceAccount": "serviceaccounts",
+    "Secret": "secrets",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
+    "Service": "services",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "Deployment": "deployments",
+    "Pod": "pods",
     "InferenceService": "inferenceservices",
 }
 MERGE_PATCH = "application/merge-patch+json"
@@ -62,14 +68,27 @@ class KubeApi:
         self._client = api_client or client.ApiClient()
         self._timeout = request_timeout
 
-    def _call(self, method: str, path: str, *, body: Any = None, query: list[tuple[str, str]] | None = None,
-              content_type: str = "application/json") -> dict[str, Any]:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
         method, url, headers, body, _ = self._client.param_serialize(
-            method, path, query_params=query or [], body=body, auth_settings=["BearerToken"],
-            header_params={"Accept": "application/json", "Content-Type": content_type})
+            method,
+            path,
+            query_params=query or [],
+            body=body,
+            auth_settings=["BearerToken"],
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+        )
         try:
-            response = self._client.call_api(method, url, header_params=headers, body=body,
-                                             _request_timeout=self._timeout)
+            response = self._client.call_api(
+                method, url, header_params=headers, body=body, _request_timeout=self._timeout
+            )
         except client.ApiException as error:  # transport-level failures (TLS, connection)
             raise KubeApiError(int(error.status or 0), str(error.reason), str(error.body)) from None
         data = response.read() or b"{}"
@@ -105,5 +124,8 @@ def _api_error(status_code: int, reason: str, data: bytes) -> KubeApiError:
         status = {}
     if not isinstance(status, dict):
         status = {}
-    return KubeApiError(status_code, status.get("reason") or str(reason),
-                        status.get("message") or data.decode(errors="replace"))
+    return KubeApiError(
+        status_code,
+        status.get("reason") or str(reason),
+        status.get("message") or data.decode(errors="replace"),
+    )

@@ -26,8 +26,8 @@ _ManifestDumper.add_representer(str, _represent_str)
 def dump_documents(documents: Iterable[dict[str, Any]]) -> str:
     """One YAML stream, ``---`` before every document, keys in the order the builders wrote them."""
     parts = [
-        "---\n" + yaml.dump(document, Dumper=_ManifestDumper, sort_keys=False, width=110,
-                            default_flow_style=False)
+        "---\n"
+        + yaml.dump(document, Dumper=_ManifestDumper, sort_keys=False, width=110, default_flow_style=False)
         for document in documents
     ]
     return "".join(parts)

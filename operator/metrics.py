@@ -15,21 +15,42 @@ from kvpilot.operator.crd_schema import PHASES
 REGISTRY = CollectorRegistry()
 LABELS = ("namespace", "inferenceservice")
 
-DESIRED = Gauge("kvpilot_operator_inferenceservice_desired_replicas",
-                "Replicas the N+1 sizing asks for (serving + spare).", LABELS, registry=REGISTRY)
-SPARE = Gauge("kvpilot_operator_inferenceservice_spare_replicas",
-              "Replicas on top of what carries the load, after the min/max clamp.", LABELS, registry=REGISTRY)
-READY = Gauge("kvpilot_operator_inferenceservice_ready_replicas",
-              "Replicas whose engine is loaded, warmed up and Ready.", LABELS, registry=REGISTRY)
-PHASE = Gauge("kvpilot_operator_inferenceservice_phase",
-              "1 for the current phase of the InferenceService, 0 for the others.", (*LABELS, "phase"),
-              registry=REGISTRY)
-RECONCILIATIONS = Counter("kvpilot_operator_reconciliations_total",
-                          "Reconciliations by result (applied, unchanged, invalid, error).", ("result",),
-                          registry=REGISTRY)
-COLD_START = Histogram("kvpilot_operator_replica_cold_start_seconds",
-                       "Pod creation to Ready of engine replicas: scheduling, image pull, load, warm-up.",
-                       buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600), registry=REGISTRY)
+DESIRED = Gauge(
+    "kvpilot_operator_inferenceservice_desired_replicas",
+    "Replicas the N+1 sizing asks for (serving + spare).",
+    LABELS,
+    registry=REGISTRY,
+)
+SPARE = Gauge(
+    "kvpilot_operator_inferenceservice_spare_replicas",
+    "Replicas on top of what carries the load, after the min/max clamp.",
+    LABELS,
+    registry=REGISTRY,
+)
+READY = Gauge(
+    "kvpilot_operator_inferenceservice_ready_replicas",
+    "Replicas whose engine is loaded, warmed up and Ready.",
+    LABELS,
+    registry=REGISTRY,
+)
+PHASE = Gauge(
+    "kvpilot_operator_inferenceservice_phase",
+    "1 for the current phase of the InferenceService, 0 for the others.",
+    (*LABELS, "phase"),
+    registry=REGISTRY,
+)
+RECONCILIATIONS = Counter(
+    "kvpilot_operator_reconciliations_total",
+    "Reconciliations by result (applied, unchanged, invalid, error).",
+    ("result",),
+    registry=REGISTRY,
+)
+COLD_START = Histogram(
+    "kvpilot_operator_replica_cold_start_seconds",
+    "Pod creation to Ready of engine replicas: scheduling, image pull, load, warm-up.",
+    buckets=(5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600),
+    registry=REGISTRY,
+)
 
 
 def record_status(namespace: str, name: str, *, desired: int, spare: int, ready: int, phase: str) -> None:

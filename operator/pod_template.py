@@ -32,14 +32,19 @@ def _model_mounts(isvc: InferenceService) -> list[dict[str, Any]]:
     """The writable scratch volume, and the model's PVC read-only when the model lives on one."""
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     if isvc.spec.model.pvc_claim:
-        mounts.append({"name": "model", "mountPath": f"{MODELS_MOUNT}/{isvc.spec.model.pvc_claim}", "readOnly": True})
+        mounts.append(
+            {"name": "model", "mountPath": f"{MODELS_MOUNT}/{isvc.spec.model.pvc_claim}", "readOnly": True}
+        )
     return mounts
 
 
 # Caches (converted weights, extracted tokenizers, Triton kernels) go to the writable emptyDir; the root
 # filesystem stays read-only.
-_CACHE_ENV = [{"name": "HOME", "value": "/tmp"}, {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
-              {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"}]
+_CACHE_ENV = [
+    {"name": "HOME", "value": "/tmp"},
+    {"name": "XDG_CACHE_HOME", "value": "/tmp/cache"},
+    {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+]
 
 
 def router_token_secret_name(isvc: InferenceService) -> str:
@@ -49,22 +54,32 @@ def router_token_secret_name(isvc: InferenceService) -> str:
 def _router_token_env(isvc: InferenceService) -> dict[str, Any]:
     """Both containers read the shared router token from the Secret the operator creates (children.py):
     the router sends it with each proxied request, the engine trusts ``x-tenant`` only when it matches."""
-    return {"name": api_names.ROUTER_TOKEN_ENV,
-            "valueFrom": {"secretKeyRef": {"name": router_token_secret_name(isvc),
-                                           "key": api_names.ROUTER_TOKEN_KEY}}}
+    return {
+        "name": api_names.ROUTER_TOKEN_ENV,
+        "valueFrom": {
+            "secretKeyRef": {"name": router_token_secret_name(isvc), "key": api_names.ROUTER_TOKEN_KEY}
+        },
+    }
 
 
 def engine_args(isvc: InferenceService) -> list[str]:
     spec = isvc.spec
     engine = spec.engine
     args = [
-        "--model", spec.model.engine_path,
-        "--port", str(api_names.ENGINE_PORT),
-        "--served-model-name", spec.model.served_name,
-        "--dtype", spec.model.dtype,
-        "--block-size", str(engine.block_size),
-        "--max-num-seqs", str(engine.max_num_seqs),
-        "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+        "--model",
+        spec.model.engine_path,
+        "--port",
+        str(api_names.ENGINE_PORT),
+        "--served-model-name",
+        spec.model.served_name,
+        "--dtype",
+        spec.model.dtype,
+        "--block-size",
+        str(engine.block_size),
+        "--max-num-seqs",
+        str(engine.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(engine.max_num_batched_tokens),
         "--enable-prefix-caching" if engine.enable_prefix_caching else "--no-enable-prefix-caching",
         "--enable-chunked-prefill" if engine.enable_chunked_prefill else "--no-enable-chunked-prefill",
     ]
@@ -81,11 +96,16 @@ def engine_args(isvc: InferenceService) -> list[str]:
 def router_args(isvc: InferenceService) -> list[str]:
     args = [
         # the engine's model spec: the router tokenizes prompts exactly as the engine does
-        "--model", isvc.spec.model.engine_path,
-        "--port", str(api_names.ROUTER_PORT),
-        "--endpointslices", f"{isvc.name}-engines",
-        "--namespace", isvc.namespace,
-        "--policy", isvc.spec.router.policy,
+        "--model",
+        isvc.spec.model.engine_path,
+        "--port",
+        str(api_names.ROUTER_PORT),
+        "--endpointslices",
+        f"{isvc.name}-engines",
+        "--namespace",
+        isvc.namespace,
+        "--policy",
+        isvc.spec.router.policy,
     ]
     if isvc.spec.router.weights:
         args += ["--weights", ",".join(f"{key}={value:g}" for key, value in isvc.spec.router.weights)]
@@ -93,13 +113,20 @@ def router_args(isvc: InferenceService) -> list[str]:
 
 
 def _http_probe(path: str, port: str, *, period: int, failures: int, timeout: int) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures,
-            "timeoutSeconds": timeout}
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
 
 
 def _security_context() -> dict[str, Any]:
-    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]}}
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
 
 
 def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
@@ -118,8 +145,9 @@ def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": api_names.ENGINE_PORT, "protocol": "TCP"}],
         "env": [*(dict(e) for e in _CACHE_ENV), _router_token_env(isvc)],
         "resources": {"requests": requests, "limits": limits},
-        "startupProbe": _http_probe("/health", "http", period=PROBE_PERIOD_SECONDS,
-                                    failures=budget.probe_failure_threshold, timeout=5),
+        "startupProbe": _http_probe(
+            "/health", "http", period=PROBE_PERIOD_SECONDS, failures=budget.probe_failure_threshold, timeout=5
+        ),
         "livenessProbe": _http_probe("/health", "http", period=10, failures=3, timeout=5),
         # /ready turns 200 only after warm-up, so a cold replica never gets traffic.
         "readinessProbe": _http_probe("/ready", "http", period=5, failures=2, timeout=3),
@@ -138,10 +166,17 @@ def _router_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "env": [*(dict(e) for e in _CACHE_ENV[:2]), _router_token_env(isvc)],
         "volumeMounts": _model_mounts(isvc),
         "ports": [{"name": "http-router", "containerPort": api_names.ROUTER_PORT, "protocol": "TCP"}],
-        "resources": {"requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},
-                      "limits": {"memory": ROUTER_MEMORY}},
-        "startupProbe": _http_probe("/health", "http-router", period=ROUTER_STARTUP_PERIOD_SECONDS,
-                                    failures=ROUTER_STARTUP_FAILURE_THRESHOLD, timeout=3),
+        "resources": {
+            "requests": {"cpu": ROUTER_CPU, "memory": ROUTER_MEMORY},
+            "limits": {"memory": ROUTER_MEMORY},
+        },
+        "startupProbe": _http_probe(
+            "/health",
+            "http-router",
+            period=ROUTER_STARTUP_PERIOD_SECONDS,
+            failures=ROUTER_STARTUP_FAILURE_THRESHOLD,
+            timeout=3,
+        ),
         "livenessProbe": _http_probe("/health", "http-router", period=10, failures=3, timeout=3),
         # Ready when at least one engine of the service is ready (the router's own /ready rule).
         "readinessProbe": _http_probe("/ready", "http-router", period=5, failures=2, timeout=3),
@@ -154,26 +189,40 @@ def _spread(isvc: InferenceService, selector: dict[str, str]) -> list[dict[str, 
     # a one-node dev cluster a hard host spread would leave the spare replica Pending forever.
     host_policy = "DoNotSchedule" if isvc.spec.scaling.require_host_spread else "ScheduleAnyway"
     return [
-        {"maxSkew": 1, "topologyKey": key, "whenUnsatisfiable": policy,
-         "labelSelector": {"matchLabels": dict(selector)}, "matchLabelKeys": ["pod-template-hash"]}
-        for key, policy in (("topology.kubernetes.io/zone", "ScheduleAnyway"),
-                            ("kubernetes.io/hostname", host_policy))
+        {
+            "maxSkew": 1,
+            "topologyKey": key,
+            "whenUnsatisfiable": policy,
+            "labelSelector": {"matchLabels": dict(selector)},
+            "matchLabelKeys": ["pod-template-hash"],
+        }
+        for key, policy in (
+            ("topology.kubernetes.io/zone", "ScheduleAnyway"),
+            ("kubernetes.io/hostname", host_policy),
+        )
     ]
 
 
-def pod_template(isvc: InferenceService, labels: dict[str, str], selector: dict[str, str],
-                 default_image: str) -> dict[str, Any]:
+def pod_template(
+    isvc: InferenceService, labels: dict[str, str], selector: dict[str, str], default_image: str
+) -> dict[str, Any]:
     spec = isvc.spec
     image = spec.engine.image or default_image
     volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
     if spec.model.pvc_claim:
-        volumes.append({"name": "model",
-                        "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True}})
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True}}
+        )
     pod_spec: dict[str, Any] = {
         "serviceAccountName": f"{isvc.name}-router",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [_engine_container(isvc, image), _router_container(isvc, image)],
         "volumes": volumes,
         "topologySpreadConstraints": _spread(isvc, selector),

@@ -42,34 +42,53 @@ def _rollout(deployment: dict[str, Any] | None, desired: int) -> tuple[bool, boo
     if deployment is None:
         return False, False
     status = deployment.get("status", {})
-    stalled = any(c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
-                  for c in status.get("conditions", []))
+    stalled = any(
+        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in status.get("conditions", [])
+    )
     observed = status.get("observedGeneration", 0) >= deployment.get("metadata", {}).get("generation", 0)
     updated = status.get("updatedReplicas", 0)
     complete = observed and updated >= desired and status.get("replicas", 0) == updated
     return stalled, complete
 
 
-def _observe(api: KubeApi, isvc: InferenceService, read_engine: EngineReader) -> tuple[
-        tuple[ReplicaObservation, ...], dict[str, Any] | None]:
+def _observe(
+    api: KubeApi, isvc: InferenceService, read_engine: EngineReader
+) -> tuple[tuple[ReplicaObservation, ...], dict[str, Any] | None]:
     deployment = api.get(ObjectRef("apps/v1", "Deployment", isvc.namespace, isvc.name))
     pods = api.list(ObjectRef("v1", "Pod", isvc.namespace), f"{api_names.SELECTOR_LABEL}={isvc.name}")
-    observations = (observe_pod(pod, read_engine) for pod in sorted(pods, key=lambda p: p["metadata"]["name"]))
+    observations = (
+        observe_pod(pod, read_engine) for pod in sorted(pods, key=lambda p: p["metadata"]["name"])
+    )
     return tuple(o for o in observations if o is not None), deployment
 
 
-def _status(isvc: InferenceService, sizing: SizingResult, replicas: tuple[ReplicaObservation, ...],
-            deployment: dict[str, Any] | None, previous: dict[str, Any]) -> dict[str, Any]:
+def _status(
+    isvc: InferenceService,
+    sizing: SizingResult,
+    replicas: tuple[ReplicaObservation, ...],
+    deployment: dict[str, Any] | None,
+    previous: dict[str, Any],
+) -> dict[str, Any]:
     stalled, complete = _rollout(deployment, sizing.desired)
-    was_ready = (previous.get("phase") in ("Ready", "Degraded")
-                 and previous.get("observedGeneration") == isvc.generation)
-    observed = Observed(desired=sizing.desired, replicas=replicas, rollout_stalled=stalled,
-                        rollout_complete=complete, was_ready=was_ready)
+    was_ready = (
+        previous.get("phase") in ("Ready", "Degraded")
+        and previous.get("observedGeneration") == isvc.generation
+    )
+    observed = Observed(
+        desired=sizing.desired,
+        replicas=replicas,
+        rollout_stalled=stalled,
+        rollout_complete=complete,
+        was_ready=was_ready,
+    )
     phase, reason, message = decide_phase(observed)
     counts = stage_counts(observed)
     status: dict[str, Any] = {
         "phase": phase,
-        "conditions": conditions(phase, reason, message, isvc.generation, previous.get("conditions", []), _now()),
+        "conditions": conditions(
+            phase, reason, message, isvc.generation, previous.get("conditions", []), _now()
+        ),
         "replicas": len(replicas),
         "readyReplicas": counts["ready"],
         "desiredReplicas": sizing.desired,
@@ -88,8 +107,9 @@ def _invalid_status(error: SpecError, generation: int, previous: dict[str, Any])
     message = str(error)
     return {
         "phase": "Failed",
-        "conditions": conditions("Failed", "InvalidSpec", message, generation, previous.get("conditions", []),
-                                 _now()),
+        "conditions": conditions(
+            "Failed", "InvalidSpec", message, generation, previous.get("conditions", []), _now()
+        ),
         "observedGeneration": generation,
     }
 
@@ -120,8 +140,13 @@ def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Rec
     replicas, deployment = _observe(api, isvc, read_engine)
     status = _status(isvc, children.sizing, replicas, deployment, previous)
     _record_cold_starts(previous, status)
-    metrics.record_status(isvc.namespace, isvc.name, desired=children.sizing.desired,
-                          spare=max(0, children.sizing.desired - children.sizing.serving),
-                          ready=status["readyReplicas"], phase=status["phase"])
+    metrics.record_status(
+        isvc.namespace,
+        isvc.name,
+        desired=children.sizing.desired,
+        spare=max(0, children.sizing.desired - children.sizing.serving),
+        ready=status["readyReplicas"],
+        phase=status["phase"],
+    )
     # Fields of the old status that the new one lacks are removed, the rest only if they changed.
     return Reconciled(merge_patch(status, previous, previous), applied)

@@ -22,8 +22,17 @@ from kvpilot.operator import api_names
 STAGES = ("pending", "loading", "warmingUp", "ready")
 FAILING = "failing"
 # Container states that will not fix themselves without a change (image, config) or a code fix.
-FAILING_REASONS = frozenset({"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
-                             "CreateContainerConfigError", "CreateContainerError", "RunContainerError"})
+FAILING_REASONS = frozenset(
+    {
+        "CrashLoopBackOff",
+        "ImagePullBackOff",
+        "ErrImagePull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+    }
+)
 ENGINE_PHASE_STAGES = {"loading": "loading", "warming_up": "warmingUp", "ready": "warmingUp"}
 
 
@@ -122,7 +131,9 @@ def _stage(pod: dict[str, Any], read_engine: EngineReader) -> tuple[str, str]:
     return ("warmingUp", "started, not ready") if engine.get("started") else ("loading", "starting")
 
 
-def observe_pod(pod: dict[str, Any], read_engine: EngineReader = read_engine_ready) -> ReplicaObservation | None:
+def observe_pod(
+    pod: dict[str, Any], read_engine: EngineReader = read_engine_ready
+) -> ReplicaObservation | None:
     """The replica's stage, or None for a pod on its way out (it no longer counts toward anything)."""
     metadata = pod.get("metadata", {})
     if metadata.get("deletionTimestamp"):
@@ -130,5 +141,10 @@ def observe_pod(pod: dict[str, Any], read_engine: EngineReader = read_engine_rea
     stage, detail = _stage(pod, read_engine)
     ready_condition = _condition(pod, "Ready")
     ready_at = parse_time(ready_condition.get("lastTransitionTime")) if stage == "ready" else None
-    return ReplicaObservation(pod=metadata.get("name", ""), stage=stage, detail=detail,
-                              created_at=parse_time(metadata.get("creationTimestamp")), ready_at=ready_at)
+    return ReplicaObservation(
+        pod=metadata.get("name", ""),
+        stage=stage,
+        detail=detail,
+        created_at=parse_time(metadata.get("creationTimestamp")),
+        ready_at=ready_at,
+    )

@@ -41,8 +41,10 @@ class SizingResult:
     def formula(self) -> str:
         s = self.scaling
         if self.mode == "Rate":
-            needed = (f"ceil({_number_text(s.target_requests_per_second or 0)} × (1 + {_number_text(s.headroom)})"
-                      f" / {_number_text(s.per_replica_goodput or 0)})")
+            needed = (
+                f"ceil({_number_text(s.target_requests_per_second or 0)} × (1 + {_number_text(s.headroom)})"
+                f" / {_number_text(s.per_replica_goodput or 0)})"
+            )
         else:
             needed = str(s.replicas)
         return f"clamp({needed} + {s.spare}, {s.min_replicas}, {s.max_replicas}) = {self.desired}"
@@ -56,11 +58,17 @@ class SizingResult:
             status["headroom"] = s.headroom
         else:
             status["replicas"] = s.replicas
-        status.update({
-            "spare": s.spare, "minReplicas": s.min_replicas, "maxReplicas": s.max_replicas,
-            "serving": self.serving, "unclamped": self.unclamped, "desiredReplicas": self.desired,
-            "formula": self.formula,
-        })
+        status.update(
+            {
+                "spare": s.spare,
+                "minReplicas": s.min_replicas,
+                "maxReplicas": s.max_replicas,
+                "serving": self.serving,
+                "unclamped": self.unclamped,
+                "desiredReplicas": self.desired,
+                "formula": self.formula,
+            }
+        )
         return status
 
 

@@ -30,7 +30,7 @@ class ModelSpec:
     def pvc_claim(self) -> str | None:
         if not self.source.startswith(PVC_SCHEME):
             return None
-        return self.source[len(PVC_SCHEME):].split("/", 1)[0]
+        return self.source[len(PVC_SCHEME) :].split("/", 1)[0]
 
     @property
     def engine_path(self) -> str:
@@ -38,7 +38,7 @@ class ModelSpec:
         claim = self.pvc_claim
         if claim is None:
             return self.source
-        rest = self.source[len(PVC_SCHEME) + len(claim):].strip("/")
+        rest = self.source[len(PVC_SCHEME) + len(claim) :].strip("/")
         return f"{MODELS_MOUNT}/{claim}/{rest}" if rest else f"{MODELS_MOUNT}/{claim}"
 
 
@@ -121,32 +121,47 @@ class InferenceServiceSpec:
         model, engine, res, slo = spec["model"], spec["engine"], spec["resources"], spec["slo"]
         scaling, router, tenancy = spec["scaling"], spec["router"], spec.get("tenancy", {})
         return cls(
-            model=ModelSpec(source=model["source"], served_name=model.get("servedName", name),
-                            dtype=model["dtype"], startup_timeout_seconds=model.get("startupTimeoutSeconds")),
+            model=ModelSpec(
+                source=model["source"],
+                served_name=model.get("servedName", name),
+                dtype=model["dtype"],
+                startup_timeout_seconds=model.get("startupTimeoutSeconds"),
+            ),
             engine=EngineSpec(
-                image=engine.get("image"), block_size=engine["blockSize"], max_num_seqs=engine["maxNumSeqs"],
+                image=engine.get("image"),
+                block_size=engine["blockSize"],
+                max_num_seqs=engine["maxNumSeqs"],
                 max_num_batched_tokens=engine["maxNumBatchedTokens"],
                 enable_prefix_caching=engine["enablePrefixCaching"],
                 enable_chunked_prefill=engine["enableChunkedPrefill"],
                 kv_cache_memory=engine.get("kvCacheMemory"),
-                gpu_memory_utilization=float(engine["gpuMemoryUtilization"]), extra_args=tuple(engine["extraArgs"])),
-            resources=ResourcesSpec(gpus=res["gpus"], gpu_type=res.get("gpuType"), cpu=res["cpu"],
-                                    memory=res["memory"]),
+                gpu_memory_utilization=float(engine["gpuMemoryUtilization"]),
+                extra_args=tuple(engine["extraArgs"]),
+            ),
+            resources=ResourcesSpec(
+                gpus=res["gpus"], gpu_type=res.get("gpuType"), cpu=res["cpu"], memory=res["memory"]
+            ),
             slo=SLOSpec(ttft_seconds=float(slo["ttftSeconds"]), tpot_seconds=float(slo["tpotSeconds"])),
             scaling=ScalingSpec(
                 replicas=scaling.get("replicas"),
                 target_requests_per_second=_optional_float(scaling.get("targetRequestsPerSecond")),
                 per_replica_goodput=_optional_float(scaling.get("perReplicaGoodput")),
-                headroom=float(scaling["headroom"]), spare=scaling["spare"],
-                min_replicas=scaling["minReplicas"], max_replicas=scaling["maxReplicas"],
-                require_host_spread=scaling["requireHostSpread"]),
-            router=RouterSpec(policy=router["policy"],
-                              weights=tuple(sorted((k, float(v)) for k, v in router.get("weights", {}).items()))),
+                headroom=float(scaling["headroom"]),
+                spare=scaling["spare"],
+                min_replicas=scaling["minReplicas"],
+                max_replicas=scaling["maxReplicas"],
+                require_host_spread=scaling["requireHostSpread"],
+            ),
+            router=RouterSpec(
+                policy=router["policy"],
+                weights=tuple(sorted((k, float(v)) for k, v in router.get("weights", {}).items())),
+            ),
             tenancy=TenancySpec(
                 priority_class_name=tenancy.get("priorityClassName"),
                 node_selector=tuple(sorted(tenancy.get("nodeSelector", {}).items())),
                 tolerations=tuple(tenancy.get("tolerations", [])),
-                image_pull_secrets=tuple(tenancy.get("imagePullSecrets", []))),
+                image_pull_secrets=tuple(tenancy.get("imagePullSecrets", [])),
+            ),
         )
 
 
@@ -168,15 +183,22 @@ class InferenceService:
     def from_manifest(cls, manifest: dict[str, Any], default_namespace: str = "default") -> InferenceService:
         """Validate a whole object (as read from YAML or the API) into its typed form."""
         if manifest.get("apiVersion") != api_names.API_VERSION or manifest.get("kind") != api_names.KIND:
-            raise SpecError("kind", f"expected apiVersion {api_names.API_VERSION} and kind {api_names.KIND}, "
-                                    f"got {manifest.get('apiVersion')!r} {manifest.get('kind')!r}")
+            raise SpecError(
+                "kind",
+                f"expected apiVersion {api_names.API_VERSION} and kind {api_names.KIND}, "
+                f"got {manifest.get('apiVersion')!r} {manifest.get('kind')!r}",
+            )
         metadata = manifest.get("metadata") or {}
         name = metadata.get("name")
         if not name:
             raise SpecError("metadata.name", "Required value")
-        return cls(name=name, namespace=metadata.get("namespace") or default_namespace,
-                   uid=metadata.get("uid", ""), generation=int(metadata.get("generation", 0)),
-                   spec=InferenceServiceSpec.from_dict(manifest.get("spec"), name))
+        return cls(
+            name=name,
+            namespace=metadata.get("namespace") or default_namespace,
+            uid=metadata.get("uid", ""),
+            generation=int(metadata.get("generation", 0)),
+            spec=InferenceServiceSpec.from_dict(manifest.get("spec"), name),
+        )
 
 
 __all__ = ["InferenceService", "InferenceServiceSpec", "SpecError"]

@@ -112,9 +112,14 @@ def _check_memory_fits_model(spec: dict[str, Any]) -> None:
     if floor is None or parse_quantity(resources["memory"]) >= floor:
         return
     dtype = engine_dtype(model["dtype"], on_gpu)
-    held = ("its weights are converted to float32 in the pod's memory, shard by shard, before they stream to "
-            "the GPU" if on_gpu
-            else f"its {dtype} weights and the KV cache live in the pod's memory")
-    raise SpecError("spec.resources.memory",
-                    f"{model['source']} needs at least {_mib(floor)} ({held}, beside the engine's runtime), "
-                    f"got {resources['memory']}")
+    held = (
+        "its weights are converted to float32 in the pod's memory, shard by shard, before they stream to "
+        "the GPU"
+        if on_gpu
+        else f"its {dtype} weights and the KV cache live in the pod's memory"
+    )
+    raise SpecError(
+        "spec.resources.memory",
+        f"{model['source']} needs at least {_mib(floor)} ({held}, beside the engine's runtime), "
+        f"got {resources['memory']}",
+    )

@@ -35,8 +35,13 @@ class Observed:
 def stage_counts(observed: Observed) -> dict[str, int]:
     counts = Counter(replica.stage for replica in observed.replicas)
     missing = max(0, observed.desired - len(observed.replicas))  # not even a pod yet: pending
-    return {"pending": counts["pending"] + missing, "loading": counts["loading"],
-            "warmingUp": counts["warmingUp"], "ready": counts["ready"], "failing": counts[FAILING]}
+    return {
+        "pending": counts["pending"] + missing,
+        "loading": counts["loading"],
+        "warmingUp": counts["warmingUp"],
+        "ready": counts["ready"],
+        "failing": counts[FAILING],
+    }
 
 
 def _failing_detail(observed: Observed) -> str:
@@ -63,23 +68,38 @@ def decide_phase(observed: Observed) -> tuple[str, str, str]:
     return STAGE_PHASES[slowest], "RolloutInProgress", f"{summary}; {waiting or 'rollout starting'}"
 
 
-def _condition(kind: str, true: bool, reason: str, message: str, generation: int,
-               previous: list[dict[str, Any]], now: str) -> dict[str, Any]:
+def _condition(
+    kind: str,
+    true: bool,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: list[dict[str, Any]],
+    now: str,
+) -> dict[str, Any]:
     status = "True" if true else "False"
     before = next((c for c in previous if c.get("type") == kind), {})
     # The transition time moves only when the status flips, as Kubernetes conditions do.
     since = before.get("lastTransitionTime") if before.get("status") == status else None
-    return {"type": kind, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since or now, "observedGeneration": generation}
+    return {
+        "type": kind,
+        "status": status,
+        "reason": reason,
+        "message": message,
+        "lastTransitionTime": since or now,
+        "observedGeneration": generation,
+    }
 
 
-def conditions(phase: str, reason: str, message: str, generation: int, previous: list[dict[str, Any]],
-               now: str) -> list[dict[str, Any]]:
+def conditions(
+    phase: str, reason: str, message: str, generation: int, previous: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
     progressing = phase in STAGE_PHASES.values()
     return [
         _condition("Ready", phase == "Ready", reason, message, generation, previous, now),
-        _condition("Progressing", progressing, reason if progressing else "Idle", message, generation,
-                   previous, now),
+        _condition(
+            "Progressing", progressing, reason if progressing else "Idle", message, generation, previous, now
+        ),
         _condition("Degraded", phase in ("Degraded", "Failed"), reason, message, generation, previous, now),
     ]
 
@@ -98,9 +118,12 @@ def cold_start_status(replicas: tuple[ReplicaObservation, ...], previous: dict[s
     kept = kept[:COLD_START_KEEP]
     if not kept:
         return {}
-    return {"samples": int(previous.get("samples", 0)) + new_samples, "lastSeconds": kept[0]["seconds"],
-            "maxSeconds": max([entry["seconds"] for entry in kept] + [previous.get("maxSeconds", 0.0)]),
-            "recent": kept}
+    return {
+        "samples": int(previous.get("samples", 0)) + new_samples,
+        "lastSeconds": kept[0]["seconds"],
+        "maxSeconds": max([entry["seconds"] for entry in kept] + [previous.get("maxSeconds", 0.0)]),
+        "recent": kept,
+    }
 
 
 def _iso(moment: datetime) -> str:

@@ -46,16 +46,24 @@ Choose = Callable[[list[Replica]], tuple[Replica, Decision | None]]
 
 
 class RouterApp:
-    def __init__(self, config: RouterConfig, profiler: RequestProfiler | None,
-                 slice_api: Callable[[], SliceApi] | None = None) -> None:
+    def __init__(
+        self,
+        config: RouterConfig,
+        profiler: RequestProfiler | None,
+        slice_api: Callable[[], SliceApi] | None = None,
+    ) -> None:
         """``profiler`` derives prompts (None: route without locality, as the baselines do); ``slice_api``
         makes the EndpointSlice client when ``config.discovery`` names a Service."""
         if config.discovery.endpointslice_service and slice_api is None:
             raise ValueError("EndpointSlice discovery needs a slice_api")
         self.config = config
         self.metrics = RouterMetrics(config.policy)
-        self.picker = ReplicaPicker(config.policy, config.weights, config.prefill_rate_prior,
-                                    per_replica_rate=config.per_replica_prefill_rate)
+        self.picker = ReplicaPicker(
+            config.policy,
+            config.weights,
+            config.prefill_rate_prior,
+            per_replica_rate=config.per_replica_prefill_rate,
+        )
         self._profiler = profiler
         if profiler is not None:
             profiler.context_limit = self._context_limit
@@ -82,11 +90,18 @@ class RouterApp:
     async def _start(self, app: web.Application) -> None:
         upstream = self.config.upstream
         self._pool = UpstreamPool(upstream.connect_timeout_s, upstream.request_timeout_s, keep_spare=True)
-        poll_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s))
+        poll_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s),
+        )
         self._sessions = [poll_session]
-        self.fleet = Fleet(poll_session, self.config.poll.interval_s, self.metrics, on_routable=self._preconnect,
-                           on_removed=self._forget)
+        self.fleet = Fleet(
+            poll_session,
+            self.config.poll.interval_s,
+            self.metrics,
+            on_routable=self._preconnect,
+            on_removed=self._forget,
+        )
         vouch = self.config.router_token if self.config.trust_tenant_header else None
         self._forwarder = Forwarder(self._pool, self.fleet.eject, vouch)
         if self.config.discovery.endpointslice_service:
@@ -111,8 +126,9 @@ class RouterApp:
             if not loop.is_closed():  # the watch thread may outlive a stopping router by one event
                 loop.call_soon_threadsafe(fleet.set_endpoints, endpoints)
 
-        watcher = EndpointSliceWatcher(discovery.endpointslice_service, discovery.namespace, discovery.port_name,
-                                       publish, slice_api)
+        watcher = EndpointSliceWatcher(
+            discovery.endpointslice_service, discovery.namespace, discovery.port_name, publish, slice_api
+        )
         watcher.start()
         return watcher
 
@@ -128,7 +144,9 @@ class RouterApp:
 
     def _context_limit(self) -> int | None:
         """The largest context limit the routable replicas report (None before any reports one)."""
-        limits = [r.load.max_model_len for r in self.fleet.routable() if r.load is not None] if self.fleet else []
+        limits = (
+            [r.load.max_model_len for r in self.fleet.routable() if r.load is not None] if self.fleet else []
+        )
         return max(limits, default=0) or None
 
     # --- proxied endpoints ---------------------------------------------------------------------------
@@ -138,22 +156,33 @@ class RouterApp:
         limit = self.config.upstream.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             # refused unread: a client declaring 30 MB gets its answer before sending any of it
-            return self._count(error_response(413, f"request body exceeds {limit} bytes", "request_too_large"))
+            return self._count(
+                error_response(413, f"request body exceeds {limit} bytes", "request_too_large")
+            )
         read_timeout = self.config.upstream.body_read_timeout_s
         try:
             async with asyncio.timeout(read_timeout):
                 raw = await request.read()
         except TimeoutError:
-            return self._count(error_response(408, f"the request body did not arrive within {read_timeout:g} s",
-                                              "request_timeout"))
+            return self._count(
+                error_response(
+                    408, f"the request body did not arrive within {read_timeout:g} s", "request_timeout"
+                )
+            )
         except web.HTTPRequestEntityTooLarge:
-            return self._count(error_response(413, f"request body exceeds {self.config.upstream.max_body_bytes} "
-                                                   "bytes", "request_too_large"))
+            return self._count(
+                error_response(
+                    413,
+                    f"request body exceeds {self.config.upstream.max_body_bytes} bytes",
+                    "request_too_large",
+                )
+            )
         try:
             body = parse_json(raw)
         except ValueError as error:
-            return self._count(error_response(400, f"request body must be a JSON object: {error}",
-                                              "invalid_json"))
+            return self._count(
+                error_response(400, f"request body must be a JSON object: {error}", "invalid_json")
+            )
         if not isinstance(body, dict):
             return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
         try:
@@ -166,17 +195,27 @@ class RouterApp:
                 profile = self._profiler.profile(request.path, body, tenant)
             except PromptError as error:
                 log.debug("routing without locality: %s", error)
-        return self._count(await self._route(request, raw, lambda candidates: self.picker.pick(candidates, profile),
-                                             arrival, profile))
+        return self._count(
+            await self._route(
+                request, raw, lambda candidates: self.picker.pick(candidates, profile), arrival, profile
+            )
+        )
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         # Any ready replica answers; not a routing decision (nothing counted, nothing estimated).
         def least_busy(candidates: list[Replica]) -> tuple[Replica, None]:
             return min(candidates, key=lambda r: (len(r.in_flight), r.url)), None
+
         return self._count(await self._route(request, b"", least_busy, None, None))
 
-    async def _route(self, request: web.Request, raw: bytes, choose: Choose, arrival: float | None,
-                     profile: RequestProfile | None) -> web.StreamResponse:
+    async def _route(
+        self,
+        request: web.Request,
+        raw: bytes,
+        choose: Choose,
+        arrival: float | None,
+        profile: RequestProfile | None,
+    ) -> web.StreamResponse:
         """Choose, forward, and on a failure before the first byte retry once on another replica."""
         assert self.fleet is not None and self._forwarder is not None
         tried: set[str] = set()
@@ -191,8 +230,12 @@ class RouterApp:
             tried.add(replica.url)
             dispatch = Dispatch(time.perf_counter(), 0, 0, 0)
             if decision is not None:
-                dispatch = Dispatch(dispatch.sent_at, decision.prefill_work_tokens, decision.uncached_tokens,
-                                    decision.kv_blocks)
+                dispatch = Dispatch(
+                    dispatch.sent_at,
+                    decision.prefill_work_tokens,
+                    decision.uncached_tokens,
+                    decision.kv_blocks,
+                )
             if profile is not None:
                 dispatch.chains = replica.chains(profile)
             replica.begin(dispatch)
@@ -203,8 +246,9 @@ class RouterApp:
             if probe is None:
                 count()
             try:
-                return await self._forwarder.forward(request, raw, replica, dispatch, probe,
-                                                     self._observe_ttft(dispatch) if decision else None)
+                return await self._forwarder.forward(
+                    request, raw, replica, dispatch, probe, self._observe_ttft(dispatch) if decision else None
+                )
             except UpstreamFailure as error:
                 log.warning("request failed before its first byte: %s", error)
                 self.fleet.eject(replica, error.reason)
@@ -221,6 +265,7 @@ class RouterApp:
         def observe() -> None:
             if dispatch.first_byte_at is not None:
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
+
         return observe
 
     def _count_sent(self, url: str, decision: Decision | None, profile: RequestProfile | None) -> None:
@@ -240,15 +285,23 @@ class RouterApp:
         if failure is None:
             # A replica becomes routable on a poll: worth asking again after the next one.
             retry_after = max(1, math.ceil(self.config.poll.interval_s))
-            return error_response(503, "no engine replica is ready", "no_ready_replica",
-                                  headers={"Retry-After": str(retry_after)})
+            return error_response(
+                503,
+                "no engine replica is ready",
+                "no_ready_replica",
+                headers={"Retry-After": str(retry_after)},
+            )
         if failure.response is not None:  # the replica's own 502/503/504: pass it on as it said it
             status, headers, body = failure.response
             response = web.Response(status=status, body=body, headers=headers)
             response.headers[REPLICA_HEADER] = failure.replica_url or ""
             return response
-        return error_response(502, failure.client_message(), "upstream_failed",
-                              headers={REPLICA_HEADER: failure.replica_url or ""})
+        return error_response(
+            502,
+            failure.client_message(),
+            "upstream_failed",
+            headers={REPLICA_HEADER: failure.replica_url or ""},
+        )
 
     def _count(self, response: web.StreamResponse) -> web.StreamResponse:
         self.metrics.responses.labels(str(response.status)).inc()
@@ -263,10 +316,20 @@ class RouterApp:
         """200 when at least one engine replica is routable (the pod's readiness rule)."""
         replicas = list(self.fleet.replicas.values()) if self.fleet is not None else []
         routable = sum(1 for r in replicas if r.routable)
-        body = {"ready": routable > 0, "routable": routable, "replicas": [
-            {"url": r.url, "zone": r.zone, "routable": r.routable,
-             "phase": r.load.phase if r.load is not None else None, "ejected": r.eject_reason}
-            for r in replicas]}
+        body = {
+            "ready": routable > 0,
+            "routable": routable,
+            "replicas": [
+                {
+                    "url": r.url,
+                    "zone": r.zone,
+                    "routable": r.routable,
+                    "phase": r.load.phase if r.load is not None else None,
+                    "ejected": r.eject_reason,
+                }
+                for r in replicas
+            ],
+        }
         return web.json_response(body, status=200 if routable else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
@@ -274,5 +337,7 @@ class RouterApp:
 
     async def unknown(self, request: web.Request) -> web.Response:
         if request.path in (COMPLETIONS, CHAT_COMPLETIONS, MODELS, "/health", "/ready", "/metrics"):
-            return error_response(405, f"{request.method} is not allowed on {request.path}", "method_not_allowed")
+            return error_response(
+                405, f"{request.method} is not allowed on {request.path}", "method_not_allowed"
+            )
         return error_response(404, f"no route for {request.path}", "not_found")

@@ -46,14 +46,22 @@ class HashMemo:
         assert found is None or isinstance(found, tuple)
         return found
 
-    def remember_run(self, parent: bytes, run_token_bytes: bytes, extra: bytes, hashes: tuple[bytes, ...]) -> None:
+    def remember_run(
+        self, parent: bytes, run_token_bytes: bytes, extra: bytes, hashes: tuple[bytes, ...]
+    ) -> None:
         # Tagged: a run of 8 blocks of 16 tokens has the bytes of one block of 128 (another block size).
         self._entries.put((parent, run_token_bytes, extra, _RUN), hashes)
 
 
 class BlockChain:
-    def __init__(self, token_ids: Sequence[int], block_size: int, root: bytes, extra: bytes,
-                 memo: HashMemo | None = None) -> None:
+    def __init__(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        root: bytes,
+        extra: bytes,
+        memo: HashMemo | None = None,
+    ) -> None:
         self._tokens = token_ids
         self._bytes: bytes | None = None  # every token's hash encoding, made on the first hash
         self.block_size = block_size
@@ -73,21 +81,25 @@ class BlockChain:
         if index < len(hashes):
             return hashes[index]
         if self._bytes is None:
-            self._bytes = token_bytes(self._tokens[:self.full_blocks * self.block_size])
+            self._bytes = token_bytes(self._tokens[: self.full_blocks * self.block_size])
         data, step, extra, memo = self._bytes, 4 * self.block_size, self._extra, self._memo
         while len(hashes) <= index:
             done = len(hashes)
             parent = hashes[-1] if hashes else self._root
             if memo is not None and done % GROUP == 0 and done + GROUP <= self.full_blocks:
-                run = memo.run(parent, data[done * step:(done + GROUP) * step], extra)
+                run = memo.run(parent, data[done * step : (done + GROUP) * step], extra)
                 if run is not None:
                     hashes.extend(run)
                     continue
-            hashes.append(self._hash_block(parent, data[done * step:(done + 1) * step], extra))
+            hashes.append(self._hash_block(parent, data[done * step : (done + 1) * step], extra))
             if memo is not None and len(hashes) % GROUP == 0:
                 start = len(hashes) - GROUP
-                memo.remember_run(hashes[start - 1] if start else self._root, data[start * step:len(hashes) * step],
-                                  extra, tuple(hashes[start:]))
+                memo.remember_run(
+                    hashes[start - 1] if start else self._root,
+                    data[start * step : len(hashes) * step],
+                    extra,
+                    tuple(hashes[start:]),
+                )
         return hashes[index]
 
     def hashes(self, limit: int) -> list[bytes]:
@@ -102,8 +114,9 @@ class BlockChain:
         for index in range(start, limit):
             yield self.hash_at(index)
 
-    def cached_blocks(self, cached: AbstractSet[bytes],
-                      also_held: Callable[[int, bytes], bool] | None = None) -> int:
+    def cached_blocks(
+        self, cached: AbstractSet[bytes], also_held: Callable[[int, bytes], bool] | None = None
+    ) -> int:
         """Leading blocks held, as the engine's prefix lookup counts a hit: each block's hash is in ``cached``
         or ``also_held(index, hash)`` says so."""
         limit = self.hittable_blocks

@@ -36,47 +36,105 @@ def _default(config_class: type, name: str):
 def build_parser() -> argparse.ArgumentParser:
     poll, upstream = PollConfig(), UpstreamConfig()
     parser = argparse.ArgumentParser(
-        prog="kvpilot router", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="kvpilot router",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Cache-aware routing sidecar: proxies the OpenAI endpoints to the engine replica with the "
-                    "lowest estimated completion cost (queued + uncached prefill over the learned prefill rate, "
-                    "plus a decode term), among replicas with KV headroom.")
+        "lowest estimated completion cost (queued + uncached prefill over the learned prefill rate, "
+        "plus a decode term), among replicas with KV headroom.",
+    )
     parser.add_argument("--host", default=_default(RouterConfig, "host"), help="address to listen on")
     parser.add_argument("--port", type=int, default=_default(RouterConfig, "port"), help="port to listen on")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--replicas", metavar="URL,URL", help="static engine base URLs, comma-separated")
-    source.add_argument("--endpointslices", metavar="SERVICE",
-                        help="watch this Service's EndpointSlices for engine replicas")
-    parser.add_argument("--namespace", help="namespace of --endpointslices (default: the pod's own namespace)")
+    source.add_argument(
+        "--endpointslices", metavar="SERVICE", help="watch this Service's EndpointSlices for engine replicas"
+    )
+    parser.add_argument(
+        "--namespace", help="namespace of --endpointslices (default: the pod's own namespace)"
+    )
     parser.add_argument("--engine-port-name", default="http", help="EndpointSlice port name of the engines")
-    parser.add_argument("--model", default=_default(RouterConfig, "model"),
-                        help="model spec whose tokenizer and chat template to use (as kvpilot serve --model)")
-    parser.add_argument("--policy", choices=POLICIES, default=_default(RouterConfig, "policy"), help="routing policy")
-    parser.add_argument("--weights", default="", metavar="k=v,...",
-                        help="cache_aware knobs: queue, prefill, decode, balance, balance_floor, tie_ms "
-                             f"(defaults: {_weights_text(ScoringWeights())})")
-    parser.add_argument("--poll-interval", type=float, default=poll.interval_s, metavar="S",
-                        help="seconds between /load and /kv/events polls of each replica")
-    parser.add_argument("--poll-timeout", type=float, default=poll.timeout_s, metavar="S",
-                        help="a slower poll ejects the replica")
-    parser.add_argument("--trust-tenant-header", action="store_true",
-                        help="believe clients' x-tenant (behind a gateway that sets it) and vouch for it to the "
-                             "engines with the router token")
-    parser.add_argument("--router-token", default=os.environ.get(ROUTER_TOKEN_ENV),
-                        help=f"the deployment's shared token (default: ${ROUTER_TOKEN_ENV})")
-    parser.add_argument("--connect-timeout", type=float, default=upstream.connect_timeout_s, metavar="S",
-                        help="TCP connect to an engine")
-    parser.add_argument("--body-read-timeout", type=float, default=upstream.body_read_timeout_s, metavar="S",
-                        help="a client request body slower than this gets 408")
-    parser.add_argument("--request-timeout", type=float, default=upstream.request_timeout_s, metavar="S",
-                        help="whole upstream request, streaming included")
-    parser.add_argument("--max-body-bytes", type=int, default=upstream.max_body_bytes, metavar="N",
-                        help="largest request body accepted")
-    parser.add_argument("--prefill-rate-prior", type=float, default=_default(RouterConfig, "prefill_rate_prior"), metavar="TOK/S",
-                        help="prefill tokens/s assumed before any replica has measured one")
-    parser.add_argument("--per-replica-prefill-rate", action="store_true",
-                        help="cost each replica's work at its own measured prefill rate, not the fleet's median "
-                             "(for replicas on different hardware; a rate measured under load flatters busy "
-                             "replicas)")
+    parser.add_argument(
+        "--model",
+        default=_default(RouterConfig, "model"),
+        help="model spec whose tokenizer and chat template to use (as kvpilot serve --model)",
+    )
+    parser.add_argument(
+        "--policy", choices=POLICIES, default=_default(RouterConfig, "policy"), help="routing policy"
+    )
+    parser.add_argument(
+        "--weights",
+        default="",
+        metavar="k=v,...",
+        help="cache_aware knobs: queue, prefill, decode, balance, balance_floor, tie_ms "
+        f"(defaults: {_weights_text(ScoringWeights())})",
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=poll.interval_s,
+        metavar="S",
+        help="seconds between /load and /kv/events polls of each replica",
+    )
+    parser.add_argument(
+        "--poll-timeout",
+        type=float,
+        default=poll.timeout_s,
+        metavar="S",
+        help="a slower poll ejects the replica",
+    )
+    parser.add_argument(
+        "--trust-tenant-header",
+        action="store_true",
+        help="believe clients' x-tenant (behind a gateway that sets it) and vouch for it to the "
+        "engines with the router token",
+    )
+    parser.add_argument(
+        "--router-token",
+        default=os.environ.get(ROUTER_TOKEN_ENV),
+        help=f"the deployment's shared token (default: ${ROUTER_TOKEN_ENV})",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=upstream.connect_timeout_s,
+        metavar="S",
+        help="TCP connect to an engine",
+    )
+    parser.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=upstream.body_read_timeout_s,
+        metavar="S",
+        help="a client request body slower than this gets 408",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=upstream.request_timeout_s,
+        metavar="S",
+        help="whole upstream request, streaming included",
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=upstream.max_body_bytes,
+        metavar="N",
+        help="largest request body accepted",
+    )
+    parser.add_argument(
+        "--prefill-rate-prior",
+        type=float,
+        default=_default(RouterConfig, "prefill_rate_prior"),
+        metavar="TOK/S",
+        help="prefill tokens/s assumed before any replica has measured one",
+    )
+    parser.add_argument(
+        "--per-replica-prefill-rate",
+        action="store_true",
+        help="cost each replica's work at its own measured prefill rate, not the fleet's median "
+        "(for replicas on different hardware; a rate measured under load flatters busy "
+        "replicas)",
+    )
     parser.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     return parser
 
@@ -86,22 +144,38 @@ def _weights_text(weights: ScoringWeights) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
-    replicas = tuple(u.strip().rstrip("/") for u in args.replicas.split(",") if u.strip()) if args.replicas else ()
+    replicas = (
+        tuple(u.strip().rstrip("/") for u in args.replicas.split(",") if u.strip()) if args.replicas else ()
+    )
     if args.replicas is not None and not replicas:
         raise ConfigError("--replicas needs at least one URL")
     namespace = args.namespace
     if args.endpointslices and not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
         namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
     return RouterConfig(
-        discovery=DiscoveryConfig(replicas=replicas, endpointslice_service=args.endpointslices,
-                                  namespace=namespace, port_name=args.engine_port_name),
-        host=args.host, port=args.port, model=args.model, policy=args.policy,
+        discovery=DiscoveryConfig(
+            replicas=replicas,
+            endpointslice_service=args.endpointslices,
+            namespace=namespace,
+            port_name=args.engine_port_name,
+        ),
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        policy=args.policy,
         weights=ScoringWeights.parse(args.weights),
         poll=PollConfig(interval_s=args.poll_interval, timeout_s=args.poll_timeout),
-        upstream=UpstreamConfig(connect_timeout_s=args.connect_timeout, request_timeout_s=args.request_timeout,
-                                max_body_bytes=args.max_body_bytes, body_read_timeout_s=args.body_read_timeout),
-        prefill_rate_prior=args.prefill_rate_prior, per_replica_prefill_rate=args.per_replica_prefill_rate,
-        trust_tenant_header=args.trust_tenant_header, router_token=args.router_token or None)
+        upstream=UpstreamConfig(
+            connect_timeout_s=args.connect_timeout,
+            request_timeout_s=args.request_timeout,
+            max_body_bytes=args.max_body_bytes,
+            body_read_timeout_s=args.body_read_timeout,
+        ),
+        prefill_rate_prior=args.prefill_rate_prior,
+        per_replica_prefill_rate=args.per_replica_prefill_rate,
+        trust_tenant_header=args.trust_tenant_header,
+        router_token=args.router_token or None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, OSError) as error:
         print(f"kvpilot router: error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     server = RouterServer(RouterApp(config, profiler, slice_api), config.host, config.port)
     try:
         asyncio.run(server.serve_until_signalled())

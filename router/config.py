@@ -47,8 +47,12 @@ class ScoringWeights:
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-                    or value < 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < 0
+            ):
                 raise ConfigError(f"weight {item.name} must be a finite number >= 0, got {value!r}")
 
     @classmethod
@@ -164,8 +168,10 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         if self.trust_tenant_header and not self.router_token:
-            raise ConfigError("--trust-tenant-header needs --router-token (or $KVPILOT_ROUTER_TOKEN): the "
-                              "engines believe a tenant the router names only with the deployment's token")
+            raise ConfigError(
+                "--trust-tenant-header needs --router-token (or $KVPILOT_ROUTER_TOKEN): the "
+                "engines believe a tenant the router names only with the deployment's token"
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:

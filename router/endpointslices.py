@@ -35,8 +35,9 @@ class Endpoint:
 
 class SliceApi(Protocol):
     def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]: ...
-    def watch(self, namespace: str, selector: str, resource_version: str,
-              timeout_s: int) -> Iterator[dict[str, Any]]: ...
+    def watch(
+        self, namespace: str, selector: str, resource_version: str, timeout_s: int
+    ) -> Iterator[dict[str, Any]]: ...
     def stop(self) -> None: ...
 
 
@@ -88,22 +89,29 @@ class KubernetesSliceApi:
         self._watch: Any = None
 
     def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
-        response = self._api.list_namespaced_endpoint_slice(namespace, label_selector=selector,
-                                                            _preload_content=False)
+        response = self._api.list_namespaced_endpoint_slice(
+            namespace, label_selector=selector, _preload_content=False
+        )
         body = json.loads(response.data)
         return body.get("items") or [], body["metadata"]["resourceVersion"]
 
-    def watch(self, namespace: str, selector: str, resource_version: str,
-              timeout_s: int) -> Iterator[dict[str, Any]]:
+    def watch(
+        self, namespace: str, selector: str, resource_version: str, timeout_s: int
+    ) -> Iterator[dict[str, Any]]:
         from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
         self._watch = watch.Watch()
         try:
             # With timeout_seconds the client does not retry a 410 itself: it raises, and we re-list.
-            for event in self._watch.stream(self._api.list_namespaced_endpoint_slice, namespace,
-                                            label_selector=selector, resource_version=resource_version,
-                                            timeout_seconds=timeout_s, allow_watch_bookmarks=True):
+            for event in self._watch.stream(
+                self._api.list_namespaced_endpoint_slice,
+                namespace,
+                label_selector=selector,
+                resource_version=resource_version,
+                timeout_seconds=timeout_s,
+                allow_watch_bookmarks=True,
+            ):
                 yield {"type": event["type"], "object": event["raw_object"]}
         except ApiException as error:
             if error.status == HTTP_GONE:
@@ -116,9 +124,16 @@ class KubernetesSliceApi:
 
 
 class EndpointSliceWatcher:
-    def __init__(self, service: str, namespace: str, port_name: str,
-                 publish: Callable[[list[Endpoint]], None], api_factory: Callable[[], SliceApi],
-                 watch_timeout_s: int = 300, backoff_s: tuple[float, float] = (0.5, 10.0)) -> None:
+    def __init__(
+        self,
+        service: str,
+        namespace: str,
+        port_name: str,
+        publish: Callable[[list[Endpoint]], None],
+        api_factory: Callable[[], SliceApi],
+        watch_timeout_s: int = 300,
+        backoff_s: tuple[float, float] = (0.5, 10.0),
+    ) -> None:
         self.service = service
         self.namespace = namespace
         self._selector = f"{SERVICE_NAME_LABEL}={service}"
@@ -154,8 +169,13 @@ class EndpointSliceWatcher:
             except WatchGone as gone:
                 log.info("EndpointSlice watch of %s expired (%s); re-listing", self.service, gone)
             except Exception as error:  # any failure: back off, re-list, keep serving
-                log.warning("EndpointSlice watch of %s/%s failed: %s; re-listing in %.1fs",
-                            self.namespace, self.service, error, delay)
+                log.warning(
+                    "EndpointSlice watch of %s/%s failed: %s; re-listing in %.1fs",
+                    self.namespace,
+                    self.service,
+                    error,
+                    delay,
+                )
                 if self._stopped.wait(delay):
                     return
                 delay = min(delay * 2, self._backoff_s[1])
@@ -167,7 +187,9 @@ class EndpointSliceWatcher:
         slices = {item["metadata"]["name"]: item for item in items}
         self._publish_if_changed(slices)
         while not self._stopped.is_set():
-            for event in self._api.watch(self.namespace, self._selector, resource_version, self._watch_timeout_s):
+            for event in self._api.watch(
+                self.namespace, self._selector, resource_version, self._watch_timeout_s
+            ):
                 kind, obj = event["type"], event["object"]
                 resource_version = obj.get("metadata", {}).get("resourceVersion", resource_version)
                 if kind in ("ADDED", "MODIFIED"):

@@ -15,19 +15,28 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 # status → OpenAI error type
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-          413: "invalid_request_error", 502: "bad_gateway", 503: "service_unavailable", 504: "timeout"}
+_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    502: "bad_gateway",
+    503: "service_unavailable",
+    504: "timeout",
+}
 _CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_body(status: int, message: str, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": None,
-                      "code": code}}
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "server_error"), "param": None, "code": code}
+    }
 
 
-def error_response(status: int, message: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
+def error_response(
+    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> web.Response:
     return web.json_response(error_body(status, message, code), status=status, headers=headers)
 
 

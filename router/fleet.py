@@ -17,9 +17,14 @@ from kvpilot.router.replica import Replica
 
 
 class Fleet:
-    def __init__(self, session: aiohttp.ClientSession, poll_interval_s: float, metrics: RouterMetrics,
-                 on_routable: Callable[[Replica], None] | None = None,
-                 on_removed: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        poll_interval_s: float,
+        metrics: RouterMetrics,
+        on_routable: Callable[[Replica], None] | None = None,
+        on_removed: Callable[[str], None] | None = None,
+    ) -> None:
         """``on_routable(replica)`` runs each time a replica becomes routable (e.g. to open a connection),
         ``on_removed(url)`` when discovery drops one (e.g. to close its connections)."""
         self.replicas: dict[str, Replica] = {}

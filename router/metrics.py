@@ -13,7 +13,21 @@ from kvpilot.router.scoring import REASONS
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Routing overhead is sub-millisecond when healthy; the 2 ms target must sit on a bucket edge.
-OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1)
+OVERHEAD_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.00075,
+    0.001,
+    0.0015,
+    0.002,
+    0.003,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -22,36 +36,70 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.policy = policy
         r = self.registry
-        self.decisions = Counter("kvpilot_router_decisions", "Routing decisions by reason "
-                                 "(affinity, load, cold, fallback)", ["policy", "reason"], registry=r)
+        self.decisions = Counter(
+            "kvpilot_router_decisions",
+            "Routing decisions by reason (affinity, load, cold, fallback)",
+            ["policy", "reason"],
+            registry=r,
+        )
         for reason in REASONS:
             self.decisions.labels(policy, reason)  # export zeros, so rates exist from the start
-        self.estimated_ttft = Histogram("kvpilot_router_estimated_ttft_seconds",
-                                        "Time to first token the router estimated for the replica it chose",
-                                        buckets=TTFT_BUCKETS, registry=r)
-        self.observed_ttft = Histogram("kvpilot_router_observed_ttft_seconds",
-                                       "Time from sending a request upstream to its first response byte",
-                                       buckets=TTFT_BUCKETS, registry=r)
-        self.overhead = Histogram("kvpilot_router_routing_overhead_seconds",
-                                  "Time from a request's arrival to its upstream request headers being sent",
-                                  buckets=OVERHEAD_BUCKETS, registry=r)
-        self.in_flight = Gauge("kvpilot_router_in_flight_requests",
-                               "Requests this router has in flight, per replica", ["replica"], registry=r)
-        self.retries = Counter("kvpilot_router_retries", "Requests retried on another replica after the "
-                               "first failed before any byte reached the client", registry=r)
-        self.ejections = Counter("kvpilot_router_ejections", "Replicas taken out of routing, by reason "
-                                 "(error, timeout, not_ready)", ["replica", "reason"], registry=r)
-        self.routable = Gauge("kvpilot_router_routable_replicas", "Replicas ready and not ejected", registry=r)
+        self.estimated_ttft = Histogram(
+            "kvpilot_router_estimated_ttft_seconds",
+            "Time to first token the router estimated for the replica it chose",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.observed_ttft = Histogram(
+            "kvpilot_router_observed_ttft_seconds",
+            "Time from sending a request upstream to its first response byte",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "kvpilot_router_routing_overhead_seconds",
+            "Time from a request's arrival to its upstream request headers being sent",
+            buckets=OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvpilot_router_in_flight_requests",
+            "Requests this router has in flight, per replica",
+            ["replica"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvpilot_router_retries",
+            "Requests retried on another replica after the first failed before any byte reached the client",
+            registry=r,
+        )
+        self.ejections = Counter(
+            "kvpilot_router_ejections",
+            "Replicas taken out of routing, by reason (error, timeout, not_ready)",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.routable = Gauge(
+            "kvpilot_router_routable_replicas", "Replicas ready and not ejected", registry=r
+        )
         self.known = Gauge("kvpilot_router_replicas", "Replicas discovered", registry=r)
-        self.kv_resyncs = Counter("kvpilot_router_kv_resyncs", "Prefix-index resyncs from /kv/snapshot "
-                                  "(start, gap, new epoch)", ["replica"], registry=r)
-        self.prompt_tokens = Counter("kvpilot_router_prompt_tokens", "Prompt tokens of cache-aware routed "
-                                     "requests", registry=r)
-        self.cached_prompt_tokens = Counter("kvpilot_router_cached_prompt_tokens", "Prompt tokens the chosen "
-                                            "replica held in its prefix cache when the request was routed",
-                                            registry=r)
-        self.responses = Counter("kvpilot_router_responses", "Responses to clients by status code",
-                                 ["code"], registry=r)
+        self.kv_resyncs = Counter(
+            "kvpilot_router_kv_resyncs",
+            "Prefix-index resyncs from /kv/snapshot (start, gap, new epoch)",
+            ["replica"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvpilot_router_prompt_tokens", "Prompt tokens of cache-aware routed requests", registry=r
+        )
+        self.cached_prompt_tokens = Counter(
+            "kvpilot_router_cached_prompt_tokens",
+            "Prompt tokens the chosen replica held in its prefix cache when the request was routed",
+            registry=r,
+        )
+        self.responses = Counter(
+            "kvpilot_router_responses", "Responses to clients by status code", ["code"], registry=r
+        )
 
     def forget_replica(self, url: str) -> None:
         """Drop a removed replica's labelled series (keeps cardinality bounded as pods come and go)."""

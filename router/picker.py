@@ -30,8 +30,9 @@ from kvpilot.router.scoring import (
 
 
 class ReplicaPicker:
-    def __init__(self, policy: str, weights: ScoringWeights, prefill_rate_prior: float,
-                 per_replica_rate: bool = False) -> None:
+    def __init__(
+        self, policy: str, weights: ScoringWeights, prefill_rate_prior: float, per_replica_rate: bool = False
+    ) -> None:
         self.policy = policy
         self.weights = weights
         self._prior = prefill_rate_prior
@@ -68,7 +69,10 @@ class ReplicaPicker:
                 decision = decision._replace(reason=FALLBACK)
             return by_url[decision.key], decision
         candidates = [Candidate(s, by_url[s.key].cached_tokens(profile)) for s in snapshots]
-        shape = RequestShape(prompt_tokens=profile.prompt_tokens, max_output_tokens=profile.max_output_tokens,
-                             tie_key=profile.tie_key(min(s.block_size for s in snapshots)))
+        shape = RequestShape(
+            prompt_tokens=profile.prompt_tokens,
+            max_output_tokens=profile.max_output_tokens,
+            tie_key=profile.tie_key(min(s.block_size for s in snapshots)),
+        )
         decision = choose_cache_aware(shape, candidates, self.weights)
         return by_url[decision.key], decision

@@ -35,7 +35,9 @@ from typing import Any
 from kvpilot.router.generations import Generations
 
 # The GPT-2 pre-tokenizer regex, restricted to ASCII (see the module docstring).
-_GPT2_ASCII = re.compile(r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+", re.ASCII)
+_GPT2_ASCII = re.compile(
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+", re.ASCII
+)
 # Digits(individual_digits=True): every digit is a piece of its own, cut before the regex runs.
 _DIGIT = re.compile(r"([0-9])")
 # What the regex's ``\s`` matches in ASCII (not str.isspace, which also takes \x1c-\x1f).
@@ -84,7 +86,9 @@ class PieceEncoder:
         decode = _byte_level_decoder()
         added = 0
         for token in self._backend.get_vocab(with_added_tokens=False):
-            raw = bytes(decode.get(char, 0x100) for char in token) if all(c in decode for c in token) else None
+            raw = (
+                bytes(decode.get(char, 0x100) for char in token) if all(c in decode for c in token) else None
+            )
             if raw is None or not raw.isascii():
                 continue
             piece = raw.decode("ascii")
@@ -167,7 +171,12 @@ class PieceEncoder:
         if not word or word[0] in _WHITESPACE:
             return None
         ends_in_whitespace = word[-1] in _WHITESPACE
-        if self._split_digits and ends_in_whitespace and words[index + 1:index + 2] and words[index + 1][:1].isdigit():
+        if (
+            self._split_digits
+            and ends_in_whitespace
+            and words[index + 1 : index + 2]
+            and words[index + 1][:1].isdigit()
+        ):
             return None
         found = self._encode_pieces(" " + word)
         if found is None:
@@ -215,7 +224,11 @@ class PieceEncoder:
 def _byte_level_decoder() -> dict[str, int]:
     """ByteLevel's printable stand-in character → byte (GPT-2's ``bytes_to_unicode``, inverted): printable
     Latin-1 bytes stand for themselves, the others map to 256, 257, … in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     decoder = {chr(b): b for b in printable}
     extra = 0
     for byte in range(256):
@@ -226,5 +239,9 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 def _is_gpt2_byte_level(step: Any) -> bool:
-    return (isinstance(step, dict) and step.get("type") == "ByteLevel" and step.get("use_regex", True) is True
-            and not step.get("add_prefix_space", False))
+    return (
+        isinstance(step, dict)
+        and step.get("type") == "ByteLevel"
+        and step.get("use_regex", True) is True
+        and not step.get("add_prefix_space", False)
+    )

@@ -34,8 +34,9 @@ class PollError(Exception):
 
 
 class ReplicaPoller:
-    def __init__(self, replica: Replica, session: aiohttp.ClientSession, interval_s: float,
-                 listener: PollListener) -> None:
+    def __init__(
+        self, replica: Replica, session: aiohttp.ClientSession, interval_s: float, listener: PollListener
+    ) -> None:
         self.replica = replica
         self._session = session
         self._interval_s = interval_s

@@ -36,7 +36,13 @@ class PrefixIndex:
         self.invalidate()
         epoch, seq, root, block_size = _header(body, "/kv/snapshot")
         hashes = _hashes(body, "/kv/snapshot")
-        self.hashes, self.epoch, self.seq, self.root, self.block_size = set(hashes), epoch, seq, root, block_size
+        self.hashes, self.epoch, self.seq, self.root, self.block_size = (
+            set(hashes),
+            epoch,
+            seq,
+            root,
+            block_size,
+        )
         self.synced = True
 
     def apply_events(self, body: Any) -> bool:
@@ -90,7 +96,12 @@ class PrefixIndex:
 def _header(body: Any, what: str) -> tuple[str, int, bytes, int]:
     if not isinstance(body, dict):
         raise KVFormatError(f"{what} must be a JSON object")
-    epoch, seq, root, block_size = body.get("epoch"), body.get("seq"), body.get("root"), body.get("block_size")
+    epoch, seq, root, block_size = (
+        body.get("epoch"),
+        body.get("seq"),
+        body.get("root"),
+        body.get("block_size"),
+    )
     if not isinstance(epoch, str) or not epoch:
         raise KVFormatError(f"{what} field 'epoch' must be a non-empty string, got {epoch!r}")
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 0:

@@ -41,8 +41,22 @@ from kvpilot.router.upstream import (
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvpilot-replica"
 # Per-connection headers and ones aiohttp writes itself: never copied across the proxy.
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                         "trailer", "transfer-encoding", "upgrade", "host", "content-length", "date", "server"})
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "date",
+        "server",
+    }
+)
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
 DONE = b"data: [DONE]\n\n"
 # What ends an SSE event (a blank line, in any of the spec's line endings).
@@ -53,8 +67,13 @@ class UpstreamFailure(Exception):
     """The replica failed before the client got any byte: eject it and retry elsewhere. ``str()`` is for the
     log (it holds the replica's URL); :meth:`client_message` is for the client."""
 
-    def __init__(self, reason: str, detail: str, problem: str,
-                 response: tuple[int, CIMultiDict[str], bytes] | None = None):
+    def __init__(
+        self,
+        reason: str,
+        detail: str,
+        problem: str,
+        response: tuple[int, CIMultiDict[str], bytes] | None = None,
+    ):
         super().__init__(detail)
         self.reason = reason
         self.problem = problem  # what went wrong, without addresses
@@ -99,28 +118,39 @@ def forward_headers(headers: Any) -> CIMultiDict[str]:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
 
 
-def forward_raw_headers(raw_headers: Iterable[tuple[bytes, bytes]],
-                        vouch: bytes | None = None) -> list[tuple[bytes, bytes]]:
+def forward_raw_headers(
+    raw_headers: Iterable[tuple[bytes, bytes]], vouch: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
     """The client's header lines as it sent them, without hop-by-hop ones and without any router token a
     client sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``)."""
-    lines = [(name, value) for name, value in raw_headers
-             if (lower := name.decode("latin-1").lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER]
+    lines = [
+        (name, value)
+        for name, value in raw_headers
+        if (lower := name.decode("latin-1").lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER
+    ]
     if vouch is not None:
         lines.append((ROUTER_TOKEN_HEADER.encode(), vouch))
     return lines
 
 
 class Forwarder:
-    def __init__(self, pool: UpstreamPool, eject: Callable[[Replica, str], None],
-                 vouch_token: str | None = None) -> None:
+    def __init__(
+        self, pool: UpstreamPool, eject: Callable[[Replica, str], None], vouch_token: str | None = None
+    ) -> None:
         self._pool = pool
         self._vouch = vouch_token.encode("latin-1") if vouch_token else None
         self._eject = eject  # called when a replica fails mid-response (earlier failures raise instead)
         self._targets: dict[str, tuple[UpstreamKey, str]] = {}  # replica URL → (connection key, Host)
 
-    async def forward(self, request: web.Request, body: bytes, replica: Replica, dispatch: Dispatch,
-                      probe: SendProbe | None,
-                      on_first_byte: Callable[[], None] | None = None) -> web.StreamResponse:
+    async def forward(
+        self,
+        request: web.Request,
+        body: bytes,
+        replica: Replica,
+        dispatch: Dispatch,
+        probe: SendProbe | None,
+        on_first_byte: Callable[[], None] | None = None,
+    ) -> web.StreamResponse:
         """Send ``request`` to ``replica`` and stream its answer; raises :class:`UpstreamFailure` before
         the first byte. ``on_first_byte()`` runs once that byte has been relayed."""
         try:
@@ -145,12 +175,23 @@ class Forwarder:
             target = self._targets[url] = (upstream_key(url), urlsplit(url).netloc)
         return target
 
-    async def _forward(self, request: web.Request, body: bytes, replica: Replica, dispatch: Dispatch,
-                       probe: SendProbe | None,
-                       on_first_byte: Callable[[], None] | None) -> web.StreamResponse:
+    async def _forward(
+        self,
+        request: web.Request,
+        body: bytes,
+        replica: Replica,
+        dispatch: Dispatch,
+        probe: SendProbe | None,
+        on_first_byte: Callable[[], None] | None,
+    ) -> web.StreamResponse:
         key, host = self._target(replica.url)
-        head = request_head(request.method, request.raw_path, host, len(body),
-                            forward_raw_headers(request.raw_headers, self._vouch))
+        head = request_head(
+            request.method,
+            request.raw_path,
+            host,
+            len(body),
+            forward_raw_headers(request.raw_headers, self._vouch),
+        )
         try:
             upstream = await self._pool.request(key, head, body, probe.written if probe is not None else None)
         except TimeoutError:
@@ -160,21 +201,31 @@ class Forwarder:
         async with upstream:
             if upstream.status in _RETRYABLE_STATUS:
                 answer = await _read_quietly(upstream)
-                raise UpstreamFailure(_RETRYABLE_STATUS[upstream.status], f"{replica.url}: HTTP {upstream.status}",
-                                      f"HTTP {upstream.status}",
-                                      (upstream.status, forward_headers(upstream.headers), answer))
+                raise UpstreamFailure(
+                    _RETRYABLE_STATUS[upstream.status],
+                    f"{replica.url}: HTTP {upstream.status}",
+                    f"HTTP {upstream.status}",
+                    (upstream.status, forward_headers(upstream.headers), answer),
+                )
             try:
                 first = await upstream.read_chunk()
             except TimeoutError:
-                raise UpstreamFailure(TIMEOUT, f"{replica.url}: no first byte in time",
-                                      "no first byte in time") from None
+                raise UpstreamFailure(
+                    TIMEOUT, f"{replica.url}: no first byte in time", "no first byte in time"
+                ) from None
             except UpstreamError as error:
-                raise UpstreamFailure(ERROR, f"{replica.url}: dropped before the first byte: {error}",
-                                      "its connection dropped before the first byte") from None
+                raise UpstreamFailure(
+                    ERROR,
+                    f"{replica.url}: dropped before the first byte: {error}",
+                    "its connection dropped before the first byte",
+                ) from None
             now = time.perf_counter()
             replica.first_byte(dispatch, now)
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason or None,
-                                          headers=forward_headers(upstream.headers))
+            response = web.StreamResponse(
+                status=upstream.status,
+                reason=upstream.reason or None,
+                headers=forward_headers(upstream.headers),
+            )
             response.headers[REPLICA_HEADER] = replica.url
             if upstream.content_length is not None:
                 response.content_length = upstream.content_length
@@ -185,8 +236,15 @@ class Forwarder:
                 pass  # the client left; leaving the context closes the upstream, which aborts it there
             return response
 
-    async def _relay(self, request: web.Request, upstream: UpstreamResponse, response: web.StreamResponse,
-                     replica: Replica, chunk: bytes, on_first_byte: Callable[[], None] | None) -> None:
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: UpstreamResponse,
+        response: web.StreamResponse,
+        replica: Replica,
+        chunk: bytes,
+        on_first_byte: Callable[[], None] | None,
+    ) -> None:
         # an SSE stream that can take an error event after a failure (one of known length cannot)
         events = response.content_type == "text/event-stream" and response.content_length is None
         held = b""  # an SSE event not complete yet: relayed with its end, dropped if the replica dies first
@@ -207,9 +265,16 @@ class Forwarder:
                 timed_out = isinstance(error, TimeoutError)
                 self._eject(replica, TIMEOUT if timed_out else ERROR)
                 problem = "it did not finish in time" if timed_out else "its connection broke"
-                await _end_broken(request, response, events,
-                                  error_body(504 if timed_out else 502, f"{describe(replica)} failed mid-response: "
-                                             f"{problem}", "upstream_timeout" if timed_out else "upstream_failed"))
+                await _end_broken(
+                    request,
+                    response,
+                    events,
+                    error_body(
+                        504 if timed_out else 502,
+                        f"{describe(replica)} failed mid-response: {problem}",
+                        "upstream_timeout" if timed_out else "upstream_failed",
+                    ),
+                )
                 return
             if not chunk:
                 break

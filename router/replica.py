@@ -95,7 +95,9 @@ class Replica:
             return 0
         cached = self.index.hashes if self.index.synced else frozenset()
         first = chain.hash_at(0)
-        return chain.cached_blocks(cached, lambda index, block_hash: self.sent.holds(index, block_hash, first))
+        return chain.cached_blocks(
+            cached, lambda index, block_hash: self.sent.holds(index, block_hash, first)
+        )
 
     def snapshot(self, prefill_rate: float) -> ReplicaSnapshot:
         """Scoring's view, including this router's requests the last ``/load`` cannot include yet; its work

@@ -55,8 +55,9 @@ class RequestProfile:
         key = (root, block_size)
         chains = self._chains.get(key)
         if chains is None:
-            chains = self._chains[key] = [BlockChain(ids, block_size, root, self.extra, self.memo)
-                                          for ids in self.prompts]
+            chains = self._chains[key] = [
+                BlockChain(ids, block_size, root, self.extra, self.memo) for ids in self.prompts
+            ]
         return chains
 
     def tie_key(self, block_size: int) -> bytes:
@@ -104,8 +105,13 @@ class RequestProfiler:
             prompts = tuple(completion_prompt_ids(self._tokenizer, p) for p in texts)
         else:
             raise PromptError(f"no prompt on {path}")
-        return RequestProfile(tenant=tenant, prompts=prompts, max_output_tokens=_output_budget(body),
-                              extra=_salt_keys(tenant), memo=self._memo)
+        return RequestProfile(
+            tenant=tenant,
+            prompts=prompts,
+            max_output_tokens=_output_budget(body),
+            extra=_salt_keys(tenant),
+            memo=self._memo,
+        )
 
     def warm_up(self) -> None:
         """Profile a few requests of the common shapes before serving. Otherwise the first request of a process
@@ -113,10 +119,18 @@ class RequestProfiler:
         and of the hash chain): 2.7 ms instead of 0.8 ms for a first chat request in-process, and the slowest
         routing window of a benchmark run (3.1 ms) was its first request."""
         text = " ".join(["Route each request to the replica that answers it first."] * 40)
-        turns = [{"role": "system", "content": text}, {"role": "user", "content": text},
-                 {"role": "assistant", "content": "Done."}, {"role": "user", "content": "And the next one?"}]
-        bodies = [(CHAT_COMPLETIONS, {"messages": turns[1:2]}), (CHAT_COMPLETIONS, {"messages": turns[:2]}),
-                  (CHAT_COMPLETIONS, {"messages": turns}), (COMPLETIONS, {"prompt": text})]
+        turns = [
+            {"role": "system", "content": text},
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "And the next one?"},
+        ]
+        bodies = [
+            (CHAT_COMPLETIONS, {"messages": turns[1:2]}),
+            (CHAT_COMPLETIONS, {"messages": turns[:2]}),
+            (CHAT_COMPLETIONS, {"messages": turns}),
+            (COMPLETIONS, {"prompt": text}),
+        ]
         for path, body in bodies:
             try:
                 profile = self.profile(path, {**body, "max_tokens": 1}, None)

@@ -103,7 +103,9 @@ def estimated_ttft(candidate: Candidate, request: RequestShape) -> float:
 
 def cost(candidate: Candidate, request: RequestShape, weights: ScoringWeights) -> float:
     replica = candidate.replica
-    work = weights.queue * replica.queued_prefill_tokens + weights.prefill * uncached_tokens(candidate, request)
+    work = weights.queue * replica.queued_prefill_tokens + weights.prefill * uncached_tokens(
+        candidate, request
+    )
     return work / replica.prefill_tokens_per_second + weights.decode * decode_seconds(replica)
 
 
@@ -114,8 +116,9 @@ def hot_spot_cap(candidates: Sequence[Candidate], weights: ScoringWeights) -> in
     return max(bounded, math.ceil(weights.balance_floor))
 
 
-def choose_cache_aware(request: RequestShape, candidates: Sequence[Candidate],
-                       weights: ScoringWeights) -> Decision:
+def choose_cache_aware(
+    request: RequestShape, candidates: Sequence[Candidate], weights: ScoringWeights
+) -> Decision:
     if not candidates:
         raise ValueError("no candidate replicas")
     with_room = [c for c in candidates if c.replica.kv_headroom_blocks >= needed_blocks(c, request)]
@@ -143,7 +146,9 @@ def choose_least_loaded(candidates: Sequence[Candidate], rotation: int) -> Decis
     if not candidates:
         raise ValueError("no candidate replicas")
     fewest = min(c.replica.outstanding_requests for c in candidates)
-    tied = sorted((c for c in candidates if c.replica.outstanding_requests == fewest), key=lambda c: c.replica.key)
+    tied = sorted(
+        (c for c in candidates if c.replica.outstanding_requests == fewest), key=lambda c: c.replica.key
+    )
     return Decision(tied[rotation % len(tied)].replica.key, LOAD)
 
 
@@ -161,5 +166,12 @@ def _highest(candidates: Sequence[Candidate], tie_key: bytes, primary) -> Candid
 
 def _decision(candidate: Candidate, reason: str, request: RequestShape) -> Decision:
     uncached = uncached_tokens(candidate, request)
-    return Decision(candidate.replica.key, reason, estimated_ttft(candidate, request), candidate.cached_tokens,
-                    uncached, candidate.replica.queued_prefill_tokens + uncached, needed_blocks(candidate, request))
+    return Decision(
+        candidate.replica.key,
+        reason,
+        estimated_ttft(candidate, request),
+        candidate.cached_tokens,
+        uncached,
+        candidate.replica.queued_prefill_tokens + uncached,
+        needed_blocks(candidate, request),
+    )

@@ -26,8 +26,13 @@ from kvpilot.router.piece_encoder import PieceEncoder
 
 
 class SegmentTokenizer:
-    def __init__(self, tokenizer: Tokenizer, model_dir: str | Path, max_cached_tokens: int = 1 << 20,
-                 max_cached_stretches: int = 1 << 16) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        model_dir: str | Path,
+        max_cached_tokens: int = 1 << 20,
+        max_cached_stretches: int = 1 << 16,
+    ) -> None:
         self.tokenizer = tokenizer
         self._max_cached_tokens = max_cached_tokens
         self._max_cached_stretches = max_cached_stretches
@@ -79,7 +84,9 @@ class SegmentTokenizer:
         if len(ids) <= self._max_cached_tokens // 4:  # one huge prompt must not flush everything else
             self._cache[stretch] = ids
             self._cached_tokens += len(ids)
-            while self._cached_tokens > self._max_cached_tokens or len(self._cache) > self._max_cached_stretches:
+            while (
+                self._cached_tokens > self._max_cached_tokens or len(self._cache) > self._max_cached_stretches
+            ):
                 _, evicted = self._cache.popitem(last=False)
                 self._cached_tokens -= len(evicted)
         return ids

@@ -54,8 +54,10 @@ class SentPrompts:
         for chain in self._in_flight.get(first, ()):
             if index < chain.full_blocks and chain.hash_at(index) == block_hash:
                 return True
-        return any(index < chain.full_blocks and chain.hash_at(index) == block_hash
-                   for _, chain in self._finished.get(first, ()))
+        return any(
+            index < chain.full_blocks and chain.hash_at(index) == block_hash
+            for _, chain in self._finished.get(first, ())
+        )
 
     def __len__(self) -> int:
         return sum(map(len, self._in_flight.values())) + sum(map(len, self._finished.values()))

@@ -35,8 +35,9 @@ class RouterServer:
         self._port = port
         # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
         # request, so the engine stops generating for nobody.
-        self._runner = web.AppRunner(router.build(), handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=5.0)
+        self._runner = web.AppRunner(
+            router.build(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
         self.port: int | None = None
 
     @property

@@ -93,8 +93,13 @@ class UpstreamResponse(asyncio.Protocol):
         if self._headers_done and self.content_length is None and not _chunked(self.headers):
             self._complete = True  # a body delimited by the connection's end
         else:
-            self._fail(UpstreamError("connection closed before the response ended" if self.any_byte
-                                     else "connection closed before any response byte"))
+            self._fail(
+                UpstreamError(
+                    "connection closed before the response ended"
+                    if self.any_byte
+                    else "connection closed before any response byte"
+                )
+            )
         self._wake()
 
     # --- httptools callbacks -----------------------------------------------------------------------------
@@ -217,8 +222,9 @@ class UpstreamPool:
         #: closed; kept no longer than any request there can last, so churning replicas do not pile up
         self._discarded: dict[UpstreamKey, float] = {}
 
-    async def request(self, key: UpstreamKey, head: bytes, body: bytes,
-                      on_written: Callable[[], None] | None = None) -> UpstreamResponse:
+    async def request(
+        self, key: UpstreamKey, head: bytes, body: bytes, on_written: Callable[[], None] | None = None
+    ) -> UpstreamResponse:
         """Send one request (``head``: request line and headers, from :func:`request_head`) to ``key``'s
         server and return once the response's headers arrived; the caller releases it (``async with``).
         ``on_written()`` runs once, right after the request was first written to a socket.
@@ -323,20 +329,26 @@ class UpstreamPool:
         host, port, tls = key
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, protocol = await loop.create_connection(lambda: UpstreamResponse(self, key), host, port,
-                                                           ssl=tls or None)
+                _, protocol = await loop.create_connection(
+                    lambda: UpstreamResponse(self, key), host, port, ssl=tls or None
+                )
         except TimeoutError:
-            raise UpstreamTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s} s") from None
+            raise UpstreamTimeout(
+                f"no connection to {host}:{port} within {self.connect_timeout_s} s"
+            ) from None
         except OSError as error:
             raise UpstreamError(f"cannot connect to {host}:{port}: {error}") from None
         return protocol
 
 
-def request_head(method: str, target: str, host: str, body_length: int,
-                 headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+def request_head(
+    method: str, target: str, host: str, body_length: int, headers: Iterable[tuple[bytes, bytes]]
+) -> bytes:
     """Request line and headers; ``headers`` (raw name/value bytes, passed through as the client sent them)
     must not hold hop-by-hop ones, Host or Content-Length."""
-    start = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {body_length}\r\n".encode("latin-1")
+    start = f"{method} {target} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {body_length}\r\n".encode(
+        "latin-1"
+    )
     return start + b"".join(name + b": " + value + b"\r\n" for name, value in headers) + b"\r\n"
 
 

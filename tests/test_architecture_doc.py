@@ -8,8 +8,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
-SEARCHED = ("README.md", "docs", "engine", "router", "operator", "kvpilot", "tests", "e2e", "bench", "scripts",
-            "charts")
+SEARCHED = (
+    "README.md",
+    "docs",
+    "engine",
+    "router",
+    "operator",
+    "kvpilot",
+    "tests",
+    "e2e",
+    "bench",
+    "scripts",
+    "charts",
+)
 SUFFIXES = {".py", ".md", ".sh", ".yaml", ".tpl", ".txt", ".c", ".h"}
 CITATION = re.compile(r"architecture\.md#([A-Za-z0-9_-]+)")
 
@@ -22,8 +33,11 @@ def github_anchor(heading: str) -> str:
 
 
 def anchors() -> set[str]:
-    headings = [line.lstrip("#") for line in DOC.read_text(encoding="utf-8").splitlines()
-                if re.match(r"#{1,6} ", line)]
+    headings = [
+        line.lstrip("#")
+        for line in DOC.read_text(encoding="utf-8").splitlines()
+        if re.match(r"#{1,6} ", line)
+    ]
     return {github_anchor(h) for h in headings}
 
 
@@ -38,7 +52,9 @@ def searched_files():
 
 def test_github_anchor_rule():
     assert github_anchor(" KV lifecycle") == "kv-lifecycle"
-    assert github_anchor("Router, operator, bench and e2e packages") == "router-operator-bench-and-e2e-packages"
+    assert (
+        github_anchor("Router, operator, bench and e2e packages") == "router-operator-bench-and-e2e-packages"
+    )
 
 
 def test_every_cited_anchor_exists():

@@ -135,9 +135,15 @@ def python_header_versions(chain: list[Stage], stages: list[Stage]) -> set[str]:
     for stage in chain:
         for source, paths, _ in copy_sources(stage):
             copies_include = any(p.rstrip("/") in ("/usr/local", "/usr/local/include") for p in paths)
-            if source is not None and copies_include and (match := PYTHON_IMAGE.match(external_base(source, stages))):
+            if (
+                source is not None
+                and copies_include
+                and (match := PYTHON_IMAGE.match(external_base(source, stages)))
+            ):
                 versions.add(match["version"])
-        versions |= {m[1] for pkg in apt_packages(stage) if (m := re.match(r"^(?:lib)?python(\d+\.\d+)-dev$", pkg))}
+        versions |= {
+            m[1] for pkg in apt_packages(stage) if (m := re.match(r"^(?:lib)?python(\d+\.\d+)-dev$", pkg))
+        }
     return versions
 
 
@@ -148,7 +154,9 @@ def venv_python_version(chain: list[Stage], stages: list[Stage]) -> str:
             if destination.rstrip("/") == "/opt/kvpilot" and source is not None:
                 base = external_base(source, stages)
                 match = PYTHON_IMAGE.match(base)
-                assert match, f"the venv comes from stage {source!r}, based on {base}, not an official python image"
+                assert match, (
+                    f"the venv comes from stage {source!r}, based on {base}, not an official python image"
+                )
                 return match["version"]
     raise AssertionError("the final image copies no venv into /opt/kvpilot")
 
@@ -180,8 +188,11 @@ USER 10001:10001
 def test_the_parser_reads_stages_arg_defaults_build_args_and_continuations():
     stages = parse(OLD_LAYOUT)
     assert [(s.name, s.base) for s in stages] == [
-        ("build", "python:3.11.13-slim-bookworm"), ("runtime-cuda", "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"),
-        ("runtime-cpu", "python:3.11.13-slim-bookworm"), ("final", "runtime-cuda")]
+        ("build", "python:3.11.13-slim-bookworm"),
+        ("runtime-cuda", "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"),
+        ("runtime-cpu", "python:3.11.13-slim-bookworm"),
+        ("final", "runtime-cuda"),
+    ]
     assert apt_packages(stages[1]) == {"ca-certificates", "libssl3t64", "libffi8", "zlib1g"}
     assert [s.name for s in image_chain(stages)] == ["final", "runtime-cuda"]
     assert [s.name for s in image_chain(parse(OLD_LAYOUT, {"VARIANT": "cpu"}))] == ["final", "runtime-cpu"]
@@ -200,6 +211,7 @@ def test_the_checks_fail_a_runtime_without_a_compiler_and_pass_a_devel_base_or_g
 
 # --- the Dockerfile itself ----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", ["cuda", "cpu"])
 def test_each_image_is_built_on_its_runtime_stage(variant):
     assert [s.name for s in image_chain(stages_for(variant))] == ["final", f"runtime-{variant}"]
@@ -210,7 +222,8 @@ def test_the_runtime_stage_has_a_c_compiler(variant):
     chain = image_chain(stages_for(variant))
     assert has_c_compiler(chain), (
         f"the {variant} image has no C compiler: Triton builds its launcher with one at the first kernel "
-        "launch, and the CPU engine compiles its C kernels with cc; apt-get install gcc libc6-dev")
+        "launch, and the CPU engine compiles its C kernels with cc; apt-get install gcc libc6-dev"
+    )
     # gcc's C library headers are only a Recommends, which --no-install-recommends skips
     assert "-devel" in chain[-1].base or any("libc6-dev" in apt_packages(stage) for stage in chain)
 
@@ -231,6 +244,8 @@ def test_the_cuda_base_carries_no_cuda_libraries_the_torch_wheels_bring():
 @pytest.mark.parametrize("variant", ["cuda", "cpu"])
 def test_the_image_runs_as_a_non_root_user(variant):
     # the effective user is the last USER of the nearest stage (final first) that sets one
-    users = next((stage.commands("USER") for stage in image_chain(stages_for(variant)) if stage.commands("USER")), [])
+    users = next(
+        (stage.commands("USER") for stage in image_chain(stages_for(variant)) if stage.commands("USER")), []
+    )
     assert users, "no USER instruction: the image would run as root"
     assert users[-1].split(":")[0] not in ("0", "root")

@@ -22,7 +22,14 @@ def test_default_is_a_short_spin_then_sleep() -> None:
     assert env_after_import() == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}
 
 
-@pytest.mark.parametrize("preset", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"},
-                                    {"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "infinite"}])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        {"OMP_WAIT_POLICY": "ACTIVE"},
+        {"OMP_WAIT_POLICY": "PASSIVE"},
+        {"GOMP_SPINCOUNT": "0"},
+        {"GOMP_SPINCOUNT": "infinite"},
+    ],
+)
 def test_a_users_setting_wins_and_nothing_is_added(preset: dict[str, str]) -> None:
     assert env_after_import(**preset) == {key: preset.get(key) for key in KEYS}

@@ -44,9 +44,20 @@ def _param(package: Path):
 
 def test_the_packages_are_found():
     rel = {p.relative_to(ROOT).as_posix() for p in packages()}
-    assert {"kvpilot", "kvpilot/bench", "engine", "engine/model", "engine/kv", "engine/attention",
-            "engine/attention/kernels", "engine/native", "engine/sampling", "engine/server", "router",
-            "operator"} <= rel
+    assert {
+        "kvpilot",
+        "kvpilot/bench",
+        "engine",
+        "engine/model",
+        "engine/kv",
+        "engine/attention",
+        "engine/attention/kernels",
+        "engine/native",
+        "engine/sampling",
+        "engine/server",
+        "router",
+        "operator",
+    } <= rel
 
 
 @pytest.mark.parametrize("package", [_param(p) for p in packages()])
@@ -55,5 +66,7 @@ def test_package_docstring_lists_every_module(package: Path):
     modules, subpackages = members(package)
     missing = [m for m in modules if f"``{m}``" not in doc]
     missing += [f"{s}/" for s in subpackages if f"``{s}``" not in doc and f"``{s}/``" not in doc]
-    assert not missing, (f"{package.relative_to(ROOT)}/__init__.py: its docstring's package map does not "
-                         f"name {missing} (write each as ``name``)")
+    assert not missing, (
+        f"{package.relative_to(ROOT)}/__init__.py: its docstring's package map does not "
+        f"name {missing} (write each as ``name``)"
+    )

@@ -42,9 +42,13 @@ def _parse_path(path: str) -> kmock_parsing.ParsedPath:
     """
     parts = path.strip("/").split("/")
     if parts[:3] == ["api", "v1", "namespaces"] and (len(parts) <= 4 or parts[4] in ("status", "finalize")):
-        return kmock_parsing.ParsedPath(group="", version="v1", plural="namespaces",
-                                        name=parts[3] if len(parts) > 3 else None,
-                                        subresource=parts[4] if len(parts) > 4 else None)
+        return kmock_parsing.ParsedPath(
+            group="",
+            version="v1",
+            plural="namespaces",
+            name=parts[3] if len(parts) > 3 else None,
+            subresource=parts[4] if len(parts) > 4 else None,
+        )
     return _kmock_parse_path(path)
 
 
@@ -52,7 +56,9 @@ kmock_parsing.parse_path = _parse_path
 _NOT_SPEC = frozenset({"apiVersion", "kind", "metadata", "status"})
 
 
-def _status(code: int, reason: str, message: str, causes: list[tuple[str, str]] | None = None) -> kmock.KubernetesError:
+def _status(
+    code: int, reason: str, message: str, causes: list[tuple[str, str]] | None = None
+) -> kmock.KubernetesError:
     details = {"causes": [{"field": f, "message": m, "reason": "FieldValueInvalid"} for f, m in causes or []]}
     return kmock.KubernetesError(status=code, reason=reason, message=message, details=details)
 
@@ -75,8 +81,11 @@ class ApiServerHarness(kmock.KubernetesEmulator):
         # It also lists connect subresources (proxy, exec, token...) with the parent's kind and verbs, which
         # kubectl's REST mapper trips over; only status and scale are served here, listed after the parent.
         listing = await super()._serve_version(request)
-        kept = [entry for entry in listing["resources"]
-                if "/" not in entry["name"] or entry["name"].split("/", 1)[1] in ("status", "scale")]
+        kept = [
+            entry
+            for entry in listing["resources"]
+            if "/" not in entry["name"] or entry["name"].split("/", 1)[1] in ("status", "scale")
+        ]
         for entry in kept:
             if "/" in entry["name"]:
                 entry.update(shortNames=[], categories=[], verbs=["get", "patch", "update"])
@@ -86,7 +95,11 @@ class ApiServerHarness(kmock.KubernetesEmulator):
 
     # ---- routing -------------------------------------------------------------------------------------
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        if request.resource is None or request.resource.plural is None or request.url.path.startswith("/openapi"):
+        if (
+            request.resource is None
+            or request.resource.plural is None
+            or request.url.path.startswith("/openapi")
+        ):
             return await super()._handle(request)
         try:
             return await self._serve(request)
@@ -95,12 +108,16 @@ class ApiServerHarness(kmock.KubernetesEmulator):
 
     def _info(self, resource: kmock.resource) -> kmock.ResourceInfo:
         if resource not in self.resources:
-            raise _status(404, "NotFound", f"the server could not find the requested resource ({resource.plural})")
+            raise _status(
+                404, "NotFound", f"the server could not find the requested resource ({resource.plural})"
+            )
         return self.resources[resource]
 
     async def _serve(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
         resource, method = request.resource, request.method.value
-        if "protobuf" in request.headers.get("Content-Type", "") or "cbor" in request.headers.get("Content-Type", ""):
+        if "protobuf" in request.headers.get("Content-Type", "") or "cbor" in request.headers.get(
+            "Content-Type", ""
+        ):
             # Only JSON is spoken here; client-go retries in JSON after a 415, as with old servers.
             raise _status(415, "UnsupportedMediaType", "only JSON bodies are emulated")
         info = self._info(resource)
@@ -110,8 +127,9 @@ class ApiServerHarness(kmock.KubernetesEmulator):
         if method == "GET" and request.name is None:
             return self._list(request, resource, namespace)
         if method == "POST" and request.name is None:
-            return aiohttp.web.json_response(await self.create(resource, namespace, request.data,
-                                                               strict=self._strict(request)), status=201)
+            return aiohttp.web.json_response(
+                await self.create(resource, namespace, request.data, strict=self._strict(request)), status=201
+            )
         key: ObjectKey = (resource, namespace, request.name)
         if method == "GET":
             return self._respond(request, resource, self._existing(key))
@@ -120,7 +138,9 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(body)
         if method == "DELETE":
             options = request.data if isinstance(request.data, dict) else {}
-            policy = request.params.get("propagationPolicy") or options.get("propagationPolicy") or "Background"
+            policy = (
+                request.params.get("propagationPolicy") or options.get("propagationPolicy") or "Background"
+            )
             return aiohttp.web.json_response(await self.delete(key, policy))
         raise _status(405, "MethodNotAllowed", f"{method} is not supported on {request.url.path}")
 
@@ -139,7 +159,9 @@ class ApiServerHarness(kmock.KubernetesEmulator):
         group_version = f"{resource.group}/{resource.version}" if resource.group else resource.version
         return {"apiVersion": group_version, "kind": info.kind, **obj}
 
-    def _respond(self, request: kmock.Request, resource: kmock.resource, obj: dict[str, Any]) -> aiohttp.web.Response:
+    def _respond(
+        self, request: kmock.Request, resource: kmock.resource, obj: dict[str, Any]
+    ) -> aiohttp.web.Response:
         if "as=Table" in request.headers.get("Accept", ""):
             columns = self.custom[resource].printer_columns if resource in self.custom else []
             return aiohttp.web.json_response(crs.table([obj], columns, str(self.store.resource_version)))
@@ -148,13 +170,20 @@ class ApiServerHarness(kmock.KubernetesEmulator):
     # ---- reads ---------------------------------------------------------------------------------------
     def _select(self, request: kmock.Request, resource: kmock.resource, namespace: str | None) -> list[dict]:
         try:
-            return [obj for obj in self.store.list(resource, namespace)
-                    if matches_label_selector(obj["metadata"].get("labels", {}), request.params.get("labelSelector"))
-                    and matches_field_selector(obj, request.params.get("fieldSelector"))]
+            return [
+                obj
+                for obj in self.store.list(resource, namespace)
+                if matches_label_selector(
+                    obj["metadata"].get("labels", {}), request.params.get("labelSelector")
+                )
+                and matches_field_selector(obj, request.params.get("fieldSelector"))
+            ]
         except PatchError as error:
             raise _status(400, "BadRequest", str(error)) from error
 
-    def _list(self, request: kmock.Request, resource: kmock.resource, namespace: str | None) -> aiohttp.web.Response:
+    def _list(
+        self, request: kmock.Request, resource: kmock.resource, namespace: str | None
+    ) -> aiohttp.web.Response:
         objects = self._select(request, resource, namespace)
         version = str(self.store.resource_version)
         if "as=Table" in request.headers.get("Accept", ""):
@@ -162,12 +191,18 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             return aiohttp.web.json_response(crs.table(objects, columns, version))
         info = self.resources[resource]
         group_version = f"{resource.group}/{resource.version}" if resource.group else resource.version
-        return aiohttp.web.json_response({"apiVersion": group_version, "kind": f"{info.kind}List",
-                                          "metadata": {"resourceVersion": version},
-                                          "items": [self._typed(resource, obj) for obj in objects]})
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": group_version,
+                "kind": f"{info.kind}List",
+                "metadata": {"resourceVersion": version},
+                "items": [self._typed(resource, obj) for obj in objects],
+            }
+        )
 
-    async def _watch(self, request: kmock.Request, resource: kmock.resource,
-                     namespace: str | None) -> aiohttp.web.StreamResponse:
+    async def _watch(
+        self, request: kmock.Request, resource: kmock.resource, namespace: str | None
+    ) -> aiohttp.web.StreamResponse:
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request._raw_request)
         since = request.params.get("resourceVersion", "")
@@ -175,8 +210,11 @@ class ApiServerHarness(kmock.KubernetesEmulator):
 
         def wanted(obj: dict[str, Any]) -> bool:
             in_namespace = namespace is None or obj["metadata"].get("namespace") == namespace
-            return in_namespace and matches_label_selector(obj["metadata"].get("labels", {}), labels) \
+            return (
+                in_namespace
+                and matches_label_selector(obj["metadata"].get("labels", {}), labels)
                 and matches_field_selector(obj, fields)
+            )
 
         async def send(kind: str, obj: dict[str, Any]) -> None:
             await response.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
@@ -187,8 +225,16 @@ class ApiServerHarness(kmock.KubernetesEmulator):
                 if wanted(obj):
                     await send("ADDED", self._typed(resource, obj))
             if request.params.get("sendInitialEvents") == "true":
-                await send("BOOKMARK", {"kind": self.resources[resource].kind, "metadata": {
-                    "resourceVersion": str(start), "annotations": {"k8s.io/initial-events-end": "true"}}})
+                await send(
+                    "BOOKMARK",
+                    {
+                        "kind": self.resources[resource].kind,
+                        "metadata": {
+                            "resourceVersion": str(start),
+                            "annotations": {"k8s.io/initial-events-end": "true"},
+                        },
+                    },
+                )
         else:
             start = int(since)
         timeout = float(request.params.get("timeoutSeconds") or 0) or None
@@ -209,17 +255,21 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             return crs.admit(self.custom[resource], obj, strict)
         except crs.InvalidObject as error:
             kind, name = self.custom[resource].kind, obj.get("metadata", {}).get("name")
-            raise _status(422, "Invalid", f'{kind}.{resource.group} "{name}" is invalid: {error}',
-                          error.causes) from error
+            raise _status(
+                422, "Invalid", f'{kind}.{resource.group} "{name}" is invalid: {error}', error.causes
+            ) from error
 
-    async def create(self, resource: kmock.resource, namespace: str | None, obj: Any,
-                     strict: bool = False) -> dict[str, Any]:
+    async def create(
+        self, resource: kmock.resource, namespace: str | None, obj: Any, strict: bool = False
+    ) -> dict[str, Any]:
         if not isinstance(obj, dict):
             raise _status(400, "BadRequest", "the body of a create must be an object")
         obj = {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")}
         metadata = obj.setdefault("metadata", {})
         if not metadata.get("name") and metadata.get("generateName"):
-            metadata["name"] = metadata["generateName"] + "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
+            metadata["name"] = metadata["generateName"] + "".join(
+                random.choices("bcdfghjklmnpqrstvwxz2456789", k=5)
+            )
         if not metadata.get("name"):
             raise _status(422, "Invalid", "metadata.name: Required value")
         if self.resources[resource].subresources and "status" in self.resources[resource].subresources:
@@ -230,8 +280,13 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             raise _status(404, "NotFound", f'namespaces "{namespace}" not found')
         if self.store.get(key) is not None:
             raise _status(409, "AlreadyExists", f'{resource.plural} "{metadata["name"]}" already exists')
-        if resource == kmock.resource("", "v1", "services") and obj.get("spec", {}).get("clusterIP") != "None":
-            obj.setdefault("spec", {})["clusterIP"] = f"10.96.{random.randint(0, 255)}.{random.randint(1, 254)}"
+        if (
+            resource == kmock.resource("", "v1", "services")
+            and obj.get("spec", {}).get("clusterIP") != "None"
+        ):
+            obj.setdefault("spec", {})["clusterIP"] = (
+                f"10.96.{random.randint(0, 255)}.{random.randint(1, 254)}"
+            )
         created = await self.store.create(key, obj)
         if resource == CRD_RESOURCE:
             created = await self._establish(key, created)
@@ -251,8 +306,12 @@ class ApiServerHarness(kmock.KubernetesEmulator):
                 new = {k: v for k, v in (request.data or {}).items() if k not in ("apiVersion", "kind")}
                 sent = new.get("metadata", {}).get("resourceVersion")
                 if sent and sent != old["metadata"]["resourceVersion"]:
-                    raise _status(409, "Conflict", "the object has been modified; please apply your changes "
-                                                    "to the latest version and try again")
+                    raise _status(
+                        409,
+                        "Conflict",
+                        "the object has been modified; please apply your changes "
+                        "to the latest version and try again",
+                    )
             elif content_type == "application/json-patch+json":
                 new = json_patch(self._typed(key[0], old), request.data)
             elif content_type == "application/merge-patch+json":
@@ -260,23 +319,31 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             elif content_type == "application/strategic-merge-patch+json":
                 new = strategic_merge_patch(old, request.data)
             else:
-                raise _status(415, "UnsupportedMediaType", f"{content_type} is not emulated (no server-side apply)")
+                raise _status(
+                    415, "UnsupportedMediaType", f"{content_type} is not emulated (no server-side apply)"
+                )
         except PatchError as error:
             raise _status(422, "Invalid", str(error)) from error
         new.pop("apiVersion", None)
         new.pop("kind", None)
-        return self._typed(key[0], await self.update(key, new, subresource=request.subresource or "",
-                                                      strict=self._strict(request)))
+        return self._typed(
+            key[0],
+            await self.update(key, new, subresource=request.subresource or "", strict=self._strict(request)),
+        )
 
-    async def update(self, key: ObjectKey, new: dict[str, Any], subresource: str = "",
-                     strict: bool = False) -> dict[str, Any]:
+    async def update(
+        self, key: ObjectKey, new: dict[str, Any], subresource: str = "", strict: bool = False
+    ) -> dict[str, Any]:
         old = self._existing(key)
         info = self.resources[key[0]]
         if subresource == "status":
             new = {**old, "status": new.get("status", {})}
         elif "status" in info.subresources:
-            new = {**new, "status": old["status"]} if "status" in old else {k: v for k, v in new.items()
-                                                                           if k != "status"}
+            new = (
+                {**new, "status": old["status"]}
+                if "status" in old
+                else {k: v for k, v in new.items() if k != "status"}
+            )
         for field in ("uid", "creationTimestamp", "namespace", "name", "deletionTimestamp"):
             if field in old["metadata"]:
                 new.setdefault("metadata", {})[field] = old["metadata"][field]
@@ -329,14 +396,23 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             resource = kmock.resource(served.group, served.version, served.plural)
             self.custom[resource] = served
             self.resources[resource] = kmock.ResourceInfo(
-                kind=served.kind, namespaced=served.namespaced, singular=crd["spec"]["names"].get("singular"),
+                kind=served.kind,
+                namespaced=served.namespaced,
+                singular=crd["spec"]["names"].get("singular"),
                 shortnames=crd["spec"]["names"].get("shortNames", []),
-                categories=crd["spec"]["names"].get("categories", []), subresources=set(served.subresources),
-                verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"])
+                categories=crd["spec"]["names"].get("categories", []),
+                subresources=set(served.subresources),
+                verbs=["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"],
+            )
         now = now_timestamp()
-        crd["status"] = {"acceptedNames": crd["spec"]["names"], "storedVersions": [crd["spec"]["versions"][0]["name"]],
-                         "conditions": [{"type": t, "status": "True", "reason": t, "lastTransitionTime": now}
-                                        for t in ("NamesAccepted", "Established")]}
+        crd["status"] = {
+            "acceptedNames": crd["spec"]["names"],
+            "storedVersions": [crd["spec"]["versions"][0]["name"]],
+            "conditions": [
+                {"type": t, "status": "True", "reason": t, "lastTransitionTime": now}
+                for t in ("NamesAccepted", "Established")
+            ],
+        }
         return await self.store.update(key, crd, spec_changed=False)
 
     def _notify(self, resource: kmock.resource, key: ObjectKey) -> None:
@@ -347,20 +423,34 @@ class ApiServerHarness(kmock.KubernetesEmulator):
     def _group_versions(self) -> dict[str, list[kmock.resource]]:
         grouped: dict[str, list[kmock.resource]] = {}
         for resource in self.resources:
-            path = f"apis/{resource.group}/{resource.version}" if resource.group else f"api/{resource.version}"
+            path = (
+                f"apis/{resource.group}/{resource.version}" if resource.group else f"api/{resource.version}"
+            )
             grouped.setdefault(path, []).append(resource)
         return grouped
 
     def _openapi_index(self) -> dict[str, Any]:
-        return {"paths": {path: {"serverRelativeURL": f"/openapi/v3/{path}?hash={self.store.resource_version}"}
-                          for path in self._group_versions()}}
+        return {
+            "paths": {
+                path: {"serverRelativeURL": f"/openapi/v3/{path}?hash={self.store.resource_version}"}
+                for path in self._group_versions()
+            }
+        }
 
     def _openapi_document(self, request: kmock.Request) -> dict[str, Any]:
         path = request.url.path.removeprefix("/openapi/v3/")
         resources = self._group_versions().get(path, [])
-        group, version = (path.split("/")[1], path.split("/")[2]) if path.startswith("apis/") else ("", path[4:])
-        kinds = [(self.resources[r].kind, r.plural, bool(self.resources[r].namespaced)) for r in resources
-                 if "/" not in (r.plural or "")]
-        schemas = {f"{'.'.join(reversed(group.split('.')))}.{version}.{self.custom[r].kind}": self.custom[r].schema
-                   for r in resources if r in self.custom}
+        group, version = (
+            (path.split("/")[1], path.split("/")[2]) if path.startswith("apis/") else ("", path[4:])
+        )
+        kinds = [
+            (self.resources[r].kind, r.plural, bool(self.resources[r].namespaced))
+            for r in resources
+            if "/" not in (r.plural or "")
+        ]
+        schemas = {
+            f"{'.'.join(reversed(group.split('.')))}.{version}.{self.custom[r].kind}": self.custom[r].schema
+            for r in resources
+            if r in self.custom
+        }
         return crs.openapi_document(group, version, kinds, schemas)

@@ -67,13 +67,23 @@ class HarnessCluster:
         self._thread.start()
         self.call(self._start())
         server = f"http://{self._server.host}:{self._server.port}"
-        self.kubeconfig.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "harness",
-            "clusters": [{"name": "harness", "cluster": {"server": server}}],
-            "users": [{"name": "harness", "user": {"token": "harness-token"}}],
-            "contexts": [{"name": "harness", "context": {"cluster": "harness", "user": "harness",
-                                                         "namespace": "default"}}],
-        }))
+        self.kubeconfig.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "harness",
+                    "clusters": [{"name": "harness", "cluster": {"server": server}}],
+                    "users": [{"name": "harness", "user": {"token": "harness-token"}}],
+                    "contexts": [
+                        {
+                            "name": "harness",
+                            "context": {"cluster": "harness", "user": "harness", "namespace": "default"},
+                        }
+                    ],
+                }
+            )
+        )
         return self
 
     async def _start(self) -> None:
@@ -113,10 +123,14 @@ class HarnessCluster:
 
     def history(self, resource: str, namespace: str | None, name: str) -> list[dict[str, Any]]:
         """Every stored version of an object (None marks a deletion)."""
+
         async def _history() -> list[dict[str, Any]]:
             key = (kmock.resource(resource), namespace, name)
-            return [None if v is None else dict(v) for v in self.api.objects[key].history] \
-                if key in self.api.objects else []
+            return (
+                [None if v is None else dict(v) for v in self.api.objects[key].history]
+                if key in self.api.objects
+                else []
+            )
 
         return self.call(_history())
 
@@ -130,7 +144,9 @@ class HarnessCluster:
             self.runner.stages[name] = stage
         return names
 
-    def wait_for(self, what: str, condition: Callable[[], T], timeout: float = 30.0, interval: float = 0.2) -> T:
+    def wait_for(
+        self, what: str, condition: Callable[[], T], timeout: float = 30.0, interval: float = 0.2
+    ) -> T:
         """Poll until ``condition()`` is truthy; fail naming ``what`` and the last value seen."""
         deadline = time.monotonic() + timeout
         value = condition()

@@ -50,6 +50,7 @@ class LaunchSpec:
 
 def expand(value: str, env: dict[str, str]) -> str:
     """Kubernetes' variable expansion: ``$(NAME)`` from env if defined (else kept), ``$$`` is a ``$``."""
+
     def replace(match: re.Match[str]) -> str:
         if match.group(0) == "$$":
             return "$"
@@ -73,8 +74,9 @@ def _secret_value(secret: dict[str, Any], key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def resolve_secret_env(pod: dict[str, Any],
-                       secret_of: Callable[[str, str], dict[str, Any] | None]) -> dict[str, Any]:
+def resolve_secret_env(
+    pod: dict[str, Any], secret_of: Callable[[str, str], dict[str, Any] | None]
+) -> dict[str, Any]:
     """The pod with each ``env[].valueFrom.secretKeyRef`` turned into a plain ``value``, read through
     ``secret_of(namespace, name)``; ``MissingSecret`` names the first Secret or key that is absent (an
     ``optional`` one is left out instead). Other ``valueFrom`` sources stay, for ``build_launch`` to refuse."""
@@ -92,9 +94,14 @@ def resolve_secret_env(pod: dict[str, Any],
             if value is None:
                 if ref.get("optional"):
                     continue
-                what = f'secret "{ref.get("name")}"' if secret is None else \
-                    f'key "{ref.get("key")}" in secret "{ref.get("name")}"'
-                raise MissingSecret(f"container {container['name']!r} env {variable['name']!r}: {what} not found")
+                what = (
+                    f'secret "{ref.get("name")}"'
+                    if secret is None
+                    else f'key "{ref.get("key")}" in secret "{ref.get("name")}"'
+                )
+                raise MissingSecret(
+                    f"container {container['name']!r} env {variable['name']!r}: {what} not found"
+                )
             env.append({"name": variable["name"], "value": value})
         if "env" in container:
             container["env"] = env
@@ -111,15 +118,19 @@ def empty_dirs(pod: dict[str, Any], pod_dir: Path) -> dict[str, Path]:
     return dirs
 
 
-def _mounts(container: dict[str, Any], volumes: dict[str, Path], pod: dict[str, Any]) -> list[tuple[str, Path]]:
+def _mounts(
+    container: dict[str, Any], volumes: dict[str, Path], pod: dict[str, Any]
+) -> list[tuple[str, Path]]:
     """(mountPath, host directory) of each mount, longest path first so nested mounts win."""
     kinds = {v["name"]: next((k for k in v if k != "name"), "?") for v in pod["spec"].get("volumes", [])}
     mounts = []
     for mount in container.get("volumeMounts", []):
         name = mount["name"]
         if name not in volumes:
-            raise UnsupportedPod(f"container {container['name']!r} mounts volume {name!r} "
-                                 f"({kinds.get(name, 'undeclared')}); only emptyDir volumes are emulated")
+            raise UnsupportedPod(
+                f"container {container['name']!r} mounts volume {name!r} "
+                f"({kinds.get(name, 'undeclared')}); only emptyDir volumes are emulated"
+            )
         target = volumes[name] / mount.get("subPath", "")
         target.mkdir(parents=True, exist_ok=True)
         mounts.append((mount["mountPath"].rstrip("/") or "/", target))
@@ -129,7 +140,7 @@ def _mounts(container: dict[str, Any], volumes: dict[str, Path], pod: dict[str, 
 def _translate_path(value: str, mounts: list[tuple[str, Path]]) -> str:
     for mount_path, host_dir in mounts:
         if value == mount_path or value.startswith(mount_path + "/"):
-            return str(host_dir) + value[len(mount_path):]
+            return str(host_dir) + value[len(mount_path) :]
     return value
 
 
@@ -137,11 +148,15 @@ def _listen_on(args: list[str], pod_ip: str) -> list[str]:
     for index, arg in enumerate(args[:-1]):
         if arg == "--host":
             if args[index + 1] in WILDCARD_HOSTS:
-                return [*args[:index + 1], pod_ip, *args[index + 2:]]
+                return [*args[: index + 1], pod_ip, *args[index + 2 :]]
             return args
         if arg.startswith("--host="):
             value = arg.split("=", 1)[1]
-            return args if value not in WILDCARD_HOSTS else [*args[:index], f"--host={pod_ip}", *args[index + 1:]]
+            return (
+                args
+                if value not in WILDCARD_HOSTS
+                else [*args[:index], f"--host={pod_ip}", *args[index + 1 :]]
+            )
     return [*args, "--host", pod_ip]
 
 
@@ -151,8 +166,9 @@ def image_env(pod_name: str, kubeconfig: Path) -> dict[str, str]:
     return {"PATH": path, "PYTHONUNBUFFERED": "1", "HOSTNAME": pod_name, "KUBECONFIG": str(kubeconfig)}
 
 
-def build_launch(pod: dict[str, Any], container: dict[str, Any], pod_dir: Path, volumes: dict[str, Path],
-                 kubeconfig: Path) -> LaunchSpec:
+def build_launch(
+    pod: dict[str, Any], container: dict[str, Any], pod_dir: Path, volumes: dict[str, Path], kubeconfig: Path
+) -> LaunchSpec:
     """The process for ``container``; ``UnsupportedPod`` names the first field that cannot be emulated."""
     name = container["name"]
     if "envFrom" in container:

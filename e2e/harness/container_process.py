@@ -34,8 +34,12 @@ class Exit:
     finished_at: str
 
     def as_state(self) -> dict[str, object]:
-        state: dict[str, object] = {"exitCode": self.code, "reason": self.reason, "startedAt": self.started_at,
-                                    "finishedAt": self.finished_at}
+        state: dict[str, object] = {
+            "exitCode": self.code,
+            "reason": self.reason,
+            "startedAt": self.started_at,
+            "finishedAt": self.finished_at,
+        }
         if self.message:
             state["message"] = self.message
         return state
@@ -48,7 +52,9 @@ def _exit_code(returncode: int) -> int:
 class ContainerProcess:
     """A started container process; ``start`` raises nothing, a failed exec becomes an ``Exit``."""
 
-    def __init__(self, process: asyncio.subprocess.Process | None, started_at: str, start_error: str = "") -> None:
+    def __init__(
+        self, process: asyncio.subprocess.Process | None, started_at: str, start_error: str = ""
+    ) -> None:
         self.process = process
         self.started_at = started_at
         self._start_error = start_error
@@ -61,8 +67,14 @@ class ContainerProcess:
             log.flush()
             try:
                 process = await asyncio.create_subprocess_exec(
-                    *launch.argv, env=launch.env, cwd=launch.cwd, stdin=asyncio.subprocess.DEVNULL,
-                    stdout=log, stderr=asyncio.subprocess.STDOUT, process_group=0)
+                    *launch.argv,
+                    env=launch.env,
+                    cwd=launch.cwd,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    process_group=0,
+                )
             except OSError as error:
                 message = f"failed to start {launch.argv[0]!r}: {error.strerror or error}"
                 log.write(f"==> {message}\n".encode())

@@ -50,15 +50,29 @@ class RestartBackoff:
 
 
 class ContainerSupervisor:
-    def __init__(self, pod: tuple[str, str], pod_ip: str, container: dict[str, Any],
-                 launch: LaunchSpec | UnsupportedPod, probes: list[ProbeSpec], grace_s: float, log_path: Path,
-                 session: aiohttp.ClientSession, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pod: tuple[str, str],
+        pod_ip: str,
+        container: dict[str, Any],
+        launch: LaunchSpec | UnsupportedPod,
+        probes: list[ProbeSpec],
+        grace_s: float,
+        log_path: Path,
+        session: aiohttp.ClientSession,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         """``pod`` is (namespace, name); ``launch`` is the process to run, or why none can run."""
         self.name, self.image = container["name"], container.get("image", "")
         (self.namespace, self.pod_name), self.pod_ip = pod, pod_ip
         self.pids: list[int] = []  # every process this container ever had
-        self._launch, self._grace_s, self._log_path, self._session, self._clock = \
-            launch, grace_s, log_path, session, clock
+        self._launch, self._grace_s, self._log_path, self._session, self._clock = (
+            launch,
+            grace_s,
+            log_path,
+            session,
+            clock,
+        )
         self.verdicts = {probe.kind: ProbeVerdict(probe) for probe in probes}
         self._triggers = {probe.kind: asyncio.Event() for probe in probes}
         self.current: ContainerProcess | None = None
@@ -99,9 +113,16 @@ class ContainerSupervisor:
         return self.started and (READINESS not in self.verdicts or self._verdict(READINESS) is True)
 
     def status(self) -> dict[str, Any]:
-        status = {"name": self.name, "image": self.image, "imageID": "", "state": self.state,
-                  "lastState": self.last_state, "ready": self.ready, "started": self.started,
-                  "restartCount": self.restart_count}
+        status = {
+            "name": self.name,
+            "image": self.image,
+            "imageID": "",
+            "state": self.state,
+            "lastState": self.last_state,
+            "ready": self.ready,
+            "started": self.started,
+            "restartCount": self.restart_count,
+        }
         if self.container_id:
             status["containerID"] = self.container_id
         return status
@@ -116,8 +137,10 @@ class ContainerSupervisor:
         if isinstance(self._launch, UnsupportedPod):
             return  # stays in CreateContainerConfigError: nothing to run, nothing to probe
         self._lifecycle = asyncio.get_running_loop().create_task(self._run())
-        self._tasks = [asyncio.get_running_loop().create_task(self._probe_loop(verdict))
-                       for verdict in self.verdicts.values()]
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._probe_loop(verdict))
+            for verdict in self.verdicts.values()
+        ]
 
     async def _run(self) -> None:
         assert isinstance(self._launch, LaunchSpec)
@@ -143,9 +166,15 @@ class ContainerSupervisor:
                 return
             delay = self._backoff.delay(finished, self._clock())
             if delay > 0:
-                self.state = {"waiting": {"reason": "CrashLoopBackOff", "message": (
-                    f"back-off {self._backoff.current:g}s restarting failed container={self.name} "
-                    f"pod={self.pod_name}")}}
+                self.state = {
+                    "waiting": {
+                        "reason": "CrashLoopBackOff",
+                        "message": (
+                            f"back-off {self._backoff.current:g}s restarting failed container={self.name} "
+                            f"pod={self.pod_name}"
+                        ),
+                    }
+                }
                 self.last_state = {"terminated": exited.as_state()}
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), delay)

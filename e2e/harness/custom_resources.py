@@ -38,12 +38,20 @@ class InvalidObject(ValueError):
 def from_crd(crd: dict[str, Any]) -> list[CustomResource]:
     spec = crd["spec"]
     names = spec["names"]
-    return [CustomResource(group=spec["group"], version=version["name"], plural=names["plural"], kind=names["kind"],
-                           namespaced=spec.get("scope", "Namespaced") == "Namespaced",
-                           schema=version.get("schema", {}).get("openAPIV3Schema", {"type": "object"}),
-                           printer_columns=version.get("additionalPrinterColumns", []),
-                           subresources=version.get("subresources", {}))
-            for version in spec["versions"] if version.get("served", True)]
+    return [
+        CustomResource(
+            group=spec["group"],
+            version=version["name"],
+            plural=names["plural"],
+            kind=names["kind"],
+            namespaced=spec.get("scope", "Namespaced") == "Namespaced",
+            schema=version.get("schema", {}).get("openAPIV3Schema", {"type": "object"}),
+            printer_columns=version.get("additionalPrinterColumns", []),
+            subresources=version.get("subresources", {}),
+        )
+        for version in spec["versions"]
+        if version.get("served", True)
+    ]
 
 
 def _default(schema: dict[str, Any], value: Any) -> Any:
@@ -60,8 +68,11 @@ def _default(schema: dict[str, Any], value: Any) -> Any:
 
 def _prune(schema: dict[str, Any], value: Any, path: str, unknown: list[str]) -> Any:
     """Drop fields the structural schema does not declare; remember them for fieldValidation=Strict."""
-    if isinstance(value, dict) and schema.get("type") == "object" and not schema.get(
-            "x-kubernetes-preserve-unknown-fields"):
+    if (
+        isinstance(value, dict)
+        and schema.get("type") == "object"
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
         properties = schema.get("properties")
         additional = schema.get("additionalProperties")
         if properties is None and isinstance(additional, dict):
@@ -88,8 +99,16 @@ def admit(resource: CustomResource, obj: dict[str, Any], strict: bool) -> dict[s
     body = _prune(resource.schema, _default(resource.schema, body), "", unknown)
     if strict and unknown:
         raise InvalidObject([(field.lstrip("."), "field not declared in schema") for field in unknown])
-    validator = jsonschema.Draft4Validator({**resource.schema, "properties": {
-        key: value for key, value in resource.schema.get("properties", {}).items() if key != "metadata"}})
+    validator = jsonschema.Draft4Validator(
+        {
+            **resource.schema,
+            "properties": {
+                key: value
+                for key, value in resource.schema.get("properties", {}).items()
+                if key != "metadata"
+            },
+        }
+    )
     causes = []
     for error in sorted(validator.iter_errors(body), key=lambda e: list(map(str, e.absolute_path))):
         field = ".".join(str(part) for part in error.absolute_path)
@@ -122,28 +141,52 @@ def age(timestamp: str | None, now: datetime | None = None) -> str:
     return f"{max(seconds, 0)}s"
 
 
-def table(objects: list[dict[str, Any]], columns: list[dict[str, Any]], resource_version: str) -> dict[str, Any]:
+def table(
+    objects: list[dict[str, Any]], columns: list[dict[str, Any]], resource_version: str
+) -> dict[str, Any]:
     """A meta.k8s.io/v1 Table, the server-side printing that `kubectl get` asks for."""
     definitions = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0}]
-    definitions += [{"name": c["name"], "type": c["type"], "format": c.get("format", ""),
-                     "description": c.get("description", ""), "priority": c.get("priority", 0)}
-                    for c in columns] or [{"name": "Age", "type": "date", "format": "", "description": "",
-                                           "priority": 0}]
+    definitions += [
+        {
+            "name": c["name"],
+            "type": c["type"],
+            "format": c.get("format", ""),
+            "description": c.get("description", ""),
+            "priority": c.get("priority", 0),
+        }
+        for c in columns
+    ] or [{"name": "Age", "type": "date", "format": "", "description": "", "priority": 0}]
     paths = [c["jsonPath"] for c in columns] or [".metadata.creationTimestamp"]
     rows = []
     for obj in objects:
         cells: list[Any] = [obj["metadata"]["name"]]
         for definition, path in zip(definitions[1:], paths, strict=True):
             value = _json_path(obj, path)
-            cells.append(age(value) if definition["type"] == "date" else ("<none>" if value is None else value))
-        rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
-                                                "metadata": obj["metadata"]}})
-    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": resource_version},
-            "columnDefinitions": definitions, "rows": rows}
+            cells.append(
+                age(value) if definition["type"] == "date" else ("<none>" if value is None else value)
+            )
+        rows.append(
+            {
+                "cells": cells,
+                "object": {
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": obj["metadata"],
+                },
+            }
+        )
+    return {
+        "kind": "Table",
+        "apiVersion": "meta.k8s.io/v1",
+        "metadata": {"resourceVersion": resource_version},
+        "columnDefinitions": definitions,
+        "rows": rows,
+    }
 
 
-def openapi_document(group: str, version: str, kinds: list[tuple[str, str, bool]],
-                     schemas: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def openapi_document(
+    group: str, version: str, kinds: list[tuple[str, str, bool]], schemas: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
     """An OpenAPI v3 document with one PATCH operation per kind that accepts ``fieldValidation``.
 
     kubectl reads exactly that to decide that the server validates fields itself, so it sends
@@ -153,14 +196,36 @@ def openapi_document(group: str, version: str, kinds: list[tuple[str, str, bool]
     paths: dict[str, Any] = {}
     for kind, plural, namespaced in kinds:
         gvk = {"group": group, "version": version, "kind": kind}
-        path = f"{prefix}/namespaces/{{namespace}}/{plural}/{{name}}" if namespaced else f"{prefix}/{plural}/{{name}}"
-        content = {"application/merge-patch+json": {"schema": {"type": "object"}},
-                   "application/json-patch+json": {"schema": {"type": "object"}}}
-        paths[path] = {"patch": {
-            "x-kubernetes-action": "patch", "x-kubernetes-group-version-kind": gvk,
-            "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}],
-            "requestBody": {"content": content}, "responses": {"200": {"description": "OK"}}}}
-    components = {name: {**schema, "x-kubernetes-group-version-kind": [
-        {"group": group, "version": version, "kind": name.rsplit(".", 1)[-1]}]} for name, schema in schemas.items()}
-    return {"openapi": "3.0.0", "info": {"title": "Kubernetes (kvpilot e2e harness)", "version": "v1.37.0"},
-            "paths": paths, "components": {"schemas": components}}
+        path = (
+            f"{prefix}/namespaces/{{namespace}}/{plural}/{{name}}"
+            if namespaced
+            else f"{prefix}/{plural}/{{name}}"
+        )
+        content = {
+            "application/merge-patch+json": {"schema": {"type": "object"}},
+            "application/json-patch+json": {"schema": {"type": "object"}},
+        }
+        paths[path] = {
+            "patch": {
+                "x-kubernetes-action": "patch",
+                "x-kubernetes-group-version-kind": gvk,
+                "parameters": [{"name": "fieldValidation", "in": "query", "schema": {"type": "string"}}],
+                "requestBody": {"content": content},
+                "responses": {"200": {"description": "OK"}},
+            }
+        }
+    components = {
+        name: {
+            **schema,
+            "x-kubernetes-group-version-kind": [
+                {"group": group, "version": version, "kind": name.rsplit(".", 1)[-1]}
+            ],
+        }
+        for name, schema in schemas.items()
+    }
+    return {
+        "openapi": "3.0.0",
+        "info": {"title": "Kubernetes (kvpilot e2e harness)", "version": "v1.37.0"},
+        "paths": paths,
+        "components": {"schemas": components},
+    }

@@ -16,9 +16,18 @@ from typing import Any
 
 import jsonpatch
 
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name", "ports": "containerPort",
-              "volumes": "name", "volumeMounts": "mountPath", "conditions": "type", "imagePullSecrets": "name",
-              "tolerations": "key", "ownerReferences": "uid"}
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "ports": "containerPort",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+    "conditions": "type",
+    "imagePullSecrets": "name",
+    "tolerations": "key",
+    "ownerReferences": "uid",
+}
 
 
 class PatchError(ValueError):

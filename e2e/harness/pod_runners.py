@@ -22,26 +22,41 @@ log = logging.getLogger(__name__)
 def pod_status(pod: dict[str, Any], stage: str, previous: dict[str, Any]) -> dict[str, Any]:
     """The status a kubelet would write for a pod whose engine is at ``stage``."""
     ready = stage == "ready"
-    was_ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in previous.get("conditions", []))
-    since = next((c["lastTransitionTime"] for c in previous.get("conditions", []) if c["type"] == "Ready"), None)
+    was_ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in previous.get("conditions", [])
+    )
+    since = next(
+        (c["lastTransitionTime"] for c in previous.get("conditions", []) if c["type"] == "Ready"), None
+    )
     ready_since = since if was_ready == ready and since else now_timestamp()
     statuses = []
     for container in pod["spec"]["containers"]:
         if stage == "pending":
             state: dict[str, Any] = {"waiting": {"reason": "ContainerCreating"}}
         elif stage == "crashing" and container["name"] == "engine":
-            state = {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting failed container"}}
+            state = {
+                "waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting failed container"}
+            }
         else:
             state = {"running": {"startedAt": pod["metadata"]["creationTimestamp"]}}
         engine_like = container["name"] == "engine"
-        statuses.append({"name": container["name"], "image": container.get("image", ""), "state": state,
-                         "ready": ready, "restartCount": 3 if stage == "crashing" and engine_like else 0,
-                         "started": stage in ("warmingUp", "ready") or (not engine_like and stage != "pending")})
+        statuses.append(
+            {
+                "name": container["name"],
+                "image": container.get("image", ""),
+                "state": state,
+                "ready": ready,
+                "restartCount": 3 if stage == "crashing" and engine_like else 0,
+                "started": stage in ("warmingUp", "ready") or (not engine_like and stage != "pending"),
+            }
+        )
     return {
         "phase": "Pending" if stage == "pending" else "Running",
         "podIP": previous.get("podIP", ""),
-        "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": ready_since},
-                       {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_since}],
+        "conditions": [
+            {"type": "PodScheduled", "status": "True", "lastTransitionTime": ready_since},
+            {"type": "Ready", "status": "True" if ready else "False", "lastTransitionTime": ready_since},
+        ],
         "containerStatuses": statuses,
     }
 
@@ -66,8 +81,9 @@ class FakePodRunner:
 
         async def ready(_: aiohttp.web.Request) -> aiohttp.web.Response:
             phase, progress = ENGINE_PHASES.get(self.stage(pod), ("loading", 0.0))
-            return aiohttp.web.json_response({"phase": phase, "progress": progress},
-                                             status=200 if phase == "ready" else 503)
+            return aiohttp.web.json_response(
+                {"phase": phase, "progress": progress}, status=200 if phase == "ready" else 503
+            )
 
         app = aiohttp.web.Application()
         app.router.add_get("/ready", ready)
@@ -77,8 +93,13 @@ class FakePodRunner:
             await aiohttp.web.TCPSite(runner, pod["status"]["podIP"], self.engine_port).start()
         except OSError as error:
             # Someone holds the port on every address; the operator then reads the pod's own signals.
-            log.warning("pod %s: cannot serve /ready on %s:%s: %s", name, pod["status"]["podIP"],
-                        self.engine_port, error)
+            log.warning(
+                "pod %s: cannot serve /ready on %s:%s: %s",
+                name,
+                pod["status"]["podIP"],
+                self.engine_port,
+                error,
+            )
             await runner.cleanup()
             return
         self._sites[name] = runner

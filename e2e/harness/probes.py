@@ -78,24 +78,35 @@ def parse_probe(kind: str, container: dict[str, Any]) -> ProbeSpec | None:
         if scheme not in ("HTTP", "HTTPS"):
             raise UnsupportedPod(f"{where}.httpGet.scheme: {scheme!r} is neither HTTP nor HTTPS")
         action: HttpGet | TcpSocket = HttpGet(
-            port=_port(get.get("port"), container, f"{where}.httpGet"), path=get.get("path", "/"),
-            host=get.get("host"), scheme=scheme,
-            headers=tuple((h["name"], h["value"]) for h in get.get("httpHeaders", [])))
+            port=_port(get.get("port"), container, f"{where}.httpGet"),
+            path=get.get("path", "/"),
+            host=get.get("host"),
+            scheme=scheme,
+            headers=tuple((h["name"], h["value"]) for h in get.get("httpHeaders", [])),
+        )
     elif "tcpSocket" in probe:
         socket = probe["tcpSocket"]
-        action = TcpSocket(port=_port(socket.get("port"), container, f"{where}.tcpSocket"), host=socket.get("host"))
+        action = TcpSocket(
+            port=_port(socket.get("port"), container, f"{where}.tcpSocket"), host=socket.get("host")
+        )
     else:
         handlers = sorted(set(probe) & {"exec", "grpc"}) or ["none"]
         raise UnsupportedPod(f"{where}: only httpGet and tcpSocket probes are emulated (got {handlers[0]})")
-    return ProbeSpec(kind=kind, action=action, initial_delay_s=probe.get("initialDelaySeconds", 0),
-                     period_s=probe.get("periodSeconds", 10), timeout_s=probe.get("timeoutSeconds", 1),
-                     success_threshold=probe.get("successThreshold", 1),
-                     failure_threshold=probe.get("failureThreshold", 3),
-                     termination_grace_s=probe.get("terminationGracePeriodSeconds"))
+    return ProbeSpec(
+        kind=kind,
+        action=action,
+        initial_delay_s=probe.get("initialDelaySeconds", 0),
+        period_s=probe.get("periodSeconds", 10),
+        timeout_s=probe.get("timeoutSeconds", 1),
+        success_threshold=probe.get("successThreshold", 1),
+        failure_threshold=probe.get("failureThreshold", 3),
+        termination_grace_s=probe.get("terminationGracePeriodSeconds"),
+    )
 
 
-async def check(action: HttpGet | TcpSocket, pod_ip: str, timeout_s: float,
-                session: aiohttp.ClientSession) -> bool:
+async def check(
+    action: HttpGet | TcpSocket, pod_ip: str, timeout_s: float, session: aiohttp.ClientSession
+) -> bool:
     """One check. HTTP: any status in [200, 400) passes; TCP: the connection opens. Timeouts fail."""
     host = action.host or pod_ip
     try:
@@ -105,8 +116,13 @@ async def check(action: HttpGet | TcpSocket, pod_ip: str, timeout_s: float,
             return True
         url = f"{action.scheme.lower()}://{host}:{action.port}{action.path}"
         headers = {"User-Agent": USER_AGENT, **dict(action.headers)}
-        async with session.get(url, headers=headers, ssl=False, allow_redirects=False,
-                               timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+        async with session.get(
+            url,
+            headers=headers,
+            ssl=False,
+            allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as response:
             return 200 <= response.status < 400
     except (OSError, asyncio.TimeoutError, aiohttp.ClientError):
         return False

@@ -68,11 +68,17 @@ def pod_status(running: RunningPod, pod_ip: str, previous: dict[str, Any]) -> di
     # Pending until every container has been created once; restarts and back-off do not make it Pending.
     phase = "Running" if all(s.ever_ran for s in running.supervisors) else "Pending"
     return {
-        "phase": phase, "podIP": pod_ip, "podIPs": [{"ip": pod_ip}], "hostIP": "127.0.0.1",
+        "phase": phase,
+        "podIP": pod_ip,
+        "podIPs": [{"ip": pod_ip}],
+        "hostIP": "127.0.0.1",
         "startTime": running.start_time,
-        "conditions": [_condition("PodScheduled", True, previous), _condition("Initialized", True, previous),
-                       _condition("ContainersReady", ready, previous, "ContainersNotReady"),
-                       _condition("Ready", ready, previous, "ContainersNotReady")],
+        "conditions": [
+            _condition("PodScheduled", True, previous),
+            _condition("Initialized", True, previous),
+            _condition("ContainersReady", ready, previous, "ContainersNotReady"),
+            _condition("Ready", ready, previous, "ContainersNotReady"),
+        ],
         "containerStatuses": containers,
     }
 
@@ -102,12 +108,25 @@ class ProcessPodRunner:
                 probes = [probe for kind in PROBE_FIELDS if (probe := parse_probe(kind, container))]
             except UnsupportedPod as error:
                 launch, probes = error, []
-            supervisors.append(ContainerSupervisor(
-                (metadata["namespace"], metadata["name"]), pod_ip, container, launch, probes,
-                grace_s=pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
-                log_path=pod_dir / f"{container['name']}.log", session=self._session))
-        self._pods[metadata["uid"]] = RunningPod(metadata["namespace"], metadata["name"], supervisors, timestamp(),
-                                                 pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S))
+            supervisors.append(
+                ContainerSupervisor(
+                    (metadata["namespace"], metadata["name"]),
+                    pod_ip,
+                    container,
+                    launch,
+                    probes,
+                    grace_s=pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
+                    log_path=pod_dir / f"{container['name']}.log",
+                    session=self._session,
+                )
+            )
+        self._pods[metadata["uid"]] = RunningPod(
+            metadata["namespace"],
+            metadata["name"],
+            supervisors,
+            timestamp(),
+            pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
+        )
         self._supervisors.extend(supervisors)
         for supervisor in supervisors:
             supervisor.begin()

@@ -45,8 +45,11 @@ class Store:
         return copy.deepcopy(self.objects[key].raw)
 
     def list(self, resource: kmock.resource, namespace: str | None) -> list[dict[str, Any]]:
-        found = [copy.deepcopy(obj.raw) for (res, ns, _), obj in self.objects.items()
-                 if res == resource and not obj.deleted and (namespace is None or ns == namespace)]
+        found = [
+            copy.deepcopy(obj.raw)
+            for (res, ns, _), obj in self.objects.items()
+            if res == resource and not obj.deleted and (namespace is None or ns == namespace)
+        ]
         return sorted(found, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
 
     def all_live(self) -> list[tuple[ObjectKey, dict[str, Any]]]:
@@ -63,8 +66,12 @@ class Store:
 
     async def create(self, key: ObjectKey, obj: dict[str, Any]) -> dict[str, Any]:
         metadata = obj.setdefault("metadata", {})
-        metadata.update(uid=str(uuid.uuid4()), resourceVersion=self._next_version(), generation=1,
-                        creationTimestamp=now_timestamp())
+        metadata.update(
+            uid=str(uuid.uuid4()),
+            resourceVersion=self._next_version(),
+            generation=1,
+            creationTimestamp=now_timestamp(),
+        )
         if key[1] is not None:
             metadata["namespace"] = key[1]
         if key in self.objects:

@@ -59,8 +59,10 @@ def _count(value: Any, desired: int, round_up: bool) -> int:
 
 
 def is_ready(pod: dict[str, Any]) -> bool:
-    return any(c.get("type") == "Ready" and c.get("status") == "True"
-               for c in pod.get("status", {}).get("conditions", []))
+    return any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in pod.get("status", {}).get("conditions", [])
+    )
 
 
 class WorkloadControllers:
@@ -102,8 +104,12 @@ class WorkloadControllers:
 
     def _pods_of(self, deployment: dict[str, Any]) -> list[tuple[Any, dict[str, Any]]]:
         uid = deployment["metadata"]["uid"]
-        return [(key, pod) for key, pod in self.api.store.all_live() if key[0] == PODS
-                and any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences", []))]
+        return [
+            (key, pod)
+            for key, pod in self.api.store.all_live()
+            if key[0] == PODS
+            and any(ref.get("uid") == uid for ref in pod["metadata"].get("ownerReferences", []))
+        ]
 
     async def _roll(self, key: Any, deployment: dict[str, Any]) -> None:
         spec = deployment["spec"]
@@ -119,7 +125,9 @@ class WorkloadControllers:
             new.append(await self._create_pod(deployment, current))
         available = sum(is_ready(pod) for _, pod in new + old)
         # Old pods go first, not-ready ones before ready ones, never dropping below desired - maxUnavailable.
-        surplus = sorted(old, key=lambda p: is_ready(p[1])) + sorted(new[desired:], key=lambda p: is_ready(p[1]))
+        surplus = sorted(old, key=lambda p: is_ready(p[1])) + sorted(
+            new[desired:], key=lambda p: is_ready(p[1])
+        )
         for pod_key, pod in surplus:
             if is_ready(pod) and available - 1 < desired - unavailable:
                 continue
@@ -128,11 +136,17 @@ class WorkloadControllers:
         pods = self._pods_of(deployment)
         updated = [p for _, p in pods if p["metadata"]["labels"].get("pod-template-hash") == current]
         ready = sum(is_ready(p) for _, p in pods)
-        status = {"observedGeneration": deployment["metadata"]["generation"], "replicas": len(pods),
-                  "updatedReplicas": len(updated), "readyReplicas": ready, "availableReplicas": ready,
-                  "conditions": [
-                      {"type": "Available", "status": "True" if ready >= desired - unavailable else "False"},
-                      {"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"}]}
+        status = {
+            "observedGeneration": deployment["metadata"]["generation"],
+            "replicas": len(pods),
+            "updatedReplicas": len(updated),
+            "readyReplicas": ready,
+            "availableReplicas": ready,
+            "conditions": [
+                {"type": "Available", "status": "True" if ready >= desired - unavailable else "False"},
+                {"type": "Progressing", "status": "True", "reason": "ReplicaSetUpdated"},
+            ],
+        }
         if deployment.get("status") != status:
             await self.api.update(key, {**deployment, "status": status}, subresource="status")
 
@@ -140,11 +154,21 @@ class WorkloadControllers:
         template = json.loads(json.dumps(deployment["spec"]["template"]))
         suffix = "".join(random.choices("bcdfghjkmnpqrstvwxz2456789", k=5))
         name = f"{deployment['metadata']['name']}-{current[:8]}-{suffix}"
-        metadata = {**template.get("metadata", {}), "name": name,
-                    "labels": {**template.get("metadata", {}).get("labels", {}), "pod-template-hash": current},
-                    "ownerReferences": [{"apiVersion": "apps/v1", "kind": "Deployment", "controller": True,
-                                         "name": deployment["metadata"]["name"], "uid": deployment["metadata"]["uid"],
-                                         "blockOwnerDeletion": True}]}
+        metadata = {
+            **template.get("metadata", {}),
+            "name": name,
+            "labels": {**template.get("metadata", {}).get("labels", {}), "pod-template-hash": current},
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "controller": True,
+                    "name": deployment["metadata"]["name"],
+                    "uid": deployment["metadata"]["uid"],
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
         namespace = deployment["metadata"]["namespace"]
         spec = {**template["spec"], "nodeName": "harness-node"}
         await self.api.create(PODS, namespace, {"metadata": metadata, "spec": spec})
@@ -175,7 +199,7 @@ class WorkloadControllers:
             new_status = self.runner.status(pod, status)
             if new_status != status:
                 await self.api.update(key, {**pod, "status": new_status}, subresource="status")
-        events, self._events_seen = self.api.store.events[self._events_seen:], len(self.api.store.events)
+        events, self._events_seen = self.api.store.events[self._events_seen :], len(self.api.store.events)
         for event in [e for e in events if e.resource == PODS and e.type == "DELETED"]:
             uid = event.object["metadata"]["uid"]
             if uid in self._started:
@@ -191,25 +215,53 @@ class WorkloadControllers:
             if key[0] != SERVICES or not selector:
                 continue
             wanted = ",".join(f"{label}={value}" for label, value in selector.items())
-            pods = [p for k, p in self.api.store.all_live() if k[0] == PODS and k[1] == key[1]
-                    and matches_label_selector(p["metadata"].get("labels", {}), wanted)
-                    and p.get("status", {}).get("podIP")]
+            pods = [
+                p
+                for k, p in self.api.store.all_live()
+                if k[0] == PODS
+                and k[1] == key[1]
+                and matches_label_selector(p["metadata"].get("labels", {}), wanted)
+                and p.get("status", {}).get("podIP")
+            ]
             publish_all = service["spec"].get("publishNotReadyAddresses", False)
-            endpoints = [{"addresses": [p["status"]["podIP"]],
-                          "targetRef": {"kind": "Pod", "name": p["metadata"]["name"]},
-                          "conditions": {"ready": publish_all or is_ready(p), "serving": is_ready(p)}}
-                         for p in pods]
-            ports = [{"name": port.get("name", ""), "port": _container_port(pods, port), "protocol": "TCP"}
-                     for port in service["spec"].get("ports", [])]
-            body = {"metadata": {"name": f"{key[2]}-harness", "labels": {"kubernetes.io/service-name": key[2]},
-                                 "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": key[2],
-                                                      "uid": service["metadata"]["uid"], "controller": True}]},
-                    "addressType": "IPv4", "endpoints": endpoints, "ports": ports}
+            endpoints = [
+                {
+                    "addresses": [p["status"]["podIP"]],
+                    "targetRef": {"kind": "Pod", "name": p["metadata"]["name"]},
+                    "conditions": {"ready": publish_all or is_ready(p), "serving": is_ready(p)},
+                }
+                for p in pods
+            ]
+            ports = [
+                {"name": port.get("name", ""), "port": _container_port(pods, port), "protocol": "TCP"}
+                for port in service["spec"].get("ports", [])
+            ]
+            body = {
+                "metadata": {
+                    "name": f"{key[2]}-harness",
+                    "labels": {"kubernetes.io/service-name": key[2]},
+                    "ownerReferences": [
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Service",
+                            "name": key[2],
+                            "uid": service["metadata"]["uid"],
+                            "controller": True,
+                        }
+                    ],
+                },
+                "addressType": "IPv4",
+                "endpoints": endpoints,
+                "ports": ports,
+            }
             slice_key = (SLICES, key[1], f"{key[2]}-harness")
             existing = self.api.store.get(slice_key)
             if existing is None:
                 await self.api.create(SLICES, key[1], body)
-            elif {k: existing.get(k) for k in ("endpoints", "ports")} != {"endpoints": endpoints, "ports": ports}:
+            elif {k: existing.get(k) for k in ("endpoints", "ports")} != {
+                "endpoints": endpoints,
+                "ports": ports,
+            }:
                 await self.api.update(slice_key, {**existing, "endpoints": endpoints, "ports": ports})
 
 

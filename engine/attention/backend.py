@@ -24,8 +24,14 @@ class AttentionBackend(ABC):
     #: (the layout GPU kernels use), "HND" = [num_blocks, kv_heads, block_size, head_dim]
     kv_cache_layout: str = "NHD"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
@@ -38,26 +44,52 @@ class AttentionBackend(ABC):
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step precomputation shared by all layers (stores results in ``meta.extras``)."""
 
-    def warmup(self, key_cache: torch.Tensor, value_cache: torch.Tensor, max_num_seqs: int,  # noqa: B027
-               max_num_batched_tokens: int, max_model_len: int) -> None:
+    def warmup(  # noqa: B027 - optional hook with a no-op default
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
         """Optional: compile/tune kernels for the served shapes before the engine reports ready.
 
         Called once with one layer's caches (all layers share their shape); it may read them but must
         leave their contents alone. The default has nothing to prepare."""
 
     @abstractmethod
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
         """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``meta.slot_mapping``."""
 
     @abstractmethod
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         """Attention output ``[num_tokens, num_heads, head_dim]`` for ``query`` ``[num_tokens, num_heads,
         head_dim]``. ``key``/``value`` are this step's new K/V (already written to the cache)."""
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         self.write_kv(key, value, key_cache, value_cache, meta)
         return self.attend(query, key, value, key_cache, value_cache, meta)
 

@@ -38,13 +38,19 @@ BLOCK = 8
 #: the path Triton runs to find libcuda.so.1 (triton/backends/nvidia/driver.py)
 LDCONFIG = "/sbin/ldconfig"
 
-COMPILER_MISSING = ("Triton needs a C compiler (cc/gcc) to build its launcher; install gcc in the image "
-                    "(Triton looks for $CC, then gcc, then clang on PATH)")
-LIBCUDA_MISSING = ("Triton cannot find the CUDA driver library libcuda.so.1 (neither `ldconfig -p` nor "
-                   "LD_LIBRARY_PATH lists it): run the pod with the NVIDIA container runtime / GPU device "
-                   "plugin, or set TRITON_LIBCUDA_PATH to the directory that holds libcuda.so.1")
-LDCONFIG_MISSING = (f"Triton runs {LDCONFIG} -p to find libcuda.so.1 and the image has no {LDCONFIG}: "
-                    "install libc-bin, or set TRITON_LIBCUDA_PATH to the directory that holds libcuda.so.1")
+COMPILER_MISSING = (
+    "Triton needs a C compiler (cc/gcc) to build its launcher; install gcc in the image "
+    "(Triton looks for $CC, then gcc, then clang on PATH)"
+)
+LIBCUDA_MISSING = (
+    "Triton cannot find the CUDA driver library libcuda.so.1 (neither `ldconfig -p` nor "
+    "LD_LIBRARY_PATH lists it): run the pod with the NVIDIA container runtime / GPU device "
+    "plugin, or set TRITON_LIBCUDA_PATH to the directory that holds libcuda.so.1"
+)
+LDCONFIG_MISSING = (
+    f"Triton runs {LDCONFIG} -p to find libcuda.so.1 and the image has no {LDCONFIG}: "
+    "install libc-bin, or set TRITON_LIBCUDA_PATH to the directory that holds libcuda.so.1"
+)
 
 
 class TritonPreflightError(RuntimeError):
@@ -103,12 +109,16 @@ def _explain_one(err: BaseException, include_dir: Path) -> str | None:
             return f"CC={err.filename} is not an executable C compiler; install gcc in the image or unset CC"
     if isinstance(err, subprocess.CalledProcessError):
         if not (include_dir / "Python.h").is_file():
-            return (f"Triton's launcher needs the Python headers and {include_dir / 'Python.h'} is missing: "
-                    "install this interpreter's headers (python3-dev, or copy its include/ directory into "
-                    "the image)")
+            return (
+                f"Triton's launcher needs the Python headers and {include_dir / 'Python.h'} is missing: "
+                "install this interpreter's headers (python3-dev, or copy its include/ directory into "
+                "the image)"
+            )
         command = err.cmd[0] if isinstance(err.cmd, list | tuple) and err.cmd else err.cmd
-        return (f"the C compiler failed to build Triton's launcher ({command} exited {err.returncode}; its "
-                "errors are printed above): the image needs gcc with the C library headers (libc6-dev)")
+        return (
+            f"the C compiler failed to build Triton's launcher ({command} exited {err.returncode}; its "
+            "errors are printed above): the image needs gcc with the C library headers (libc6-dev)"
+        )
     if isinstance(err, PTXASError):
         return f"Triton's bundled ptxas could not assemble a kernel for this GPU: {text}"
     return None
@@ -129,8 +139,9 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def check_triton_launch(device: torch.device,
-                        launch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = launch_add) -> None:
+def check_triton_launch(
+    device: torch.device, launch: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = launch_add
+) -> None:
     """Launch one tiny kernel on ``device`` and compare it with torch; ``TritonPreflightError`` (naming
     the missing piece) when it cannot be built or launched, or computes the wrong sum."""
     start = time.monotonic()
@@ -141,9 +152,16 @@ def check_triton_launch(device: torch.device,
         with _on_device(device):
             got = launch(x, y).cpu()  # .cpu() waits for the kernel, so launch errors surface here
     except Exception as err:
-        raise TritonPreflightError(f"Triton start-up check failed on {device}: {explain_failure(err)}") from err
+        raise TritonPreflightError(
+            f"Triton start-up check failed on {device}: {explain_failure(err)}"
+        ) from err
     if not torch.equal(got, expected):
-        raise TritonPreflightError(f"Triton start-up check failed on {device}: the check kernel returned "
-                                   f"{got.tolist()} instead of {expected.tolist()}")
-    log.info("Triton start-up check passed on %s in %.2f s (launcher built, kernel launched)", device,
-             time.monotonic() - start)
+        raise TritonPreflightError(
+            f"Triton start-up check failed on {device}: the check kernel returned "
+            f"{got.tolist()} instead of {expected.tolist()}"
+        )
+    log.info(
+        "Triton start-up check passed on %s in %.2f s (launcher built, kernel launched)",
+        device,
+        time.monotonic() - start,
+    )

@@ -70,7 +70,9 @@ def _length_buckets(lengths: list[int]) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     buckets: list[list[int]] = []
     for i in order:
-        if buckets and (lengths[i] <= _BUCKET_GROWTH * lengths[buckets[-1][0]] or len(buckets) == _MAX_BUCKETS):
+        if buckets and (
+            lengths[i] <= _BUCKET_GROWTH * lengths[buckets[-1][0]] or len(buckets) == _MAX_BUCKETS
+        ):
             buckets[-1].append(i)
         else:
             buckets.append([i])
@@ -103,7 +105,9 @@ class TorchAttentionBackend(AttentionBackend):
                 valid = pos.unsqueeze(0) < lens.unsqueeze(1)
                 if self.sliding_window is not None:
                     valid &= pos.unsqueeze(0) >= (lens - self.sliding_window).unsqueeze(1)
-                buckets.append(_DecodeBucket(rows, self._gather_rows(table), num_blocks, valid[:, None, None, :]))
+                buckets.append(
+                    _DecodeBucket(rows, self._gather_rows(table), num_blocks, valid[:, None, None, :])
+                )
         meta.extras["decode_buckets"] = buckets
         meta.extras["native_prefill"] = self._native_prefill()
         meta.extras["prefill_plans"] = [] if meta.extras["native_prefill"] else self._prefill_plans(meta)
@@ -127,7 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
             q_pos = torch.arange(ctx, seq_len, device=meta.block_tables.device)
             if ctx:
                 mask = _window_mask(q_pos, num_blocks * bs, self.sliding_window)
-                rows = self._gather_rows(meta.block_tables[b:b + 1, :num_blocks])
+                rows = self._gather_rows(meta.block_tables[b : b + 1, :num_blocks])
             else:  # sliding window over new tokens only
                 mask, rows = _window_mask(q_pos, seq_len, self.sliding_window), None
             plans.append(_PrefillPlan(starts[b], starts[b + 1], rows, num_blocks, mask))
@@ -135,14 +139,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _native_prefill(self) -> bool:
         """Whether prefill/extend tokens go to the native kernel (else SDPA per sequence)."""
-        return (self.native is not None and self.native.has_prefill_attention
-                and self.head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0)
+        return (
+            self.native is not None
+            and self.native.has_prefill_attention
+            and self.head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
+        )
 
     def write_kv(self, key, value, key_cache, value_cache, meta) -> None:
         if self.native is not None and key.dtype == key_cache.dtype == torch.float32:
             tokens = key.shape[0]
-            self.native.write_kv(key.reshape(tokens, -1), value.reshape(tokens, -1), key_cache, value_cache,
-                                 meta.slot_mapping)
+            self.native.write_kv(
+                key.reshape(tokens, -1), value.reshape(tokens, -1), key_cache, value_cache, meta.slot_mapping
+            )
             return
         blk, off = meta.extras["write_block"], meta.extras["write_offset"]
         # HND cache: [blocks, heads, bs, D]; advanced indices on dims 0 and 2 put tokens first
@@ -159,8 +167,15 @@ class TorchAttentionBackend(AttentionBackend):
         kvh, d, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         if self.native is not None and meta.num_decodes:
             nd = meta.num_decodes
-            out[:nd] = self.native.paged_decode(query[:nd].reshape(nd, -1), key_cache, value_cache,
-                                                meta.block_tables, meta.seq_lens, self.scale, self.sliding_window)
+            out[:nd] = self.native.paged_decode(
+                query[:nd].reshape(nd, -1),
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                self.sliding_window,
+            )
         for bucket in meta.extras["decode_buckets"]:
             n = bucket.rows.numel()
             k = self._gather(key_cache, bucket.gather_rows, n, bucket.num_blocks).to(query.dtype)
@@ -170,9 +185,16 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, bucket.rows, o.reshape(n, self.num_heads, d))
         if meta.extras["native_prefill"] and meta.num_seqs > meta.num_decodes:
             nd = meta.num_decodes
-            out[nd:] = self.native.paged_prefill(query.reshape(query.shape[0], -1), key_cache, value_cache,
-                                                 meta.block_tables[nd:], meta.query_start_loc[nd:],
-                                                 meta.seq_lens[nd:], self.scale, self.sliding_window)
+            out[nd:] = self.native.paged_prefill(
+                query.reshape(query.shape[0], -1),
+                key_cache,
+                value_cache,
+                meta.block_tables[nd:],
+                meta.query_start_loc[nd:],
+                meta.seq_lens[nd:],
+                self.scale,
+                self.sliding_window,
+            )
         for plan in meta.extras["prefill_plans"]:
             s, e = plan.token_start, plan.token_end
             q = query[s:e].transpose(0, 1)  # [Hq, n, D]
@@ -188,8 +210,12 @@ class TorchAttentionBackend(AttentionBackend):
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
             gqa = group > 1
             if plan.mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)[0]
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)[
+                    0
+                ]
             else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=gqa)[0]
+                o = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=gqa
+                )[0]
             out[s:e] = o.transpose(0, 1)
         return out

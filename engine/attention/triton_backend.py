@@ -57,23 +57,44 @@ def load_kernels(device: torch.device) -> TritonKernels:
             raise RuntimeError(
                 f"Triton kernels {imported} were imported for GPU compilation (TRITON_INTERPRET unset); "
                 "on CPU they only run in the Triton interpreter. Set TRITON_INTERPRET=1 before anything "
-                "imports them (or construct the Triton backend for CPU first).")
+                "imports them (or construct the Triton backend for CPU first)."
+            )
         os.environ["TRITON_INTERPRET"] = "1"
-    modules = {name: importlib.import_module(f"{_KERNEL_PACKAGE}.{name}")
-               for name in (*_JIT_MODULES, "tuning", "warmup")}
+    modules = {
+        name: importlib.import_module(f"{_KERNEL_PACKAGE}.{name}")
+        for name in (*_JIT_MODULES, "tuning", "warmup")
+    }
     tile_ops = modules["tile_ops"]
-    jit_functions = (tile_ops.load_kv_tile, modules["split_kv"].merge_splits_kernel,
-                     modules["kv_write"].kv_write_kernel, modules["decode"].paged_decode_kernel,
-                     modules["prefill"].paged_prefill_kernel)
+    jit_functions = (
+        tile_ops.load_kv_tile,
+        modules["split_kv"].merge_splits_kernel,
+        modules["kv_write"].kv_write_kernel,
+        modules["decode"].paged_decode_kernel,
+        modules["prefill"].paged_prefill_kernel,
+    )
     interpreted = [tile_ops.runs_in_interpreter(fn) for fn in jit_functions]
     if device.type == "cpu" and not all(interpreted):
-        raise RuntimeError("some Triton kernels were imported before TRITON_INTERPRET=1 was set and are "
-                           "compiled for a GPU; set TRITON_INTERPRET=1 before importing them to run on CPU")
+        raise RuntimeError(
+            "some Triton kernels were imported before TRITON_INTERPRET=1 was set and are "
+            "compiled for a GPU; set TRITON_INTERPRET=1 before importing them to run on CPU"
+        )
     if device.type == "cuda" and any(interpreted):
-        warnings.warn("TRITON_INTERPRET=1 is set: the Triton kernels run in the (slow) interpreter on CUDA "
-                      "tensors; unset it to compile them", RuntimeWarning, stacklevel=2)
-    return TritonKernels(tile_ops, modules["kv_write"], modules["decode"], modules["prefill"], modules["split_kv"],
-                         modules["tuning"], modules["warmup"], interpreted=all(interpreted))
+        warnings.warn(
+            "TRITON_INTERPRET=1 is set: the Triton kernels run in the (slow) interpreter on CUDA "
+            "tensors; unset it to compile them",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return TritonKernels(
+        tile_ops,
+        modules["kv_write"],
+        modules["decode"],
+        modules["prefill"],
+        modules["split_kv"],
+        modules["tuning"],
+        modules["warmup"],
+        interpreted=all(interpreted),
+    )
 
 
 @dataclass
@@ -91,8 +112,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, num_sms: int | None = None) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        num_sms: int | None = None,
+    ) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         if not 1 <= head_dim <= MAX_HEAD_DIM:
             raise ValueError(f"head_dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
@@ -112,14 +140,20 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:
-            self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                             if device.type == "cuda" else 1)
+            self._num_sms = (
+                torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+            )
         return self._num_sms
 
     def _config(self, kernel: str, key_cache: torch.Tensor):
         kernels = self.kernels(key_cache.device)
-        key = kernels.warmup.shape_key(self.head_dim, self.num_heads // self.num_kv_heads, key_cache.shape[1],
-                                       key_cache.dtype, self.sliding_window is not None)
+        key = kernels.warmup.shape_key(
+            self.head_dim,
+            self.num_heads // self.num_kv_heads,
+            key_cache.shape[1],
+            key_cache.dtype,
+            self.sliding_window is not None,
+        )
         default = kernels.tuning.DECODE_DEFAULT if kernel == "decode" else kernels.tuning.PREFILL_DEFAULT
         return self._configs.get(kernel, key, default)
 
@@ -129,36 +163,59 @@ class TritonAttentionBackend(AttentionBackend):
         kernels = self.kernels(device)
         plan = _DecodePlan(1, None)
         if meta.num_decodes:
-            longest = max(meta.seq_lens_host[:meta.num_decodes])
+            longest = max(meta.seq_lens_host[: meta.num_decodes])
             active = min(longest, self.sliding_window) if self.sliding_window else longest
-            splits = kernels.split_kv.choose_num_kv_splits(meta.num_decodes, self.num_kv_heads, active,
-                                                           self._sm_count(device))
+            splits = kernels.split_kv.choose_num_kv_splits(
+                meta.num_decodes, self.num_kv_heads, active, self._sm_count(device)
+            )
             if splits > 1:
-                plan = _DecodePlan(splits, kernels.split_kv.allocate_partials(
-                    meta.num_decodes, self.num_heads, splits, self.head_dim, device))
+                plan = _DecodePlan(
+                    splits,
+                    kernels.split_kv.allocate_partials(
+                        meta.num_decodes, self.num_heads, splits, self.head_dim, device
+                    ),
+                )
         meta.extras["triton_decode_plan"] = plan
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> None:
         if "triton_decode_plan" not in meta.extras:
             self.prepare(meta)
         self._check_caches(key_cache, value_cache, meta)
         expected = (meta.num_tokens, self.num_kv_heads, self.head_dim)
         for label, tensor in (("key", key), ("value", value)):
             if tuple(tensor.shape) != expected:
-                raise ValueError(f"{label} must be [num_tokens, num_kv_heads, head_dim] = {list(expected)}, "
-                                 f"got {list(tensor.shape)}")
+                raise ValueError(
+                    f"{label} must be [num_tokens, num_kv_heads, head_dim] = {list(expected)}, "
+                    f"got {list(tensor.shape)}"
+                )
             if tensor.device != key_cache.device:
                 raise ValueError(f"{label} is on {tensor.device} but the cache is on {key_cache.device}")
-        self.kernels(key_cache.device).kv_write.write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+        self.kernels(key_cache.device).kv_write.write_kv(
+            key, value, key_cache, value_cache, meta.slot_mapping
+        )
 
-    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         self._check_caches(key_cache, value_cache, meta)
         expected = (meta.num_tokens, self.num_heads, self.head_dim)
         if tuple(query.shape) != expected:
-            raise ValueError(f"query must be [num_tokens, num_heads, head_dim] = {list(expected)}, "
-                             f"got {list(query.shape)}")
+            raise ValueError(
+                f"query must be [num_tokens, num_heads, head_dim] = {list(expected)}, got {list(query.shape)}"
+            )
         if query.device != key_cache.device:
             raise ValueError(f"query is on {query.device} but the cache is on {key_cache.device}")
         if "triton_decode_plan" not in meta.extras:
@@ -168,35 +225,75 @@ class TritonAttentionBackend(AttentionBackend):
         decodes = meta.num_decodes
         if decodes:
             plan: _DecodePlan = meta.extras["triton_decode_plan"]
-            kernels.decode.paged_decode(out[:decodes], query[:decodes], key_cache, value_cache,
-                                        meta.block_tables, meta.seq_lens, self.scale, self.sliding_window,
-                                        plan.num_kv_splits, plan.partials, self._config("decode", key_cache))
+            kernels.decode.paged_decode(
+                out[:decodes],
+                query[:decodes],
+                key_cache,
+                value_cache,
+                meta.block_tables,
+                meta.seq_lens,
+                self.scale,
+                self.sliding_window,
+                plan.num_kv_splits,
+                plan.partials,
+                self._config("decode", key_cache),
+            )
         if meta.num_seqs > decodes:
-            kernels.prefill.paged_prefill(out, query, key_cache, value_cache, meta.block_tables[decodes:],
-                                          meta.seq_lens[decodes:], meta.query_start_loc[decodes:],
-                                          max(meta.query_lens_host[decodes:]), self.scale, self.sliding_window,
-                                          self._config("prefill", key_cache))
+            kernels.prefill.paged_prefill(
+                out,
+                query,
+                key_cache,
+                value_cache,
+                meta.block_tables[decodes:],
+                meta.seq_lens[decodes:],
+                meta.query_start_loc[decodes:],
+                max(meta.query_lens_host[decodes:]),
+                self.scale,
+                self.sliding_window,
+                self._config("prefill", key_cache),
+            )
         return out
 
-    def warmup(self, key_cache: torch.Tensor, value_cache: torch.Tensor, max_num_seqs: int,
-               max_num_batched_tokens: int, max_model_len: int) -> None:
+    def warmup(
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+    ) -> None:
         """On CUDA, tune the kernels for this model's shapes; the interpreter has nothing to tune."""
         kernels = self.kernels(key_cache.device)
         if key_cache.device.type != "cuda" or kernels.interpreted:
             return
-        kernels.warmup.tune_served_shapes(self._configs, key_cache, value_cache, self.num_heads, self.scale,
-                                          self.sliding_window, max_num_seqs, max_num_batched_tokens,
-                                          max_model_len, self._sm_count(key_cache.device))
+        kernels.warmup.tune_served_shapes(
+            self._configs,
+            key_cache,
+            value_cache,
+            self.num_heads,
+            self.scale,
+            self.sliding_window,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            self._sm_count(key_cache.device),
+        )
 
-    def _check_caches(self, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    def _check_caches(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         supported = self.kernels(key_cache.device).tile_ops.SUPPORTED_CACHE_DTYPES
         if key_cache.dim() != 4 or key_cache.shape[1:] != (meta.block_size, self.num_kv_heads, self.head_dim):
-            raise ValueError(f"key_cache must be [num_blocks, block_size={meta.block_size}, "
-                             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}], "
-                             f"got {list(key_cache.shape)}")
+            raise ValueError(
+                f"key_cache must be [num_blocks, block_size={meta.block_size}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}], "
+                f"got {list(key_cache.shape)}"
+            )
         if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-            raise ValueError("value_cache must have key_cache's shape and dtype, got "
-                             f"{list(value_cache.shape)} {value_cache.dtype} vs {key_cache.dtype}")
+            raise ValueError(
+                "value_cache must have key_cache's shape and dtype, got "
+                f"{list(value_cache.shape)} {value_cache.dtype} vs {key_cache.dtype}"
+            )
         if key_cache.dtype not in supported:
             raise ValueError(f"cache dtype must be one of {supported}, got {key_cache.dtype}")
         if value_cache.device != key_cache.device:
@@ -211,17 +308,21 @@ def _check_metadata(meta: AttentionMetadata) -> None:
         raise ValueError(f"{len(meta.query_lens_host)} query lengths for {meta.num_seqs} sequences")
     if not 0 <= meta.num_decodes <= meta.num_seqs:
         raise ValueError(f"num_decodes={meta.num_decodes} outside 0..{meta.num_seqs}")
-    if any(q != 1 for q in meta.query_lens_host[:meta.num_decodes]):
+    if any(q != 1 for q in meta.query_lens_host[: meta.num_decodes]):
         raise ValueError("the leading num_decodes sequences must have exactly one new token each")
     if any(q < 1 or q > s for q, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
         raise ValueError("every sequence needs 1 <= query length <= seq_len")
     if sum(meta.query_lens_host) != meta.num_tokens:
-        raise ValueError(f"query lengths sum to {sum(meta.query_lens_host)}, but there are "
-                         f"{meta.num_tokens} slots in slot_mapping")
-    for label, tensor, dtype in (("query_start_loc", meta.query_start_loc, torch.int32),
-                                 ("seq_lens", meta.seq_lens, torch.int32),
-                                 ("block_tables", meta.block_tables, torch.int32),
-                                 ("slot_mapping", meta.slot_mapping, torch.int64)):
+        raise ValueError(
+            f"query lengths sum to {sum(meta.query_lens_host)}, but there are "
+            f"{meta.num_tokens} slots in slot_mapping"
+        )
+    for label, tensor, dtype in (
+        ("query_start_loc", meta.query_start_loc, torch.int32),
+        ("seq_lens", meta.seq_lens, torch.int32),
+        ("block_tables", meta.block_tables, torch.int32),
+        ("slot_mapping", meta.slot_mapping, torch.int64),
+    ):
         if tensor.dtype != dtype:
             raise ValueError(f"{label} must be {dtype}, got {tensor.dtype}")
         # the kernels step through these with unit stride
@@ -230,5 +331,7 @@ def _check_metadata(meta: AttentionMetadata) -> None:
     if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < meta.num_seqs:
         raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {list(meta.block_tables.shape)}")
     if meta.block_tables.shape[1] * meta.block_size < meta.max_seq_len:
-        raise ValueError(f"block_tables hold {meta.block_tables.shape[1]} blocks of {meta.block_size}, "
-                         f"fewer than the longest sequence ({meta.max_seq_len} tokens)")
+        raise ValueError(
+            f"block_tables hold {meta.block_tables.shape[1]} blocks of {meta.block_size}, "
+            f"fewer than the longest sequence ({meta.max_seq_len} tokens)"
+        )

@@ -38,8 +38,12 @@ def encode_extra_keys(cache_salt: str | None = None, adapter_id: str | None = No
     """Canonical encoding of the extra keys; empty when neither is set."""
     if cache_salt is None and adapter_id is None:
         return b""
-    return _h(b"extra", (adapter_id or "").encode(), b"\x01" if cache_salt is not None else b"\x00",
-              (cache_salt or "").encode())
+    return _h(
+        b"extra",
+        (adapter_id or "").encode(),
+        b"\x01" if cache_salt is not None else b"\x00",
+        (cache_salt or "").encode(),
+    )
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
@@ -58,8 +62,14 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes, extra: bytes = b"",
-                 start: int = 0, parent: bytes | None = None) -> list[bytes]:
+def block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    root: bytes,
+    extra: bytes = b"",
+    start: int = 0,
+    parent: bytes | None = None,
+) -> list[bytes]:
     """Hashes of the full blocks of ``token_ids`` from block index ``start`` on (``parent`` = hash of block
     ``start - 1``, or the root when ``start == 0``)."""
     if block_size <= 0:
@@ -69,6 +79,6 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes, extra: 
         raise ValueError("parent hash is required when start > 0")
     out: list[bytes] = []
     for i in range(start, len(token_ids) // block_size):
-        prev = hash_block(prev, token_ids[i * block_size:(i + 1) * block_size], extra)
+        prev = hash_block(prev, token_ids[i * block_size : (i + 1) * block_size], extra)
         out.append(prev)
     return out

@@ -18,7 +18,9 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks

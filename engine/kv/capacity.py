@@ -12,8 +12,12 @@ from dataclasses import dataclass
 
 
 def kv_bytes_per_token(n_layer: int, n_kv_head: int, d_head: int, bytes_per_elem: int) -> int:
-    for name, v in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("d_head", d_head),
-                    ("bytes_per_elem", bytes_per_elem)):
+    for name, v in (
+        ("n_layer", n_layer),
+        ("n_kv_head", n_kv_head),
+        ("d_head", d_head),
+        ("bytes_per_elem", bytes_per_elem),
+    ):
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
     return 2 * n_layer * n_kv_head * d_head * bytes_per_elem
@@ -49,5 +53,7 @@ def kv_heads_per_shard(n_kv_head: int, tp_degree: int) -> int:
     if tp_degree <= 0:
         raise ValueError(f"tp_degree must be positive, got {tp_degree}")
     if n_kv_head % tp_degree and tp_degree % n_kv_head:
-        raise ValueError(f"{n_kv_head} KV heads cannot be sharded over TP degree {tp_degree}: neither divides the other")
+        raise ValueError(
+            f"{n_kv_head} KV heads cannot be sharded over TP degree {tp_degree}: neither divides the other"
+        )
     return max(1, n_kv_head // tp_degree)

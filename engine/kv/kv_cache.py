@@ -14,17 +14,30 @@ from kvpilot.engine.kv.capacity import kv_bytes_per_token
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, layout: str = "NHD") -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        layout: str = "NHD",
+    ) -> None:
         if layout not in ("NHD", "HND"):
             raise ValueError(f"KV cache layout must be 'NHD' or 'HND', got {layout!r}")
-        shape = ((num_blocks, block_size, num_kv_heads, head_dim) if layout == "NHD"
-                 else (num_blocks, num_kv_heads, block_size, head_dim))
+        shape = (
+            (num_blocks, block_size, num_kv_heads, head_dim)
+            if layout == "NHD"
+            else (num_blocks, num_kv_heads, block_size, head_dim)
+        )
         self.layout = layout
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)]
+            for _ in range(num_layers)
+        ]
         self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
 
     @property
@@ -48,8 +61,13 @@ class HostSwapSpace:
         shape = (num_blocks, *k0.shape[1:])
         pin = k0.device.type == "cuda"
         self.cache = cache
-        self.layers = [(torch.zeros(shape, dtype=k0.dtype, pin_memory=pin),
-                        torch.zeros(shape, dtype=k0.dtype, pin_memory=pin)) for _ in cache.layers]
+        self.layers = [
+            (
+                torch.zeros(shape, dtype=k0.dtype, pin_memory=pin),
+                torch.zeros(shape, dtype=k0.dtype, pin_memory=pin),
+            )
+            for _ in cache.layers
+        ]
         self._free = list(range(num_blocks))
         self.num_blocks = num_blocks
 

@@ -17,8 +17,14 @@ from kvpilot.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, root_hash: bytes, cache: KVCache | None = None,
-                 swap: HostSwapSpace | None = None) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        root_hash: bytes,
+        cache: KVCache | None = None,
+        swap: HostSwapSpace | None = None,
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.root_hash = root_hash
@@ -47,8 +53,16 @@ class KVCacheManager:
         have = len(req.block_hashes)
         if req.num_tokens // self.block_size > have:
             parent = req.block_hashes[-1] if have else None
-            req.block_hashes.extend(block_hashes(req.all_token_ids, self.block_size, self.root_hash,
-                                                 self._extra(req), start=have, parent=parent))
+            req.block_hashes.extend(
+                block_hashes(
+                    req.all_token_ids,
+                    self.block_size,
+                    self.root_hash,
+                    self._extra(req),
+                    start=have,
+                    parent=parent,
+                )
+            )
 
     def lookup_prefix(self, req: Request) -> list[int]:
         """Cached blocks that match ``req``'s leading full blocks (no references taken)."""
@@ -70,8 +84,12 @@ class KVCacheManager:
     # ---- allocation ----------------------------------------------------------------------------------
     def _needs_copy_on_write(self, req: Request, table: list[int]) -> bool:
         """The next token goes into a partially filled last block that another sequence also references."""
-        return bool(table) and req.num_computed_tokens % self.block_size != 0 \
-            and req.num_computed_tokens // self.block_size == len(table) - 1 and self.pool.ref_cnt[table[-1]] > 1
+        return (
+            bool(table)
+            and req.num_computed_tokens % self.block_size != 0
+            and req.num_computed_tokens // self.block_size == len(table) - 1
+            and self.pool.ref_cnt[table[-1]] > 1
+        )
 
     def blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens would consume (hits that are now
@@ -209,4 +227,5 @@ class KVCacheManager:
                 refs[b] += 1
         for b in range(1, self.pool.num_blocks):
             assert refs[b] == self.pool.ref_cnt[b], (
-                f"block {b}: ref_cnt {self.pool.ref_cnt[b]} != {refs[b]} block-table references")
+                f"block {b}: ref_cnt {self.pool.ref_cnt[b]} != {refs[b]} block-table references"
+            )

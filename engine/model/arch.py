@@ -66,7 +66,9 @@ class ModelArchConfig:
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
-            raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
         hidden = int(cfg["hidden_size"])
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         eos = cfg.get("eos_token_id")
@@ -102,4 +104,6 @@ class ModelArchConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         from kvpilot.engine.kv.capacity import kv_bytes_per_token
 
-        return kv_bytes_per_token(self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype_bytes)
+        return kv_bytes_per_token(
+            self.num_hidden_layers, self.num_key_value_heads, self.head_dim, dtype_bytes
+        )

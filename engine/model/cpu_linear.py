@@ -35,14 +35,16 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int, native: NativeOps | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(),
-                                                                                      batch_hint))
+        self.register_buffer(
+            "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        )
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         usable = native is not None and native.has_fast_linear
         #: the native GEMM and the panel-packed weight it reads (None: oneDNN for every batch)
         self.native = native if usable else None
-        self.register_buffer("panel_weight", native.pack_linear_weight(linear.weight.detach().contiguous())
-                             if usable else None)
+        self.register_buffer(
+            "panel_weight", native.pack_linear_weight(linear.weight.detach().contiguous()) if usable else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:

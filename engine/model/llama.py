@@ -46,37 +46,64 @@ class Attention(nn.Module):
     def __init__(self, arch: ModelArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
+            arch.num_attention_heads,
+            arch.num_key_value_heads,
+            arch.head_dim,
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v in one GEMM: one weight read per step instead of three
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        backend: AttentionBackend,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         q, k, v = self._heads(self.qkv_proj(hidden))
         q, k = RotaryEmbedding.rotate(q, k, *rope)
         return self._attend(q, k, v, backend, kv_cache, meta)
 
-    def forward_native(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                       backend: AttentionBackend, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                       meta: AttentionMetadata, native: NativeOps) -> torch.Tensor:
+    def forward_native(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        native: NativeOps,
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         # q heads then k heads lead each row: one in-place pass rotates both
-        native.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin)
+        native.rope_(
+            qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin
+        )
         return self._attend(*self._heads(qkv), backend, kv_cache, meta)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[T, Hq, D]``, ``[T, Hkv, D]``, ``[T, Hkv, D]`` views of the fused projection's columns."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         tokens = qkv.shape[0]
-        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
-                v.view(tokens, self.num_kv_heads, self.head_dim))
+        return (
+            q.view(tokens, self.num_heads, self.head_dim),
+            k.view(tokens, self.num_kv_heads, self.head_dim),
+            v.view(tokens, self.num_kv_heads, self.head_dim),
+        )
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: AttentionBackend,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        backend: AttentionBackend,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
@@ -116,18 +143,28 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        with torch.device("cpu"):  # float32 tables computed as HF computes them, whatever device the model is on
-            self.rotary = RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, arch.rope_theta,
-                                          arch.rope_scaling, dtype)
+        self.lm_head = (
+            None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
+        with torch.device(
+            "cpu"
+        ):  # float32 tables computed as HF computes them, whatever device the model is on
+            self.rotary = RotaryEmbedding(
+                arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling, dtype
+            )
         #: an optimised copy of the LM head (e.g. oneDNN-packed on CPU); None = use the weight directly
         self.packed_lm_head: nn.Module | None = None
         #: fused C kernels (float32 on CPU); None = PyTorch ops
         self.native: NativeOps | None = None
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         self.backend.prepare(meta)
         if self.native is not None:
             return self._forward_native(input_ids, positions, kv_caches, meta, self.native)
@@ -137,9 +174,14 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(hidden, rope, self.backend, kv_cache, meta)
         return self.norm(hidden)
 
-    def _forward_native(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
-                        native: NativeOps) -> torch.Tensor:
+    def _forward_native(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        native: NativeOps,
+    ) -> torch.Tensor:
         """``forward`` through the fused kernels: ``residual`` accumulates the sublayer outputs in place and
         every RMSNorm reads it right after the add (the next layer's input norm, finally ``self.norm``)."""
         residual = self.embed_tokens(input_ids)
@@ -147,8 +189,9 @@ class LlamaForCausalLM(nn.Module):
         norms.append(self.norm)
         hidden = native.add_rms_norm(residual, None, norms[0].weight, norms[0].eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            attn = layer.self_attn.forward_native(hidden, positions, self.rotary, self.backend, kv_cache, meta,
-                                                  native)
+            attn = layer.self_attn.forward_native(
+                hidden, positions, self.rotary, self.backend, kv_cache, meta, native
+            )
             hidden = native.add_rms_norm(residual, attn, norms[2 * i + 1].weight, norms[2 * i + 1].eps)
             mlp = layer.mlp
             down = mlp.down_proj(native.silu_mul(mlp.gate_up_proj(hidden)))
@@ -184,7 +227,9 @@ class LlamaForCausalLM(nn.Module):
 
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
-                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(value)
 
@@ -194,27 +239,43 @@ class LlamaForCausalLM(nn.Module):
             put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight")
+            put(
+                layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight"
+            )
+            put(
+                layer.post_attention_layernorm.weight,
+                take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight",
+            )
             a = p + "self_attn."
             qkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
             put(layer.self_attn.qkv_proj.weight, qkv, a + "qkv_proj.weight")
             if arch.qkv_bias:
-                put(layer.self_attn.qkv_proj.bias, torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]),
-                    a + "qkv_proj.bias")
+                put(
+                    layer.self_attn.qkv_proj.bias,
+                    torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]),
+                    a + "qkv_proj.bias",
+                )
             put(layer.self_attn.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
             if arch.o_bias:
                 put(layer.self_attn.o_proj.bias, take(a + "o_proj.bias"), a + "o_proj.bias")
             m = p + "mlp."
-            put(layer.mlp.gate_up_proj.weight, torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
-                m + "gate_up_proj.weight")
+            put(
+                layer.mlp.gate_up_proj.weight,
+                torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+                m + "gate_up_proj.weight",
+            )
             put(layer.mlp.down_proj.weight, take(m + "down_proj.weight"), m + "down_proj.weight")
             if arch.mlp_bias:
-                put(layer.mlp.gate_up_proj.bias, torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]),
-                    m + "gate_up_proj.bias")
+                put(
+                    layer.mlp.gate_up_proj.bias,
+                    torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")]),
+                    m + "gate_up_proj.bias",
+                )
                 put(layer.mlp.down_proj.bias, take(m + "down_proj.bias"), m + "down_proj.bias")
         # tied checkpoints sometimes carry a duplicate lm_head; anything else unknown is a mismatch
-        unused = sorted(set(tensors) - loaded - {"lm_head.weight"} - {k for k in tensors if "rotary_emb" in k})
+        unused = sorted(
+            set(tensors) - loaded - {"lm_head.weight"} - {k for k in tensors if "rotary_emb" in k}
+        )
         if unused:
             raise ValueError(f"checkpoint has tensors this architecture does not use: {unused[:5]}")

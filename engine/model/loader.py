@@ -40,7 +40,9 @@ def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) 
     return name
 
 
-def resolve_native_ops(mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path) -> NativeOps | None:
+def resolve_native_ops(
+    mode: str, device: torch.device, dtype: torch.dtype, cache_dir: Path
+) -> NativeOps | None:
     """The fused C kernels for ``native_cpu_ops`` = ``mode``, or None to run PyTorch ops.
 
     They exist for float32 on CPU only; ``auto`` falls back (with a warning) when they cannot be built,
@@ -130,9 +132,15 @@ def _uninitialized_parameters(dtype: torch.dtype) -> Iterator[None]:
             cls.reset_parameters = fn
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, backend: AttentionBackend,
-               linear_backend: str = "torch", batch_hint: int = 32,
-               native: NativeOps | None = None) -> LlamaForCausalLM:
+def load_model(
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+    linear_backend: str = "torch",
+    batch_hint: int = 32,
+    native: NativeOps | None = None,
+) -> LlamaForCausalLM:
     """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
     forward pass and, with oneDNN linears, serves their small batches."""
     arch = ModelArchConfig.from_dir(model_dir)

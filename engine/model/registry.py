@@ -95,7 +95,9 @@ def resolve_tokenizer(model: str | os.PathLike[str], cache_dir: str | Path | Non
         converted = cache / "models" / f"{name}-{key}"
         if converted.is_dir():
             return converted
-        return _build_once(cache / "tokenizers" / f"{name}-{key}", lambda out: convert_gguf_tokenizer(gguf, out))
+        return _build_once(
+            cache / "tokenizers" / f"{name}-{key}", lambda out: convert_gguf_tokenizer(gguf, out)
+        )
     return resolve_model(spec, cache_dir=cache_dir, progress=False)
 
 

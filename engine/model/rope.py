@@ -42,7 +42,9 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any], max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(
+    head_dim: int, theta: float, s: dict[str, Any], max_pos: int
+) -> tuple[torch.Tensor, float]:
     old_ctx = float(s["original_max_position_embeddings"])
     factor = float(s.get("factor") or max_pos / old_ctx)
     beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
@@ -65,7 +67,9 @@ def _yarn_inv_freq(head_dim: int, theta: float, s: dict[str, Any], max_pos: int)
     if attention_factor is None:
         mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
         if mscale and mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(
+                factor, float(mscale_all_dim)
+            )
         else:
             attention_factor = _yarn_mscale(factor)
     return inv_freq, float(attention_factor)
@@ -86,8 +90,9 @@ def _dynamic_freqs(head_dim: int, theta: float, s: dict[str, Any], max_position:
     return freqs
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                  max_position: int) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float32) and the cos/sin magnitude factor of a position-independent RoPE."""
     inv_freq = _default_inv_freq(head_dim, theta)
     kind = scaling["rope_type"] if scaling else "default"
@@ -102,8 +107,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None,
     raise ValueError(f"RoPE type {kind!r} has position-dependent frequencies; use rope_angles")
 
 
-def rope_angles(head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                max_position: int) -> tuple[torch.Tensor, float]:
+def rope_angles(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
+) -> tuple[torch.Tensor, float]:
     """[max_position, head_dim/2] rotation angles (float32) and the cos/sin magnitude factor."""
     if scaling and scaling["rope_type"] == "dynamic":
         return _dynamic_freqs(head_dim, theta, scaling, max_position), 1.0
@@ -114,8 +120,14 @@ def rope_angles(head_dim: int, theta: float, scaling: dict[str, Any] | None,
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         # tables in float32 (as HF), then cast to the activation dtype
         freqs, magnitude = rope_angles(head_dim, theta, scaling, max_position)
@@ -126,10 +138,14 @@ class RotaryEmbedding(torch.nn.Module):
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows ``[T, 1, D]`` for the tokens' positions; looked up once per step, used by every layer."""
-        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(0, positions).unsqueeze(1)
+        return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(
+            0, positions
+        ).unsqueeze(1)
 
     @staticmethod
-    def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotate(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with the step's ``tables``."""
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 

@@ -26,7 +26,9 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, in
         if not isinstance(params, dict):
             raise ValueError(f"rope_parameters must be an object, got {type(params).__name__}")
         if any(isinstance(v, dict) for v in params.values()):
-            raise ValueError("rope_parameters per layer type (nested dicts) are not supported by this architecture")
+            raise ValueError(
+                "rope_parameters per layer type (nested dicts) are not supported by this architecture"
+            )
         theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
         scaling = {k: v for k, v in params.items() if k not in _BASE_KEYS}
         kind = params.get("rope_type", params.get("type", "default"))
@@ -48,7 +50,9 @@ def rope_settings(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, in
     if kind == "dynamic":  # HF and vLLM take the config's max_position_embeddings as the original context
         scaling["original_max_position_embeddings"] = max_pos
     elif kind in ("llama3", "yarn"):
-        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos))
+        scaling.setdefault(
+            "original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos)
+        )
     served = max_pos
     if kind in ("dynamic", "yarn"):
         factor = scaling.get("factor") or max_pos / float(scaling["original_max_position_embeddings"])

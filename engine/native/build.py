@@ -26,8 +26,17 @@ SOURCES = tuple(sorted(HERE.glob("*.c")))
 HEADERS = tuple(sorted(HERE.glob("*.h")))
 # -ffast-math at compile time only: linking with it would add crtfastmath.o, which turns on
 # flush-to-zero for the whole process (torch included) when the library loads.
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC",
-                 "-std=c11", "-Wall", "-Werror")
+COMPILE_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fno-finite-math-only",
+    "-fopenmp",
+    "-fPIC",
+    "-std=c11",
+    "-Wall",
+    "-Werror",
+)
 LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 _TIMEOUT_S = 180
 
@@ -55,8 +64,13 @@ def _cpu_identity() -> str:
 def _cache_key(cc: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
-    for part in (*(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS), " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), version.encode(),
-                 platform.machine().encode(), _cpu_identity().encode()):
+    for part in (
+        *(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS),
+        " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+        version.encode(),
+        platform.machine().encode(),
+        _cpu_identity().encode(),
+    ):
         digest.update(hashlib.sha256(part).digest())
     return digest.hexdigest()[:16]
 
@@ -65,8 +79,10 @@ def build_library(cache_dir: Path) -> Path:
     """Path of the compiled library for this host, compiling it first if the cache lacks it."""
     cc = compiler()
     if cc is None:
-        raise NativeBuildError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; "
-                               "install gcc to use the fused C kernels)")
+        raise NativeBuildError(
+            f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; "
+            "install gcc to use the fused C kernels)"
+        )
     target = cache_dir / "native" / f"cpu_ops-{_cache_key(cc)}.so"
     if target.exists():
         log.info("native CPU kernels: using the library compiled earlier, %s", target)
@@ -76,8 +92,10 @@ def build_library(cache_dir: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         lib = Path(tmp) / "cpu_ops.so"
-        commands = [[cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
-                    for source, obj in zip(SOURCES, objects, strict=True)]
+        commands = [
+            [cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
         commands.append([cc, *map(str, objects), "-o", str(lib), *LINK_FLAGS])
         for command in commands:
             try:
@@ -87,7 +105,9 @@ def build_library(cache_dir: Path) -> Path:
             if result.returncode != 0:
                 raise NativeBuildError(f"{' '.join(command)} failed:\n{result.stderr.strip()[-2000:]}")
         os.replace(lib, target)
-    log.info("compiled the native CPU kernels with %s into %s in %.1f s", cc, target, time.monotonic() - start)
+    log.info(
+        "compiled the native CPU kernels with %s into %s in %.1f s", cc, target, time.monotonic() - start
+    )
     return target
 
 

@@ -41,9 +41,16 @@ PREFILL_HEAD_DIM_MULTIPLE = 16
 
 def _rows(x: torch.Tensor, name: str, width: int | None = None) -> int:
     """Row stride of a 2-D float32 CPU tensor whose rows are contiguous."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or (x.shape[1] > 1 and x.stride(1) != 1):
-        raise ValueError(f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
-                         f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or (x.shape[1] > 1 and x.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
+            f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
+        )
     if width is not None and x.shape[1] != width:
         raise ValueError(f"{name} must have {width} columns, got {x.shape[1]}")
     return x.stride(0)
@@ -54,18 +61,30 @@ def _contiguous(x: torch.Tensor, name: str, dtype: torch.dtype) -> None:
         raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor, got {x.dtype} {tuple(x.shape)}")
 
 
-def _paged_attention_layout(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, head_dim_multiple: int) -> tuple[int, int, int]:
+def _paged_attention_layout(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    head_dim_multiple: int,
+) -> tuple[int, int, int]:
     """Checks the attention kernels share (query rows, GQA group, head size, caches, block table dtype and
     layout); returns the query row stride, the query heads and the head size."""
     _, kv_heads, _, head_dim = key_cache.shape
     num_heads = query.shape[1] // head_dim if query.dim() == 2 else 0
     qs = _rows(query, "query", num_heads * head_dim)
-    if (not num_heads or num_heads % kv_heads or num_heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM
-            or head_dim % head_dim_multiple):
+    if (
+        not num_heads
+        or num_heads % kv_heads
+        or num_heads // kv_heads > MAX_GROUP
+        or head_dim > MAX_HEAD_DIM
+        or head_dim % head_dim_multiple
+    ):
         multiple = f"a multiple of {head_dim_multiple} " if head_dim_multiple > 1 else ""
-        raise ValueError(f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} "
-                         f"(group <= {MAX_GROUP}, head_dim {multiple}<= {MAX_HEAD_DIM})")
+        raise ValueError(
+            f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} "
+            f"(group <= {MAX_GROUP}, head_dim {multiple}<= {MAX_HEAD_DIM})"
+        )
     _contiguous(key_cache, "key_cache", torch.float32)
     _contiguous(value_cache, "value_cache", torch.float32)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
@@ -101,8 +120,9 @@ class NativeOps:
     def _threads() -> int:
         return torch.get_num_threads()
 
-    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> torch.Tensor:
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
         """``residual += delta`` (in place, when given), then RMSNorm of ``residual`` into a new tensor."""
         tokens, hidden = residual.shape
         rs = _rows(residual, "residual")
@@ -111,12 +131,29 @@ class NativeOps:
             raise ValueError(f"delta has {delta.shape[0]} rows, residual {tokens}")
         _contiguous(weight, "weight", torch.float32)
         out = torch.empty(tokens, hidden)
-        self._lib.kvp_add_rms_norm(residual.data_ptr(), rs, None if delta is None else delta.data_ptr(), ds,
-                                   weight.data_ptr(), out.data_ptr(), tokens, hidden, eps, self._threads())
+        self._lib.kvp_add_rms_norm(
+            residual.data_ptr(),
+            rs,
+            None if delta is None else delta.data_ptr(),
+            ds,
+            weight.data_ptr(),
+            out.data_ptr(),
+            tokens,
+            hidden,
+            eps,
+            self._threads(),
+        )
         return out
 
-    def rope_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
-              cos: torch.Tensor, sin: torch.Tensor) -> None:
+    def rope_(
+        self,
+        x: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
         """Rotate the first ``num_heads`` heads of every row of ``x`` in place (rotate-half RoPE)."""
         xs = _rows(x, "x")
         if x.shape[1] < num_heads * head_dim or head_dim % 2:
@@ -130,24 +167,56 @@ class NativeOps:
             raise ValueError(f"{positions.numel()} positions for {x.shape[0]} rows")
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
             raise ValueError(f"positions must lie in [0, {cos.shape[0]})")
-        self._lib.kvp_rope_inplace(x.data_ptr(), xs, x.shape[0], num_heads, head_dim, positions.data_ptr(),
-                                   cos.data_ptr(), sin.data_ptr(), self._threads())
+        self._lib.kvp_rope_inplace(
+            x.data_ptr(),
+            xs,
+            x.shape[0],
+            num_heads,
+            head_dim,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            self._threads(),
+        )
 
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                 value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
         """Scatter ``key``/``value`` ``[T, Hkv * D]`` rows into HND caches at ``slots`` (< 0: skip)."""
         num_blocks, kv_heads, block_size, head_dim = key_cache.shape
         ks, vs = _rows(key, "key", kv_heads * head_dim), _rows(value, "value", kv_heads * head_dim)
         _contiguous(key_cache, "key_cache", torch.float32)
         _contiguous(value_cache, "value_cache", torch.float32)
         _contiguous(slots, "slots", torch.int64)
-        if value_cache.shape != key_cache.shape or slots.numel() != key.shape[0] or value.shape[0] != key.shape[0]:
+        if (
+            value_cache.shape != key_cache.shape
+            or slots.numel() != key.shape[0]
+            or value.shape[0] != key.shape[0]
+        ):
             raise ValueError("key/value rows, slots and the two caches' shapes must agree")
         if slots.numel() and int(slots.max()) >= num_blocks * block_size:
-            raise ValueError(f"slot {int(slots.max())} is outside the cache ({num_blocks * block_size} slots)")
-        self._lib.kvp_write_kv(key.data_ptr(), ks, value.data_ptr(), vs, key_cache.data_ptr(),
-                               value_cache.data_ptr(), slots.data_ptr(), key.shape[0], kv_heads, head_dim,
-                               block_size, self._threads())
+            raise ValueError(
+                f"slot {int(slots.max())} is outside the cache ({num_blocks * block_size} slots)"
+            )
+        self._lib.kvp_write_kv(
+            key.data_ptr(),
+            ks,
+            value.data_ptr(),
+            vs,
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            slots.data_ptr(),
+            key.shape[0],
+            kv_heads,
+            head_dim,
+            block_size,
+            self._threads(),
+        )
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for the fused ``[T, 2I]`` projection (gate first), as a new ``[T, I]``."""
@@ -172,8 +241,9 @@ class NativeOps:
         padded[:out_features] = weight
         return padded.view(panels, LINEAR_PANEL, in_features).transpose(1, 2).contiguous()
 
-    def linear(self, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
-               out_features: int) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+    ) -> torch.Tensor:
         """``x @ weight.T + bias`` with the weight as ``pack_linear_weight`` made it, for decode-sized
         batches (callers pick it by row count, ``cpu_linear.NATIVE_MAX_ROWS``, and keep oneDNN for prefill)."""
         rows = x.shape[0]
@@ -181,20 +251,38 @@ class NativeOps:
         _contiguous(packed_weight, "packed_weight", torch.float32)
         panels = -(-out_features // LINEAR_PANEL)
         if packed_weight.shape != (panels, x.shape[1], LINEAR_PANEL):
-            raise ValueError(f"packed_weight must be [{panels}, {x.shape[1]}, {LINEAR_PANEL}] for {out_features} "
-                             f"outputs of {x.shape[1]} inputs, got {tuple(packed_weight.shape)}")
+            raise ValueError(
+                f"packed_weight must be [{panels}, {x.shape[1]}, {LINEAR_PANEL}] for {out_features} "
+                f"outputs of {x.shape[1]} inputs, got {tuple(packed_weight.shape)}"
+            )
         if bias is not None:
             _contiguous(bias, "bias", torch.float32)
             if bias.shape != (out_features,):
                 raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
         out = torch.empty(rows, out_features)
-        self._lib.kvp_linear(x.data_ptr(), xs, packed_weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                             out.data_ptr(), rows, out_features, x.shape[1], self._threads())
+        self._lib.kvp_linear(
+            x.data_ptr(),
+            xs,
+            packed_weight.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            out_features,
+            x.shape[1],
+            self._threads(),
+        )
         return out
 
-    def paged_decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None) -> torch.Tensor:
+    def paged_decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """Attention of each sequence's one new query (``query`` ``[B, Hq * D]`` rows) over its paged
         context, reading K/V blocks in place; returns ``[B, Hq, D]``."""
         batch = query.shape[0]
@@ -202,35 +290,61 @@ class NativeOps:
         _, kv_heads, block_size, _ = key_cache.shape
         _contiguous(seq_lens, "seq_lens", torch.int32)
         if block_tables.shape[0] < batch or seq_lens.numel() < batch:
-            raise ValueError(f"{batch} queries but {block_tables.shape[0]} block tables, {seq_lens.numel()} lengths")
+            raise ValueError(
+                f"{batch} queries but {block_tables.shape[0]} block tables, {seq_lens.numel()} lengths"
+            )
         if batch:
             _check_block_tables(block_tables[:batch], int(seq_lens[:batch].max()), key_cache)
         out = torch.empty(batch, num_heads, head_dim)
-        self._lib.kvp_paged_decode(out.data_ptr(), query.data_ptr(), qs, key_cache.data_ptr(), value_cache.data_ptr(),
-                                   block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(), batch,
-                                   num_heads, kv_heads, head_dim, block_size, scale, sliding_window or 0,
-                                   self._threads())
+        self._lib.kvp_paged_decode(
+            out.data_ptr(),
+            query.data_ptr(),
+            qs,
+            key_cache.data_ptr(),
+            value_cache.data_ptr(),
+            block_tables.data_ptr(),
+            block_tables.stride(0),
+            seq_lens.data_ptr(),
+            batch,
+            num_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+            sliding_window or 0,
+            self._threads(),
+        )
         return out
 
-
-    def paged_prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      scale: float, sliding_window: int | None) -> torch.Tensor:
+    def paged_prefill(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
         """Causal attention of prefill/extend tokens over their paged context (their own K/V already
         written): sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])`` (``query``
         ``[rows, Hq * D]``), the last of its ``seq_lens[s]`` positions, and block table row ``s``. Returns
         ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``. Needs ``has_prefill_attention``."""
         if not self.has_prefill_attention:
             raise ValueError("paged_prefill needs AVX2; keep the PyTorch attention on this CPU")
-        qs, num_heads, head_dim = _paged_attention_layout(query, key_cache, value_cache, block_tables,
-                                                          PREFILL_HEAD_DIM_MULTIPLE)
+        qs, num_heads, head_dim = _paged_attention_layout(
+            query, key_cache, value_cache, block_tables, PREFILL_HEAD_DIM_MULTIPLE
+        )
         _, kv_heads, block_size, _ = key_cache.shape
         _contiguous(query_start_loc, "query_start_loc", torch.int32)
         _contiguous(seq_lens, "seq_lens", torch.int32)
         seqs = seq_lens.numel()
         if query_start_loc.numel() != seqs + 1 or block_tables.shape[0] != seqs:
-            raise ValueError(f"{seqs} sequences need {seqs + 1} query offsets and {seqs} block tables, got "
-                             f"{query_start_loc.numel()} and {block_tables.shape[0]}")
+            raise ValueError(
+                f"{seqs} sequences need {seqs + 1} query offsets and {seqs} block tables, got "
+                f"{query_start_loc.numel()} and {block_tables.shape[0]}"
+            )
         starts = query_start_loc.tolist()
         q_lens = [b - a for a, b in itertools.pairwise(starts)]
         if seqs and (starts[0] < 0 or starts[-1] > query.shape[0] or min(q_lens) < 0):
@@ -243,9 +357,24 @@ class NativeOps:
         out = torch.empty(starts[-1] - starts[0] if seqs else 0, num_heads, head_dim)
         if seqs:
             status = self._lib.kvp_paged_prefill(
-                out.data_ptr(), query.data_ptr(), qs, key_cache.data_ptr(), value_cache.data_ptr(),
-                block_tables.data_ptr(), block_tables.stride(0), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-                seqs, num_heads, kv_heads, head_dim, block_size, scale, sliding_window or 0, self._threads())
+                out.data_ptr(),
+                query.data_ptr(),
+                qs,
+                key_cache.data_ptr(),
+                value_cache.data_ptr(),
+                block_tables.data_ptr(),
+                block_tables.stride(0),
+                query_start_loc.data_ptr(),
+                seq_lens.data_ptr(),
+                seqs,
+                num_heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                scale,
+                sliding_window or 0,
+                self._threads(),
+            )
             if status:
                 raise MemoryError("paged_prefill could not allocate its scratch buffers")
         return out

@@ -7,24 +7,36 @@ import torch
 import torch.nn.functional as F
 
 
-def reference_add_rms_norm(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                           eps: float) -> torch.Tensor:
+def reference_add_rms_norm(
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
     if delta is not None:
         residual += delta
     return weight * (residual * torch.rsqrt(residual.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def reference_rope_(x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor) -> None:
-    heads = x[:, :num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+def reference_rope_(
+    x: torch.Tensor,
+    num_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> None:
+    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     half = head_dim // 2
     rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
     heads.copy_(heads * c + rotated * s)
 
 
-def reference_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def reference_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     _, kv_heads, block_size, head_dim = key_cache.shape
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
@@ -37,9 +49,15 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def reference_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           sliding_window: int | None) -> torch.Tensor:
+def reference_paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     _, kv_heads, block_size, head_dim = key_cache.shape
     num_heads = query.shape[1] // head_dim
     out = torch.empty(query.shape[0], num_heads, head_dim)
@@ -59,9 +77,16 @@ def reference_paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     return out
 
 
-def reference_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, sliding_window: int | None) -> torch.Tensor:
+def reference_paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
     """Each new token as its own query of ``reference_paged_decode`` over the positions up to its own."""
     starts = query_start_loc.tolist()
     rows, tables, lens = [], [], []
@@ -72,5 +97,12 @@ def reference_paged_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_
         lens += range(length - count + 1, length + 1)
     if not rows:
         return torch.empty(0, query.shape[1] // key_cache.shape[-1], key_cache.shape[-1])
-    return reference_paged_decode(query[rows], key_cache, value_cache, torch.stack(tables),
-                                  torch.tensor(lens, dtype=torch.int32), scale, sliding_window)
+    return reference_paged_decode(
+        query[rows],
+        key_cache,
+        value_cache,
+        torch.stack(tables),
+        torch.tensor(lens, dtype=torch.int32),
+        scale,
+        sliding_window,
+    )

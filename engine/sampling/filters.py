@@ -63,14 +63,17 @@ def reference_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     if rows.numel():
         sub = logits.index_select(0, rows)
         _, order = sub.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.empty_like(order).scatter_(1, order, torch.arange(vocab, device=logits.device).expand_as(order))
+        ranks = torch.empty_like(order).scatter_(
+            1, order, torch.arange(vocab, device=logits.device).expand_as(order)
+        )
         keep = ranks < top_k.index_select(0, rows).unsqueeze(1)
         logits.index_copy_(0, rows, sub.masked_fill(~keep, NEG_INF))
     return logits
 
 
-def _keep_prefix_reaching(sub: torch.Tensor, probs_sorted: torch.Tensor, order: torch.Tensor,
-                          mass: torch.Tensor) -> torch.Tensor:
+def _keep_prefix_reaching(
+    sub: torch.Tensor, probs_sorted: torch.Tensor, order: torch.Tensor, mass: torch.Tensor
+) -> torch.Tensor:
     """Mask ``sub`` to the shortest prefix (in ``order``) whose probability mass reaches ``mass``."""
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
     keep_sorted = mass_before < mass.unsqueeze(1) - MASS_TOLERANCE
@@ -114,8 +117,9 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         todo = todo[~exact]
     if todo.numel():
         probs_sorted, order = probs.index_select(0, todo).sort(dim=-1, descending=True, stable=True)
-        keep[todo] = torch.isfinite(_keep_prefix_reaching(sub.index_select(0, todo), probs_sorted, order,
-                                                          mass.index_select(0, todo)))
+        keep[todo] = torch.isfinite(
+            _keep_prefix_reaching(sub.index_select(0, todo), probs_sorted, order, mass.index_select(0, todo))
+        )
     logits.index_copy_(0, rows, sub.masked_fill(~keep, NEG_INF))
     return logits
 
@@ -127,7 +131,9 @@ def reference_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         sub = logits.index_select(0, rows)
         probs = sub.softmax(dim=-1)
         probs_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
-        logits.index_copy_(0, rows, _keep_prefix_reaching(sub, probs_sorted, order, top_p.index_select(0, rows)))
+        logits.index_copy_(
+            0, rows, _keep_prefix_reaching(sub, probs_sorted, order, top_p.index_select(0, rows))
+        )
     return logits
 
 
@@ -143,7 +149,9 @@ def apply_typical_p(logits: torch.Tensor, typical_p: torch.Tensor) -> torch.Tens
         gap_sorted, order = surprise_gap.sort(dim=-1, stable=True)
         del gap_sorted
         probs_sorted = probs.gather(1, order)
-        logits.index_copy_(0, rows, _keep_prefix_reaching(sub, probs_sorted, order, typical_p.index_select(0, rows)))
+        logits.index_copy_(
+            0, rows, _keep_prefix_reaching(sub, probs_sorted, order, typical_p.index_select(0, rows))
+        )
     return logits
 
 

@@ -41,7 +41,7 @@ def banned_by_bad_words(output: Sequence[int], banned: Sequence[Sequence[int]]) 
     out: set[int] = set()
     for seq in banned:
         k = len(seq)
-        if k == 1 or (len(output) >= k - 1 and list(output[len(output) - (k - 1):]) == list(seq[:-1])):
+        if k == 1 or (len(output) >= k - 1 and list(output[len(output) - (k - 1) :]) == list(seq[:-1])):
             out.add(seq[-1])
     return out
 
@@ -49,13 +49,13 @@ def banned_by_bad_words(output: Sequence[int], banned: Sequence[Sequence[int]]) 
 def update_ngram_index(index: dict[tuple[int, ...], set[int]], output: Sequence[int], n: int) -> None:
     """Record the n-gram that ends at the newest output token (call once per appended token)."""
     if n >= 1 and len(output) >= n:
-        index.setdefault(tuple(output[len(output) - n:len(output) - 1]), set()).add(output[-1])
+        index.setdefault(tuple(output[len(output) - n : len(output) - 1]), set()).add(output[-1])
 
 
 def banned_by_ngrams(index: dict[tuple[int, ...], set[int]], output: Sequence[int], n: int) -> set[int]:
     if n < 1 or len(output) < n - 1:
         return set()
-    return index.get(tuple(output[len(output) - (n - 1):]) if n > 1 else (), set())
+    return index.get(tuple(output[len(output) - (n - 1) :]) if n > 1 else (), set())
 
 
 def _mask(logits: torch.Tensor, row: int, tokens: set[int] | list[int]) -> None:
@@ -70,7 +70,7 @@ def _counts(rows: list[int], id_lists: list[Sequence[int]], vocab: int, device) 
     padded = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long, device=device)
     for i, ids in enumerate(id_lists):
         if ids:
-            padded[i, :len(ids)] = torch.as_tensor(ids, dtype=torch.long, device=device)
+            padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long, device=device)
     counts = torch.zeros(len(rows), vocab + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -103,15 +103,25 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[RowState]) -> torch.T
     vocab, dev = logits.shape[1], logits.device
     rep_rows = [i for i, st in enumerate(states) if st.params.repetition_penalty != 1.0]
     if rep_rows:
-        seen = _counts(rep_rows, [list(states[i].prompt_token_ids) + list(states[i].output_token_ids)
-                                  for i in rep_rows], vocab, dev) > 0
+        seen = (
+            _counts(
+                rep_rows,
+                [list(states[i].prompt_token_ids) + list(states[i].output_token_ids) for i in rep_rows],
+                vocab,
+                dev,
+            )
+            > 0
+        )
         r = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], device=dev).unsqueeze(1)
         idx = torch.tensor(rep_rows, device=dev)
         z = logits.index_select(0, idx)
         penalised = torch.where(z > 0, z / r, z * r)
         logits.index_copy_(0, idx, torch.where(seen, penalised, z))
-    fp_rows = [i for i, st in enumerate(states)
-               if st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0]
+    fp_rows = [
+        i
+        for i, st in enumerate(states)
+        if st.params.frequency_penalty != 0.0 or st.params.presence_penalty != 0.0
+    ]
     if fp_rows:
         counts = _counts(fp_rows, [states[i].output_token_ids for i in fp_rows], vocab, dev)
         freq = torch.tensor([states[i].params.frequency_penalty for i in fp_rows], device=dev).unsqueeze(1)

@@ -109,12 +109,17 @@ class SamplingParams:
 
     @property
     def needs_penalties(self) -> bool:
-        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0)
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
     def needs_masks(self) -> bool:
-        return bool(self.allowed_token_ids is not None or self.logit_bias or self.bad_words
-                    or self.min_tokens or self.no_repeat_ngram_size)
+        return bool(
+            self.allowed_token_ids is not None
+            or self.logit_bias
+            or self.bad_words
+            or self.min_tokens
+            or self.no_repeat_ngram_size
+        )
 
     def validate(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -125,11 +130,18 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         need(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        need(self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n),
-             f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
-        need(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        need(-2.0 <= self.frequency_penalty <= 2.0,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        need(
+            self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n),
+            f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}",
+        )
+        need(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+        )
+        need(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+        )
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -138,32 +150,60 @@ class SamplingParams:
         need(0 < self.typical_p <= 1, f"typical_p must be in (0, 1], got {self.typical_p}")
         need(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids),
-             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        need(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words must be non-empty strings")
-        need(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-             f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
-        need(is_int(self.min_tokens) and self.min_tokens >= 0,
-             f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        need(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        need(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-             f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
-        need(self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
-             f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}")
+        need(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}",
+        )
+        need(
+            all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            "bad_words must be non-empty strings",
+        )
+        need(
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+            f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}",
+        )
+        need(
+            is_int(self.min_tokens) and self.min_tokens >= 0,
+            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
+        )
+        need(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        need(
+            self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+            f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}",
+        )
+        need(
+            self.prompt_logprobs is None or (is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+            f"prompt_logprobs must be an integer >= 0 or None, got {self.prompt_logprobs!r}",
+        )
         need(all(k >= 0 for k in self.logit_bias), "logit_bias token ids must be non-negative")
-        need(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0
-                                                and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)),
-             "allowed_token_ids must be a non-empty list of non-negative token ids")
-        need(is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
-             f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}")
-        need(self.beam_width is None or (is_int(self.beam_width) and self.beam_width >= 1),
-             f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        need(
+            self.allowed_token_ids is None
+            or (
+                len(self.allowed_token_ids) > 0 and all(is_int(t) and t >= 0 for t in self.allowed_token_ids)
+            ),
+            "allowed_token_ids must be a non-empty list of non-negative token ids",
+        )
+        need(
+            is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+            f"no_repeat_ngram_size must be an integer >= 0, got {self.no_repeat_ngram_size!r}",
+        )
+        need(
+            self.beam_width is None or (is_int(self.beam_width) and self.beam_width >= 1),
+            f"beam_width must be an integer >= 1, got {self.beam_width!r}",
+        )
         if self.use_beam_search:
-            need(self.effective_beam_width >= self.n,
-                 f"beam_width ({self.effective_beam_width}) must be >= n ({self.n})")
-            need(self.temperature == 0 or self.temperature == 1.0,
-                 "beam search is deterministic: leave temperature at its default (or 0)")
-            need(self.top_p == 1 and self.top_k in (-1, 0) and self.min_p == 0 and self.typical_p == 1,
-                 "beam search does not combine with top_p/top_k/min_p/typical_p")
-
+            need(
+                self.effective_beam_width >= self.n,
+                f"beam_width ({self.effective_beam_width}) must be >= n ({self.n})",
+            )
+            need(
+                self.temperature == 0 or self.temperature == 1.0,
+                "beam search is deterministic: leave temperature at its default (or 0)",
+            )
+            need(
+                self.top_p == 1 and self.top_k in (-1, 0) and self.min_p == 0 and self.typical_p == 1,
+                "beam search does not combine with top_p/top_k/min_p/typical_p",
+            )

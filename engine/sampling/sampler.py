@@ -61,13 +61,21 @@ class Sampler:
         self.generator = generator
         self.logprobs_mode = logprobs_mode
 
-    def sample(self, logits: torch.Tensor, states: Sequence[RowState], *, want_sampled_logprob: Sequence[bool] = (),
-               want_full: Sequence[bool] = ()) -> SamplerOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        states: Sequence[RowState],
+        *,
+        want_sampled_logprob: Sequence[bool] = (),
+        want_full: Sequence[bool] = (),
+    ) -> SamplerOutput:
         """One token per row of ``logits`` [N, V] (float32). ``want_sampled_logprob[i]`` asks for the sampled
         token's logprob (cumulative scores of parallel samples); ``want_full[i]`` for the whole row."""
         n = logits.shape[0]
-        want_lp = [st.params.logprobs is not None or (want_sampled_logprob[i] if want_sampled_logprob else False)
-                   for i, st in enumerate(states)]
+        want_lp = [
+            st.params.logprobs is not None or (want_sampled_logprob[i] if want_sampled_logprob else False)
+            for i, st in enumerate(states)
+        ]
         want_full = list(want_full) or [False] * n
         need_constraints = any(st.params.needs_masks or st.bad_word_ids for st in states)
         need_penalties = any(st.params.needs_penalties for st in states)

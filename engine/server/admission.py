@@ -31,13 +31,18 @@ from kvpilot.engine.server.serving_request import ServingRequest
 
 
 def draining_error(retry_after: int) -> APIError:
-    return APIError(503, "the server is draining (shutting down); send the request to another replica",
-                    code="draining", retry_after=retry_after)
+    return APIError(
+        503,
+        "the server is draining (shutting down); send the request to another replica",
+        code="draining",
+        retry_after=retry_after,
+    )
 
 
 class Admission:
-    def __init__(self, engine, config: ServerConfig, active: dict[str, ServingRequest],
-                 metrics: ServerMetrics) -> None:
+    def __init__(
+        self, engine, config: ServerConfig, active: dict[str, ServingRequest], metrics: ServerMetrics
+    ) -> None:
         self._engine = engine
         self._config = config
         self._active = active
@@ -64,20 +69,33 @@ class Admission:
                 if cost is not None and cost <= self._total_blocks:
                     self._degrade(req, cost)  # best_of could never run, n can: degrade before refusing
             if req.cost_blocks > self._total_blocks:
-                error = bad_request(f"the request needs {req.cost_blocks} KV blocks but the cache holds "
-                                    f"{self._total_blocks}; shorten the prompt or lower n/best_of",
-                                    code="exceeds_kv_capacity")
+                error = bad_request(
+                    f"the request needs {req.cost_blocks} KV blocks but the cache holds "
+                    f"{self._total_blocks}; shorten the prompt or lower n/best_of",
+                    code="exceeds_kv_capacity",
+                )
                 return self._reject(batch, error)
         if self.queue_length + len(batch) > self._config.max_queue_len:
-            error = APIError(429, f"the request queue is full ({self._config.max_queue_len} waiting); "
-                             "retry later",
-                             code="queue_full", retry_after=self._config.retry_after_s)
+            error = APIError(
+                429,
+                f"the request queue is full ({self._config.max_queue_len} waiting); retry later",
+                code="queue_full",
+                retry_after=self._config.retry_after_s,
+            )
             return self._reject(batch, error)
         for req in batch:
-            admit_now = ((not self.pending and req.cost_blocks <= self._engine.admission_headroom())
-                         or self._try_degrade(req))
-            req.span.event("queued", {"prompt_tokens": req.num_prompt_tokens, "kv_blocks": req.cost_blocks,
-                                      "reserved": admit_now, "degraded": req.degraded})
+            admit_now = (
+                not self.pending and req.cost_blocks <= self._engine.admission_headroom()
+            ) or self._try_degrade(req)
+            req.span.event(
+                "queued",
+                {
+                    "prompt_tokens": req.num_prompt_tokens,
+                    "kv_blocks": req.cost_blocks,
+                    "reserved": admit_now,
+                    "degraded": req.degraded,
+                },
+            )
             if admit_now:
                 self._admit(req)
             else:
@@ -119,8 +137,14 @@ class Admission:
 
     def _admit(self, req: ServingRequest) -> None:
         try:
-            self._engine.add_request(req.request_id, req.token_ids, req.params, arrival_time=req.arrival,
-                                     priority=req.priority, cache_salt=req.cache_salt)
+            self._engine.add_request(
+                req.request_id,
+                req.token_ids,
+                req.params,
+                arrival_time=req.arrival,
+                priority=req.priority,
+                cache_salt=req.cache_salt,
+            )
         except RequestError as err:
             req.fail(bad_request(str(err)), None)
             return
@@ -142,8 +166,12 @@ class Admission:
         timeout = self._config.queue_timeout_s
         if timeout <= 0:
             return
-        error = APIError(503, f"the request waited more than {timeout:g} s in the queue; retry later",
-                         code="queue_timeout", retry_after=self._config.retry_after_s)
+        error = APIError(
+            503,
+            f"the request waited more than {timeout:g} s in the queue; retry later",
+            code="queue_timeout",
+            retry_after=self._config.retry_after_s,
+        )
         for req in [r for r in self.pending if now - r.arrival > timeout]:
             self.pending.remove(req)
             req.fail(error, "timeout")

@@ -36,26 +36,46 @@ def _load_engine(engine_config: EngineConfig) -> Callable[[], object]:
     return load
 
 
-def build_state(engine_config: EngineConfig, config: ServerConfig, *,
-                engine_factory: Callable[[], object] | None = None,
-                tracer_provider: TracerProvider | None = None, registry: CollectorRegistry | None = None,
-                on_fatal: Callable[[str], None] = lambda reason: None) -> ServerState:
+def build_state(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    *,
+    engine_factory: Callable[[], object] | None = None,
+    tracer_provider: TracerProvider | None = None,
+    registry: CollectorRegistry | None = None,
+    on_fatal: Callable[[str], None] = lambda reason: None,
+) -> ServerState:
     """``engine_factory`` builds the engine on the engine thread (default: ``LLMEngine(engine_config)``)."""
     model_name = served_model_name(engine_config)
     metrics = ServerMetrics(model_name, config.slo_ttft_s, config.slo_tpot_s, registry)
     lifecycle = Lifecycle(on_phase_timed=metrics.startup_phase)
-    loop = EngineLoop(engine_factory or _load_engine(engine_config), config, lifecycle, metrics,
-                      placeholder_load(engine_config), on_fatal)
+    loop = EngineLoop(
+        engine_factory or _load_engine(engine_config),
+        config,
+        lifecycle,
+        metrics,
+        placeholder_load(engine_config),
+        on_fatal,
+    )
     limiter = None
     if config.tenant_rate_limit > 0:
-        limiter = TenantRateLimiter(config.tenant_rate_limit, config.effective_tenant_burst,
-                                    config.max_tracked_tenants)
+        limiter = TenantRateLimiter(
+            config.tenant_rate_limit, config.effective_tenant_burst, config.max_tracked_tenants
+        )
     tracer = None
     if tracer_provider is not None:
         tracer = tracer_provider.get_tracer(INSTRUMENTATION_NAME, __version__)
     metrics.attach_gauges(lambda: loop.load, lambda: lifecycle.phase.value)
-    return ServerState(config=config, engine_config=engine_config, model_name=model_name, lifecycle=lifecycle,
-                       metrics=metrics, loop=loop, tracer=tracer, rate_limiter=limiter)
+    return ServerState(
+        config=config,
+        engine_config=engine_config,
+        model_name=model_name,
+        lifecycle=lifecycle,
+        metrics=metrics,
+        loop=loop,
+        tracer=tracer,
+        rate_limiter=limiter,
+    )
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -65,9 +85,13 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await run_in_threadpool(state.loop.stop)
 
-    app = FastAPI(title="kvpilot engine server", version=__version__, lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat on the kvpilot engine, with probes, "
-                              "load and prefix-cache endpoints for the kvpilot router.")
+    app = FastAPI(
+        title="kvpilot engine server",
+        version=__version__,
+        lifespan=lifespan,
+        description="OpenAI-compatible completions and chat on the kvpilot engine, with probes, "
+        "load and prefix-cache endpoints for the kvpilot router.",
+    )
     app.state.kvpilot = state
     install_error_handlers(app, state.metrics.rejected)
     for module in (completions, chat, ops_routes, kv_routes):

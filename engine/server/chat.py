@@ -38,8 +38,13 @@ class ChatFormat:
         self._started: set[int] = set()  # choices whose role was sent
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
-        return {"id": self._gen.request_id, "object": obj, "created": self._created, "model": self._model,
-                "choices": choices}
+        return {
+            "id": self._gen.request_id,
+            "object": obj,
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
 
     def _logprobs(self, token_ids, entries) -> dict | None:
         return None if entries is None else chat_logprobs(token_ids, entries, self._top_n)
@@ -53,8 +58,13 @@ class ChatFormat:
                 delta["role"] = "assistant"
             if d.text or "role" in delta:
                 delta["content"] = d.text
-            choice = {"index": d.index, "delta": delta, "logprobs": self._logprobs(d.token_ids, d.logprobs),
-                      "finish_reason": d.finish_reason, "stop_reason": d.stop_reason}
+            choice = {
+                "index": d.index,
+                "delta": delta,
+                "logprobs": self._logprobs(d.token_ids, d.logprobs),
+                "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason,
+            }
             if chunk.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             event = self._envelope("chat.completion.chunk", [choice])
@@ -64,30 +74,39 @@ class ChatFormat:
         return events
 
     def usage_event(self) -> dict:
-        return {**self._envelope("chat.completion.chunk", []),
-                "usage": usage(self._gen, self._gen.completion_tokens)}
+        return {
+            **self._envelope("chat.completion.chunk", []),
+            "usage": usage(self._gen, self._gen.completion_tokens),
+        }
 
     def full_response(self, results: list[PromptResult]) -> dict:
         (result,) = results
         choices = []
         for i in sorted(result.samples):
             s = result.samples[i]
-            choice = {"index": i, "message": {"role": "assistant", "content": "".join(s.text)},
-                      "logprobs": self._logprobs(s.token_ids, s.logprobs), "finish_reason": s.finish_reason,
-                      "stop_reason": s.stop_reason}
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(s.text)},
+                "logprobs": self._logprobs(s.token_ids, s.logprobs),
+                "finish_reason": s.finish_reason,
+                "stop_reason": s.stop_reason,
+            }
             if result.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
             choices.append(choice)
-        return {**self._envelope("chat.completion", choices),
-                "usage": usage(self._gen, self._gen.completion_tokens)}
+        return {
+            **self._envelope("chat.completion", choices),
+            "usage": usage(self._gen, self._gen.completion_tokens),
+        }
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
     if body.response_format is not None and body.response_format.get("type", "text") != "text":
         raise bad_request("response_format other than {'type': 'text'} is not supported", "response_format")
     if body.tool_choice is not None and body.tool_choice not in ("none", "auto"):
-        raise bad_request("tool_choice may only be 'none' or 'auto': tool calls are not parsed",
-                          "tool_choice")
+        raise bad_request(
+            "tool_choice may only be 'none' or 'auto': tool calls are not parsed", "tool_choice"
+        )
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
 
@@ -103,10 +122,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     explicit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens=explicit, logprobs=logprobs)
-    prompt = await run_in_threadpool(chat_prompt, info.tokenizer, body,
-                                     functools.partial(check_prompt_length, info=info))
+    prompt = await run_in_threadpool(
+        chat_prompt, info.tokenizer, body, functools.partial(check_prompt_length, info=info)
+    )
     check_against_engine(prompt.token_ids, params, info, explicit_max_tokens=explicit is not None)
-    gen = Generation(state, ctx, "chat", f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority or 0,
-                     body.user)
-    return await respond(request, state, gen, ChatFormat(gen, state.model_name, body),
-                         stream=bool(body.stream))
+    gen = Generation(
+        state, ctx, "chat", f"chatcmpl-{uuid.uuid4().hex}", [prompt], params, body.priority or 0, body.user
+    )
+    return await respond(
+        request, state, gen, ChatFormat(gen, state.model_name, body), stream=bool(body.stream)
+    )

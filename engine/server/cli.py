@@ -24,57 +24,126 @@ API_KEY_ENV = "KVPILOT_API_KEY"
 
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="kvpilot serve", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvpilot serve", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default=d.host, help="address to listen on")
     s.add_argument("--port", type=int, default=d.port)
-    s.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as 'model' (default: the --model value)")
-    s.add_argument("--api-key", action="append", default=None,
-                   help=f"accepted bearer key for /v1/*, KEY or KEY:TENANT to bind it to a tenant (repeat for "
-                        f"several; also ${API_KEY_ENV})")
-    s.add_argument("--api-keys-file", default=None,
-                   help="file of accepted keys, one KEY or KEY:TENANT per line ('#' comments), e.g. from a Secret")
-    s.add_argument("--trust-tenant-header", action="store_true",
-                   help="with API keys, still believe any client's x-tenant header (behind a proxy that sets it)")
-    s.add_argument("--router-token", default=os.environ.get(ROUTER_TOKEN_ENV),
-                   help=f"shared token of the router sidecar, which may name the tenant (default: ${ROUTER_TOKEN_ENV})")
-    s.add_argument("--trace-user", action="store_true",
-                   help="record the request's 'user' field on its trace span (off: it is often an e-mail)")
-    s.add_argument("--max-queue-len", type=int, default=d.max_queue_len,
-                   help="most requests accepted but not yet scheduled; more get 429")
-    s.add_argument("--queue-timeout", type=float, default=d.queue_timeout_s,
-                   help="seconds a request may wait to be scheduled before it gets 503 (0 = no limit)")
-    s.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="larger request bodies get 413")
-    s.add_argument("--body-read-timeout", type=float, default=d.body_read_timeout_s,
-                   help="seconds a request body may take to arrive; then 408")
-    s.add_argument("--slo-ttft", type=float, default=None,
-                   help="TTFT objective in seconds (SLO attainment / goodput metrics)")
-    s.add_argument("--slo-tpot", type=float, default=None,
-                   help="TPOT objective in seconds (SLO attainment / goodput metrics)")
-    s.add_argument("--tenant-rate-limit", type=float, default=d.tenant_rate_limit,
-                   help="requests per second per tenant (x-tenant header, else API key); 0 = off")
-    s.add_argument("--tenant-burst", type=float, default=None,
-                   help="token-bucket size (default: max(1, rate))")
-    s.add_argument("--drain-grace-seconds", type=float, default=d.drain_grace_s,
-                   help="after SIGTERM, how long in-flight requests may finish")
-    s.add_argument("--warmup-buckets",
-                   default=",".join(f"{b.batch_size}x{b.prompt_len}" for b in DEFAULT_WARMUP_BUCKETS),
-                   help="warm-up passes before /ready: BATCHxPROMPT_TOKENS,... ('none' to skip)")
-    s.add_argument("--stream-buffer-chunks", type=int, default=d.stream_buffer_chunks,
-                   help="chunks buffered per request before a slow client's request is paused")
-    s.add_argument("--backpressure-timeout", type=float, default=d.backpressure_timeout_s,
-                   help="cancel a request paused this long for a client that does not read (0 = never)")
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the name clients pass as 'model' (default: the --model value)",
+    )
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help=f"accepted bearer key for /v1/*, KEY or KEY:TENANT to bind it to a tenant (repeat for "
+        f"several; also ${API_KEY_ENV})",
+    )
+    s.add_argument(
+        "--api-keys-file",
+        default=None,
+        help="file of accepted keys, one KEY or KEY:TENANT per line ('#' comments), e.g. from a Secret",
+    )
+    s.add_argument(
+        "--trust-tenant-header",
+        action="store_true",
+        help="with API keys, still believe any client's x-tenant header (behind a proxy that sets it)",
+    )
+    s.add_argument(
+        "--router-token",
+        default=os.environ.get(ROUTER_TOKEN_ENV),
+        help=f"shared token of the router sidecar, which may name the tenant (default: ${ROUTER_TOKEN_ENV})",
+    )
+    s.add_argument(
+        "--trace-user",
+        action="store_true",
+        help="record the request's 'user' field on its trace span (off: it is often an e-mail)",
+    )
+    s.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=d.max_queue_len,
+        help="most requests accepted but not yet scheduled; more get 429",
+    )
+    s.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=d.queue_timeout_s,
+        help="seconds a request may wait to be scheduled before it gets 503 (0 = no limit)",
+    )
+    s.add_argument(
+        "--max-body-bytes", type=int, default=d.max_body_bytes, help="larger request bodies get 413"
+    )
+    s.add_argument(
+        "--body-read-timeout",
+        type=float,
+        default=d.body_read_timeout_s,
+        help="seconds a request body may take to arrive; then 408",
+    )
+    s.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=None,
+        help="TTFT objective in seconds (SLO attainment / goodput metrics)",
+    )
+    s.add_argument(
+        "--slo-tpot",
+        type=float,
+        default=None,
+        help="TPOT objective in seconds (SLO attainment / goodput metrics)",
+    )
+    s.add_argument(
+        "--tenant-rate-limit",
+        type=float,
+        default=d.tenant_rate_limit,
+        help="requests per second per tenant (x-tenant header, else API key); 0 = off",
+    )
+    s.add_argument(
+        "--tenant-burst", type=float, default=None, help="token-bucket size (default: max(1, rate))"
+    )
+    s.add_argument(
+        "--drain-grace-seconds",
+        type=float,
+        default=d.drain_grace_s,
+        help="after SIGTERM, how long in-flight requests may finish",
+    )
+    s.add_argument(
+        "--warmup-buckets",
+        default=",".join(f"{b.batch_size}x{b.prompt_len}" for b in DEFAULT_WARMUP_BUCKETS),
+        help="warm-up passes before /ready: BATCHxPROMPT_TOKENS,... ('none' to skip)",
+    )
+    s.add_argument(
+        "--stream-buffer-chunks",
+        type=int,
+        default=d.stream_buffer_chunks,
+        help="chunks buffered per request before a slow client's request is paused",
+    )
+    s.add_argument(
+        "--backpressure-timeout",
+        type=float,
+        default=d.backpressure_timeout_s,
+        help="cancel a request paused this long for a client that does not read (0 = never)",
+    )
     s.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 429/503")
-    s.add_argument("--loop-stall-timeout", type=float, default=d.loop_stall_timeout_s,
-                   help="/health fails when one engine iteration runs longer than this")
-    s.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive_s,
-                   help="seconds an idle keep-alive connection stays open (a router reuses them)")
-    s.add_argument("--log-level", default=d.log_level,
-                   choices=("critical", "error", "warning", "info", "debug", "trace"))
+    s.add_argument(
+        "--loop-stall-timeout",
+        type=float,
+        default=d.loop_stall_timeout_s,
+        help="/health fails when one engine iteration runs longer than this",
+    )
+    s.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=d.timeout_keep_alive_s,
+        help="seconds an idle keep-alive connection stays open (a router reuses them)",
+    )
+    s.add_argument(
+        "--log-level", default=d.log_level, choices=("critical", "error", "warning", "info", "debug", "trace")
+    )
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=d.access_log)
     return p
 
@@ -102,20 +171,32 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
         keys.append(key)
         if tenant is not None:
             bindings.append((key, tenant))
-    return ServerConfig(host=ns.host, port=ns.port, api_keys=tuple(keys), api_key_tenants=tuple(bindings),
-                        trust_tenant_header=ns.trust_tenant_header, router_token=ns.router_token or None,
-                        trace_user=ns.trace_user, max_queue_len=ns.max_queue_len,
-                        queue_timeout_s=ns.queue_timeout, max_body_bytes=ns.max_body_bytes,
-                        body_read_timeout_s=ns.body_read_timeout,
-                        slo_ttft_s=ns.slo_ttft, slo_tpot_s=ns.slo_tpot,
-                        tenant_rate_limit=ns.tenant_rate_limit, tenant_burst=ns.tenant_burst,
-                        drain_grace_s=ns.drain_grace_seconds,
-                        warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
-                        stream_buffer_chunks=ns.stream_buffer_chunks,
-                        backpressure_timeout_s=ns.backpressure_timeout, retry_after_s=ns.retry_after,
-                        loop_stall_timeout_s=ns.loop_stall_timeout, timeout_keep_alive_s=ns.timeout_keep_alive,
-                        log_level=ns.log_level,
-                        access_log=ns.access_log)
+    return ServerConfig(
+        host=ns.host,
+        port=ns.port,
+        api_keys=tuple(keys),
+        api_key_tenants=tuple(bindings),
+        trust_tenant_header=ns.trust_tenant_header,
+        router_token=ns.router_token or None,
+        trace_user=ns.trace_user,
+        max_queue_len=ns.max_queue_len,
+        queue_timeout_s=ns.queue_timeout,
+        max_body_bytes=ns.max_body_bytes,
+        body_read_timeout_s=ns.body_read_timeout,
+        slo_ttft_s=ns.slo_ttft,
+        slo_tpot_s=ns.slo_tpot,
+        tenant_rate_limit=ns.tenant_rate_limit,
+        tenant_burst=ns.tenant_burst,
+        drain_grace_s=ns.drain_grace_seconds,
+        warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
+        stream_buffer_chunks=ns.stream_buffer_chunks,
+        backpressure_timeout_s=ns.backpressure_timeout,
+        retry_after_s=ns.retry_after,
+        loop_stall_timeout_s=ns.loop_stall_timeout,
+        timeout_keep_alive_s=ns.timeout_keep_alive,
+        log_level=ns.log_level,
+        access_log=ns.access_log,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,25 +42,37 @@ class CompletionFormat:
         prompt = self._gen.prompts[prompt_index]
         return prompt.text if prompt.text is not None else self._tokenizer.decode(prompt.token_ids)
 
-    def _choice(self, prompt_index: int, index: int, text: str, token_ids, logprobs, finish_reason,
-                stop_reason) -> dict:
+    def _choice(
+        self, prompt_index: int, index: int, text: str, token_ids, logprobs, finish_reason, stop_reason
+    ) -> dict:
         choice = prompt_index * self._n + index
         text = self._echo(prompt_index, choice) + text
         lp = None
         if logprobs is not None:
             lp, self._offsets[choice] = completion_logprobs(token_ids, logprobs, self._offsets.get(choice, 0))
-        return {"index": choice, "text": text, "logprobs": lp, "finish_reason": finish_reason,
-                "stop_reason": stop_reason}
+        return {
+            "index": choice,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
 
     def _envelope(self, choices: list[dict]) -> dict:
-        return {"id": self._gen.request_id, "object": "text_completion", "created": self._created,
-                "model": self._model, "choices": choices}
+        return {
+            "id": self._gen.request_id,
+            "object": "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
 
     def chunk_events(self, index: int, chunk: OutputChunk) -> list[dict]:
         events = []
         for d in chunk.samples:
-            choice = self._choice(index, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason,
-                                  d.stop_reason)
+            choice = self._choice(
+                index, d.index, d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason
+            )
             if chunk.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(chunk.prompt_logprobs)
             event = self._envelope([choice])
@@ -77,8 +89,9 @@ class CompletionFormat:
         for p, result in enumerate(results):
             for i in sorted(result.samples):
                 s = result.samples[i]
-                choice = self._choice(p, i, "".join(s.text), s.token_ids, s.logprobs, s.finish_reason,
-                                      s.stop_reason)
+                choice = self._choice(
+                    p, i, "".join(s.text), s.token_ids, s.logprobs, s.finish_reason, s.stop_reason
+                )
                 if result.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(result.prompt_logprobs)
                 choices.append(choice)
@@ -99,11 +112,25 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise bad_request("echo together with logprobs is not supported", "echo")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
-    prompts = await run_in_threadpool(completion_prompts, info.tokenizer, body.prompt,
-                                      functools.partial(check_prompt_length, info=info))
+    prompts = await run_in_threadpool(
+        completion_prompts, info.tokenizer, body.prompt, functools.partial(check_prompt_length, info=info)
+    )
     for prompt in prompts:
         check_against_engine(prompt.token_ids, params, info, explicit_max_tokens=body.max_tokens is not None)
-    gen = Generation(state, ctx, "text_completion", f"cmpl-{uuid.uuid4().hex}", prompts, params,
-                     body.priority or 0, body.user)
-    return await respond(request, state, gen, CompletionFormat(gen, state.model_name, body, info.tokenizer),
-                         stream=bool(body.stream))
+    gen = Generation(
+        state,
+        ctx,
+        "text_completion",
+        f"cmpl-{uuid.uuid4().hex}",
+        prompts,
+        params,
+        body.priority or 0,
+        body.user,
+    )
+    return await respond(
+        request,
+        state,
+        gen,
+        CompletionFormat(gen, state.model_name, body, info.tokenizer),
+        stream=bool(body.stream),
+    )

@@ -36,8 +36,10 @@ def parse_warmup_buckets(text: str) -> tuple[WarmupBucket, ...]:
     for item in text.split(","):
         batch, sep, length = item.strip().lower().partition("x")
         if not sep or not batch.isdigit() or not length.isdigit() or int(batch) < 1 or int(length) < 1:
-            raise ServerConfigError(f"--warmup-buckets: {item.strip()!r} is not BATCHxTOKENS with both >= 1 "
-                                    "(example: 1x16,8x64; 'none' skips the warm-up passes)")
+            raise ServerConfigError(
+                f"--warmup-buckets: {item.strip()!r} is not BATCHxTOKENS with both >= 1 "
+                "(example: 1x16,8x64; 'none' skips the warm-up passes)"
+            )
         buckets.append(WarmupBucket(int(batch), int(length)))
     return tuple(buckets)
 
@@ -109,44 +111,75 @@ class ServerConfig:
             return value is None or math.isfinite(value)
 
         need(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
-        need(all(isinstance(k, str) and k and k == k.strip() for k in self.api_keys),
-             "--api-key must be a non-empty key without surrounding whitespace")
-        need({k for k, _ in self.api_key_tenants} <= set(self.api_keys),
-             "every --api-key KEY:TENANT binding must name an accepted key")
-        need(self.router_token is None or len(self.router_token) >= 16,
-             "--router-token must be at least 16 characters (the operator provisions 64)")
+        need(
+            all(isinstance(k, str) and k and k == k.strip() for k in self.api_keys),
+            "--api-key must be a non-empty key without surrounding whitespace",
+        )
+        need(
+            {k for k, _ in self.api_key_tenants} <= set(self.api_keys),
+            "every --api-key KEY:TENANT binding must name an accepted key",
+        )
+        need(
+            self.router_token is None or len(self.router_token) >= 16,
+            "--router-token must be at least 16 characters (the operator provisions 64)",
+        )
         need(self.max_queue_len >= 1, f"--max-queue-len must be >= 1, got {self.max_queue_len}")
-        need(finite(self.queue_timeout_s) and self.queue_timeout_s >= 0,
-             f"--queue-timeout must be >= 0 seconds (0 = no limit), got {self.queue_timeout_s}")
+        need(
+            finite(self.queue_timeout_s) and self.queue_timeout_s >= 0,
+            f"--queue-timeout must be >= 0 seconds (0 = no limit), got {self.queue_timeout_s}",
+        )
         need(self.max_body_bytes >= 1024, f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        need(finite(self.body_read_timeout_s) and self.body_read_timeout_s > 0,
-             f"--body-read-timeout must be > 0 seconds, got {self.body_read_timeout_s}")
+        need(
+            finite(self.body_read_timeout_s) and self.body_read_timeout_s > 0,
+            f"--body-read-timeout must be > 0 seconds, got {self.body_read_timeout_s}",
+        )
         for flag, value in (("--slo-ttft", self.slo_ttft_s), ("--slo-tpot", self.slo_tpot_s)):
             need(value is None or (finite(value) and value > 0), f"{flag} must be > 0 seconds, got {value}")
-        need(finite(self.tenant_rate_limit) and self.tenant_rate_limit >= 0,
-             f"--tenant-rate-limit must be >= 0 requests/s (0 = off), got {self.tenant_rate_limit}")
-        need(self.tenant_burst is None or (finite(self.tenant_burst) and self.tenant_burst >= 1),
-             f"--tenant-burst must be >= 1 request, got {self.tenant_burst}")
-        need(self.max_tracked_tenants >= 1,
-             f"max_tracked_tenants must be >= 1, got {self.max_tracked_tenants}")
-        need(finite(self.timeout_keep_alive_s) and self.timeout_keep_alive_s > 0,
-             f"--timeout-keep-alive must be > 0 seconds, got {self.timeout_keep_alive_s}")
-        need(finite(self.drain_grace_s) and self.drain_grace_s >= 0,
-             f"--drain-grace-seconds must be >= 0, got {self.drain_grace_s}")
-        need(self.stream_buffer_chunks >= 2,
-             f"--stream-buffer-chunks must be >= 2, got {self.stream_buffer_chunks}")
-        need(finite(self.backpressure_timeout_s) and self.backpressure_timeout_s >= 0,
-             f"--backpressure-timeout must be >= 0 seconds (0 = no limit), got {self.backpressure_timeout_s}")
+        need(
+            finite(self.tenant_rate_limit) and self.tenant_rate_limit >= 0,
+            f"--tenant-rate-limit must be >= 0 requests/s (0 = off), got {self.tenant_rate_limit}",
+        )
+        need(
+            self.tenant_burst is None or (finite(self.tenant_burst) and self.tenant_burst >= 1),
+            f"--tenant-burst must be >= 1 request, got {self.tenant_burst}",
+        )
+        need(
+            self.max_tracked_tenants >= 1, f"max_tracked_tenants must be >= 1, got {self.max_tracked_tenants}"
+        )
+        need(
+            finite(self.timeout_keep_alive_s) and self.timeout_keep_alive_s > 0,
+            f"--timeout-keep-alive must be > 0 seconds, got {self.timeout_keep_alive_s}",
+        )
+        need(
+            finite(self.drain_grace_s) and self.drain_grace_s >= 0,
+            f"--drain-grace-seconds must be >= 0, got {self.drain_grace_s}",
+        )
+        need(
+            self.stream_buffer_chunks >= 2,
+            f"--stream-buffer-chunks must be >= 2, got {self.stream_buffer_chunks}",
+        )
+        need(
+            finite(self.backpressure_timeout_s) and self.backpressure_timeout_s >= 0,
+            f"--backpressure-timeout must be >= 0 seconds (0 = no limit), got {self.backpressure_timeout_s}",
+        )
         need(self.retry_after_s >= 0, f"--retry-after must be >= 0 seconds, got {self.retry_after_s}")
-        need(finite(self.loop_stall_timeout_s) and self.loop_stall_timeout_s > 0,
-             f"--loop-stall-timeout must be > 0 seconds, got {self.loop_stall_timeout_s}")
-        need(self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
-             f"--log-level must be a uvicorn level, got {self.log_level!r}")
+        need(
+            finite(self.loop_stall_timeout_s) and self.loop_stall_timeout_s > 0,
+            f"--loop-stall-timeout must be > 0 seconds, got {self.loop_stall_timeout_s}",
+        )
+        need(
+            self.log_level in ("critical", "error", "warning", "info", "debug", "trace"),
+            f"--log-level must be a uvicorn level, got {self.log_level!r}",
+        )
 
     @functools.cached_property
     def tenant_policy(self) -> TenantPolicy:
-        return TenantPolicy(authenticated=bool(self.api_keys), trust_header=self.trust_tenant_header,
-                            router_token=self.router_token, key_tenants=dict(self.api_key_tenants))
+        return TenantPolicy(
+            authenticated=bool(self.api_keys),
+            trust_header=self.trust_tenant_header,
+            router_token=self.router_token,
+            key_tenants=dict(self.api_key_tenants),
+        )
 
     @property
     def effective_tenant_burst(self) -> float:

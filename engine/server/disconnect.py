@@ -57,8 +57,9 @@ class SSEResponse(StreamingResponse):
     media_type = "text/event-stream"
 
     def __init__(self, content, headers: dict[str, str] | None = None) -> None:
-        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                           **(headers or {})})
+        super().__init__(
+            content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as group:

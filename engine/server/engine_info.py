@@ -34,13 +34,21 @@ class EngineInfo:
     @classmethod
     def from_engine(cls, engine) -> EngineInfo:
         sc = engine.config.scheduler
-        return cls(served_model_name=engine.served_model_name, tokenizer=engine.tokenizer,
-                   vocab_size=engine.arch.vocab_size, max_model_len=engine.max_model_len,
-                   max_num_seqs=sc.max_num_seqs, max_num_batched_tokens=sc.max_num_batched_tokens,
-                   enable_chunked_prefill=sc.enable_chunked_prefill, max_logprobs=engine.config.max_logprobs,
-                   block_size=engine.kv.block_size, kv_blocks_total=engine.pool.num_usable,
-                   root_hex=engine.kv.root_hash.hex(), kv_events=engine.kv_events,
-                   max_chars_per_token=max_chars_per_token(engine.tokenizer))
+        return cls(
+            served_model_name=engine.served_model_name,
+            tokenizer=engine.tokenizer,
+            vocab_size=engine.arch.vocab_size,
+            max_model_len=engine.max_model_len,
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+            max_logprobs=engine.config.max_logprobs,
+            block_size=engine.kv.block_size,
+            kv_blocks_total=engine.pool.num_usable,
+            root_hex=engine.kv.root_hash.hex(),
+            kv_events=engine.kv_events,
+            max_chars_per_token=max_chars_per_token(engine.tokenizer),
+        )
 
 
 def served_model_name(config: EngineConfig) -> str:
@@ -51,10 +59,27 @@ def served_model_name(config: EngineConfig) -> str:
 def placeholder_load(config: EngineConfig) -> dict:
     """``/load`` before the engine exists: nothing queued, no blocks, measured rates 0 (contract fields)."""
     sc = config.scheduler
-    return {"model": served_model_name(config), "epoch": "", "waiting": 0, "running": 0, "swapped": 0,
-            "queued_prefill_tokens": 0, "running_decode_tokens": 0, "kv_blocks_total": 0, "kv_blocks_free": 0,
-            "kv_blocks_cached": 0, "kv_blocks_reserved": 0, "kv_usage": 0.0,
-            "block_size": config.cache.block_size, "max_model_len": 0, "kv_cache_bytes": 0, "kv_cache_sizing": "",
-            "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
-            "prefill_tokens_per_second": 0.0, "decode_step_seconds": 0.0, "pending_admission": 0,
-            "backpressured": 0}
+    return {
+        "model": served_model_name(config),
+        "epoch": "",
+        "waiting": 0,
+        "running": 0,
+        "swapped": 0,
+        "queued_prefill_tokens": 0,
+        "running_decode_tokens": 0,
+        "kv_blocks_total": 0,
+        "kv_blocks_free": 0,
+        "kv_blocks_cached": 0,
+        "kv_blocks_reserved": 0,
+        "kv_usage": 0.0,
+        "block_size": config.cache.block_size,
+        "max_model_len": 0,
+        "kv_cache_bytes": 0,
+        "kv_cache_sizing": "",
+        "max_num_seqs": sc.max_num_seqs,
+        "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "prefill_tokens_per_second": 0.0,
+        "decode_step_seconds": 0.0,
+        "pending_admission": 0,
+        "backpressured": 0,
+    }

@@ -69,9 +69,15 @@ class _Stop:
 
 
 class EngineLoop:
-    def __init__(self, engine_factory: Callable[[], object], config: ServerConfig, lifecycle: Lifecycle,
-                 metrics: ServerMetrics, initial_load: dict,
-                 on_fatal: Callable[[str], None] = lambda reason: None) -> None:
+    def __init__(
+        self,
+        engine_factory: Callable[[], object],
+        config: ServerConfig,
+        lifecycle: Lifecycle,
+        metrics: ServerMetrics,
+        initial_load: dict,
+        on_fatal: Callable[[str], None] = lambda reason: None,
+    ) -> None:
         self._engine_factory = engine_factory
         self._config = config
         self._lifecycle = lifecycle
@@ -115,8 +121,11 @@ class EngineLoop:
             self._thread.join(timeout_s)
 
     def healthy(self, now: float) -> bool:
-        return (self._thread.is_alive() and not self._failed
-                and now - self.heartbeat < self._config.loop_stall_timeout_s)
+        return (
+            self._thread.is_alive()
+            and not self._failed
+            and now - self.heartbeat < self._config.loop_stall_timeout_s
+        )
 
     # ---- the thread ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -124,11 +133,20 @@ class EngineLoop:
             engine = self._engine_factory()
             self.info = EngineInfo.from_engine(engine)
             sc = engine.config.scheduler
-            buckets = effective_buckets(self._config.warmup_buckets, engine.max_model_len, sc.max_num_seqs,
-                                        sc.max_num_batched_tokens, sc.enable_chunked_prefill)
+            buckets = effective_buckets(
+                self._config.warmup_buckets,
+                engine.max_model_len,
+                sc.max_num_seqs,
+                sc.max_num_batched_tokens,
+                sc.enable_chunked_prefill,
+            )
             self._lifecycle.enter(Phase.WARMING_UP, total=len(buckets))
-            run_warmup(engine, buckets, self._on_warmup_bucket,
-                       lambda seconds: self._lifecycle.record("kernel_tuning", seconds))
+            run_warmup(
+                engine,
+                buckets,
+                self._on_warmup_bucket,
+                lambda seconds: self._lifecycle.record("kernel_tuning", seconds),
+            )
         except Exception as err:  # a model that cannot load: say why, and stop the server
             log.exception("engine failed to start")
             self._fail(f"engine failed to start: {type(err).__name__}: {err}")
@@ -142,14 +160,18 @@ class EngineLoop:
             self._serve()
         except Exception as err:
             log.exception("engine loop failed")
-            self._fail_requests(APIError(500, f"engine failure: {type(err).__name__}", code="engine_failure"),
-                                "error", reclaim=RequestStatus.FAILED)
+            self._fail_requests(
+                APIError(500, f"engine failure: {type(err).__name__}", code="engine_failure"),
+                "error",
+                reclaim=RequestStatus.FAILED,
+            )
             self._fail(f"engine loop failed: {type(err).__name__}: {err}")
 
     def _on_warmup_bucket(self, index: int, bucket) -> None:
         self.heartbeat = time.monotonic()
-        self._lifecycle.advance(index, f"warm-up pass {index + 1}: batch {bucket.batch_size} x "
-                                       f"{bucket.prompt_len} prompt tokens")
+        self._lifecycle.advance(
+            index, f"warm-up pass {index + 1}: batch {bucket.batch_size} x {bucket.prompt_len} prompt tokens"
+        )
 
     def _fail(self, reason: str) -> None:
         self._failed = True
@@ -164,8 +186,9 @@ class EngineLoop:
             else:
                 wait = 0.0 if busy else IDLE_WAIT_S
             if not self._handle_commands(wait):  # the server is stopping: cancel what is left
-                self._fail_requests(draining_error(self._config.retry_after_s), "abort",
-                                    reclaim=RequestStatus.CANCELLED)
+                self._fail_requests(
+                    draining_error(self._config.retry_after_s), "abort", reclaim=RequestStatus.CANCELLED
+                )
                 return
             now = time.monotonic()
             self._admission.expire(now)
@@ -204,12 +227,19 @@ class EngineLoop:
         timeout = self._config.backpressure_timeout_s
         if timeout <= 0:
             return
-        for req in [r for r in self._active.values()
-                    if r.paused_since is not None and now - r.paused_since > timeout]:
+        for req in [
+            r for r in self._active.values() if r.paused_since is not None and now - r.paused_since > timeout
+        ]:
             self._engine.abort_request(req.request_id, RequestStatus.CANCELLED)
             del self._active[req.request_id]
-            req.fail(APIError(503, f"the client did not read its stream for {timeout:g} s; request cancelled",
-                              code="client_too_slow"), "abort")
+            req.fail(
+                APIError(
+                    503,
+                    f"the client did not read its stream for {timeout:g} s; request cancelled",
+                    code="client_too_slow",
+                ),
+                "abort",
+            )
 
     def _handle_commands(self, wait_s: float) -> bool:
         """Run every queued command (waiting up to ``wait_s`` for the first); False on stop."""
@@ -246,8 +276,13 @@ class EngineLoop:
         elif isinstance(cmd, _Snapshot):
             if not cmd.future.set_running_or_notify_cancel():
                 return
-            cmd.future.set_result({"epoch": engine.kv_events.epoch, "seq": engine.kv_events.seq,
-                                   "block_hashes": [h.hex() for h in engine.pool.cached_hashes()]})
+            cmd.future.set_result(
+                {
+                    "epoch": engine.kv_events.epoch,
+                    "seq": engine.kv_events.seq,
+                    "block_hashes": [h.hex() for h in engine.pool.cached_hashes()],
+                }
+            )
         elif isinstance(cmd, _Drain):
             self._draining = True
             self._admission.drain()

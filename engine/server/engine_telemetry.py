@@ -17,15 +17,25 @@ class EngineTelemetry:
     def __init__(self, engine, metrics: ServerMetrics) -> None:
         self._engine = engine
         self._metrics = metrics
-        self._counters = (metrics.prompt_tokens, metrics.generation_tokens, metrics.prefix_queries,
-                          metrics.prefix_hits, metrics.preemptions)
+        self._counters = (
+            metrics.prompt_tokens,
+            metrics.generation_tokens,
+            metrics.prefix_queries,
+            metrics.prefix_hits,
+            metrics.preemptions,
+        )
         self._last = self._counts()
         engine.terminal_records.clear()
 
     def _counts(self) -> tuple[int, ...]:
         s = self._engine.stats
-        return (s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
-                s.preemptions)
+        return (
+            s.prompt_tokens,
+            s.generation_tokens,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.preemptions,
+        )
 
     def after_step(self, active: dict[str, ServingRequest]) -> None:
         counts = self._counts()

@@ -16,9 +16,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-          500: "server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 
 _HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
@@ -26,8 +33,15 @@ _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
-                 retry_after: int | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        retry_after: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -36,8 +50,14 @@ class APIError(Exception):
         self.retry_after = retry_after
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def headers(self) -> dict[str, str]:
         return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
@@ -59,12 +79,16 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     # drop "body" and the union-member tags pydantic puts in the path ("str", "list[int]", ...)
-    loc = [str(p) for p in first.get("loc", ())
-           if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)]
+    loc = [
+        str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)
+    ]
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return (f"{param}: {first.get('msg', 'invalid value')}{more}" if param else
-            f"{first.get('msg', 'invalid request body')}{more}"), param
+    return (
+        f"{param}: {first.get('msg', 'invalid value')}{more}"
+        if param
+        else f"{first.get('msg', 'invalid request body')}{more}"
+    ), param
 
 
 def install_error_handlers(app: FastAPI, count_rejection: Callable[[str], None]) -> None:

@@ -52,8 +52,17 @@ class PromptResult:
 
 
 class Generation:
-    def __init__(self, state: ServerState, ctx: RequestContext, kind: str, request_id: str,
-                 prompts: list[PromptInput], params: SamplingParams, priority: int, user: str | None) -> None:
+    def __init__(
+        self,
+        state: ServerState,
+        ctx: RequestContext,
+        kind: str,
+        request_id: str,
+        prompts: list[PromptInput],
+        params: SamplingParams,
+        priority: int,
+        user: str | None,
+    ) -> None:
         self._state = state
         self.request_id = request_id
         self.prompts = prompts
@@ -63,16 +72,29 @@ class Generation:
         self.timelines: list[RequestTimeline] = []
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            stream = RequestStream(loop, cfg.stream_buffer_chunks, cfg.stream_resume_depth,
-                                   partial(state.loop.resume, rid))
-            span = RequestSpan(state.tracer, f"{kind} {state.model_name}", ctx.arrival_ns, {
-                "gen_ai.operation.name": kind, "gen_ai.request.model": state.model_name,
-                "gen_ai.response.id": rid, "gen_ai.request.max_tokens": params.max_tokens or 0,
-                "gen_ai.request.temperature": params.temperature, "gen_ai.request.top_p": params.top_p,
-                "gen_ai.usage.input_tokens": len(prompt.token_ids), "enduser.id": (user or "") if cfg.trace_user else "",
-                "kvpilot.tenant": ctx.tenant or ""}, ctx.headers)
-            self.requests.append(ServingRequest(rid, prompt.token_ids, params, ctx.tenant, priority,
-                                                ctx.arrival, stream, span))
+            stream = RequestStream(
+                loop, cfg.stream_buffer_chunks, cfg.stream_resume_depth, partial(state.loop.resume, rid)
+            )
+            span = RequestSpan(
+                state.tracer,
+                f"{kind} {state.model_name}",
+                ctx.arrival_ns,
+                {
+                    "gen_ai.operation.name": kind,
+                    "gen_ai.request.model": state.model_name,
+                    "gen_ai.response.id": rid,
+                    "gen_ai.request.max_tokens": params.max_tokens or 0,
+                    "gen_ai.request.temperature": params.temperature,
+                    "gen_ai.request.top_p": params.top_p,
+                    "gen_ai.usage.input_tokens": len(prompt.token_ids),
+                    "enduser.id": (user or "") if cfg.trace_user else "",
+                    "kvpilot.tenant": ctx.tenant or "",
+                },
+                ctx.headers,
+            )
+            self.requests.append(
+                ServingRequest(rid, prompt.token_ids, params, ctx.tenant, priority, ctx.arrival, stream, span)
+            )
             self.timelines.append(RequestTimeline(ctx.arrival))
         self._open = set(range(len(prompts)))
         self._reasons: list[str | None] = [None] * len(prompts)
@@ -157,10 +179,15 @@ class Generation:
             if slo_attained(lat, reason, cfg.slo_ttft_s, cfg.slo_tpot_s):
                 m.slo_attained.inc()
                 m.slo_attained_tokens.inc(lat.num_output_tokens)
-        req.span.set_attributes({"gen_ai.usage.output_tokens": lat.num_output_tokens,
-                                 "gen_ai.response.finish_reasons": (reason or "rejected",),
-                                 "kvpilot.e2e_s": lat.e2e, "kvpilot.ttft_s": lat.ttft,
-                                 "kvpilot.cached_tokens": self.cached_tokens[index]})
+        req.span.set_attributes(
+            {
+                "gen_ai.usage.output_tokens": lat.num_output_tokens,
+                "gen_ai.response.finish_reasons": (reason or "rejected",),
+                "kvpilot.e2e_s": lat.e2e,
+                "kvpilot.ttft_s": lat.ttft,
+                "kvpilot.cached_tokens": self.cached_tokens[index],
+            }
+        )
         req.span.event("finished", {"finish_reason": reason or "rejected"})
         if error is None and reason not in COMPLETED:
             error = f"finished: {reason}"

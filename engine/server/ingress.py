@@ -56,8 +56,9 @@ class IngressGate:
         if not inference:
             await self.app(scope, receive, send)
             return
-        scope[SCOPE_KEY] = RequestContext(arrival, arrival_ns, tenant,
-                                          {h: headers[h] for h in _TRACE_HEADERS if h in headers})
+        scope[SCOPE_KEY] = RequestContext(
+            arrival, arrival_ns, tenant, {h: headers[h] for h in _TRACE_HEADERS if h in headers}
+        )
         self.state.inflight += 1
         try:
             await self.app(scope, _replay(body, receive), send)
@@ -70,8 +71,9 @@ class IngressGate:
             return
         given = api_key_from_headers(headers) or ""
         if not any(hmac.compare_digest(given.encode(), key.encode()) for key in keys):
-            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+            raise APIError(
+                401, "missing or invalid API key (send 'Authorization: Bearer <key>')", code="invalid_api_key"
+            )
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         timeout = self.state.config.body_read_timeout_s
@@ -79,8 +81,9 @@ class IngressGate:
             async with asyncio.timeout(timeout):
                 return await self._read_body_unbounded(headers, receive)
         except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s",
-                           code="request_timeout") from None
+            raise APIError(
+                408, f"the request body did not arrive within {timeout:g} s", code="request_timeout"
+            ) from None
 
     async def _read_body_unbounded(self, headers: dict[str, str], receive: Receive) -> bytes:
         limit = self.state.config.max_body_bytes
@@ -111,9 +114,13 @@ class IngressGate:
         if limiter is not None:
             wait = limiter.acquire(tenant)
             if wait > 0:
-                raise APIError(429, f"tenant over its rate limit ({limiter.rate:g} requests/s, burst "
-                               f"{limiter.burst:g}); retry in {wait:.2f} s", code="rate_limited",
-                               retry_after=limiter.retry_after(wait))
+                raise APIError(
+                    429,
+                    f"tenant over its rate limit ({limiter.rate:g} requests/s, burst "
+                    f"{limiter.burst:g}); retry in {wait:.2f} s",
+                    code="rate_limited",
+                    retry_after=limiter.retry_after(wait),
+                )
         return tenant
 
 

@@ -26,8 +26,12 @@ def _engine_info(request: Request):
     state = server_state(request)
     phase = state.lifecycle.phase
     if state.loop.info is None or phase not in (Phase.WARMING_UP, Phase.READY, Phase.DRAINING):
-        raise APIError(503, f"the engine is not running (phase {phase.value})", code="not_ready",
-                       retry_after=state.config.retry_after_s)
+        raise APIError(
+            503,
+            f"the engine is not running (phase {phase.value})",
+            code="not_ready",
+            retry_after=state.config.retry_after_s,
+        )
     return state, state.loop.info
 
 
@@ -35,21 +39,40 @@ def _engine_info(request: Request):
 async def kv_events(request: Request, since: int = Query(0, ge=0, description="last seq the reader has")):
     _, info = _engine_info(request)
     batch = info.kv_events.since(since)
-    return JSONResponse({"epoch": batch.epoch, "seq": batch.seq, "gap": batch.gap,
-                         "block_size": info.block_size, "root": info.root_hex,
-                         "events": [e.to_json() for e in batch.events]})
+    return JSONResponse(
+        {
+            "epoch": batch.epoch,
+            "seq": batch.seq,
+            "gap": batch.gap,
+            "block_size": info.block_size,
+            "root": info.root_hex,
+            "events": [e.to_json() for e in batch.events],
+        }
+    )
 
 
 @router.get("/kv/snapshot")
 async def kv_snapshot(request: Request):
     state, info = _engine_info(request)
     if state.lifecycle.phase is Phase.WARMING_UP:  # the loop is busy warming up, not taking commands
-        raise APIError(503, "the engine is warming up", code="not_ready",
-                       retry_after=state.config.retry_after_s)
+        raise APIError(
+            503, "the engine is warming up", code="not_ready", retry_after=state.config.retry_after_s
+        )
     try:
         snap = await asyncio.wait_for(asyncio.wrap_future(state.loop.kv_snapshot()), SNAPSHOT_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise APIError(503, "the engine loop did not answer in time", code="engine_busy",
-                       retry_after=state.config.retry_after_s) from None
-    return JSONResponse({"epoch": snap["epoch"], "seq": snap["seq"], "block_size": info.block_size,
-                         "root": info.root_hex, "block_hashes": snap["block_hashes"]})
+        raise APIError(
+            503,
+            "the engine loop did not answer in time",
+            code="engine_busy",
+            retry_after=state.config.retry_after_s,
+        ) from None
+    return JSONResponse(
+        {
+            "epoch": snap["epoch"],
+            "seq": snap["seq"],
+            "block_size": info.block_size,
+            "root": info.root_hex,
+            "block_hashes": snap["block_hashes"],
+        }
+    )

@@ -43,14 +43,21 @@ class PhaseSnapshot:
 
     def to_json(self) -> dict:
         fraction = 1.0 if self.phase is Phase.READY else (self.done / self.total if self.total else 0.0)
-        return {"phase": self.phase.value, "ready": self.ready,
-                "progress": {"done": self.done, "total": self.total, "fraction": round(fraction, 4)},
-                "detail": self.detail, "startup_seconds": dict(self.startup_seconds)}
+        return {
+            "phase": self.phase.value,
+            "ready": self.ready,
+            "progress": {"done": self.done, "total": self.total, "fraction": round(fraction, 4)},
+            "detail": self.detail,
+            "startup_seconds": dict(self.startup_seconds),
+        }
 
 
 class Lifecycle:
-    def __init__(self, on_phase_timed: Callable[[str, float], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        on_phase_timed: Callable[[str, float], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
         self._on_phase_timed = on_phase_timed

@@ -21,8 +21,9 @@ def _text(lp: Logprob | None) -> str:
     return lp.decoded_token or "" if lp is not None else ""
 
 
-def completion_logprobs(token_ids: tuple[int, ...] | list[int], entries,
-                        text_offset: int) -> tuple[dict, int]:
+def completion_logprobs(
+    token_ids: tuple[int, ...] | list[int], entries, text_offset: int
+) -> tuple[dict, int]:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for these tokens, and the offset after
     them. ``top_logprobs`` lists the top-N and the sampled token (up to N + 1 entries, as OpenAI does)."""
     out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -58,6 +59,12 @@ def chat_logprobs(token_ids: tuple[int, ...] | list[int], entries, top_n: int) -
 
 def prompt_logprobs_json(entries: list[dict[int, Logprob] | None]) -> list[dict | None]:
     """vLLM's ``prompt_logprobs``: per prompt token ``{token id: {"logprob", "rank", "decoded_token"}}``."""
-    return [None if entry is None else
-            {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for t, lp in _ranked(entry)} for entry in entries]
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in _ranked(entry)
+        }
+        for entry in entries
+    ]

@@ -17,12 +17,80 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Buckets: vLLM's, extended downwards (a small model on CPU decodes in a few ms per token).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_TIME_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                        50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_TIME_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 STARTUP_PHASES = ("loading", "warming_up", "kernel_tuning")
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
@@ -35,8 +103,13 @@ def with_objective(buckets: tuple[float, ...], objective: float | None) -> tuple
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.model_name = m = model_name
         name = ["model_name"]
@@ -51,51 +124,121 @@ class ServerMetrics:
             return family.labels(m)
 
         # engine work (engine thread)
-        self.prompt_tokens = one(counter("kvpilot_prompt_tokens_total",
-                                         "Prompt tokens computed (prefix-cache hits excluded)."))
+        self.prompt_tokens = one(
+            counter("kvpilot_prompt_tokens_total", "Prompt tokens computed (prefix-cache hits excluded).")
+        )
         self.generation_tokens = one(counter("kvpilot_generation_tokens_total", "Output tokens generated."))
-        self.prefix_queries = one(counter("kvpilot_prefix_cache_queries_total",
-                                          "Prompt tokens looked up in the prefix cache at first scheduling."))
-        self.prefix_hits = one(counter("kvpilot_prefix_cache_hits_total",
-                                       "Prompt tokens served from the prefix cache."))
-        self.preemptions = one(counter("kvpilot_num_preemptions_total",
-                                       "Requests preempted to free KV blocks."))
-        self.queue_time = one(histogram("kvpilot_request_queue_time_seconds",
-                                        "Arrival at the server to first scheduling.", REQUEST_TIME_BUCKETS))
-        self.prefill_time = one(histogram("kvpilot_request_prefill_time_seconds",
-                                          "First scheduling to the first generated token.",
-                                          REQUEST_TIME_BUCKETS))
-        self.decode_time = one(histogram("kvpilot_request_decode_time_seconds",
-                                         "First generated token to the end.", REQUEST_TIME_BUCKETS))
+        self.prefix_queries = one(
+            counter(
+                "kvpilot_prefix_cache_queries_total",
+                "Prompt tokens looked up in the prefix cache at first scheduling.",
+            )
+        )
+        self.prefix_hits = one(
+            counter("kvpilot_prefix_cache_hits_total", "Prompt tokens served from the prefix cache.")
+        )
+        self.preemptions = one(
+            counter("kvpilot_num_preemptions_total", "Requests preempted to free KV blocks.")
+        )
+        self.queue_time = one(
+            histogram(
+                "kvpilot_request_queue_time_seconds",
+                "Arrival at the server to first scheduling.",
+                REQUEST_TIME_BUCKETS,
+            )
+        )
+        self.prefill_time = one(
+            histogram(
+                "kvpilot_request_prefill_time_seconds",
+                "First scheduling to the first generated token.",
+                REQUEST_TIME_BUCKETS,
+            )
+        )
+        self.decode_time = one(
+            histogram(
+                "kvpilot_request_decode_time_seconds",
+                "First generated token to the end.",
+                REQUEST_TIME_BUCKETS,
+            )
+        )
         # per request, as the client sees it (HTTP handlers)
-        self.ttft = one(histogram("kvpilot_time_to_first_token_seconds", "TTFT: first emit minus arrival.",
-                                  with_objective(TTFT_BUCKETS, slo_ttft_s)))
-        self.itl = one(histogram("kvpilot_inter_token_latency_seconds",
-                                 "ITL: emit time of a token minus the previous one's.", TOKEN_GAP_BUCKETS))
-        self.tpot = one(histogram("kvpilot_time_per_output_token_seconds",
-                                  "TPOT: (last emit - first emit) / (N - 1).",
-                                  with_objective(TOKEN_GAP_BUCKETS, slo_tpot_s)))
-        self.e2e = one(histogram("kvpilot_e2e_request_latency_seconds", "Arrival to the end of the response.",
-                                 REQUEST_TIME_BUCKETS))
-        self.prompt_len = one(histogram("kvpilot_request_prompt_tokens",
-                                        "Prompt length of completed requests.", TOKEN_COUNT_BUCKETS))
-        self.output_len = one(histogram("kvpilot_request_generation_tokens",
-                                        "Output tokens of completed requests.", TOKEN_COUNT_BUCKETS))
-        self._finished = counter("kvpilot_requests_finished_total",
-                                 "Accepted requests that ended, by finish reason.", ("finished_reason",))
-        self.slo_attained = one(counter("kvpilot_slo_attained_requests_total",
-                                        "Finished requests that completed and met every configured SLO."))
-        self.slo_attained_tokens = one(counter("kvpilot_slo_attained_generation_tokens_total",
-                                               "Output tokens of the requests counted as SLO-attained."))
-        self._rejected = counter("kvpilot_requests_rejected_total", "Error responses, by error code.",
-                                 ("reason",))
-        self.degraded = one(counter("kvpilot_requests_degraded_total",
-                                    "Requests admitted with best_of shrunk to n to fit the KV headroom."))
-        self.backpressure_pauses = one(counter("kvpilot_backpressure_pauses_total",
-                                               "Times a request was paused: its client was not reading."))
-        self._startup = histogram("kvpilot_startup_phase_seconds",
-                                  "Duration of a startup phase (loading, warming_up, kernel_tuning).",
-                                  STARTUP_BUCKETS, ("phase",))
+        self.ttft = one(
+            histogram(
+                "kvpilot_time_to_first_token_seconds",
+                "TTFT: first emit minus arrival.",
+                with_objective(TTFT_BUCKETS, slo_ttft_s),
+            )
+        )
+        self.itl = one(
+            histogram(
+                "kvpilot_inter_token_latency_seconds",
+                "ITL: emit time of a token minus the previous one's.",
+                TOKEN_GAP_BUCKETS,
+            )
+        )
+        self.tpot = one(
+            histogram(
+                "kvpilot_time_per_output_token_seconds",
+                "TPOT: (last emit - first emit) / (N - 1).",
+                with_objective(TOKEN_GAP_BUCKETS, slo_tpot_s),
+            )
+        )
+        self.e2e = one(
+            histogram(
+                "kvpilot_e2e_request_latency_seconds",
+                "Arrival to the end of the response.",
+                REQUEST_TIME_BUCKETS,
+            )
+        )
+        self.prompt_len = one(
+            histogram(
+                "kvpilot_request_prompt_tokens", "Prompt length of completed requests.", TOKEN_COUNT_BUCKETS
+            )
+        )
+        self.output_len = one(
+            histogram(
+                "kvpilot_request_generation_tokens",
+                "Output tokens of completed requests.",
+                TOKEN_COUNT_BUCKETS,
+            )
+        )
+        self._finished = counter(
+            "kvpilot_requests_finished_total",
+            "Accepted requests that ended, by finish reason.",
+            ("finished_reason",),
+        )
+        self.slo_attained = one(
+            counter(
+                "kvpilot_slo_attained_requests_total",
+                "Finished requests that completed and met every configured SLO.",
+            )
+        )
+        self.slo_attained_tokens = one(
+            counter(
+                "kvpilot_slo_attained_generation_tokens_total",
+                "Output tokens of the requests counted as SLO-attained.",
+            )
+        )
+        self._rejected = counter(
+            "kvpilot_requests_rejected_total", "Error responses, by error code.", ("reason",)
+        )
+        self.degraded = one(
+            counter(
+                "kvpilot_requests_degraded_total",
+                "Requests admitted with best_of shrunk to n to fit the KV headroom.",
+            )
+        )
+        self.backpressure_pauses = one(
+            counter(
+                "kvpilot_backpressure_pauses_total", "Times a request was paused: its client was not reading."
+            )
+        )
+        self._startup = histogram(
+            "kvpilot_startup_phase_seconds",
+            "Duration of a startup phase (loading, warming_up, kernel_tuning).",
+            STARTUP_BUCKETS,
+            ("phase",),
+        )
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         # Series that exist from the first scrape at 0, so rate()/increase() see them start, not appear at 1
         # (/metrics is served while the model still loads).
@@ -134,38 +277,72 @@ class _LoadGauges(Collector):
             g.add_metric([m], value)
             return g
 
-        yield gauge("kvpilot_num_requests_running", "Requests holding KV blocks (incl. backpressured).",
-                    snap.get("running", 0))
-        yield gauge("kvpilot_num_requests_waiting",
-                    "Requests queued without KV blocks (incl. pending admission).", snap.get("waiting", 0))
-        yield gauge("kvpilot_num_requests_swapped", "Requests whose KV is swapped to host memory.",
-                    snap.get("swapped", 0))
-        yield gauge("kvpilot_num_requests_backpressured", "Running requests paused for a slow client.",
-                    snap.get("backpressured", 0))
-        yield gauge("kvpilot_kv_cache_usage_ratio", "1 - allocatable KV blocks / usable blocks.",
-                    snap.get("kv_usage", 0.0))
-        yield gauge("kvpilot_queued_prefill_tokens", "Prompt tokens still to compute.",
-                    snap.get("queued_prefill_tokens", 0))
-        blocks = GaugeMetricFamily("kvpilot_kv_cache_blocks",
-                                   "KV blocks by state (free includes cached-free).",
-                                   labels=["model_name", "state"])
+        yield gauge(
+            "kvpilot_num_requests_running",
+            "Requests holding KV blocks (incl. backpressured).",
+            snap.get("running", 0),
+        )
+        yield gauge(
+            "kvpilot_num_requests_waiting",
+            "Requests queued without KV blocks (incl. pending admission).",
+            snap.get("waiting", 0),
+        )
+        yield gauge(
+            "kvpilot_num_requests_swapped",
+            "Requests whose KV is swapped to host memory.",
+            snap.get("swapped", 0),
+        )
+        yield gauge(
+            "kvpilot_num_requests_backpressured",
+            "Running requests paused for a slow client.",
+            snap.get("backpressured", 0),
+        )
+        yield gauge(
+            "kvpilot_kv_cache_usage_ratio",
+            "1 - allocatable KV blocks / usable blocks.",
+            snap.get("kv_usage", 0.0),
+        )
+        yield gauge(
+            "kvpilot_queued_prefill_tokens",
+            "Prompt tokens still to compute.",
+            snap.get("queued_prefill_tokens", 0),
+        )
+        blocks = GaugeMetricFamily(
+            "kvpilot_kv_cache_blocks",
+            "KV blocks by state (free includes cached-free).",
+            labels=["model_name", "state"],
+        )
         for state in ("total", "free", "cached", "reserved"):
             blocks.add_metric([m, state], snap.get(f"kv_blocks_{state}", 0))
         yield blocks
-        info = GaugeMetricFamily("kvpilot_cache_config_info", "KV cache configuration (value 1).",
-                                 labels=["model_name", "block_size", "num_gpu_blocks", "kv_cache_sizing"])
+        info = GaugeMetricFamily(
+            "kvpilot_cache_config_info",
+            "KV cache configuration (value 1).",
+            labels=["model_name", "block_size", "num_gpu_blocks", "kv_cache_sizing"],
+        )
         if snap.get("block_size"):
-            info.add_metric([m, str(snap["block_size"]), str(snap.get("kv_blocks_total", 0)),
-                             snap.get("kv_cache_sizing", "")], 1)
+            info.add_metric(
+                [
+                    m,
+                    str(snap["block_size"]),
+                    str(snap.get("kv_blocks_total", 0)),
+                    snap.get("kv_cache_sizing", ""),
+                ],
+                1,
+            )
         yield info
-        phase = GaugeMetricFamily("kvpilot_server_phase", "1 for the server's current phase.",
-                                  labels=["model_name", "phase"])
+        phase = GaugeMetricFamily(
+            "kvpilot_server_phase", "1 for the server's current phase.", labels=["model_name", "phase"]
+        )
         current = self._phase()
         for p in self._PHASES:
             phase.add_metric([m, p], 1.0 if p == current else 0.0)
         yield phase
-        objectives = GaugeMetricFamily("kvpilot_slo_objective_seconds", "Configured latency objectives.",
-                                       labels=["model_name", "objective"])
+        objectives = GaugeMetricFamily(
+            "kvpilot_slo_objective_seconds",
+            "Configured latency objectives.",
+            labels=["model_name", "objective"],
+        )
         for objective, value in (("ttft", self._metrics.slo_ttft_s), ("tpot", self._metrics.slo_tpot_s)):
             if value is not None:
                 objectives.add_metric([m, objective], value)

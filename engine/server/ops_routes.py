@@ -27,8 +27,9 @@ async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     phase = state.lifecycle.phase
     alive = phase in (Phase.WARMING_UP, Phase.READY, Phase.DRAINING) and state.loop.healthy(time.monotonic())
-    return JSONResponse({"status": "ok" if alive else "unavailable", "phase": phase.value},
-                        status_code=200 if alive else 503)
+    return JSONResponse(
+        {"status": "ok" if alive else "unavailable", "phase": phase.value}, status_code=200 if alive else 503
+    )
 
 
 @router.get("/ready")
@@ -54,7 +55,12 @@ async def metrics(request: Request) -> Response:
 async def models(request: Request) -> JSONResponse:
     state = server_state(request)
     info = state.loop.info
-    card = {"id": state.model_name, "object": "model", "created": int(state.started_at),
-            "owned_by": "kvpilot", "root": state.engine_config.model.model,
-            "max_model_len": info.max_model_len if info else None}
+    card = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started_at),
+        "owned_by": "kvpilot",
+        "root": state.engine_config.model.model,
+        "max_model_len": info.max_model_len if info else None,
+    }
     return JSONResponse({"object": "list", "data": [card]})

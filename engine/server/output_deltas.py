@@ -66,12 +66,14 @@ class DeltaTracker:
             if finished:
                 self._done.add(c.index)
             logprobs = tuple(c.logprobs[tok_from:]) if c.logprobs is not None else None
-            samples.append(SampleDelta(c.index, new_text, tuple(new_tokens), logprobs,
-                                       c.finish_reason, c.stop_reason))
+            samples.append(
+                SampleDelta(c.index, new_text, tuple(new_tokens), logprobs, c.finish_reason, c.stop_reason)
+            )
         if not samples and not out.finished:
             return None
         prompt_logprobs = None
         if out.prompt_logprobs is not None and not self._prompt_logprobs_sent and (samples or out.finished):
             prompt_logprobs, self._prompt_logprobs_sent = out.prompt_logprobs, True
-        return OutputChunk(tuple(samples), out.finished, len(out.prompt_token_ids), out.num_cached_tokens,
-                           prompt_logprobs)
+        return OutputChunk(
+            tuple(samples), out.finished, len(out.prompt_token_ids), out.num_cached_tokens, prompt_logprobs
+        )

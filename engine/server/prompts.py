@@ -39,8 +39,9 @@ class PromptInput:
     token_ids: list[int]
 
 
-def completion_prompts(tokenizer: Tokenizer, prompt: str | list,
-                       check_length: CheckLength = _unchecked) -> list[PromptInput]:
+def completion_prompts(
+    tokenizer: Tokenizer, prompt: str | list, check_length: CheckLength = _unchecked
+) -> list[PromptInput]:
     if isinstance(prompt, str):
         prompt = [prompt]
     elif not prompt:
@@ -50,8 +51,9 @@ def completion_prompts(tokenizer: Tokenizer, prompt: str | list,
     for p in prompt:  # every text before any is encoded: one huge prompt of several costs nothing
         if isinstance(p, str):
             check_length(p)
-    return [PromptInput(p if isinstance(p, str) else None, completion_prompt_ids(tokenizer, p))
-            for p in prompt]
+    return [
+        PromptInput(p if isinstance(p, str) else None, completion_prompt_ids(tokenizer, p)) for p in prompt
+    ]
 
 
 def chat_template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
@@ -64,8 +66,9 @@ def chat_template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
     return kwargs
 
 
-def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest,
-                check_length: CheckLength = _unchecked) -> PromptInput:
+def chat_prompt(
+    tokenizer: Tokenizer, body: ChatCompletionRequest, check_length: CheckLength = _unchecked
+) -> PromptInput:
     kwargs = chat_template_kwargs(body)
     add_generation_prompt = True if body.add_generation_prompt is None else body.add_generation_prompt
     try:
@@ -75,6 +78,7 @@ def chat_prompt(tokenizer: Tokenizer, body: ChatCompletionRequest,
     except APIError:
         raise
     except Exception as err:  # the template decides what it accepts; whatever it refuses is bad input
-        raise bad_request(f"messages could not be rendered with the model's chat template: {err}",
-                          "messages") from None
+        raise bad_request(
+            f"messages could not be rendered with the model's chat template: {err}", "messages"
+        ) from None
     return PromptInput(None, ids)

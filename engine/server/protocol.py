@@ -74,15 +74,20 @@ class CompletionRequest(SamplingFields):
 
 # What the OpenAPI schema documents for a message; the server passes each message to the model's chat
 # template as sent (so the router derives the same prompt), and the template decides what it accepts.
-_MESSAGE_SCHEMA = {"type": "object", "required": ["role", "content"],
-                   "properties": {"role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
-                                  "content": {"anyOf": [{"type": "string"}, {"type": "array"},
-                                                        {"type": "null"}]}}}
+_MESSAGE_SCHEMA = {
+    "type": "object",
+    "required": ["role", "content"],
+    "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]},
+    },
+}
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[dict[str, Any]],
-                        Field(min_length=1, json_schema_extra={"items": _MESSAGE_SCHEMA})]
+    messages: Annotated[
+        list[dict[str, Any]], Field(min_length=1, json_schema_extra={"items": _MESSAGE_SCHEMA})
+    ]
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = None

@@ -18,11 +18,17 @@ ANONYMOUS = ""
 
 
 class TenantRateLimiter:
-    def __init__(self, rate: float, burst: float, max_tenants: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        max_tenants: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if rate <= 0 or burst < 1 or max_tenants < 1:
-            raise ValueError(f"need rate > 0, burst >= 1, max_tenants >= 1; "
-                             f"got {rate}, {burst}, {max_tenants}")
+            raise ValueError(
+                f"need rate > 0, burst >= 1, max_tenants >= 1; got {rate}, {burst}, {max_tenants}"
+            )
         self.rate = rate
         self.burst = burst
         self.max_tenants = max_tenants

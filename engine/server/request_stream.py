@@ -21,8 +21,13 @@ from typing import Any
 
 
 class RequestStream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, capacity: int, resume_depth: int,
-                 on_drained: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        capacity: int,
+        resume_depth: int,
+        on_drained: Callable[[], None],
+    ) -> None:
         if not 0 <= resume_depth < capacity:
             raise ValueError(f"need 0 <= resume_depth < capacity, got {resume_depth}, {capacity}")
         self._loop = loop

@@ -76,13 +76,17 @@ class RequestTimeline:
 
     def latencies(self, end: float) -> Latencies:
         tpots = [t for s in self.samples.values() if (t := s.tpot) is not None]
-        return Latencies(ttft=None if self.first_emit is None else self.first_emit - self.arrival,
-                         tpots=tpots, e2e=end - self.arrival,
-                         num_output_tokens=sum(s.num_tokens for s in self.samples.values()))
+        return Latencies(
+            ttft=None if self.first_emit is None else self.first_emit - self.arrival,
+            tpots=tpots,
+            e2e=end - self.arrival,
+            num_output_tokens=sum(s.num_tokens for s in self.samples.values()),
+        )
 
 
-def slo_attained(lat: Latencies, finish_reason: str, slo_ttft_s: float | None,
-                 slo_tpot_s: float | None) -> bool:
+def slo_attained(
+    lat: Latencies, finish_reason: str, slo_ttft_s: float | None, slo_tpot_s: float | None
+) -> bool:
     if finish_reason not in COMPLETED:
         return False
     if slo_ttft_s is not None and (lat.ttft is None or lat.ttft > slo_ttft_s):

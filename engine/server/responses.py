@@ -43,13 +43,17 @@ class ResponseFormat(Protocol):
 
 
 def usage(gen: Generation, completion_tokens: int) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": gen.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(gen.cached_tokens)}}
+    return {
+        "prompt_tokens": gen.prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": gen.prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(gen.cached_tokens)},
+    }
 
 
-async def respond(request: Request, state: ServerState, gen: Generation, fmt: ResponseFormat,
-                  stream: bool) -> Response:
+async def respond(
+    request: Request, state: ServerState, gen: Generation, fmt: ResponseFormat, stream: bool
+) -> Response:
     gen.start()
     try:
         first = await until_disconnected(request, gen.next())
@@ -75,8 +79,9 @@ async def _collect(gen: Generation, first: tuple[int, OutputChunk] | None) -> li
     return results
 
 
-async def _events(state: ServerState, gen: Generation, fmt: ResponseFormat,
-                  first: tuple[int, OutputChunk] | None) -> AsyncIterator[bytes]:
+async def _events(
+    state: ServerState, gen: Generation, fmt: ResponseFormat, first: tuple[int, OutputChunk] | None
+) -> AsyncIterator[bytes]:
     try:
         item = first
         while item is not None:

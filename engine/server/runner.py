@@ -66,17 +66,29 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
-    logging.basicConfig(level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper() if config.log_level != "trace" else "DEBUG",
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     tracer_provider = tracer_provider_from_env()
     holder: list[DrainingServer] = []
-    state = build_state(engine_config, config, tracer_provider=tracer_provider,
-                        on_fatal=lambda reason: holder[0].fatal(reason))
-    uv_config = uvicorn.Config(create_app(state), host=config.host, port=config.port,
-                               log_level=config.log_level, access_log=config.access_log,
-                               timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S, lifespan="on",
-                               timeout_keep_alive=config.timeout_keep_alive_s,
-                               server_header=False)
+    state = build_state(
+        engine_config,
+        config,
+        tracer_provider=tracer_provider,
+        on_fatal=lambda reason: holder[0].fatal(reason),
+    )
+    uv_config = uvicorn.Config(
+        create_app(state),
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
+        lifespan="on",
+        timeout_keep_alive=config.timeout_keep_alive_s,
+        server_header=False,
+    )
     server = DrainingServer(uv_config, state, config.drain_grace_s)
     holder.append(server)
     try:

@@ -56,17 +56,29 @@ class ServerState:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           code="model_not_found", param="model")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                code="model_not_found",
+                param="model",
+            )
 
 
 def not_ready(state: ServerState) -> APIError:
     phase = state.lifecycle.phase
     if phase is Phase.DRAINING:
-        return APIError(503, "the server is draining (shutting down); send the request to another replica",
-                        code="draining", retry_after=state.config.retry_after_s)
-    return APIError(503, f"the server is not ready (phase {phase.value}); see /ready", code="not_ready",
-                    retry_after=state.config.retry_after_s)
+        return APIError(
+            503,
+            "the server is draining (shutting down); send the request to another replica",
+            code="draining",
+            retry_after=state.config.retry_after_s,
+        )
+    return APIError(
+        503,
+        f"the server is not ready (phase {phase.value}); see /ready",
+        code="not_ready",
+        retry_after=state.config.retry_after_s,
+    )
 
 
 def server_state(request: Request) -> ServerState:

@@ -45,15 +45,22 @@ class RequestSpan:
     """A request's span, safe to use from the engine thread and the event loop; a no-op without a tracer.
     Events after the end are dropped quietly (a cancelled request's last prefill chunk may race its end)."""
 
-    def __init__(self, tracer: Tracer | None, name: str, start_ns: int, attributes: Mapping[str, Any],
-                 headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tracer: Tracer | None,
+        name: str,
+        start_ns: int,
+        attributes: Mapping[str, Any],
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self._lock = threading.Lock()
         self._ended = tracer is None
         self._span = None
         if tracer is not None:
             parent = propagate.extract(dict(headers)) if headers else None
-            self._span = tracer.start_span(name, context=parent, kind=SpanKind.SERVER, start_time=start_ns,
-                                           attributes=dict(attributes))
+            self._span = tracer.start_span(
+                name, context=parent, kind=SpanKind.SERVER, start_time=start_ns, attributes=dict(attributes)
+            )
 
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         with self._lock:

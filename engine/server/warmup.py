@@ -19,8 +19,13 @@ from kvpilot.engine.server.config import WarmupBucket
 WARMUP_SALT = "kvpilot-warmup"
 
 
-def effective_buckets(buckets: tuple[WarmupBucket, ...], max_model_len: int, max_num_seqs: int,
-                      max_num_batched_tokens: int, chunked_prefill: bool) -> list[WarmupBucket]:
+def effective_buckets(
+    buckets: tuple[WarmupBucket, ...],
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    chunked_prefill: bool,
+) -> list[WarmupBucket]:
     """The configured buckets clipped to what this engine can run (prompt + 2 output tokens must fit the
     context, a batch never exceeds max_num_seqs, a prompt fits one step when prefill is not chunked)."""
     longest = max_model_len - 2 if chunked_prefill else min(max_model_len - 2, max_num_batched_tokens)
@@ -37,8 +42,12 @@ def warmup_prompt(bucket: WarmupBucket, index: int, vocab_size: int) -> list[int
     return [(index * 7919 + 31 * j + 3) % vocab_size for j in range(bucket.prompt_len)]
 
 
-def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, WarmupBucket], None],
-               on_kernel_tuning: Callable[[float], None]) -> None:
+def run_warmup(
+    engine,
+    buckets: list[WarmupBucket],
+    on_bucket: Callable[[int, WarmupBucket], None],
+    on_kernel_tuning: Callable[[float], None],
+) -> None:
     """Tune kernels (when the backend has anything to tune), then run each bucket to completion.
     ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_kernel_tuning(seconds)`` after
     tuning."""
@@ -46,8 +55,9 @@ def run_warmup(engine, buckets: list[WarmupBucket], on_bucket: Callable[[int, Wa
         start = time.monotonic()
         key_cache, value_cache = engine.kv_cache.layers[0]
         sc = engine.config.scheduler
-        engine.backend.warmup(key_cache, value_cache, sc.max_num_seqs, sc.max_num_batched_tokens,
-                              engine.max_model_len)
+        engine.backend.warmup(
+            key_cache, value_cache, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len
+        )
         on_kernel_tuning(time.monotonic() - start)
     params = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0, ignore_eos=True, detokenize=True)
     vocab = engine.arch.vocab_size

@@ -21,8 +21,12 @@ class _HelpWithDefaults(argparse.HelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         # Identity checks: a default of 0 is worth showing, a default of False (a store_true flag) is not.
-        if "default" in text or action.default is None or action.default is False \
-                or action.default == argparse.SUPPRESS:
+        if (
+            "default" in text
+            or action.default is None
+            or action.default is False
+            or action.default == argparse.SUPPRESS
+        ):
             return text
         return text + " (default: %(default)s)"
 
@@ -32,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         module = importlib.import_module(module_name)
-        sub = subparsers.add_parser(module.NAME, help=module.HELP, description=module.DESCRIPTION,
-                                    formatter_class=_HelpWithDefaults)
+        sub = subparsers.add_parser(
+            module.NAME, help=module.HELP, description=module.DESCRIPTION, formatter_class=_HelpWithDefaults
+        )
         module.add_arguments(sub)
         sub.set_defaults(run_subcommand=module.run, subcommand_parser=sub)
     return parser

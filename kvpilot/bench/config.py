@@ -65,9 +65,11 @@ class EndpointConfig:
             raise ConfigError(f"--ready-url must start with http:// or https:// (got {self.ready_url!r})")
         if self.api not in API_KINDS:
             raise ConfigError(f"--api must be one of {API_KINDS} (got {self.api!r})")
-        for flag, value in (("--request-timeout", self.request_timeout_s),
-                            ("--connect-timeout", self.connect_timeout_s),
-                            ("--ready-timeout", self.ready_timeout_s)):
+        for flag, value in (
+            ("--request-timeout", self.request_timeout_s),
+            ("--connect-timeout", self.connect_timeout_s),
+            ("--ready-timeout", self.ready_timeout_s),
+        ):
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{flag} must be a positive number of seconds (got {value})")
         if self.temperature < 0:

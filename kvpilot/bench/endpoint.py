@@ -24,8 +24,9 @@ class ReadyResult:
     polls: int
 
 
-async def wait_until_ready(session: aiohttp.ClientSession, url: str, timeout_s: float,
-                           poll_interval_s: float = 0.2) -> ReadyResult:
+async def wait_until_ready(
+    session: aiohttp.ClientSession, url: str, timeout_s: float, poll_interval_s: float = 0.2
+) -> ReadyResult:
     """Poll ``url`` until it answers HTTP 200. Refused connections are expected while a server starts."""
     start = time.perf_counter()
     polls = 0
@@ -45,8 +46,9 @@ async def wait_until_ready(session: aiohttp.ClientSession, url: str, timeout_s: 
         await asyncio.sleep(poll_interval_s)
 
 
-async def resolve_model(session: aiohttp.ClientSession, base_url: str, model: str | None,
-                        timeout_s: float) -> str:
+async def resolve_model(
+    session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float
+) -> str:
     """Check the endpoint answers at all, and return ``model`` or else the first id in ``/v1/models``."""
     url = base_url.rstrip("/") + "/v1/models"
     try:

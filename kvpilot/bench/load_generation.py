@@ -23,8 +23,13 @@ from kvpilot.bench.workloads import RequestSpec
 OnDone = Callable[[RequestRecord], None]
 
 
-async def run_open_loop(client: OpenAIStreamClient, schedule: Sequence[tuple[float, RequestSpec]], *,
-                        max_concurrency: int | None = None, on_done: OnDone | None = None) -> list[RequestRecord]:
+async def run_open_loop(
+    client: OpenAIStreamClient,
+    schedule: Sequence[tuple[float, RequestSpec]],
+    *,
+    max_concurrency: int | None = None,
+    on_done: OnDone | None = None,
+) -> list[RequestRecord]:
     """Send each ``(offset_s, spec)`` at its offset from now; records come back in schedule order.
 
     ``max_concurrency`` caps requests in flight on the client side: a request due while the cap is full
@@ -38,7 +43,8 @@ async def run_open_loop(client: OpenAIStreamClient, schedule: Sequence[tuple[flo
         if delay > 0:
             await asyncio.sleep(delay)
         task = asyncio.create_task(
-            client.send(spec, phase=PHASE_MEASURED, t0=t0, scheduled_s=float(offset), gate=gate))
+            client.send(spec, phase=PHASE_MEASURED, t0=t0, scheduled_s=float(offset), gate=gate)
+        )
         if on_done is not None:
             task.add_done_callback(lambda done: on_done(done.result()) if _succeeded(done) else None)
         tasks.append(task)
@@ -50,9 +56,15 @@ def _succeeded(task: asyncio.Task) -> bool:
     return not task.cancelled() and task.exception() is None
 
 
-async def run_closed_loop(client: OpenAIStreamClient, specs: Iterator[RequestSpec], *, concurrency: int,
-                          num_requests: int | None, duration_s: float | None,
-                          on_done: OnDone | None = None) -> list[RequestRecord]:
+async def run_closed_loop(
+    client: OpenAIStreamClient,
+    specs: Iterator[RequestSpec],
+    *,
+    concurrency: int,
+    num_requests: int | None,
+    duration_s: float | None,
+    on_done: OnDone | None = None,
+) -> list[RequestRecord]:
     """``concurrency`` clients send back to back until ``num_requests`` were issued or ``duration_s``
     passed (whichever first); records come back in issue order."""
     if num_requests is None and duration_s is None:
@@ -81,7 +93,9 @@ async def run_closed_loop(client: OpenAIStreamClient, specs: Iterator[RequestSpe
     return sorted(records, key=lambda record: record.index)
 
 
-async def run_warmup(client: OpenAIStreamClient, specs: Iterator[RequestSpec], count: int) -> list[RequestRecord]:
+async def run_warmup(
+    client: OpenAIStreamClient, specs: Iterator[RequestSpec], count: int
+) -> list[RequestRecord]:
     """``count`` requests one after another; the first ones against a fresh server show its cold start."""
     records = []
     t0 = time.perf_counter()

@@ -110,7 +110,8 @@ def summarize(records: Sequence[RequestRecord], slo: SLOConfig) -> PointSummary:
         raise ValueError("no requests to summarize")
     ok = [r for r in records if r.ok]
     window = max(r.end_s if r.end_s is not None else r.sent_s for r in records) - min(
-        r.scheduled_s for r in records)
+        r.scheduled_s for r in records
+    )
     # Guard the rates against a zero window (a single instant failure).
     per_second = 1.0 / window if window > 0 else 0.0
     arrivals = sorted(r.scheduled_s for r in records)
@@ -123,8 +124,12 @@ def summarize(records: Sequence[RequestRecord], slo: SLOConfig) -> PointSummary:
     if slo.given:
         met = [r for r in records if meets_slo(r, slo)]
         slo_result = SLOResult(
-            ttft_s=slo.ttft_s, tpot_s=slo.tpot_s, met=len(met), total=len(records),
-            attainment=len(met) / len(records), goodput_rps=len(met) * per_second,
+            ttft_s=slo.ttft_s,
+            tpot_s=slo.tpot_s,
+            met=len(met),
+            total=len(records),
+            attainment=len(met) / len(records),
+            goodput_rps=len(met) * per_second,
             goodput_output_tps=sum(r.output_tokens for r in met) * per_second,
         )
 
@@ -134,17 +139,30 @@ def summarize(records: Sequence[RequestRecord], slo: SLOConfig) -> PointSummary:
     e2e = distribution([r.e2e_s for r in ok if r.e2e_s is not None])
     send_lag = distribution([r.send_lag_s for r in records])
     return PointSummary(
-        requests_total=len(records), requests_ok=len(ok), requests_failed=len(records) - len(ok),
-        window_s=window, arrival_rate_rps=arrival_rate, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+        requests_total=len(records),
+        requests_ok=len(ok),
+        requests_failed=len(records) - len(ok),
+        window_s=window,
+        arrival_rate_rps=arrival_rate,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
         request_throughput_rps=len(ok) * per_second,
         output_token_throughput_tps=output_tokens * per_second,
         total_token_throughput_tps=(prompt_tokens + output_tokens) * per_second,
-        ttft_s=ttft, tpot_s=tpot, itl_s=itl, e2e_s=e2e, send_lag_s=send_lag, slo=slo_result,
+        ttft_s=ttft,
+        tpot_s=tpot,
+        itl_s=itl,
+        e2e_s=e2e,
+        send_lag_s=send_lag,
+        slo=slo_result,
         errors=dict(sorted(Counter(r.error_type for r in records if not r.ok).items())),
-        output_token_source=_source_label([r.output_token_source for r in ok],
-                                          {"usage": "server usage", "chunks": "counted chunks"}),
-        prompt_token_source=_source_label([r.prompt_token_source for r in ok],
-                                          {"usage": "server usage", "word_estimate": "word-count estimate"}),
+        output_token_source=_source_label(
+            [r.output_token_source for r in ok], {"usage": "server usage", "chunks": "counted chunks"}
+        ),
+        prompt_token_source=_source_label(
+            [r.prompt_token_source for r in ok],
+            {"usage": "server usage", "word_estimate": "word-count estimate"},
+        ),
         warnings=tuple(_warnings({"TTFT": ttft, "TPOT": tpot, "ITL": itl, "E2E": e2e}, send_lag)),
     )
 
@@ -162,8 +180,10 @@ def _warnings(latencies: dict[str, Distribution], send_lag: Distribution) -> lis
     notes = []
     thin = [f"{name} ({dist.count})" for name, dist in latencies.items() if 0 < dist.count < P99_MIN_SAMPLES]
     if thin:
-        notes.append(f"p99 rests on fewer than {P99_MIN_SAMPLES} samples for {', '.join(thin)}: "
-                     "treat those p99s as noisy")
+        notes.append(
+            f"p99 rests on fewer than {P99_MIN_SAMPLES} samples for {', '.join(thin)}: "
+            "treat those p99s as noisy"
+        )
     if send_lag.p99 is not None and send_lag.p99 > SEND_LAG_WARN_S:
         notes.append(
             f"requests went out late: send lag p99 {send_lag.p99 * 1e3:.1f} ms (client fell behind or a "

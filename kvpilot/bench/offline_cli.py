@@ -39,13 +39,21 @@ class OfflineWorkload:
         return sum(len(p) for p in self.prompts)
 
 
-def make_workload(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int,
-                  vocab: tuple[int, int] = (100, 40000), shared_prefix_len: int = 0) -> OfflineWorkload:
+def make_workload(
+    num_requests: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    seed: int,
+    vocab: tuple[int, int] = (100, 40000),
+    shared_prefix_len: int = 0,
+) -> OfflineWorkload:
     """Random prompts of lengths uniform in ``input_len`` (after an optional shared prefix) and output
     lengths uniform in ``output_len``; ids drawn from ``vocab`` (a range of ordinary tokens)."""
     rng = random.Random(seed)
     prefix = [rng.randrange(*vocab) for _ in range(shared_prefix_len)]
-    prompts = [prefix + [rng.randrange(*vocab) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)]
+    prompts = [
+        prefix + [rng.randrange(*vocab) for _ in range(rng.randint(*input_len))] for _ in range(num_requests)
+    ]
     outs = [rng.randint(*output_len) for _ in range(num_requests)]
     return OfflineWorkload(prompts, outs)
 
@@ -75,23 +83,42 @@ def run_kvpilot(llm, workload: OfflineWorkload) -> dict:
     wall = time.perf_counter() - t0
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     if produced != workload.num_output_tokens:
-        raise RuntimeError(f"engine produced {produced} tokens, workload asked for {workload.num_output_tokens}")
+        raise RuntimeError(
+            f"engine produced {produced} tokens, workload asked for {workload.num_output_tokens}"
+        )
     ttfts = [o.metrics.ttft for o in outs if o.metrics and o.metrics.ttft is not None]
-    return {"wall_s": wall, "output_tokens": produced, "output_tok_per_s": produced / wall,
-            "total_tok_per_s": (produced + workload.num_prompt_tokens) / wall,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs)}
+    return {
+        "wall_s": wall,
+        "output_tokens": produced,
+        "output_tok_per_s": produced / wall,
+        "total_tok_per_s": (produced + workload.num_prompt_tokens) / wall,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs),
+    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvpilot.engine.arg_utils import add_engine_args
 
     parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--input-len", type=length_range, default=(16, 256), metavar="MIN:MAX",
-                        help="prompt length range in tokens (default: 16:256)")
-    parser.add_argument("--output-len", type=length_range, default=(16, 128), metavar="MIN:MAX",
-                        help="output length range in tokens (default: 16:128)")
-    parser.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares")
+    parser.add_argument(
+        "--input-len",
+        type=length_range,
+        default=(16, 256),
+        metavar="MIN:MAX",
+        help="prompt length range in tokens (default: 16:256)",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=length_range,
+        default=(16, 128),
+        metavar="MIN:MAX",
+        help="output length range in tokens (default: 16:128)",
+    )
+    parser.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="tokens of a prefix every prompt shares"
+    )
     parser.add_argument("--workload-seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up batches (a small copy)")
     parser.add_argument("--output-json", type=Path, default=None)
@@ -120,24 +147,38 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"kvpilot bench offline: {err}", file=sys.stderr)
         return 1
     vocab = token_id_range(llm.engine.arch.vocab_size)
-    workload = make_workload(args.num_requests, input_len, output_len, args.workload_seed, vocab=vocab,
-                             shared_prefix_len=args.shared_prefix_len)
+    workload = make_workload(
+        args.num_requests,
+        input_len,
+        output_len,
+        args.workload_seed,
+        vocab=vocab,
+        shared_prefix_len=args.shared_prefix_len,
+    )
     warm = make_workload(min(4, args.num_requests), (8, 32), (4, 8), args.workload_seed + 1, vocab=vocab)
     for _ in range(args.warmup):
         run_kvpilot(llm, warm)
     result = run_kvpilot(llm, workload)
     engine = llm.engine
-    summary = {"model": engine.served_model_name, "dtype": str(engine.dtype), "requests": args.num_requests,
-               "prompt_tokens": workload.num_prompt_tokens, **result,
-               "steps": engine.num_steps, "preemptions": engine.scheduler.num_preemptions,
-               "config": {k: v for k, v in asdict(config.scheduler).items()}}
-    print(f"kvpilot bench offline: {args.num_requests} requests, {workload.num_prompt_tokens} prompt + "
-          f"{result['output_tokens']} output tokens in {result['wall_s']:.2f} s\n"
-          f"  output-token throughput {result['output_tok_per_s']:.1f} tok/s | total-token (prompt+output) "
-          f"{result['total_tok_per_s']:.1f} tok/s\n"
-          f"  TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms, p99 {result['ttft_p99_s'] * 1000:.0f} ms "
-          f"(from queueing; all requests queued at t=0)\n"
-          f"  prefix-cache hit tokens {result['cached_prompt_tokens']}, preemptions {summary['preemptions']}")
+    summary = {
+        "model": engine.served_model_name,
+        "dtype": str(engine.dtype),
+        "requests": args.num_requests,
+        "prompt_tokens": workload.num_prompt_tokens,
+        **result,
+        "steps": engine.num_steps,
+        "preemptions": engine.scheduler.num_preemptions,
+        "config": {k: v for k, v in asdict(config.scheduler).items()},
+    }
+    print(
+        f"kvpilot bench offline: {args.num_requests} requests, {workload.num_prompt_tokens} prompt + "
+        f"{result['output_tokens']} output tokens in {result['wall_s']:.2f} s\n"
+        f"  output-token throughput {result['output_tok_per_s']:.1f} tok/s | total-token (prompt+output) "
+        f"{result['total_tok_per_s']:.1f} tok/s\n"
+        f"  TTFT p50 {result['ttft_p50_s'] * 1000:.0f} ms, p99 {result['ttft_p99_s'] * 1000:.0f} ms "
+        f"(from queueing; all requests queued at t=0)\n"
+        f"  prefix-cache hit tokens {result['cached_prompt_tokens']}, preemptions {summary['preemptions']}"
+    )
     if args.output_json:
         args.output_json.parent.mkdir(parents=True, exist_ok=True)
         args.output_json.write_text(json.dumps(summary, indent=2))

@@ -23,8 +23,9 @@ def _load_name(point: PointResult) -> str:
     return f"c={int(point.load)}" if point.mode == "closed" else f"{point.load:g} req/s"
 
 
-def plot_throughput_latency(points: Sequence[PointResult], saturation: SaturationResult | None,
-                            path: Path) -> Path:
+def plot_throughput_latency(
+    points: Sequence[PointResult], saturation: SaturationResult | None, path: Path
+) -> Path:
     """p50/p99 TTFT and TPOT (ms, log scale) against achieved request throughput, one marker per point."""
     x = [p.summary.request_throughput_rps for p in points]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -35,11 +36,16 @@ def plot_throughput_latency(points: Sequence[PointResult], saturation: Saturatio
         for point, xi in zip(points, x, strict=True):
             value = to_ms(getattr(point.summary, metric).p50)
             if not np.isnan(value):
-                ax.annotate(_load_name(point), (xi, value), textcoords="offset points", xytext=(4, -12),
-                            fontsize=7)
+                ax.annotate(
+                    _load_name(point), (xi, value), textcoords="offset points", xytext=(4, -12), fontsize=7
+                )
         if saturation is not None and saturation.saturated and saturation.saturation_index is not None:
-            ax.axvline(x[saturation.saturation_index], color="grey", linestyle=":",
-                       label="saturation point (highest sustained load)")
+            ax.axvline(
+                x[saturation.saturation_index],
+                color="grey",
+                linestyle=":",
+                label="saturation point (highest sustained load)",
+            )
         ax.set_xlabel("achieved request throughput (req/s, successful requests)")
         ax.set_ylabel(f"{title} (ms)")
         ax.set_yscale("log")
@@ -56,8 +62,11 @@ def plot_throughput_latency(points: Sequence[PointResult], saturation: Saturatio
 def plot_latency_cdfs(points: Sequence[PointResult], path: Path) -> Path:
     """Empirical CDFs of TTFT, TPOT and E2E (ms, log scale), one line per load point."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, getter, title in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT"),
-                              (axes[2], "e2e_s", "E2E")):
+    for ax, getter, title in (
+        (axes[0], "ttft_s", "TTFT"),
+        (axes[1], "tpot_s", "TPOT"),
+        (axes[2], "e2e_s", "E2E"),
+    ):
         for point in points:
             values = np.sort([v for r in point.records if (v := getattr(r, getter)) is not None])
             if values.size == 0:
@@ -77,7 +86,9 @@ def plot_latency_cdfs(points: Sequence[PointResult], path: Path) -> Path:
     return path
 
 
-def write_plots(points: Sequence[PointResult], saturation: SaturationResult | None, directory: Path) -> list[Path]:
+def write_plots(
+    points: Sequence[PointResult], saturation: SaturationResult | None, directory: Path
+) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     return [
         plot_throughput_latency(points, saturation, directory / THROUGHPUT_LATENCY_PNG),

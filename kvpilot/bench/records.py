@@ -108,9 +108,15 @@ class RequestRecord:
         raw = asdict(self)
         raw["emit_s"] = [round(t, 6) for t in self.emit_s]
         raw.update(
-            ok=self.ok, output_tokens=self.output_tokens, output_token_source=self.output_token_source,
-            prompt_tokens=self.prompt_tokens, prompt_token_source=self.prompt_token_source,
-            send_lag_s=self.send_lag_s, ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s,
+            ok=self.ok,
+            output_tokens=self.output_tokens,
+            output_token_source=self.output_token_source,
+            prompt_tokens=self.prompt_tokens,
+            prompt_token_source=self.prompt_token_source,
+            send_lag_s=self.send_lag_s,
+            ttft_s=self.ttft_s,
+            tpot_s=self.tpot_s,
+            e2e_s=self.e2e_s,
             tail_s=self.tail_s,
         )
         return raw

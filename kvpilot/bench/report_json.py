@@ -18,7 +18,7 @@ from kvpilot.bench.runner import BenchmarkResult, PointResult
 DEFINITIONS = {
     "clock": "client side, one monotonic clock; times in seconds from the start of each load point",
     "arrival": "open loop: the scheduled arrival time (not the send time: no coordinated omission); "
-               "closed loop: when a client became free",
+    "closed loop: when a client became free",
     "emit": "arrival at the client of an SSE event carrying output text",
     "ttft_s": "first emit - arrival",
     "itl_s": "gap between consecutive emits, pooled over successful requests",
@@ -35,11 +35,11 @@ DEFINITIONS = {
     "slo_attainment": "requests meeting every given SLO / all measured requests (a ratio)",
     "goodput": "requests (and their output tokens) meeting every given SLO / window (a rate)",
     "percentiles": "linear interpolation between order statistics; latencies from successful requests; "
-                   f"a p99 on fewer than {P99_MIN_SAMPLES} samples is flagged",
+    f"a p99 on fewer than {P99_MIN_SAMPLES} samples is flagged",
     "warmup": "warm-up requests are sent one at a time before the first point and excluded from its stats",
     "saturation": "see kvpilot.bench.saturation: first point where latency exceeds factor x the "
-                  "lowest-load value, throughput gain falls below min gain, or (open loop) achieved < "
-                  "min efficiency x arrival_rate_rps; the saturation point is the one before it",
+    "lowest-load value, throughput gain falls below min gain, or (open loop) achieved < "
+    "min efficiency x arrival_rate_rps; the saturation point is the one before it",
 }
 
 

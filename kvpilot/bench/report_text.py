@@ -61,8 +61,10 @@ def format_point(point: PointResult) -> str:
 def format_cold_start(cold: ColdStart, steady: PointSummary | None) -> str:
     lines = ["== cold start (excluded from the statistics above) =="]
     if cold.ready is not None:
-        lines.append(f"ready       {cold.ready.url} answered 200 after {cold.ready.time_to_ready_s:.2f} s "
-                     f"({cold.ready.polls} polls)")
+        lines.append(
+            f"ready       {cold.ready.url} answered 200 after {cold.ready.time_to_ready_s:.2f} s "
+            f"({cold.ready.polls} polls)"
+        )
     if not cold.warmup_records:
         lines.append("warm-up     none (--warmup-requests 0)")
         return "\n".join(lines)
@@ -75,14 +77,20 @@ def format_cold_start(cold: ColdStart, steady: PointSummary | None) -> str:
     lines.append(f"warm-up     {len(cells)} sequential requests: " + "; ".join(cells))
     first = cold.warmup_records[0].ttft_s
     if first is not None and steady is not None and steady.ttft_s.p50:
-        lines.append(f"            first-request TTFT is {first / steady.ttft_s.p50:.1f}× the first "
-                     "load point's p50 TTFT")
+        lines.append(
+            f"            first-request TTFT is {first / steady.ttft_s.p50:.1f}× the first "
+            "load point's p50 TTFT"
+        )
     return "\n".join(lines)
 
 
-def format_sweep(points: Sequence[PointResult], saturation: SaturationResult, config: ServeBenchConfig) -> str:
-    head = (f"{'load':>10}{'req/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
-            f"{'TPOT p50':>10}{'TPOT p99':>10}{'attain':>8}{'goodput':>9}")
+def format_sweep(
+    points: Sequence[PointResult], saturation: SaturationResult, config: ServeBenchConfig
+) -> str:
+    head = (
+        f"{'load':>10}{'req/s':>9}{'out tok/s':>11}{'TTFT p50':>10}{'TTFT p99':>10}"
+        f"{'TPOT p50':>10}{'TPOT p99':>10}{'attain':>8}{'goodput':>9}"
+    )
     lines = [f"== sweep ({config.load.mode} loop; latencies in ms, goodput in req/s) ==", head]
     for index, point in enumerate(points):
         s = point.summary
@@ -99,15 +107,20 @@ def format_sweep(points: Sequence[PointResult], saturation: SaturationResult, co
     return "\n".join(lines)
 
 
-def describe_saturation(points: Sequence[PointResult], saturation: SaturationResult,
-                        config: ServeBenchConfig) -> str:
+def describe_saturation(
+    points: Sequence[PointResult], saturation: SaturationResult, config: ServeBenchConfig
+) -> str:
     watched = config.saturation.latency
     if not saturation.saturated:
         last = points[-1].summary
-        return (f"not reached within the sweep; the highest load sustained {last.request_throughput_rps:.3f} "
-                f"req/s at {watched} {_ms(last.latency(watched))} ms (a lower bound on capacity)")
+        return (
+            f"not reached within the sweep; the highest load sustained {last.request_throughput_rps:.3f} "
+            f"req/s at {watched} {_ms(last.latency(watched))} ms (a lower bound on capacity)"
+        )
     if saturation.saturation_index is None:
         return f"already at the lowest load: {saturation.reason}"
     point = points[saturation.saturation_index]
-    return (f"load {point.load:g}: {point.summary.request_throughput_rps:.3f} req/s at {watched} "
-            f"{_ms(point.summary.latency(watched))} ms; knee after it because {saturation.reason}")
+    return (
+        f"load {point.load:g}: {point.summary.request_throughput_rps:.3f} req/s at {watched} "
+        f"{_ms(point.summary.latency(watched))} ms; knee after it because {saturation.reason}"
+    )

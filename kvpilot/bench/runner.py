@@ -66,8 +66,9 @@ def point_label(config: ServeBenchConfig, load: float) -> str:
     return f"open loop, rate {rate}{cap}"
 
 
-async def run_serve_benchmark(config: ServeBenchConfig,
-                              on_point: Callable[[PointResult], None] | None = None) -> BenchmarkResult:
+async def run_serve_benchmark(
+    config: ServeBenchConfig, on_point: Callable[[PointResult], None] | None = None
+) -> BenchmarkResult:
     """Run the benchmark ``config`` describes; ``on_point`` sees each load point as it finishes.
 
     Raises :class:`kvpilot.bench.endpoint.EndpointError` when the endpoint is unreachable or not ready.
@@ -87,8 +88,9 @@ async def run_serve_benchmark(config: ServeBenchConfig,
             ready = await wait_until_ready(session, endpoint.ready_url, endpoint.ready_timeout_s)
         model = await resolve_model(session, endpoint.base_url, endpoint.model, endpoint.connect_timeout_s)
         client = OpenAIStreamClient(session, endpoint, model)
-        warmup = await run_warmup(client, workload.stream(np.random.default_rng(warmup_seed)),
-                                  config.load.warmup_requests)
+        warmup = await run_warmup(
+            client, workload.stream(np.random.default_rng(warmup_seed)), config.load.warmup_requests
+        )
         points = []
         for load, request_seed in zip(config.load.levels, request_seeds, strict=True):
             point = await _run_point(config, client, workload, load, arrival_seed, request_seed)
@@ -98,46 +100,89 @@ async def run_serve_benchmark(config: ServeBenchConfig,
 
     saturation = None
     if len(points) >= 2:
-        sweep = [SweepPoint(load=p.load, achieved_rps=p.summary.request_throughput_rps,
-                            offered_rps=p.summary.arrival_rate_rps, latency_s=p.summary.latency(config.saturation.latency)) for p in points]
+        sweep = [
+            SweepPoint(
+                load=p.load,
+                achieved_rps=p.summary.request_throughput_rps,
+                offered_rps=p.summary.arrival_rate_rps,
+                latency_s=p.summary.latency(config.saturation.latency),
+            )
+            for p in points
+        ]
         saturation = find_saturation(sweep, config.saturation, open_loop=config.load.mode == "open")
-    return BenchmarkResult(model=model, started_at=started_at, cold_start=ColdStart(ready, warmup),
-                           points=points, saturation=saturation)
+    return BenchmarkResult(
+        model=model,
+        started_at=started_at,
+        cold_start=ColdStart(ready, warmup),
+        points=points,
+        saturation=saturation,
+    )
 
 
-async def _run_point(config: ServeBenchConfig, client: OpenAIStreamClient, workload: Workload, load: float,
-                     arrival_seed: np.random.SeedSequence, request_seed: np.random.SeedSequence) -> PointResult:
+async def _run_point(
+    config: ServeBenchConfig,
+    client: OpenAIStreamClient,
+    workload: Workload,
+    load: float,
+    arrival_seed: np.random.SeedSequence,
+    request_seed: np.random.SeedSequence,
+) -> PointResult:
     plan = config.load
     specs = workload.stream(np.random.default_rng(request_seed))
     label = point_label(config, load)
     monitor = LoopLagMonitor()
     if plan.mode == "open":
-        offsets = arrival_offsets(load, plan.burstiness, np.random.default_rng(arrival_seed),
-                                  count=plan.num_requests, duration_s=plan.duration_s)
+        offsets = arrival_offsets(
+            load,
+            plan.burstiness,
+            np.random.default_rng(arrival_seed),
+            count=plan.num_requests,
+            duration_s=plan.duration_s,
+        )
         # Requests are built before the clock starts so the dispatcher only sleeps and sends.
         schedule = [(float(offset), next(specs)) for offset in offsets]
         with _progress(config, label, len(schedule)) as bar:
             monitor.start()
-            records = await run_open_loop(client, schedule, max_concurrency=plan.max_concurrency,
-                                          on_done=lambda _record: bar.update())
+            records = await run_open_loop(
+                client, schedule, max_concurrency=plan.max_concurrency, on_done=lambda _record: bar.update()
+            )
             overhead = await monitor.stop()
     else:
         with _progress(config, label, plan.num_requests) as bar:
             monitor.start()
-            records = await run_closed_loop(client, specs, concurrency=int(load),
-                                            num_requests=plan.num_requests, duration_s=plan.duration_s,
-                                            on_done=lambda _record: bar.update())
+            records = await run_closed_loop(
+                client,
+                specs,
+                concurrency=int(load),
+                num_requests=plan.num_requests,
+                duration_s=plan.duration_s,
+                on_done=lambda _record: bar.update(),
+            )
             overhead = await monitor.stop()
-    return PointResult(mode=plan.mode, load=load, label=label, records=records,
-                       summary=summarize(records, config.slo), overhead=overhead)
+    return PointResult(
+        mode=plan.mode,
+        load=load,
+        label=label,
+        records=records,
+        summary=summarize(records, config.slo),
+        overhead=overhead,
+    )
 
 
 def _progress(config: ServeBenchConfig, label: str, total: int | None) -> tqdm:
-    return tqdm(total=total, desc=label, unit="req", file=sys.stderr, leave=False,
-                disable=not config.show_progress, dynamic_ncols=True)
+    return tqdm(
+        total=total,
+        desc=label,
+        unit="req",
+        file=sys.stderr,
+        leave=False,
+        disable=not config.show_progress,
+        dynamic_ncols=True,
+    )
 
 
-def run_serve_benchmark_sync(config: ServeBenchConfig,
-                             on_point: Callable[[PointResult], None] | None = None) -> BenchmarkResult:
+def run_serve_benchmark_sync(
+    config: ServeBenchConfig, on_point: Callable[[PointResult], None] | None = None
+) -> BenchmarkResult:
     """:func:`run_serve_benchmark` in a fresh event loop."""
     return asyncio.run(run_serve_benchmark(config, on_point))

@@ -42,7 +42,9 @@ class SaturationResult:
     reason: str  # which rule fired, with the numbers, or why none did
 
 
-def find_saturation(points: Sequence[SweepPoint], rule: SaturationRule, *, open_loop: bool) -> SaturationResult:
+def find_saturation(
+    points: Sequence[SweepPoint], rule: SaturationRule, *, open_loop: bool
+) -> SaturationResult:
     if not points:
         raise ValueError("no sweep points")
     loads = [p.load for p in points]
@@ -56,28 +58,42 @@ def find_saturation(points: Sequence[SweepPoint], rule: SaturationRule, *, open_
             before = index - 1 if index > 0 else None
             return SaturationResult(saturated=True, knee_index=index, saturation_index=before, reason=reason)
     return SaturationResult(
-        saturated=False, knee_index=None, saturation_index=len(points) - 1,
+        saturated=False,
+        knee_index=None,
+        saturation_index=len(points) - 1,
         reason="no point broke the rule: not saturated within the sweep (the last point is a lower bound)",
     )
 
 
-def _broken_rule(index: int, point: SweepPoint, points: Sequence[SweepPoint], baseline: float | None,
-                 rule: SaturationRule, open_loop: bool) -> str | None:
+def _broken_rule(
+    index: int,
+    point: SweepPoint,
+    points: Sequence[SweepPoint],
+    baseline: float | None,
+    rule: SaturationRule,
+    open_loop: bool,
+) -> str | None:
     label = f"load {point.load:g}"
     if point.latency_s is None:
         return f"{label}: no successful request"
     offered = point.offered_rps
     if open_loop and math.isfinite(offered) and point.achieved_rps < rule.min_efficiency * offered:
-        return (f"{label}: achieved {point.achieved_rps:.3g} req/s is below {rule.min_efficiency:g} × the "
-                f"offered {offered:.3g} req/s")
+        return (
+            f"{label}: achieved {point.achieved_rps:.3g} req/s is below {rule.min_efficiency:g} × the "
+            f"offered {offered:.3g} req/s"
+        )
     if index == 0:
         return None
     if baseline is not None and point.latency_s > rule.latency_factor * baseline:
-        return (f"{label}: {rule.latency} {point.latency_s * 1e3:.1f} ms is {point.latency_s / baseline:.2f}× "
-                f"its lowest-load value {baseline * 1e3:.1f} ms (limit {rule.latency_factor:g}×)")
+        return (
+            f"{label}: {rule.latency} {point.latency_s * 1e3:.1f} ms is {point.latency_s / baseline:.2f}× "
+            f"its lowest-load value {baseline * 1e3:.1f} ms (limit {rule.latency_factor:g}×)"
+        )
     previous = points[index - 1].achieved_rps
     if point.achieved_rps < (1.0 + rule.min_throughput_gain) * previous:
         gain = point.achieved_rps / previous - 1.0 if previous > 0 else 0.0
-        return (f"{label}: achieved throughput rose {gain:+.1%} over the previous point "
-                f"(needs at least +{rule.min_throughput_gain:.0%})")
+        return (
+            f"{label}: achieved throughput rose {gain:+.1%} over the previous point "
+            f"(needs at least +{rule.min_throughput_gain:.0%})"
+        )
     return None

@@ -47,8 +47,12 @@ class OpenAIStreamClient:
 
     def payload(self, spec: RequestSpec) -> dict:
         """The JSON body for ``spec``."""
-        body: dict = {"model": self._model, "max_tokens": spec.max_tokens, "stream": True,
-                      "temperature": self._endpoint.temperature}
+        body: dict = {
+            "model": self._model,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "temperature": self._endpoint.temperature,
+        }
         if self._endpoint.api == "chat":
             messages = [{"role": "user", "content": spec.prompt}]
             if spec.system_prompt is not None:
@@ -67,8 +71,15 @@ class OpenAIStreamClient:
             body["user"] = spec.tenant
         return body
 
-    async def send(self, spec: RequestSpec, *, phase: str, t0: float, scheduled_s: float,
-                   gate: asyncio.Semaphore | None = None) -> RequestRecord:
+    async def send(
+        self,
+        spec: RequestSpec,
+        *,
+        phase: str,
+        t0: float,
+        scheduled_s: float,
+        gate: asyncio.Semaphore | None = None,
+    ) -> RequestRecord:
         """Issue ``spec`` (after taking a slot of ``gate``, if given) and measure it; never raises for a
         failed request, which comes back with ``error_type`` set."""
         if gate is None:
@@ -80,9 +91,15 @@ class OpenAIStreamClient:
         clock = time.perf_counter
         headers = {} if spec.tenant is None else {"x-tenant": spec.tenant}
         body = self.payload(spec)
-        record = RequestRecord(index=spec.index, phase=phase, prompt_words=spec.prompt_words,
-                               max_tokens=spec.max_tokens, tenant=spec.tenant, scheduled_s=scheduled_s,
-                               sent_s=clock() - t0)
+        record = RequestRecord(
+            index=spec.index,
+            phase=phase,
+            prompt_words=spec.prompt_words,
+            max_tokens=spec.max_tokens,
+            tenant=spec.tenant,
+            scheduled_s=scheduled_s,
+            sent_s=clock() - t0,
+        )
         try:
             events, record.end_s = await self._stream(body, headers, t0)
             _apply_events(record, events, chat=self._endpoint.api == "chat")

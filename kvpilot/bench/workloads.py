@@ -28,7 +28,9 @@ class RequestSpec:
     index: int  # position in the stream (0-based)
     prompt: str  # the user text
     max_tokens: int  # requested output length
-    prompt_words: int  # words in system prompt + prompt: the estimate of prompt tokens when no usage comes back
+    prompt_words: (
+        int  # words in system prompt + prompt: the estimate of prompt tokens when no usage comes back
+    )
     system_prompt: str | None = None  # the tenant's shared prefix (shared-prefix workload)
     tenant: str | None = None  # tenant id (shared-prefix workload)
 
@@ -68,8 +70,9 @@ def _random_stream(config: WorkloadConfig, rng: np.random.Generator) -> Iterator
     while True:
         words = _uniform(rng, config.input_len_range)
         max_tokens = _uniform(rng, config.output_len_range)
-        yield RequestSpec(index=index, prompt=random_words(rng, words), max_tokens=max_tokens,
-                          prompt_words=words)
+        yield RequestSpec(
+            index=index, prompt=random_words(rng, words), max_tokens=max_tokens, prompt_words=words
+        )
         index += 1
 
 
@@ -78,8 +81,9 @@ def tenant_system_prompts(config: WorkloadConfig, rng: np.random.Generator) -> l
     return [f"tenant-{t}: " + random_words(rng, config.system_prompt_len) for t in range(config.num_tenants)]
 
 
-def _shared_prefix_stream(config: WorkloadConfig, system_prompts: list[str],
-                          rng: np.random.Generator) -> Iterator[RequestSpec]:
+def _shared_prefix_stream(
+    config: WorkloadConfig, system_prompts: list[str], rng: np.random.Generator
+) -> Iterator[RequestSpec]:
     # "tenant-k:" adds one word to each system prompt.
     system_words = config.system_prompt_len + 1
     index = 0
@@ -87,19 +91,26 @@ def _shared_prefix_stream(config: WorkloadConfig, system_prompts: list[str],
         tenant = int(rng.integers(0, config.num_tenants))
         words = _uniform(rng, config.input_len_range)
         max_tokens = _uniform(rng, config.output_len_range)
-        yield RequestSpec(index=index, prompt=random_words(rng, words), max_tokens=max_tokens,
-                          prompt_words=system_words + words, system_prompt=system_prompts[tenant],
-                          tenant=f"tenant-{tenant}")
+        yield RequestSpec(
+            index=index,
+            prompt=random_words(rng, words),
+            max_tokens=max_tokens,
+            prompt_words=system_words + words,
+            system_prompt=system_prompts[tenant],
+            tenant=f"tenant-{tenant}",
+        )
         index += 1
 
 
-def _sharegpt_stream(pairs: list[ConversationTurnPair], output_cap: int,
-                     rng: np.random.Generator) -> Iterator[RequestSpec]:
+def _sharegpt_stream(
+    pairs: list[ConversationTurnPair], output_cap: int, rng: np.random.Generator
+) -> Iterator[RequestSpec]:
     index = 0
     while True:
         for position in rng.permutation(len(pairs)):
             pair = pairs[int(position)]
             max_tokens = max(1, min(pair.answer_words, output_cap))
-            yield RequestSpec(index=index, prompt=pair.prompt, max_tokens=max_tokens,
-                              prompt_words=len(pair.prompt.split()))
+            yield RequestSpec(
+                index=index, prompt=pair.prompt, max_tokens=max_tokens, prompt_words=len(pair.prompt.split())
+            )
             index += 1

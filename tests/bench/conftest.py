@@ -122,8 +122,11 @@ class FakeOpenAIServer:
                 return response
         if (body.get("stream_options") or {}).get("include_usage"):
             prompt = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
-            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": max_tokens,
-                     "total_tokens": len(prompt.split()) + max_tokens}
+            usage = {
+                "prompt_tokens": len(prompt.split()),
+                "completion_tokens": max_tokens,
+                "total_tokens": len(prompt.split()) + max_tokens,
+            }
             await _send(response, {"choices": [], "usage": usage})
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()

@@ -57,11 +57,14 @@ def test_duration_bounds_the_schedule():
     assert short[-1] < 1.0 and len(short) < 10_000  # the duration ends it first
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"rate": 0.0, "burstiness": 1.0, "count": 3}, "rate must be"),
-    ({"rate": 1.0, "burstiness": 0.0, "count": 3}, "burstiness must be"),
-    ({"rate": 1.0, "burstiness": 1.0}, "needs a count or a duration"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rate": 0.0, "burstiness": 1.0, "count": 3}, "rate must be"),
+        ({"rate": 1.0, "burstiness": 0.0, "count": 3}, "burstiness must be"),
+        ({"rate": 1.0, "burstiness": 1.0}, "needs a count or a duration"),
+    ],
+)
 def test_bad_arguments_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
         arrival_offsets(rng=_rng(), **kwargs)

@@ -8,25 +8,28 @@ from kvpilot import cli as kvpilot_cli
 from kvpilot.bench.cli import main
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--request-rate", "-1"], "--request-rate values must be > 0 or inf (got -1.0)"),
-    (["--request-rate", "abc"], "expected rates like '4' or '1,2,4,inf', got 'abc'"),
-    (["--concurrency", "0"], "--concurrency values must be >= 1 (got 0)"),
-    (["--concurrency", "2,2"], "--concurrency lists a level twice"),
-    (["--request-rate", "1,2,1"], "--request-rate lists a rate twice"),
-    (["--ready-url", "localhost/ready"], "--ready-url must start with http://"),
-    (["--concurrency", "2", "--request-rate", "3"], "not allowed with argument"),
-    (["--concurrency", "2", "--max-concurrency", "3"], "--max-concurrency caps open-loop load"),
-    (["--request-rate", "inf", "--duration", "5"], "needs --num-requests"),
-    (["--input-len", "5:2"], "--input-len needs 1 <= MIN <= MAX (got 5:2)"),
-    (["--output-len", "x"], "expected N or MIN:MAX, got 'x'"),
-    (["--workload", "sharegpt"], "--workload sharegpt needs --dataset-path"),
-    (["--slo-ttft", "0"], "--slo-ttft must be a positive number of seconds (got 0.0)"),
-    (["--burstiness", "0"], "--burstiness must be a positive finite number"),
-    (["--base-url", "localhost:8000"], "--base-url must start with http:// or https://"),
-    (["--api", "grpc"], "invalid choice: 'grpc'"),
-    (["--saturation-latency-factor", "1"], "--saturation-latency-factor must be > 1"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--request-rate", "-1"], "--request-rate values must be > 0 or inf (got -1.0)"),
+        (["--request-rate", "abc"], "expected rates like '4' or '1,2,4,inf', got 'abc'"),
+        (["--concurrency", "0"], "--concurrency values must be >= 1 (got 0)"),
+        (["--concurrency", "2,2"], "--concurrency lists a level twice"),
+        (["--request-rate", "1,2,1"], "--request-rate lists a rate twice"),
+        (["--ready-url", "localhost/ready"], "--ready-url must start with http://"),
+        (["--concurrency", "2", "--request-rate", "3"], "not allowed with argument"),
+        (["--concurrency", "2", "--max-concurrency", "3"], "--max-concurrency caps open-loop load"),
+        (["--request-rate", "inf", "--duration", "5"], "needs --num-requests"),
+        (["--input-len", "5:2"], "--input-len needs 1 <= MIN <= MAX (got 5:2)"),
+        (["--output-len", "x"], "expected N or MIN:MAX, got 'x'"),
+        (["--workload", "sharegpt"], "--workload sharegpt needs --dataset-path"),
+        (["--slo-ttft", "0"], "--slo-ttft must be a positive number of seconds (got 0.0)"),
+        (["--burstiness", "0"], "--burstiness must be a positive finite number"),
+        (["--base-url", "localhost:8000"], "--base-url must start with http:// or https://"),
+        (["--api", "grpc"], "invalid choice: 'grpc'"),
+        (["--saturation-latency-factor", "1"], "--saturation-latency-factor must be > 1"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_message_naming_the_flag(flags, message, capsys):
     assert main(["serve", *flags]) == 2
     err = capsys.readouterr().err
@@ -50,7 +53,9 @@ def test_unreachable_endpoint_exits_1_without_a_traceback(closed_port, capsys):
 
 def test_endpoint_that_never_gets_ready_exits_1(fake_server, capsys):
     server = fake_server(ready_after_s=60.0)
-    code = main(["serve", "--base-url", server.url, "--wait-ready", "--ready-timeout", "0.3", "--no-progress"])
+    code = main(
+        ["serve", "--base-url", server.url, "--wait-ready", "--ready-timeout", "0.3", "--no-progress"]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert f"{server.url}/ready was not ready after 0.3 s" in err and "last: HTTP 503" in err

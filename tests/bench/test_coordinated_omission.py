@@ -44,7 +44,9 @@ async def test_client_that_falls_behind_still_counts_latency_from_the_schedule(f
         assert record.send_lag_s >= STALL_S - record.scheduled_s
         # ... and its TTFT includes that wait: TTFT from the schedule = TTFT from the send + send lag.
         assert record.ttft_s >= STALL_S - record.scheduled_s
-        assert record.ttft_s == pytest.approx((record.emit_s[0] - record.sent_s) + record.send_lag_s, abs=1e-12)
+        assert record.ttft_s == pytest.approx(
+            (record.emit_s[0] - record.sent_s) + record.send_lag_s, abs=1e-12
+        )
     summary = summarize(records, SLOConfig(ttft_s=0.2))
     assert summary.ttft_s.p50 >= STALL_S - 0.2  # median of >= [0.6, 0.5, 0.4, 0.3]
     assert summary.slo.met == 0  # every request saw the stall
@@ -66,8 +68,9 @@ async def test_closed_loop_measures_from_when_a_client_became_free(fake_server):
     server = fake_server(token_delay_s=0.001, stall_first_request_s=STALL_S)
     async with aiohttp.ClientSession() as session:
         client = OpenAIStreamClient(session, EndpointConfig(base_url=server.url), "fake-model")
-        records = await run_closed_loop(client, iter(_specs(3)), concurrency=1, num_requests=3,
-                                        duration_s=None)
+        records = await run_closed_loop(
+            client, iter(_specs(3)), concurrency=1, num_requests=3, duration_s=None
+        )
     assert [r.index for r in records] == [0, 1, 2]
     assert records[0].ttft_s >= STALL_S
     # Closed loop: the next arrival is when the client became free, so the stall is not in later TTFTs

@@ -10,12 +10,18 @@ import pytest
 pytestmark = pytest.mark.triton
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
-ROW = re.compile(r"^(decode|prefill) +(B=.*?) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) (GB/s|TFLOP/s) +([\d.]+) +(\S+)")
+ROW = re.compile(
+    r"^(decode|prefill) +(B=.*?) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) (GB/s|TFLOP/s) +([\d.]+) +(\S+)"
+)
 
 
 def test_quick_kernel_bench_runs_and_agrees_with_sdpa():
-    result = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--max-err", "5e-3"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--device", "cpu", "--max-err", "5e-3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [ROW.match(line) for line in result.stdout.splitlines()]
     rows = [row for row in rows if row]

@@ -12,10 +12,28 @@ from kvpilot.bench.metrics import distribution, meets_slo, summarize
 from kvpilot.bench.records import PHASE_MEASURED, RequestRecord
 
 
-def _record(index: int, scheduled: float, sent: float, emits: list[float], end: float, *,
-            usage: tuple[int, int] | None = None, prompt_words: int = 10, error: str | None = None) -> RequestRecord:
-    record = RequestRecord(index=index, phase=PHASE_MEASURED, prompt_words=prompt_words, max_tokens=8,
-                           scheduled_s=scheduled, sent_s=sent, emit_s=list(emits), end_s=end, error_type=error)
+def _record(
+    index: int,
+    scheduled: float,
+    sent: float,
+    emits: list[float],
+    end: float,
+    *,
+    usage: tuple[int, int] | None = None,
+    prompt_words: int = 10,
+    error: str | None = None,
+) -> RequestRecord:
+    record = RequestRecord(
+        index=index,
+        phase=PHASE_MEASURED,
+        prompt_words=prompt_words,
+        max_tokens=8,
+        scheduled_s=scheduled,
+        sent_s=sent,
+        emit_s=list(emits),
+        end_s=end,
+        error_type=error,
+    )
     if usage is not None:
         record.usage_prompt_tokens, record.usage_output_tokens = usage
     return record
@@ -94,8 +112,10 @@ def test_slo_attainment_is_a_ratio_and_goodput_a_rate(records):
 
 def test_warnings_name_thin_p99s_and_late_sends(records):
     warnings = summarize(records, SLOConfig()).warnings
-    assert warnings[0] == ("p99 rests on fewer than 100 samples for TTFT (3), TPOT (2), ITL (4), E2E (3): "
-                           "treat those p99s as noisy")
+    assert warnings[0] == (
+        "p99 rests on fewer than 100 samples for TTFT (3), TPOT (2), ITL (4), E2E (3): "
+        "treat those p99s as noisy"
+    )
     assert warnings[1].startswith("requests went out late: send lag p99 485.0 ms")
     assert len(warnings) == 2
 
@@ -108,8 +128,10 @@ def test_distribution_percentiles_on_known_data():
 
 
 def test_enough_samples_and_punctual_client_give_no_warnings():
-    records = [_record(i, i * 0.5, i * 0.5, [i * 0.5 + 0.25, i * 0.5 + 0.5], i * 0.5 + 0.5, usage=(5, 2))
-               for i in range(100)]
+    records = [
+        _record(i, i * 0.5, i * 0.5, [i * 0.5 + 0.25, i * 0.5 + 0.5], i * 0.5 + 0.5, usage=(5, 2))
+        for i in range(100)
+    ]
     summary = summarize(records, SLOConfig())
     assert summary.warnings == ()
     assert summary.tpot_s.count == 100 and summary.tpot_s.p99 == 0.25

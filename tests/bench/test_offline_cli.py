@@ -16,8 +16,24 @@ def test_token_id_range_fits_the_vocabulary(vocab_size, expected):
 def test_bench_offline_runs_a_model_with_a_small_vocabulary(tiny_model_dir, tmp_path, capsys):
     """The tiny model's vocabulary is 512: prompts drawn from SmolLM2's id range would be rejected."""
     report = tmp_path / "offline.json"
-    code = main(["bench", "offline", "--model", str(tiny_model_dir), "--num-requests", "3", "--input-len", "4:9",
-                 "--output-len", "2:5", "--warmup", "0", "--output-json", str(report)])
+    code = main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            str(tiny_model_dir),
+            "--num-requests",
+            "3",
+            "--input-len",
+            "4:9",
+            "--output-len",
+            "2:5",
+            "--warmup",
+            "0",
+            "--output-json",
+            str(report),
+        ]
+    )
     assert code == 0, capsys.readouterr().err
     summary = json.loads(report.read_text())
     workload = make_workload(3, (4, 9), (2, 5), seed=0, vocab=token_id_range(512))
@@ -28,9 +44,13 @@ def test_bench_offline_runs_a_model_with_a_small_vocabulary(tiny_model_dir, tmp_
     assert "3 requests" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--input-len", "8:x", "expected N or MIN:MAX"), ("--output-len", "9:3", "--output-len needs 1 <= MIN <= MAX (got 9:3)"),
-])
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--input-len", "8:x", "expected N or MIN:MAX"),
+        ("--output-len", "9:3", "--output-len needs 1 <= MIN <= MAX (got 9:3)"),
+    ],
+)
 def test_bench_offline_rejects_bad_ranges_with_a_usage_error(flag, value, message, capsys):
     assert main(["bench", "offline", "--model", "tiny-random", flag, value]) == 2
     assert message in capsys.readouterr().err

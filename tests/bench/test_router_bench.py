@@ -30,15 +30,23 @@ def test_cpu_lists_parse_to_exact_sets_and_bad_ones_are_argument_errors():
 @pytest.mark.parametrize("idle, nice", [(True, 0), (False, 5)])
 def test_engine_placement_sets_the_childs_policy_and_niceness(idle, nice):
     report = "import os; print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.nice(0))"
-    out = subprocess.run([sys.executable, "-c", report], capture_output=True, text=True, check=True,
-                         preexec_fn=router_bench.placement(nice, None, idle)).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", report],
+        capture_output=True,
+        text=True,
+        check=True,
+        preexec_fn=router_bench.placement(nice, None, idle),
+    ).stdout
     assert out.split() == [str(idle), str(os.nice(0) + nice)]
     assert router_bench.placement(0, None) is None
 
 
 def test_router_placement_asks_for_round_robin_real_time_where_this_user_may():
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
-                             preexec_fn=router_bench.placement(0, None, realtime=True))
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"],
+        stdin=subprocess.PIPE,
+        preexec_fn=router_bench.placement(0, None, realtime=True),
+    )
     try:
         try:  # what this user may do decides what the child must have
             os.sched_setscheduler(0, os.SCHED_RR, os.sched_param(os.sched_get_priority_min(os.SCHED_RR)))
@@ -55,7 +63,9 @@ def test_metrics_delta_counts_what_happened_in_between():
     before = '# HELP x_total X\nx_total 3.0\nh_bucket{le="0.001"} 2.0\nh_bucket{le="+Inf"} 2.0\n'
     after = '# HELP x_total X\nx_total 10.0\nh_bucket{le="0.001"} 5.0\nh_bucket{le="+Inf"} 9.0\ny 1.5\n'
     delta = router_bench.metrics_delta(before, after)
-    assert delta == '# HELP x_total X\nx_total 7.0\nh_bucket{le="0.001"} 3.0\nh_bucket{le="+Inf"} 7.0\ny 1.5\n'
+    assert (
+        delta == '# HELP x_total X\nx_total 7.0\nh_bucket{le="0.001"} 3.0\nh_bucket{le="+Inf"} 7.0\ny 1.5\n'
+    )
     assert router_bench.histogram_quantile(delta, "h", 0.99) == float("inf")  # 4 of the 7 above 1 ms
     assert router_bench.histogram_quantile(delta, "h", 0.4) == 0.001
 
@@ -64,10 +74,33 @@ def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path)
     cpus = sorted(os.sched_getaffinity(0))
     router_cpu, engine_cpu = str(cpus[-1]), str(cpus[0])
     result = subprocess.run(
-        [sys.executable, str(BENCH / "router_bench.py"), "--engine", "null", "--policies", "round_robin,cache_aware",
-         "--num-requests", "8", "--request-rate", "20", "--num-tenants", "2", "--system-prompt-len", "40",
-         "--engine-cpus", engine_cpu, "--router-cpus", router_cpu, "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        [
+            sys.executable,
+            str(BENCH / "router_bench.py"),
+            "--engine",
+            "null",
+            "--policies",
+            "round_robin,cache_aware",
+            "--num-requests",
+            "8",
+            "--request-rate",
+            "20",
+            "--num-tenants",
+            "2",
+            "--system-prompt-len",
+            "40",
+            "--engine-cpus",
+            engine_cpu,
+            "--router-cpus",
+            router_cpu,
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows: dict[str, str] = {}  # each policy's table row (its first line; the ratio lines come later)
     for line in result.stdout.splitlines():

@@ -14,13 +14,19 @@ RULE = SaturationRule()  # latency factor 2, min gain 5 %, min efficiency 0.8
 
 def _sweep(loads, achieved, latencies, offered=None) -> list[SweepPoint]:
     offered = loads if offered is None else offered
-    return [SweepPoint(load=load, achieved_rps=a, offered_rps=o, latency_s=lat)
-            for load, a, o, lat in zip(loads, achieved, offered, latencies, strict=True)]
+    return [
+        SweepPoint(load=load, achieved_rps=a, offered_rps=o, latency_s=lat)
+        for load, a, o, lat in zip(loads, achieved, offered, latencies, strict=True)
+    ]
 
 
 def test_throughput_plateau_is_the_knee():
-    points = _sweep([1, 2, 4, 8, 16], [1.0, 2.0, 3.9, 4.0, 4.05], [0.10, 0.10, 0.11, 0.15, 0.19],
-                    offered=[1, 2, 4, 4.5, 4.5])
+    points = _sweep(
+        [1, 2, 4, 8, 16],
+        [1.0, 2.0, 3.9, 4.0, 4.05],
+        [0.10, 0.10, 0.11, 0.15, 0.19],
+        offered=[1, 2, 4, 4.5, 4.5],
+    )
     result = find_saturation(points, RULE, open_loop=False)
     assert (result.saturated, result.knee_index, result.saturation_index) == (True, 3, 2)
     assert "rose +2.6% over the previous point" in result.reason

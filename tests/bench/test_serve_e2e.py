@@ -16,10 +16,35 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_open_loop_sweep_writes_report_and_plots(fake_server, tmp_path, capsys):
     server = fake_server(token_delay_s=0.002, fail_every=7, ready_after_s=0.4)
     report_path, plot_dir = tmp_path / "out" / "report.json", tmp_path / "plots"
-    code = main(["serve", "--base-url", server.url, "--wait-ready", "--request-rate", "40,80",
-                 "--num-requests", "12", "--warmup-requests", "2", "--input-len", "8:16", "--output-len", "4:6",
-                 "--slo-ttft", "1", "--slo-tpot", "0.5", "--seed", "1", "--output-json", str(report_path),
-                 "--plot-dir", str(plot_dir), "--no-progress"])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.url,
+            "--wait-ready",
+            "--request-rate",
+            "40,80",
+            "--num-requests",
+            "12",
+            "--warmup-requests",
+            "2",
+            "--input-len",
+            "8:16",
+            "--output-len",
+            "4:6",
+            "--slo-ttft",
+            "1",
+            "--slo-tpot",
+            "0.5",
+            "--seed",
+            "1",
+            "--output-json",
+            str(report_path),
+            "--plot-dir",
+            str(plot_dir),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     report = json.loads(report_path.read_text())
 
@@ -39,7 +64,9 @@ def test_open_loop_sweep_writes_report_and_plots(fake_server, tmp_path, capsys):
     prompts = [body["prompt"] for _, body in server.requests]
     assert not set(prompts[:2]) & set(prompts[2:14]) and not set(prompts[2:14]) & set(prompts[14:])
     # The arrival pattern is the same at both rates, rescaled (80 req/s: half the gaps of 40 req/s).
-    assert [r["scheduled_s"] / 2 for r in first] == pytest.approx([r["scheduled_s"] for r in second], rel=1e-12)
+    assert [r["scheduled_s"] / 2 for r in first] == pytest.approx(
+        [r["scheduled_s"] for r in second], rel=1e-12
+    )
     for record in first + second:
         assert record["phase"] == "measured" and 4 <= record["max_tokens"] <= 6
         if not record["ok"]:
@@ -64,9 +91,16 @@ def test_open_loop_sweep_writes_report_and_plots(fake_server, tmp_path, capsys):
         assert data.startswith(PNG_MAGIC) and len(data) > 10_000
 
     out = capsys.readouterr().out
-    for expected in ("== open loop, rate 40 req/s (Poisson) ==", "== open loop, rate 80 req/s (Poisson) ==",
-                     "== cold start", "== sweep (open loop", "saturation  ", "errors      http_500: 2",
-                     "throughput  request ", "SLO         TTFT<=1000 ms, TPOT<=500 ms: attainment 83.3% (10/12)"):
+    for expected in (
+        "== open loop, rate 40 req/s (Poisson) ==",
+        "== open loop, rate 80 req/s (Poisson) ==",
+        "== cold start",
+        "== sweep (open loop",
+        "saturation  ",
+        "errors      http_500: 2",
+        "throughput  request ",
+        "SLO         TTFT<=1000 ms, TPOT<=500 ms: attainment 83.3% (10/12)",
+    ):
         assert expected in out
 
 
@@ -75,11 +109,41 @@ def test_closed_loop_chat_shared_prefix_without_usage_classifies_errors(fake_ser
     # leaves a loaded CI host room: with 0.5 s an ordinary request once timed out too.
     server = fake_server(token_delay_s=0.001, break_every=3, hang_every=5, hang_s=5.0)
     report_path = tmp_path / "report.json"
-    code = main(["serve", "--base-url", server.url, "--api", "chat", "--model", "explicit-model",
-                 "--workload", "shared-prefix", "--num-tenants", "2", "--system-prompt-len", "20",
-                 "--input-len", "3:5", "--output-len", "3", "--concurrency", "2", "--num-requests", "10",
-                 "--warmup-requests", "0", "--no-usage", "--request-timeout", "2", "--api-key", "s3cret",
-                 "--output-json", str(report_path), "--no-progress"])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.url,
+            "--api",
+            "chat",
+            "--model",
+            "explicit-model",
+            "--workload",
+            "shared-prefix",
+            "--num-tenants",
+            "2",
+            "--system-prompt-len",
+            "20",
+            "--input-len",
+            "3:5",
+            "--output-len",
+            "3",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "10",
+            "--warmup-requests",
+            "0",
+            "--no-usage",
+            "--request-timeout",
+            "2",
+            "--api-key",
+            "s3cret",
+            "--output-json",
+            str(report_path),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     report = json.loads(report_path.read_text())
     (point,) = report["points"]
@@ -107,15 +171,49 @@ def test_closed_loop_chat_shared_prefix_without_usage_classifies_errors(fake_ser
 def test_sharegpt_file_with_a_duration_bound(fake_server, tmp_path):
     server = fake_server(token_delay_s=0.001)
     dataset = tmp_path / "sharegpt.json"
-    dataset.write_text(json.dumps([
-        {"conversations": [{"from": "human", "value": "say hi"}, {"from": "gpt", "value": "hi there you"}]},
-        {"conversations": [{"from": "human", "value": "count to nine"},
-                           {"from": "gpt", "value": "one two three four five six seven eight nine"}]},
-    ]))
+    dataset.write_text(
+        json.dumps(
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "say hi"},
+                        {"from": "gpt", "value": "hi there you"},
+                    ]
+                },
+                {
+                    "conversations": [
+                        {"from": "human", "value": "count to nine"},
+                        {"from": "gpt", "value": "one two three four five six seven eight nine"},
+                    ]
+                },
+            ]
+        )
+    )
     report_path = tmp_path / "report.json"
-    code = main(["serve", "--base-url", server.url, "--workload", "sharegpt", "--dataset-path", str(dataset),
-                 "--sharegpt-output-cap", "6", "--request-rate", "20", "--duration", "0.4", "--seed", "5",
-                 "--warmup-requests", "0", "--output-json", str(report_path), "--no-progress"])
+    code = main(
+        [
+            "serve",
+            "--base-url",
+            server.url,
+            "--workload",
+            "sharegpt",
+            "--dataset-path",
+            str(dataset),
+            "--sharegpt-output-cap",
+            "6",
+            "--request-rate",
+            "20",
+            "--duration",
+            "0.4",
+            "--seed",
+            "5",
+            "--warmup-requests",
+            "0",
+            "--output-json",
+            str(report_path),
+            "--no-progress",
+        ]
+    )
     assert code == 0
     records = json.loads(report_path.read_text())["points"][0]["records"]
     arrival_seed = np.random.SeedSequence(5).spawn(3)[0]

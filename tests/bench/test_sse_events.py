@@ -13,8 +13,9 @@ from kvpilot.bench.workloads import RequestSpec
 
 
 def _blank() -> RequestRecord:
-    return RequestRecord(index=0, phase=PHASE_MEASURED, prompt_words=3, max_tokens=4, scheduled_s=0.0,
-                         sent_s=0.0)
+    return RequestRecord(
+        index=0, phase=PHASE_MEASURED, prompt_words=3, max_tokens=4, scheduled_s=0.0, sent_s=0.0
+    )
 
 
 def _events(*pairs: tuple[float, dict | str]) -> list[tuple[float, bytes]]:
@@ -23,13 +24,17 @@ def _events(*pairs: tuple[float, dict | str]) -> list[tuple[float, bytes]]:
 
 def test_chat_role_event_is_not_a_token_and_usage_wins_over_chunk_count():
     record = _blank()
-    _apply_events(record, _events(
-        (0.25, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
-        (0.5, {"choices": [{"index": 0, "delta": {"content": "Hello"}}]}),
-        (0.75, {"choices": [{"index": 0, "delta": {"content": ""}}]}),
-        (1.0, {"choices": [{"index": 0, "delta": {"content": " world"}, "finish_reason": "length"}]}),
-        (1.25, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}}),
-    ), chat=True)
+    _apply_events(
+        record,
+        _events(
+            (0.25, {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}),
+            (0.5, {"choices": [{"index": 0, "delta": {"content": "Hello"}}]}),
+            (0.75, {"choices": [{"index": 0, "delta": {"content": ""}}]}),
+            (1.0, {"choices": [{"index": 0, "delta": {"content": " world"}, "finish_reason": "length"}]}),
+            (1.25, {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}}),
+        ),
+        chat=True,
+    )
     assert record.emit_s == [0.5, 1.0]
     assert (record.usage_prompt_tokens, record.usage_output_tokens) == (7, 5)
     assert record.output_tokens == 5 and record.output_token_source == "usage"
@@ -39,19 +44,29 @@ def test_chat_role_event_is_not_a_token_and_usage_wins_over_chunk_count():
 
 def test_completion_chunks_are_counted_without_usage():
     record = _blank()
-    _apply_events(record, _events((0.5, {"choices": [{"text": "a"}]}), (0.5, {"choices": [{"text": "b"}]}),
-                                  (0.75, {"choices": [{"text": "c"}]})), chat=False)
+    _apply_events(
+        record,
+        _events(
+            (0.5, {"choices": [{"text": "a"}]}),
+            (0.5, {"choices": [{"text": "b"}]}),
+            (0.75, {"choices": [{"text": "c"}]}),
+        ),
+        chat=False,
+    )
     assert record.emit_s == [0.5, 0.5, 0.75]  # two events in one network read share its timestamp
     assert (record.output_tokens, record.output_token_source) == (3, "chunks")
     assert record.itl_s == [0.0, 0.25]
 
 
-@pytest.mark.parametrize(("payload", "error_type", "detail"), [
-    ("not json", "invalid_response", "unparsable event"),
-    ('["a list"]', "invalid_response", "not a JSON object"),
-    ('{"error": {"message": "boom"}}', "invalid_response", "error in stream"),
-    ('{"choices": [{"text": ""}]}', "empty_output", "without output text"),
-])
+@pytest.mark.parametrize(
+    ("payload", "error_type", "detail"),
+    [
+        ("not json", "invalid_response", "unparsable event"),
+        ('["a list"]', "invalid_response", "not a JSON object"),
+        ('{"error": {"message": "boom"}}', "invalid_response", "error in stream"),
+        ('{"choices": [{"text": ""}]}', "empty_output", "without output text"),
+    ],
+)
 def test_bad_streams_end_with_a_typed_error(payload, error_type, detail):
     with pytest.raises(_Failure) as failure:
         _apply_events(_blank(), [(0.5, payload.encode())], chat=False)
@@ -60,16 +75,29 @@ def test_bad_streams_end_with_a_typed_error(payload, error_type, detail):
 
 
 def test_payload_carries_model_lengths_tenant_and_optional_vllm_params():
-    spec = RequestSpec(index=0, prompt="hi there", max_tokens=7, prompt_words=5, system_prompt="be brief",
-                       tenant="tenant-1")
-    chat = OpenAIStreamClient(None, EndpointConfig(api="chat", ignore_eos=True, min_tokens_equal_max=True), "m")
+    spec = RequestSpec(
+        index=0, prompt="hi there", max_tokens=7, prompt_words=5, system_prompt="be brief", tenant="tenant-1"
+    )
+    chat = OpenAIStreamClient(
+        None, EndpointConfig(api="chat", ignore_eos=True, min_tokens_equal_max=True), "m"
+    )
     assert chat.payload(spec) == {
-        "model": "m", "max_tokens": 7, "stream": True, "temperature": 0.0,
+        "model": "m",
+        "max_tokens": 7,
+        "stream": True,
+        "temperature": 0.0,
         "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}],
-        "stream_options": {"include_usage": True}, "ignore_eos": True, "min_tokens": 7, "user": "tenant-1",
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "min_tokens": 7,
+        "user": "tenant-1",
     }
     plain = OpenAIStreamClient(None, EndpointConfig(include_usage=False), "m")
     assert plain.payload(spec) == {
-        "model": "m", "max_tokens": 7, "stream": True, "temperature": 0.0,
-        "prompt": "be brief\n\nhi there", "user": "tenant-1",
+        "model": "m",
+        "max_tokens": 7,
+        "stream": True,
+        "temperature": 0.0,
+        "prompt": "be brief\n\nhi there",
+        "user": "tenant-1",
     }

@@ -14,20 +14,27 @@ step_profile = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(step_profile)
 
 
-@pytest.mark.parametrize(("intervals", "wall", "expected"), [
-    ([], 10.0, 0.0),
-    ([(0, 2), (1, 3), (5, 6)], 10.0, 0.4),  # overlap counted once
-    ([(4, 5), (0, 10), (2, 3)], 10.0, 1.0),  # nested and unsorted
-    ([(0, 1)], 0.0, 0.0),
-])
+@pytest.mark.parametrize(
+    ("intervals", "wall", "expected"),
+    [
+        ([], 10.0, 0.0),
+        ([(0, 2), (1, 3), (5, 6)], 10.0, 0.4),  # overlap counted once
+        ([(4, 5), (0, 10), (2, 3)], 10.0, 1.0),  # nested and unsorted
+        ([(0, 1)], 0.0, 0.0),
+    ],
+)
 def test_busy_fraction_is_the_union_of_intervals(intervals, wall, expected):
     assert step_profile.busy_fraction(intervals, wall) == pytest.approx(expected)
 
 
 def test_short_cpu_run_times_every_stage_of_decode_steps(tmp_path, tiny_model_dir):
     out = tmp_path / "profile.json"
-    assert step_profile.main(["--batch", "6", "--prompt-len", "5", "--steps", "4", "--warmup", "1",
-                              "--output-json", str(out)]) == 0
+    assert (
+        step_profile.main(
+            ["--batch", "6", "--prompt-len", "5", "--steps", "4", "--warmup", "1", "--output-json", str(out)]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert (result["device"], result["batch"], result["steps"], result["sampling"]) == ("cpu", 6, 4, True)
     assert set(result["stage_ms_p50"]) == {*step_profile.STAGES, "other"}

@@ -57,10 +57,14 @@ def test_shared_prefix_tenants_share_one_system_prompt_each():
 
 
 def test_streams_of_one_workload_share_tenant_prompts_but_not_user_parts():
-    workload = Workload(WorkloadConfig(kind="shared-prefix", num_tenants=2, system_prompt_len=10), tenant_seed=9)
+    workload = Workload(
+        WorkloadConfig(kind="shared-prefix", num_tenants=2, system_prompt_len=10), tenant_seed=9
+    )
     first = list(itertools.islice(workload.stream(np.random.default_rng(1)), 30))
     second = list(itertools.islice(workload.stream(np.random.default_rng(2)), 30))
-    assert {s.system_prompt for s in first} == {s.system_prompt for s in second} == set(workload.system_prompts)
+    assert (
+        {s.system_prompt for s in first} == {s.system_prompt for s in second} == set(workload.system_prompts)
+    )
     assert not {s.prompt for s in first} & {s.prompt for s in second}
     other_tenants = Workload(workload.config, tenant_seed=10).system_prompts
     assert not set(other_tenants) & set(workload.system_prompts)
@@ -73,35 +77,54 @@ def _write_sharegpt(tmp_path, entries) -> WorkloadConfig:
 
 
 SHAREGPT = [
-    {"conversations": [{"from": "human", "value": "what is two plus two"},
-                       {"from": "gpt", "value": "it is four"}]},
-    {"conversations": [{"from": "gpt", "value": "starts with the answer"},
-                       {"from": "human", "value": "skipped"}]},
+    {
+        "conversations": [
+            {"from": "human", "value": "what is two plus two"},
+            {"from": "gpt", "value": "it is four"},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "gpt", "value": "starts with the answer"},
+            {"from": "human", "value": "skipped"},
+        ]
+    },
     {"id": "no conversations"},
-    {"conversations": [{"from": "human", "value": "tell a long story"},
-                       {"from": "gpt", "value": "once upon a time there was a tiny model"}]},
+    {
+        "conversations": [
+            {"from": "human", "value": "tell a long story"},
+            {"from": "gpt", "value": "once upon a time there was a tiny model"},
+        ]
+    },
 ]
 
 
 def test_sharegpt_uses_first_human_turn_and_caps_output(tmp_path):
     config = _write_sharegpt(tmp_path, SHAREGPT)
     pairs = load_sharegpt(config.dataset_path)
-    assert [(p.prompt, p.answer_words) for p in pairs] == [("what is two plus two", 3),
-                                                          ("tell a long story", 9)]
+    assert [(p.prompt, p.answer_words) for p in pairs] == [
+        ("what is two plus two", 3),
+        ("tell a long story", 9),
+    ]
     specs = _take(config, 6)
     # Every round visits each usable entry once, in a seeded order.
     for round_start in (0, 2, 4):
-        assert sorted(s.prompt for s in specs[round_start:round_start + 2]) == [
-            "tell a long story", "what is two plus two"]
+        assert sorted(s.prompt for s in specs[round_start : round_start + 2]) == [
+            "tell a long story",
+            "what is two plus two",
+        ]
     lengths = {s.prompt: (s.max_tokens, s.prompt_words) for s in specs}
     assert lengths == {"what is two plus two": (3, 5), "tell a long story": (5, 4)}  # 9 words capped at 5
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ("{not json", "not valid JSON"),
-    ('{"conversations": []}', "expected a JSON list"),
-    ('[{"conversations": [{"from": "human", "value": "only a question"}]}]', "no entry has"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"conversations": []}', "expected a JSON list"),
+        ('[{"conversations": [{"from": "human", "value": "only a question"}]}]', "no entry has"),
+    ],
+)
 def test_unusable_sharegpt_files_are_rejected_with_the_reason(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)

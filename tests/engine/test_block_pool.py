@@ -39,7 +39,10 @@ def test_cached_blocks_are_evicted_only_when_unreferenced_and_reused():
     assert pool.lookup(b"h-b") is None and pool.lookup(b"h-a") == a
     batch = events.since(0)
     assert [(e.kind, e.hashes) for e in batch.events] == [
-        ("stored", (b"h-a".hex(),)), ("stored", (b"h-b".hex(),)), ("removed", (b"h-b".hex(),))]
+        ("stored", (b"h-a".hex(),)),
+        ("stored", (b"h-b".hex(),)),
+        ("removed", (b"h-b".hex(),)),
+    ]
     pool.check()
 
 

@@ -27,16 +27,26 @@ def test_engine_args_are_the_union_of_the_area_configs_with_equal_defaults():
             assert flat[f.name] == f.default, f.name
     config = EngineArgs(block_size=32, max_num_seqs=7, logprobs_mode="processed_logprobs").create_config()
     assert (config.cache.block_size, config.scheduler.max_num_seqs, config.logprobs_mode) == (
-        32, 7, "processed_logprobs")
+        32,
+        7,
+        "processed_logprobs",
+    )
 
 
-@pytest.mark.parametrize(("kwargs", "text"), [
-    ({"block_size": 3}, "block_size"), ({"num_kv_blocks": 1}, "num_kv_blocks"),
-    ({"preemption_mode": "swap"}, "swap_space"), ({"max_num_seqs": 100, "max_num_batched_tokens": 50},
-                                                   "max_num_batched_tokens"),
-    ({"attention_backend": "cuda"}, "attention_backend"), ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
-    ({"dtype": "int8"}, "dtype"), ({"device": "tpu"}, "device"), ({"logprobs_mode": "raw"}, "logprobs_mode"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "text"),
+    [
+        ({"block_size": 3}, "block_size"),
+        ({"num_kv_blocks": 1}, "num_kv_blocks"),
+        ({"preemption_mode": "swap"}, "swap_space"),
+        ({"max_num_seqs": 100, "max_num_batched_tokens": 50}, "max_num_batched_tokens"),
+        ({"attention_backend": "cuda"}, "attention_backend"),
+        ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"logprobs_mode": "raw"}, "logprobs_mode"),
+    ],
+)
 def test_invalid_engine_args_name_the_argument(kwargs, text):
     with pytest.raises(ConfigError, match=text):
         EngineArgs(**kwargs).create_config()

@@ -8,8 +8,13 @@ import pytest
 from kvpilot.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStringBuffer
 from kvpilot.engine.tokenizer import Tokenizer
 
-TEXTS = ["héllo wörld", "日本語のテキスト", "emoji 🚀🎉 mixed ✓", "plain ascii text, with punctuation!",
-         "Ωmega → ∞ and ½"]
+TEXTS = [
+    "héllo wörld",
+    "日本語のテキスト",
+    "emoji 🚀🎉 mixed ✓",
+    "plain ascii text, with punctuation!",
+    "Ωmega → ∞ and ½",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +40,7 @@ def test_incomplete_character_at_the_end_is_flushed_as_decoded(tiny_tok):
     text = "".join(detok.push(t) for t in ids[:-1])
     assert text == "ok "  # the CJK character's first bytes are held
     # the sequence really ends mid-character: flushing yields what a full decode of it shows
-    assert detok.flush() == tiny_tok.decode(ids[:-1])[len("ok "):] == REPLACEMENT
+    assert detok.flush() == tiny_tok.decode(ids[:-1])[len("ok ") :] == REPLACEMENT
 
 
 def test_special_tokens_are_skipped_unless_asked(tiny_tok):

@@ -86,8 +86,15 @@ def test_prefix_caching_with_shared_prefixes_matches_hf(hf_tiny):
 
 def test_chunked_prefill_budget_32_matches_hf(hf_tiny):
     prompts = mixed_prompts(2, 6, 30, 90)
-    llm = LLM("tiny-random", **ENGINE_DEVICE, num_kv_blocks=512, block_size=8, max_num_batched_tokens=32, max_num_seqs=8,
-              enable_chunked_prefill=True)
+    llm = LLM(
+        "tiny-random",
+        **ENGINE_DEVICE,
+        num_kv_blocks=512,
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+        enable_chunked_prefill=True,
+    )
     outs = run_checked(llm, prompts, GREEDY)
     assert_matches_hf(hf_tiny, prompts, outs)
     assert llm.engine.num_steps > sum(len(p) for p in prompts) // 32  # prompts really were split
@@ -97,8 +104,16 @@ def test_chunked_prefill_budget_32_matches_hf(hf_tiny):
 def test_small_pool_preempts_and_still_matches_hf(hf_tiny, mode):
     prompts = mixed_prompts(3, 6, 10, 30)
     extra = {"swap_space": 0.01} if mode == "swap" else {}
-    llm = LLM("tiny-random", **ENGINE_DEVICE, num_kv_blocks=24, block_size=4, max_num_seqs=6, preemption_mode=mode,
-              enable_prefix_caching=False, **extra)
+    llm = LLM(
+        "tiny-random",
+        **ENGINE_DEVICE,
+        num_kv_blocks=24,
+        block_size=4,
+        max_num_seqs=6,
+        preemption_mode=mode,
+        enable_prefix_caching=False,
+        **extra,
+    )
     outs = run_checked(llm, prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_matches_hf(hf_tiny, prompts, outs)

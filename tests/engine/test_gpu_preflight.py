@@ -32,13 +32,15 @@ from kvpilot.engine.attention.gpu_preflight import (
 CPU = torch.device("cpu")
 PREFIX = "Triton start-up check failed on cpu: "
 # Triton's own message (triton/runtime/build.py) when it finds no C compiler
-TRITON_NO_COMPILER = ("Failed to find C compiler. Please specify via CC environment variable or set "
-                      "triton.knobs.build.impl.")
+TRITON_NO_COMPILER = (
+    "Failed to find C compiler. Please specify via CC environment variable or set triton.knobs.build.impl."
+)
 
 
 def failing(err: BaseException):
     def launch(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise err
+
     return launch
 
 
@@ -65,13 +67,15 @@ def test_the_check_passes_where_triton_works():
 
 def test_a_kernel_that_computes_the_wrong_sum_fails_the_check():
     assert failure_message(lambda x, y: x - y) == (
-        PREFIX + "the check kernel returned [-0.5, 0.5, 1.5, 2.5, 3.5] instead of [0.5, 1.5, 2.5, 3.5, 4.5]")
+        PREFIX + "the check kernel returned [-0.5, 0.5, 1.5, 2.5, 3.5] instead of [0.5, 1.5, 2.5, 3.5, 4.5]"
+    )
 
 
 def test_a_missing_compiler_is_named():
     assert failure_message(failing(RuntimeError(TRITON_NO_COMPILER))) == PREFIX + COMPILER_MISSING
-    assert COMPILER_MISSING.startswith("Triton needs a C compiler (cc/gcc) to build its launcher; "
-                                       "install gcc in the image")
+    assert COMPILER_MISSING.startswith(
+        "Triton needs a C compiler (cc/gcc) to build its launcher; install gcc in the image"
+    )
 
 
 def test_triton_finding_no_compiler_on_path_is_explained_as_a_missing_compiler(monkeypatch, tmp_path):
@@ -103,7 +107,8 @@ def test_a_launcher_build_without_python_h_names_the_missing_header(monkeypatch,
         triton_build.compile_so_from_src(source, "kvpilot_probe")
     assert explain_failure(info.value) == (
         f"Triton's launcher needs the Python headers and {no_headers / 'Python.h'} is missing: install this "
-        "interpreter's headers (python3-dev, or copy its include/ directory into the image)")
+        "interpreter's headers (python3-dev, or copy its include/ directory into the image)"
+    )
 
 
 def test_a_failed_compile_with_the_headers_present_points_at_the_compiler_output(tmp_path):
@@ -111,7 +116,8 @@ def test_a_failed_compile_with_the_headers_present_points_at_the_compiler_output
     err = subprocess.CalledProcessError(1, ["/usr/bin/gcc", "launcher.c", "-shared"])
     assert explain_failure(err, include_dir=tmp_path) == (
         "the C compiler failed to build Triton's launcher (/usr/bin/gcc exited 1; its errors are printed "
-        "above): the image needs gcc with the C library headers (libc6-dev)")
+        "above): the image needs gcc with the C library headers (libc6-dev)"
+    )
 
 
 def test_triton_finding_no_libcuda_is_explained(monkeypatch, tmp_path):
@@ -136,14 +142,16 @@ def test_a_missing_ldconfig_is_named():
 def test_a_cc_that_does_not_exist_is_named(monkeypatch):
     monkeypatch.setenv("CC", "/opt/missing/gcc")
     err = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), "/opt/missing/gcc")
-    assert explain_failure(err) == ("CC=/opt/missing/gcc is not an executable C compiler; install gcc in the "
-                                    "image or unset CC")
+    assert explain_failure(err) == (
+        "CC=/opt/missing/gcc is not an executable C compiler; install gcc in the image or unset CC"
+    )
 
 
 def test_ptxas_failures_are_named():
     assert explain_failure(PTXASError("ptxas fatal: Value 'sm_999' is not defined")) == (
         "Triton's bundled ptxas could not assemble a kernel for this GPU: "
-        "PTXAS error: ptxas fatal: Value 'sm_999' is not defined")
+        "PTXAS error: ptxas fatal: Value 'sm_999' is not defined"
+    )
 
 
 def test_the_root_cause_is_found_behind_a_wrapping_error():
@@ -159,7 +167,8 @@ def test_the_root_cause_is_found_behind_a_wrapping_error():
 
 def test_an_unrecognised_failure_keeps_its_type_and_text(tmp_path):
     assert explain_failure(ValueError("unexpected"), include_dir=tmp_path) == (
-        "Triton could not build and launch a kernel: ValueError: unexpected")
+        "Triton could not build and launch a kernel: ValueError: unexpected"
+    )
 
 
 class _StopBeforeLoading(Exception):
@@ -190,26 +199,34 @@ def make_engine(device: str, backend: str):
     from kvpilot.engine.config import EngineArgs
     from kvpilot.engine.engine_core import LLMEngine
 
-    config = EngineArgs(model="tiny-random", device=device, attention_backend=backend, num_kv_blocks=16,
-                        native_cpu_ops="off").create_config()
+    config = EngineArgs(
+        model="tiny-random", device=device, attention_backend=backend, num_kv_blocks=16, native_cpu_ops="off"
+    ).create_config()
     return LLMEngine(config)
 
 
-@pytest.mark.parametrize(("device", "backend", "checked"),
-                         [("cuda", "triton", 1), ("cuda", "auto", 1), ("cuda", "torch", 0), ("cpu", "triton", 0)])
+@pytest.mark.parametrize(
+    ("device", "backend", "checked"),
+    [("cuda", "triton", 1), ("cuda", "auto", 1), ("cuda", "torch", 0), ("cpu", "triton", 0)],
+)
 def test_the_engine_checks_triton_for_the_triton_backend_on_cuda_before_loading_weights(
-        fake_cuda_engine, tiny_model_dir, device, backend, checked):
+    fake_cuda_engine, tiny_model_dir, device, backend, checked
+):
     with pytest.raises(_StopBeforeLoading):
         make_engine(device, backend)
     assert fake_cuda_engine == [torch.device("cuda", 0)] * checked
 
 
-def test_a_failed_check_fails_engine_construction_before_the_weights_load(fake_cuda_engine, tiny_model_dir,
-                                                                        monkeypatch):
+def test_a_failed_check_fails_engine_construction_before_the_weights_load(
+    fake_cuda_engine, tiny_model_dir, monkeypatch
+):
     def fail(device: torch.device) -> None:
         raise TritonPreflightError(f"Triton start-up check failed on {device}: {COMPILER_MISSING}")
 
     monkeypatch.setattr(gpu_preflight, "check_triton_launch", fail)
-    with pytest.raises(TritonPreflightError, match=r"^Triton start-up check failed on cuda:0: Triton needs a C "
-                                                  r"compiler \(cc/gcc\)"):
+    with pytest.raises(
+        TritonPreflightError,
+        match=r"^Triton start-up check failed on cuda:0: Triton needs a C "
+        r"compiler \(cc/gcc\)",
+    ):
         make_engine("cuda", "triton")  # _StopBeforeLoading would mean the weights started loading

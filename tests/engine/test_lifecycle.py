@@ -17,8 +17,18 @@ S = RequestStatus
 
 def test_legal_path_and_illegal_transitions_raise():
     r = Request("x", [1, 2], SamplingParams())
-    for nxt in (S.RUNNABLE, S.PREFILL, S.DECODE, S.BACKPRESSURED, S.DECODE, S.PREEMPTED, S.RUNNABLE, S.PREFILL,
-                S.DECODE, S.FINISHED):
+    for nxt in (
+        S.RUNNABLE,
+        S.PREFILL,
+        S.DECODE,
+        S.BACKPRESSURED,
+        S.DECODE,
+        S.PREEMPTED,
+        S.RUNNABLE,
+        S.PREFILL,
+        S.DECODE,
+        S.FINISHED,
+    ):
         r.transition(nxt)
     with pytest.raises(IllegalTransition):
         r.transition(S.DECODE)  # nothing leaves a terminal state
@@ -28,14 +38,21 @@ def test_legal_path_and_illegal_transitions_raise():
     with pytest.raises(IllegalTransition):
         q.transition(S.FINISHED)  # queued requests end by cancel / timeout / failure / rejection only
     assert all(not TRANSITIONS[t] for t in TERMINAL)
-    assert all(S.CANCELLED in TRANSITIONS[s] and S.TIMED_OUT in TRANSITIONS[s]
-               for s in S if s not in TERMINAL)
+    assert all(
+        S.CANCELLED in TRANSITIONS[s] and S.TIMED_OUT in TRANSITIONS[s] for s in S if s not in TERMINAL
+    )
 
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("tiny-random", num_kv_blocks=40, block_size=4, max_num_seqs=6, max_num_batched_tokens=24,
-               **ENGINE_DEVICE)
+    return LLM(
+        "tiny-random",
+        num_kv_blocks=40,
+        block_size=4,
+        max_num_seqs=6,
+        max_num_batched_tokens=24,
+        **ENGINE_DEVICE,
+    )
 
 
 def test_cancel_and_timeout_racing_leave_one_record_and_no_double_free(llm):
@@ -70,9 +87,12 @@ def test_random_cancels_and_timeouts_never_leak_or_double_free(llm, seed):
         rid = f"s{seed}-{i}"
         n = rng.choice([1, 1, 2, 3])
         deadline = time.monotonic() + rng.choice([0.0, 0.05]) if rng.random() < 0.3 else None
-        engine.add_request(rid, [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))],
-                           SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=rng.randint(1, 12)),
-                           deadline=deadline)
+        engine.add_request(
+            rid,
+            [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))],
+            SamplingParams(n=n, temperature=1.0, seed=i, max_tokens=rng.randint(1, 12)),
+            deadline=deadline,
+        )
         ids.append(rid)
     steps = 0
     while engine.has_unfinished_requests():

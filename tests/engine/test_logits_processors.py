@@ -61,9 +61,13 @@ def test_bad_words_mask_only_the_token_that_would_complete_a_banned_sequence():
 
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     z = torch.zeros(1, 6)
-    before = apply_constraints(z.clone(), [state(output=[4], eos=frozenset({0}), min_tokens=2, stop_token_ids=[3])])
+    before = apply_constraints(
+        z.clone(), [state(output=[4], eos=frozenset({0}), min_tokens=2, stop_token_ids=[3])]
+    )
     assert support_of(before) == {1, 2, 4, 5}
-    after = apply_constraints(z.clone(), [state(output=[4, 4], eos=frozenset({0}), min_tokens=2, stop_token_ids=[3])])
+    after = apply_constraints(
+        z.clone(), [state(output=[4, 4], eos=frozenset({0}), min_tokens=2, stop_token_ids=[3])]
+    )
     assert support_of(after) == set(range(6))
 
 
@@ -103,5 +107,7 @@ def test_logprobs_modes_report_raw_or_the_sampled_distribution(mode):
 def test_all_greedy_fast_path_matches_the_full_pipeline():
     z = torch.randn(6, 40, generator=torch.Generator().manual_seed(0))
     fast = Sampler(torch.Generator()).sample(z, [RowState(SamplingParams(temperature=0), [], [])] * 6)
-    full = Sampler(torch.Generator()).sample(z, [RowState(SamplingParams(temperature=0, logprobs=0), [], [])] * 6)
+    full = Sampler(torch.Generator()).sample(
+        z, [RowState(SamplingParams(temperature=0, logprobs=0), [], [])] * 6
+    )
     assert fast.token_ids == full.token_ids == z.argmax(-1).tolist()

@@ -13,8 +13,12 @@ from engine_device import DEVICE
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.outputs import CompletionOutput
 
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Explain in one sentence why the sky is blue.", "Write a short greeting to a new colleague."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Explain in one sentence why the sky is blue.",
+    "Write a short greeting to a new colleague.",
+]
 MAX_NEW = 24
 #: a float32 top-2 gap below this (in nats) is a near-tie: bfloat16 logits err by up to ~0.1 here
 NEAR_TIE = 0.25
@@ -29,8 +33,10 @@ def agreeing_prefix(reference: CompletionOutput, candidate: list[int]) -> tuple[
         if len(ranked) > 1 and ranked[0].logprob - ranked[1].logprob < NEAR_TIE:
             must = i + 1  # the near-tie's own token is compared too: both sides see the same history
             break
-    agree = next((i for i, (a, b) in enumerate(zip(reference.token_ids, candidate, strict=False)) if a != b),
-                 min(len(reference.token_ids), len(candidate)))
+    agree = next(
+        (i for i, (a, b) in enumerate(zip(reference.token_ids, candidate, strict=False)) if a != b),
+        min(len(reference.token_ids), len(candidate)),
+    )
     return must, agree
 
 
@@ -52,19 +58,35 @@ def prompts(smollm2_dir) -> list[list[int]]:
     from kvpilot.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
-                       add_special_tokens=False) for q in QUESTIONS]
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
 
 
 def test_low_precision_device_agrees_with_float32_until_the_first_near_tie(smollm2_dir, prompts):
-    reference = LLM(str(smollm2_dir), device="cpu", dtype="float32", native_cpu_ops="off",
-                    kv_cache_memory_bytes=64 << 20).generate(prompts, GREEDY)
+    reference = LLM(
+        str(smollm2_dir), device="cpu", dtype="float32", native_cpu_ops="off", kv_cache_memory_bytes=64 << 20
+    ).generate(prompts, GREEDY)
     if DEVICE.type == "cuda":
-        candidate = LLM(str(smollm2_dir), device=str(DEVICE), dtype="bfloat16", attention_backend="triton",
-                        kv_cache_memory_bytes=256 << 20)
+        candidate = LLM(
+            str(smollm2_dir),
+            device=str(DEVICE),
+            dtype="bfloat16",
+            attention_backend="triton",
+            kv_cache_memory_bytes=256 << 20,
+        )
     else:
-        candidate = LLM(str(smollm2_dir), device="cpu", dtype="float32", native_cpu_ops="auto",
-                        kv_cache_memory_bytes=64 << 20)
+        candidate = LLM(
+            str(smollm2_dir),
+            device="cpu",
+            dtype="float32",
+            native_cpu_ops="auto",
+            kv_cache_memory_bytes=64 << 20,
+        )
     outputs = candidate.generate(prompts, GREEDY)
     compared = 0
     for ref, out in zip(reference, outputs, strict=True):

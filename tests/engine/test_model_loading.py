@@ -41,14 +41,19 @@ _LLAMA_CPP_NAMES = {
 
 def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute, verbatim."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
     )
 
 
 def gguf_name(hf_name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
+    fixed = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in fixed:
         return fixed[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)
@@ -56,7 +61,9 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LLAMA_CPP_NAMES[module]}.{suffix}"
 
 
-def write_llama_gguf(path: Path, model_dir: Path, quantized: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> None:
+def write_llama_gguf(
+    path: Path, model_dir: Path, quantized: tuple[str, ...] = (), skip: tuple[str, ...] = ()
+) -> None:
     """A llama GGUF of an HF directory, written the way llama.cpp's converter writes one."""
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
@@ -94,8 +101,11 @@ def write_llama_gguf(path: Path, model_dir: Path, quantized: tuple[str, ...] = (
         elif ".attn_k." in name:
             array = llama_cpp_permute(array, config["num_key_value_heads"])
         if name in quantized:
-            writer.add_tensor(name, gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(
+                name,
+                gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -108,7 +118,14 @@ def test_unpermute_rope_rows_inverts_llama_cpp_permutation() -> None:
     rows = np.arange(12, dtype=np.float32)
     # one head of 6 rows: llama.cpp interleaves the halves [0 1 2 | 3 4 5] into 0 3 1 4 2 5
     assert llama_cpp_permute(rows[:6], 1).tolist() == [0, 3, 1, 4, 2, 5]
-    assert unpermute_rope_rows(np.array([0, 3, 1, 4, 2, 5], dtype=np.float32), 1).tolist() == [0, 1, 2, 3, 4, 5]
+    assert unpermute_rope_rows(np.array([0, 3, 1, 4, 2, 5], dtype=np.float32), 1).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+    ]
     assert unpermute_rope_rows(rows, 2).tolist() == [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11]
     weight = np.random.default_rng(0).standard_normal((3 * 16, 5)).astype(np.float32)
     assert np.array_equal(unpermute_rope_rows(llama_cpp_permute(weight, 3), 3), weight)
@@ -118,10 +135,15 @@ def test_unpermute_rope_rows_inverts_llama_cpp_permutation() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "quantized"),
-    [({}, ("blk.1.ffn_up.weight",)), ({"tie_word_embeddings": False, "attention_bias": True}, ("output.weight",))],
+    [
+        ({}, ("blk.1.ffn_up.weight",)),
+        ({"tie_word_embeddings": False, "attention_bias": True}, ("output.weight",)),
+    ],
     ids=["tied", "untied-with-biases"],
 )
-def test_gguf_conversion_recovers_hf_tensors_exactly(tmp_path: Path, overrides: dict, quantized: tuple) -> None:
+def test_gguf_conversion_recovers_hf_tensors_exactly(
+    tmp_path: Path, overrides: dict, quantized: tuple
+) -> None:
     source = write_tiny_llama(tmp_path / "source", seed=7, **overrides)
     write_llama_gguf(tmp_path / "tiny.gguf", source, quantized=quantized)
     converted = resolve_model(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache", progress=False)
@@ -132,20 +154,43 @@ def test_gguf_conversion_recovers_hf_tensors_exactly(tmp_path: Path, overrides: 
     assert sorted(actual) == sorted(expected)
     for name, array in expected.items():
         if gguf_name(name) in quantized:
-            array = gguf.quants.dequantize(gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0),
-                                           gguf.GGMLQuantizationType.Q8_0)
+            array = gguf.quants.dequantize(
+                gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
+            )
         assert actual[name].dtype == np.float32 and np.array_equal(actual[name], array), name
 
     config, source_config = (json.loads((d / "config.json").read_text()) for d in (converted, source))
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling",
-                "max_position_embeddings", "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "attention_bias",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert config[key] == source_config[key], key
     assert json.loads((converted / "generation_config.json").read_text()) == {
-        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+    }
 
     ours, theirs = Tokenizer.from_dir(converted), Tokenizer.from_dir(source)
-    for text in ("Hello, world! 12345", "日本語 🚀", "  spaces\tand\nlines", "<|im_start|>user\nhi<|im_end|>"):
+    for text in (
+        "Hello, world! 12345",
+        "日本語 🚀",
+        "  spaces\tand\nlines",
+        "<|im_start|>user\nhi<|im_end|>",
+    ):
         assert ours.encode(text) == theirs.encode(text)
     chat = [{"role": "user", "content": "hi"}]
     assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat)
@@ -174,23 +219,45 @@ def test_sharded_conversion_loads_in_transformers(tmp_path: Path) -> None:
 
 def test_llama_config_reads_rope_scaling_and_rejects_what_it_cannot_convert() -> None:
     base = {
-        "general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 4,
-        "llama.attention.head_count_kv": 2, "llama.block_count": 2, "llama.feed_forward_length": 128,
-        "llama.context_length": 256, "llama.attention.layer_norm_rms_epsilon": np.float32(1e-5).item(),
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 128,
+        "llama.context_length": 256,
+        "llama.attention.layer_norm_rms_epsilon": np.float32(1e-5).item(),
         "llama.rope.freq_base": 500000.0,
     }
     config = llama_config(base, {"token_embd.weight"}, vocab_rows=300)
-    assert (config["head_dim"], config["vocab_size"], config["rms_norm_eps"], config["rope_scaling"]) == (16, 300, 1e-05, None)
+    assert (config["head_dim"], config["vocab_size"], config["rms_norm_eps"], config["rope_scaling"]) == (
+        16,
+        300,
+        1e-05,
+        None,
+    )
     assert config["tie_word_embeddings"] is True and config["rope_theta"] == 500000.0
-    linear = llama_config({**base, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, set(), 300)
+    linear = llama_config(
+        {**base, "llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}, set(), 300
+    )
     assert linear["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
-    yarn = {**base, "llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 2.0,
-            "llama.rope.scaling.original_context_length": 128}
+    yarn = {
+        **base,
+        "llama.rope.scaling.type": "yarn",
+        "llama.rope.scaling.factor": 2.0,
+        "llama.rope.scaling.original_context_length": 128,
+    }
     assert llama_config(yarn, set(), 300)["rope_scaling"] == {
-        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 128}
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+    }
     errors = [
         ({**base, "general.architecture": "qwen2"}, "architecture 'qwen2' is not supported"),
-        ({**base, "llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0}, "'longrope' is not supported"),
+        (
+            {**base, "llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0},
+            "'longrope' is not supported",
+        ),
         ({**base, "llama.rope.dimension_count": 8}, "RoPE to part of each head"),
         ({**base, "llama.vocab_size": 301}, "llama.vocab_size=301 but token_embd has 300 rows"),
         ({k: v for k, v in base.items() if k != "llama.block_count"}, "lacks llama.block_count"),
@@ -237,7 +304,12 @@ def test_tiny_random_is_cached_once_with_a_pinned_fingerprint(tmp_path: Path) ->
     assert (first / "model.safetensors").stat().st_mtime_ns == written_at
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [first.name]
     assert sorted(p.name for p in first.iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     # Changing what tiny.py writes must come with a bump of registry._TINY_FORMAT_VERSION (new cache
     # key) and a new pin here.
     assert model_fingerprint(first) == TINY_SEED0_FINGERPRINT
@@ -268,7 +340,10 @@ def test_tiny_variants_match_the_hf_classes_they_name(tmp_path: Path) -> None:
 
     variants = {
         "llama": ({}, "LlamaForCausalLM"),
-        "llama-biases": ({"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}, "LlamaForCausalLM"),
+        "llama-biases": (
+            {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False},
+            "LlamaForCausalLM",
+        ),
         "qwen2": ({"model_type": "qwen2", "tie_word_embeddings": False}, "Qwen2ForCausalLM"),
         "mistral": ({"model_type": "mistral", "sliding_window": 8}, "MistralForCausalLM"),
     }
@@ -277,7 +352,11 @@ def test_tiny_variants_match_the_hf_classes_they_name(tmp_path: Path) -> None:
         directory = write_tiny_llama(tmp_path / label, seed=0, **overrides)
         model, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
         assert type(model).__name__ == class_name
-        assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set()), label
+        assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (
+            set(),
+            set(),
+            set(),
+        ), label
         counts[label] = len(load_file(directory / "model.safetensors"))
     # 2 layers x 9 matrices + embedding + final norm; biases and lm_head where the variant has them
     assert counts == {"llama": 20, "llama-biases": 20 + 2 * 7 + 1, "qwen2": 20 + 2 * 3 + 1, "mistral": 20}
@@ -291,9 +370,14 @@ def test_tiny_model_greedy_output_is_pinned_with_clear_margins(tiny_model_dir: P
     model = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
     prompt = Tokenizer.from_dir(tiny_model_dir).encode("The quick brown fox")
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-    assert out.sequences[0, len(prompt):].tolist() == TINY_GREEDY_TOKENS
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    assert out.sequences[0, len(prompt) :].tolist() == TINY_GREEDY_TOKENS
     margins = [float(step[0].topk(2).values[0] - step[0].topk(2).values[1]) for step in out.scores]
     # float32 kernels differ by ~1e-6, so a margin this size cannot flip between implementations
     assert min(margins) > 1e-2
@@ -323,7 +407,9 @@ def test_tiny_config_rejects_bad_overrides() -> None:
 
 def test_resolve_model_errors_list_the_accepted_forms(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"cannot resolve model 'llama-7b'.*'smollm2-135m'.*'tiny-random'.*\.gguf"):
+    with pytest.raises(
+        ValueError, match=r"cannot resolve model 'llama-7b'.*'smollm2-135m'.*'tiny-random'.*\.gguf"
+    ):
         resolve_model("llama-7b", cache_dir=tmp_path)
     with pytest.raises(ValueError, match=r"cannot resolve model '.*missing\.gguf'"):
         resolve_model(str(tmp_path / "missing.gguf"), cache_dir=tmp_path)
@@ -359,8 +445,43 @@ def test_bundled_smollm2_gguf_is_found_without_importing_its_package() -> None:
 # "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 SMOLLM2_CHAT_IDS = [
-    1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2,
-    198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198,
+    1,
+    9690,
+    198,
+    2683,
+    359,
+    253,
+    5356,
+    5646,
+    11173,
+    3365,
+    3511,
+    308,
+    34519,
+    28,
+    7018,
+    411,
+    407,
+    19712,
+    8182,
+    2,
+    198,
+    1,
+    4093,
+    198,
+    1780,
+    314,
+    260,
+    3575,
+    282,
+    4649,
+    47,
+    2,
+    198,
+    1,
+    520,
+    9531,
+    198,
 ]
 SMOLLM2_ANSWER_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
 
@@ -373,24 +494,41 @@ def test_smollm2_converts_and_answers_a_chat_prompt(smollm2_dir: Path) -> None:
     assert config == SMOLLM2_CONFIG
     assert model_fingerprint(smollm2_dir) == SMOLLM2_FINGERPRINT
     tokenizer = Tokenizer.from_dir(smollm2_dir)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                           tokenize=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=True
+    )
     assert prompt == SMOLLM2_CHAT_IDS
     model = LlamaForCausalLM.from_pretrained(smollm2_dir).eval()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
-    answer = out[0, len(prompt):].tolist()
+    answer = out[0, len(prompt) :].tolist()
     assert answer == SMOLLM2_ANSWER_IDS
     assert tokenizer.decode(answer) == "The capital of France is Paris."
 
 
 SMOLLM2_FINGERPRINT = "80b507ce36c50541ad1e0344582f411535ace6194841f69b23bd766f834a5f4b"
 SMOLLM2_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-    "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-    "head_dim": 64, "hidden_act": "silu", "rms_norm_eps": 1e-05, "rope_theta": 100000.0, "rope_scaling": None,
-    "max_position_embeddings": 8192, "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-    "initializer_range": 0.02, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 100000.0,
+    "rope_scaling": None,
+    "max_position_embeddings": 8192,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "tie_word_embeddings": True,
     "torch_dtype": "float32",
 }
 
@@ -402,16 +540,26 @@ def test_smollm2_tensors_equal_transformers_gguf_loader(smollm2_dir: Path) -> No
 
     with torch.device("meta"):
         skeleton = LlamaForCausalLM(LlamaConfig.from_pretrained(smollm2_dir))
-    reference = load_gguf_checkpoint(str(registry.bundled_smollm2_gguf()), return_tensors=True,
-                                     model_to_load=skeleton)
+    reference = load_gguf_checkpoint(
+        str(registry.bundled_smollm2_gguf()), return_tensors=True, model_to_load=skeleton
+    )
     ours = load_file(smollm2_dir / "model.safetensors")
     assert sorted(ours) == sorted(reference["tensors"]) and len(ours) == 272
     for name, tensor in reference["tensors"].items():
         assert torch.equal(torch.from_numpy(ours[name]), tensor), name
     theirs = reference["config"]
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings", "bos_token_id", "eos_token_id",
-                "tie_word_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "tie_word_embeddings",
+    ):
         assert SMOLLM2_CONFIG[key] == theirs[key], key
     assert np.float32(SMOLLM2_CONFIG["rms_norm_eps"]) == np.float32(theirs["rms_norm_eps"])
 

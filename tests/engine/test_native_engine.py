@@ -29,7 +29,9 @@ ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 160, "max_num_batched_tokens": 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def model_dir(request, tmp_path_factory):
-    return write_tiny_llama(tmp_path_factory.mktemp(request.param) / "model", seed=3, **VARIANTS[request.param])
+    return write_tiny_llama(
+        tmp_path_factory.mktemp(request.param) / "model", seed=3, **VARIANTS[request.param]
+    )
 
 
 def prompts() -> list[list[int]]:

@@ -19,7 +19,9 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("tokens, hidden, with_delta", [(1, 64, True), (7, 576, True), (33, 576, False), (3, 5, True)])
+@pytest.mark.parametrize(
+    "tokens, hidden, with_delta", [(1, 64, True), (7, 576, True), (33, 576, False), (3, 5, True)]
+)
 def test_add_rms_norm(kernels, tokens, hidden, with_delta):
     g = _gen(tokens + hidden)
     base = torch.randn(tokens, hidden + 3, generator=g)  # strided rows
@@ -46,7 +48,7 @@ def test_rope_rotates_only_the_given_heads(kernels, heads, head_dim):
     reference.reference_rope_(expected, heads, head_dim, positions, cos, sin)
     kernels.rope_(x, heads, head_dim, positions, cos, sin)
     torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-6)
-    assert torch.equal(x[:, heads * head_dim:], expected[:, heads * head_dim:])
+    assert torch.equal(x[:, heads * head_dim :], expected[:, heads * head_dim :])
 
 
 def test_write_kv_scatters_into_hnd_blocks_and_skips_padding(kernels):
@@ -66,7 +68,9 @@ def test_write_kv_scatters_into_hnd_blocks_and_skips_padding(kernels):
 
 def test_silu_mul(kernels):
     gate_up = torch.randn(9, 2 * 1536, generator=_gen(2)) * 4
-    torch.testing.assert_close(kernels.silu_mul(gate_up), reference.reference_silu_mul(gate_up), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        kernels.silu_mul(gate_up), reference.reference_silu_mul(gate_up), atol=1e-5, rtol=1e-5
+    )
 
 
 # (lengths, Hq, Hkv, D, block_size, window): GQA groups 1-8, blocks of 4/16/32 and 128 (more than the
@@ -96,10 +100,12 @@ def test_paged_decode_matches_reference(kernels, lengths, num_heads, kv_heads, h
         tables[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     qkv = torch.randn(len(lengths), (num_heads + 2 * kv_heads) * head_dim, generator=g)
-    query = qkv[:, :num_heads * head_dim]
-    scale = head_dim ** -0.5
+    query = qkv[:, : num_heads * head_dim]
+    scale = head_dim**-0.5
     out = kernels.paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
-    expected = reference.reference_paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
+    expected = reference.reference_paged_decode(
+        query, key_cache, value_cache, tables, seq_lens, scale, window
+    )
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
 
@@ -111,14 +117,33 @@ def test_wrappers_refuse_layouts_the_kernels_would_misread(kernels):
     with pytest.raises(ValueError, match="positions must lie"):
         kernels.rope_(torch.zeros(1, 16), 1, 16, torch.tensor([4]), torch.zeros(4, 16), torch.zeros(4, 16))
     with pytest.raises(ValueError, match="outside the cache"):
-        kernels.write_kv(torch.zeros(1, 16), torch.zeros(1, 16), torch.zeros(2, 1, 4, 16),
-                         torch.zeros(2, 1, 4, 16), torch.tensor([8]))
+        kernels.write_kv(
+            torch.zeros(1, 16),
+            torch.zeros(1, 16),
+            torch.zeros(2, 1, 4, 16),
+            torch.zeros(2, 1, 4, 16),
+            torch.tensor([8]),
+        )
     with pytest.raises(ValueError, match="longer than its block table"):
-        kernels.paged_decode(torch.zeros(1, 16), torch.zeros(3, 1, 4, 16), torch.zeros(3, 1, 4, 16),
-                             torch.ones(1, 1, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.25, None)
+        kernels.paged_decode(
+            torch.zeros(1, 16),
+            torch.zeros(3, 1, 4, 16),
+            torch.zeros(3, 1, 4, 16),
+            torch.ones(1, 1, dtype=torch.int32),
+            torch.tensor([5], dtype=torch.int32),
+            0.25,
+            None,
+        )
     with pytest.raises(ValueError, match="block ids"):
-        kernels.paged_decode(torch.zeros(1, 16), torch.zeros(3, 1, 4, 16), torch.zeros(3, 1, 4, 16),
-                             torch.full((1, 2), 3, dtype=torch.int32), torch.tensor([5], dtype=torch.int32), 0.25, None)
+        kernels.paged_decode(
+            torch.zeros(1, 16),
+            torch.zeros(3, 1, 4, 16),
+            torch.zeros(3, 1, 4, 16),
+            torch.full((1, 2), 3, dtype=torch.int32),
+            torch.tensor([5], dtype=torch.int32),
+            0.25,
+            None,
+        )
 
 
 def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
@@ -130,16 +155,25 @@ def test_build_is_cached_and_reports_a_missing_compiler(tmp_path, monkeypatch):
         build_library(tmp_path / "other")
 
 
-@pytest.mark.parametrize("rows, out_features, in_features, with_bias", [
-    (1, 960, 576, False), (2, 12, 64, True), (5, 7, 13, True), (6, 16, 16, False), (7, 33, 40, True),
-    (13, 49, 1536, False), (24, 96, 576, True), (96, 20, 24, False),
-])
+@pytest.mark.parametrize(
+    "rows, out_features, in_features, with_bias",
+    [
+        (1, 960, 576, False),
+        (2, 12, 64, True),
+        (5, 7, 13, True),
+        (6, 16, 16, False),
+        (7, 33, 40, True),
+        (13, 49, 1536, False),
+        (24, 96, 576, True),
+        (96, 20, 24, False),
+    ],
+)
 def test_linear_matches_f_linear(kernels, rows, out_features, in_features, with_bias):
     """Every row remainder of the 6-row tile (1–5, and whole tiles), outputs that are not a multiple of
     the 16-column panel, any K, strided input rows."""
     g = _gen(rows * out_features)
     x = torch.randn(rows, in_features + 8, generator=g)[:, :in_features]
-    weight = torch.randn(out_features, in_features, generator=g) / in_features ** 0.5
+    weight = torch.randn(out_features, in_features, generator=g) / in_features**0.5
     bias = torch.randn(out_features, generator=g) if with_bias else None
     expected = torch.nn.functional.linear(x, weight, bias)
     got = kernels.linear(x, kernels.pack_linear_weight(weight), bias, out_features)
@@ -184,8 +218,9 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("new, cached, num_heads, kv_heads, head_dim, block_size, window", PREFILL_CASES)
 @pytest.mark.parametrize("decodes_first", [0, 3])
-def test_paged_prefill_matches_reference(kernels, new, cached, num_heads, kv_heads, head_dim, block_size, window,
-                                         decodes_first):
+def test_paged_prefill_matches_reference(
+    kernels, new, cached, num_heads, kv_heads, head_dim, block_size, window, decodes_first
+):
     g = _gen(sum(new) + sum(cached) + decodes_first)
     lengths = [c + n for c, n in zip(cached, new, strict=True)]
     blocks_per_seq = [-(-n // block_size) for n in lengths]
@@ -202,11 +237,13 @@ def test_paged_prefill_matches_reference(kernels, new, cached, num_heads, kv_hea
         offsets.append(offsets[-1] + n)
     starts = torch.tensor(offsets, dtype=torch.int32)
     qkv = torch.randn(offsets[-1], (num_heads + 2 * kv_heads) * head_dim, generator=g)
-    query = qkv[:, :num_heads * head_dim]
+    query = qkv[:, : num_heads * head_dim]
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = kernels.paged_prefill(query, key_cache, value_cache, tables, starts, seq_lens, scale, window)
-    expected = reference.reference_paged_prefill(query, key_cache, value_cache, tables, starts, seq_lens, scale, window)
+    expected = reference.reference_paged_prefill(
+        query, key_cache, value_cache, tables, starts, seq_lens, scale, window
+    )
     assert out.shape == (sum(new), num_heads, head_dim)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
@@ -216,14 +253,25 @@ def test_paged_prefill_refuses_what_it_would_misread(kernels):
     table = torch.ones(1, 2, dtype=torch.int32)
     one = torch.tensor([0, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match="more new tokens than its length"):
-        kernels.paged_prefill(torch.zeros(2, 16), cache, cache, table, one, torch.tensor([1], dtype=torch.int32),
-                              0.25, None)
+        kernels.paged_prefill(
+            torch.zeros(2, 16), cache, cache, table, one, torch.tensor([1], dtype=torch.int32), 0.25, None
+        )
     with pytest.raises(ValueError, match="query offsets"):
-        kernels.paged_prefill(torch.zeros(1, 16), cache, cache, table, one, torch.tensor([2], dtype=torch.int32),
-                              0.25, None)
+        kernels.paged_prefill(
+            torch.zeros(1, 16), cache, cache, table, one, torch.tensor([2], dtype=torch.int32), 0.25, None
+        )
     with pytest.raises(ValueError, match="longer than its block table"):
-        kernels.paged_prefill(torch.zeros(2, 16), cache, cache, table, one, torch.tensor([9], dtype=torch.int32),
-                              0.25, None)
+        kernels.paged_prefill(
+            torch.zeros(2, 16), cache, cache, table, one, torch.tensor([9], dtype=torch.int32), 0.25, None
+        )
     with pytest.raises(ValueError, match="multiple of 16"):
-        kernels.paged_prefill(torch.zeros(2, 8), torch.zeros(3, 1, 4, 8), torch.zeros(3, 1, 4, 8), table, one,
-                              torch.tensor([2], dtype=torch.int32), 0.25, None)
+        kernels.paged_prefill(
+            torch.zeros(2, 8),
+            torch.zeros(3, 1, 4, 8),
+            torch.zeros(3, 1, 4, 8),
+            table,
+            one,
+            torch.tensor([2], dtype=torch.int32),
+            0.25,
+            None,
+        )

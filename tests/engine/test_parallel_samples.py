@@ -21,7 +21,9 @@ def llm():
 
 def test_samples_share_prompt_blocks_and_copy_the_partial_block_on_write(llm):
     engine = llm.engine
-    engine.add_request("par", PROMPT, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True))
+    engine.add_request(
+        "par", PROMPT, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
+    )
     engine.step()  # prefill + first token of each sample (samples 1, 2 forked from the prompt)
     seqs = [s.seq for s in engine.groups["par"].samples]
     tables = [engine.kv.block_table(s) for s in seqs]
@@ -50,15 +52,19 @@ def test_samples_share_prompt_blocks_and_copy_the_partial_block_on_write(llm):
 def test_seeded_parallel_samples_are_reproducible(llm):
     p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)
     a = [c.token_ids for c in llm.generate([PROMPT], p)[0].outputs]
-    b = [c.token_ids for c in llm.generate([PROMPT, list(range(60, 80))], [p, SamplingParams(max_tokens=3)])[0].outputs]
+    b = [
+        c.token_ids
+        for c in llm.generate([PROMPT, list(range(60, 80))], [p, SamplingParams(max_tokens=3)])[0].outputs
+    ]
     assert a == b
     single = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=5, max_tokens=5, ignore_eos=True))[0]
     assert single.outputs[0].token_ids == a[0]  # sample 0 draws from the request's own seed
 
 
 def test_best_of_returns_the_n_most_likely_samples(llm):
-    out = llm.generate([PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=4,
-                                                 ignore_eos=True))[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True)
+    )[0]
     assert len(out.outputs) == 2
     scores = [c.cumulative_logprob for c in out.outputs]
     assert scores == sorted(scores, reverse=True)
@@ -66,7 +72,9 @@ def test_best_of_returns_the_n_most_likely_samples(llm):
     assert record.num_generated == 5 * 4 and record.num_committed == 2 * 4
 
 
-def reference_beam_search(hf, prompt: list[int], width: int, steps: int, length_penalty: float) -> list[list[int]]:
+def reference_beam_search(
+    hf, prompt: list[int], width: int, steps: int, length_penalty: float
+) -> list[list[int]]:
     """Same rules as the engine (2W candidates per beam, ranking by cumulative logprob, ties by beam then
     token id), computed with full HF forwards."""
     beams = [([], 0.0)]
@@ -93,10 +101,13 @@ def test_beam_search_matches_a_reference_and_frees_every_block(llm, tiny_model_d
     assert llm.engine.pool.num_in_use == 0
 
 
-@pytest.mark.parametrize(("params", "generated"), [
-    (SamplingParams(n=1, best_of=4, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), 20),
-    (SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), 15),
-])
+@pytest.mark.parametrize(
+    ("params", "generated"),
+    [
+        (SamplingParams(n=1, best_of=4, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), 20),
+        (SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=5, ignore_eos=True), 15),
+    ],
+)
 def test_terminal_record_counts_only_tokens_the_client_received(llm, params, generated):
     """best_of's discarded samples were generated but never sent: they are not in ``num_emitted``."""
     engine = llm.engine
@@ -105,5 +116,8 @@ def test_terminal_record_counts_only_tokens_the_client_received(llm, params, gen
     while engine.has_unfinished_requests():
         engine.step()
     (record,) = [r for r in engine.terminal_records if r.request_id == rid]
-    assert (record.num_generated, record.num_emitted, record.num_committed) == (generated, 5 * params.n,
-                                                                                5 * params.n)
+    assert (record.num_generated, record.num_emitted, record.num_committed) == (
+        generated,
+        5 * params.n,
+        5 * params.n,
+    )

@@ -41,8 +41,12 @@ def test_smollm2s_bound_is_its_longest_whitespace_token(smollm2_dir: Path) -> No
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(min_size=1, max_size=400) | st.lists(st.sampled_from(["<|im_start|>", "agmentation", " ", "a"]),
-                                                    min_size=1, max_size=200).map("".join))
+@given(
+    st.text(min_size=1, max_size=400)
+    | st.lists(st.sampled_from(["<|im_start|>", "agmentation", " ", "a"]), min_size=1, max_size=200).map(
+        "".join
+    )
+)
 def test_no_text_encodes_to_fewer_tokens_than_the_bound(tiny: Tokenizer, text: str) -> None:
     per_token = max_chars_per_token(tiny)
     assert per_token is not None
@@ -54,7 +58,9 @@ def test_min_tokens_rounds_up() -> None:
 
 
 def test_composition_merges_at_most_composed_max_characters_into_one() -> None:
-    longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    longest = max(
+        len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000) if not 0xD800 <= c < 0xE000
+    )
     assert longest == COMPOSED_MAX == 4
 
 
@@ -92,7 +98,9 @@ def regex_replace() -> BackendTokenizer:
 
 def whitespace_split() -> BackendTokenizer:
     backend = bpe({"a": 0})
-    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.WhitespaceSplit()])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(), pre_tokenizers.WhitespaceSplit()]
+    )
     return backend
 
 
@@ -114,20 +122,45 @@ def truncating() -> BackendTokenizer:
     return backend
 
 
-@pytest.mark.parametrize("make", [
-    lambda: bpe({"a": 0, "<unk>": 1}, unk_token="<unk>", fuse_unk=True),  # one <unk> for a run of unknowns
-    lambda: BackendTokenizer(models.WordPiece({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),  # a whole word
-    lambda: BackendTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
-    lambda: BackendTokenizer(models.Unigram([("a", 0.0), ("<unk>", 0.0)], 1, byte_fallback=False)),
-    dropping_normalizer, regex_replace, whitespace_split, removing_split, stripping_added_token, truncating,
-], ids=["fused-unk", "wordpiece", "wordlevel", "unigram", "strip", "regex-replace", "whitespace-split",
-        "removing-split", "lstrip-added-token", "truncation"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: bpe(
+            {"a": 0, "<unk>": 1}, unk_token="<unk>", fuse_unk=True
+        ),  # one <unk> for a run of unknowns
+        lambda: BackendTokenizer(models.WordPiece({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),  # a whole word
+        lambda: BackendTokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
+        lambda: BackendTokenizer(models.Unigram([("a", 0.0), ("<unk>", 0.0)], 1, byte_fallback=False)),
+        dropping_normalizer,
+        regex_replace,
+        whitespace_split,
+        removing_split,
+        stripping_added_token,
+        truncating,
+    ],
+    ids=[
+        "fused-unk",
+        "wordpiece",
+        "wordlevel",
+        "unigram",
+        "strip",
+        "regex-replace",
+        "whitespace-split",
+        "removing-split",
+        "lstrip-added-token",
+        "truncation",
+    ],
+)
 def test_tokenizers_that_can_swallow_a_run_have_no_bound(make) -> None:
     assert max_chars_per_token(wrap(make())) is None
 
 
 def test_fallbacks_to_bytes_keep_the_bound() -> None:
-    assert max_chars_per_token(wrap(bpe({"a": 0, "<unk>": 1, "<0x41>": 2}, unk_token="<unk>", fuse_unk=True,
-                                        byte_fallback=True))) == 6
+    assert (
+        max_chars_per_token(
+            wrap(bpe({"a": 0, "<unk>": 1, "<0x41>": 2}, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+        )
+        == 6
+    )
     unigram = BackendTokenizer(models.Unigram([("abc", 0.0), ("<unk>", 0.0)], 1, byte_fallback=True))
     assert max_chars_per_token(wrap(unigram)) == 5

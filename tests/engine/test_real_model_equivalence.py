@@ -11,8 +11,12 @@ from transformers import LlamaForCausalLM as HFLlama
 from kvpilot.engine import LLM, SamplingParams
 
 MAX_NEW = 16
-QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
-             "Explain in one sentence why the sky is blue.", "Write a short greeting to a new colleague."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Explain in one sentence why the sky is blue.",
+    "Write a short greeting to a new colleague.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +29,10 @@ def chat_prompts(smollm2_dir):
     from kvpilot.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-             for q in QUESTIONS]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
     # a raw (non-chat) prompt of different length too
     return [tok.encode(t, add_special_tokens=False) for t in texts] + [tok.encode("Once upon a time")]
 
@@ -35,9 +41,15 @@ def hf_greedy_batch(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            res = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-            outs.append(res[0, len(p):].tolist())
+            res = hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            outs.append(res[0, len(p) :].tolist())
     return outs
 
 
@@ -76,8 +88,14 @@ def test_smollm2_greedy_matches_hf_with_chunked_prefill_budget_32(chat_prompts, 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_smollm2_greedy_matches_hf_under_preemption(chat_prompts, hf_reference, mode):
     extra = {"swap_space": 0.05} if mode == "swap" else {}
-    llm = LLM("smollm2-135m", num_kv_blocks=12, block_size=16, enable_prefix_caching=False,
-              preemption_mode=mode, **extra)
+    llm = LLM(
+        "smollm2-135m",
+        num_kv_blocks=12,
+        block_size=16,
+        enable_prefix_caching=False,
+        preemption_mode=mode,
+        **extra,
+    )
     outs = llm.generate(chat_prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_reference

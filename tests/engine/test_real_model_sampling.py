@@ -47,7 +47,9 @@ def test_n3_shares_the_prompt_blocks(llm):
     from kvpilot.engine.prompt_render import chat_prompt_ids
 
     prompt = chat_prompt_ids(tok, QUESTION)
-    engine.add_request("n3", prompt, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True))
+    engine.add_request(
+        "n3", prompt, SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True)
+    )
     engine.step()
     tables = [engine.kv.block_table(s.seq) for s in engine.groups["n3"].samples]
     prompt_blocks = -(-len(prompt) // 16)
@@ -65,8 +67,9 @@ def test_stop_string_spanning_three_tokens_never_leaks_while_streaming(llm):
 
     stop = "of France is"  # " of", " France", " is": three tokens
     assert len(tok.encode(" " + stop, add_special_tokens=False)) == 3
-    engine.add_request("stream", chat_prompt_ids(tok, QUESTION),
-                       SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]))
+    engine.add_request(
+        "stream", chat_prompt_ids(tok, QUESTION), SamplingParams(temperature=0.0, max_tokens=24, stop=[stop])
+    )
     seen = []
     while engine.has_unfinished_requests():
         for out in engine.step():

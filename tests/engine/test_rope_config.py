@@ -31,9 +31,20 @@ VARIANTS = {
     "default-theta": {"rope_type": "default", "rope_theta": 500000.0},
     "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    "yarn": {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
 }
 
 
@@ -73,8 +84,9 @@ def hf_greedy_logprobs(directory: Path, count: int) -> tuple[list[int], list[flo
 
 def kvpilot_greedy_logprobs(directory: Path, count: int) -> tuple[list[int], list[float]]:
     llm = LLM(str(directory), num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
-    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True,
-                                                logprobs=0))[0].outputs[0]
+    out = llm.generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True, logprobs=0)
+    )[0].outputs[0]
     return out.token_ids, [step[tok].logprob for tok, step in zip(out.token_ids, out.logprobs, strict=True)]
 
 
@@ -101,28 +113,64 @@ def test_rope_variant_matches_hf(tmp_path: Path, plain_reference: list[float], n
 
 def test_v5_form_reads_theta_scaling_and_served_length() -> None:
     base = {"max_position_embeddings": 32}
-    assert rope_settings({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == (5e5, None, 32)
-    assert rope_settings({**base, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}) == (
-        1e4, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 32}, 64)
-    assert rope_settings({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                      "original_max_position_embeddings": 16}})[2] == 64
+    assert rope_settings({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}) == (
+        5e5,
+        None,
+        32,
+    )
+    assert rope_settings(
+        {**base, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}
+    ) == (1e4, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 32}, 64)
+    assert (
+        rope_settings(
+            {
+                **base,
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                },
+            }
+        )[2]
+        == 64
+    )
     assert rope_settings({**base, "rope_theta": 7.0, "rope_scaling": {"type": "linear", "factor": 2.0}}) == (
-        7.0, {"rope_type": "linear", "factor": 2.0}, 32)
+        7.0,
+        {"rope_type": "linear", "factor": 2.0},
+        32,
+    )
     assert rope_settings(base) == (10000.0, None, 32)
-    arch = ModelArchConfig.from_dict({**base, "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
-                                      "num_hidden_layers": 1, "num_attention_heads": 2,
-                                      "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 3.0}})
+    arch = ModelArchConfig.from_dict(
+        {
+            **base,
+            "vocab_size": 8,
+            "hidden_size": 8,
+            "intermediate_size": 8,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 3.0},
+        }
+    )
     assert (arch.rope_theta, arch.max_position_embeddings) == (1e4, 96)
 
 
-@pytest.mark.parametrize(("cfg", "message"), [
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "unsupported RoPE type 'longrope'"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
-     "partial_rotary_factor"),
-    ({"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),
-    ({"rope_parameters": [1, 2]}, "must be an object"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (
+            {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+            "unsupported RoPE type 'longrope'",
+        ),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor",
+        ),
+        ({"rope_scaling": {"rope_type": "linear"}}, "needs a 'factor'"),
+        ({"rope_parameters": [1, 2]}, "must be an object"),
+    ],
+)
 def test_unsupported_rope_configs_are_refused_clearly(cfg: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         rope_settings({"max_position_embeddings": 32, **cfg})

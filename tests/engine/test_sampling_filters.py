@@ -100,7 +100,9 @@ def test_greedy_is_a_separate_branch_with_lowest_id_on_ties():
     z = torch.tensor([[0.0, 5.0, 5.0, 1.0]])
     assert sampler.sample(z, [row(SamplingParams(temperature=0.0))]).token_ids == [1]
     # a tiny positive temperature is not the greedy branch: it follows the ties rule (test below)
-    assert SamplingParams(temperature=1e-06).temperature != 0 and not SamplingParams(temperature=1e-6).is_greedy
+    assert (
+        SamplingParams(temperature=1e-06).temperature != 0 and not SamplingParams(temperature=1e-6).is_greedy
+    )
 
 
 def test_temperature_to_zero_limits():
@@ -130,12 +132,15 @@ def test_near_zero_temperature_follows_the_ties_rule_not_the_greedy_branch():
 CHI2_CRIT_DF5_P001 = 20.52
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=0.7, top_k=4),
-    SamplingParams(temperature=1.3, top_p=0.8),
-    SamplingParams(temperature=1.0, min_p=0.05, typical_p=0.95),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=4),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.0, min_p=0.05, typical_p=0.95),
+    ],
+)
 def test_sampled_frequencies_match_the_processed_distribution(params):
     z = torch.tensor([[2.0, 1.6, 1.1, 0.7, 0.2, -0.5]])
     processed = z / params.temperature
@@ -172,15 +177,29 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
     assert draw(0, 0) == draw(5, 3) == draw(9, 9)
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [
-    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": -0.1}, "min_p"),
-    ({"min_p": 1.1}, "min_p"), ({"temperature": -1}, "temperature"), ({"typical_p": 0}, "typical_p"),
-    ({"n": 0}, "n"), ({"n": 3, "best_of": 2}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
-    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"), ({"logprobs": -1}, "logprobs"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
-    ({"stop": [""]}, "stop"), ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.1}, "min_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"typical_p": 0}, "typical_p"),
+        ({"n": 0}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"stop": [""]}, "stop"),
+        ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+    ],
+)
 def test_invalid_parameters_name_the_field(kwargs, field):
     with pytest.raises(SamplingParamsError, match=field):
         SamplingParams(**kwargs)

@@ -45,10 +45,13 @@ def completion_ticks(engine: LLMEngine, check=True) -> dict[str, int]:
     return done
 
 
-@pytest.mark.parametrize(("mode", "expected"), [
-    ("static", {"A": 1, "B": 4, "C": 5}),
-    ("continuous", {"A": 1, "C": 2, "B": 4}),
-])
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        ("static", {"A": 1, "B": 4, "C": 5}),
+        ("continuous", {"A": 1, "C": 2, "B": 4}),
+    ],
+)
 def test_static_vs_continuous_completion_ticks(mode, expected):
     engine = stub_engine(max_num_seqs=2, batching_mode=mode, num_kv_blocks=32, block_size=4)
     for rid, n in (("A", 1), ("B", 4), ("C", 1)):
@@ -162,11 +165,19 @@ def test_reserved_output_fraction_trades_concurrency_for_preemptions(fraction, p
     """11 usable blocks of 4 tokens; three requests of 8 prompt + 8 output tokens need 4 blocks each at the
     end. Starting all three (fraction 0) must preempt; keeping every running output's share free (1.0)
     starts the third only when it fits, and nothing is preempted."""
-    engine = stub_engine(num_kv_blocks=12, block_size=4, max_num_seqs=4, enable_prefix_caching=False,
-                         reserved_output_fraction=fraction)
+    engine = stub_engine(
+        num_kv_blocks=12,
+        block_size=4,
+        max_num_seqs=4,
+        enable_prefix_caching=False,
+        reserved_output_fraction=fraction,
+    )
     for i in range(3):
-        engine.add_request(f"r{i}", list(range(10 * i + 3, 10 * i + 11)),
-                           SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            list(range(10 * i + 3, 10 * i + 11)),
+            SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        )
     engine.step()
     started = len(engine.scheduler.running)
     ticks = completion_ticks(engine)
@@ -181,8 +192,9 @@ def test_reserved_output_fraction_is_validated():
 
 
 def test_prompt_longer_than_budget_without_chunking_is_refused():
-    engine = stub_engine(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
-                         enable_chunked_prefill=False)
+    engine = stub_engine(
+        num_kv_blocks=64, block_size=4, max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=False
+    )
     with pytest.raises(ValueError, match="chunked prefill disabled"):
         engine.add_request("x", list(range(3, 20)), SamplingParams())
 
@@ -194,10 +206,16 @@ def test_randomized_scheduler_keeps_kv_invariants(seed):
     exactly one terminal record."""
     rng = random.Random(seed)
     block_size = rng.choice([2, 4, 8])
-    args = dict(num_kv_blocks=rng.randint(8, 30), block_size=block_size,
-                max_num_batched_tokens=rng.choice([8, 16, 64]), max_num_seqs=rng.randint(1, 6),
-                enable_prefix_caching=rng.random() < 0.7, enable_chunked_prefill=True,
-                preemption_mode=rng.choice(["recompute", "swap"]), swap_space=0.001)
+    args = dict(
+        num_kv_blocks=rng.randint(8, 30),
+        block_size=block_size,
+        max_num_batched_tokens=rng.choice([8, 16, 64]),
+        max_num_seqs=rng.randint(1, 6),
+        enable_prefix_caching=rng.random() < 0.7,
+        enable_chunked_prefill=True,
+        preemption_mode=rng.choice(["recompute", "swap"]),
+        swap_space=0.001,
+    )
     gen = torch.Generator().manual_seed(seed)
 
     def random_logits(batch):

@@ -59,8 +59,16 @@ def test_tiny_tokenizer_ids_and_special_tokens(tiny_tokenizer: Tokenizer) -> Non
     assert tok.encode("2024") == [53, 51, 53, 55]  # digits one by one, as SmolLM2 splits them
     assert tok.encode("<|im_start|>user\nhi<|im_end|>") == [1, 390, 266, 13, 325, 2]
     assert tok.decode([1, 390, 266, 13, 325, 2]) == "user\nhi"
-    assert tok.decode([1, 390, 266, 13, 325, 2], skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
-    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (512, 1, 2, 2, 0)
+    assert (
+        tok.decode([1, 390, 266, 13, 325, 2], skip_special_tokens=False) == "<|im_start|>user\nhi<|im_end|>"
+    )
+    assert (tok.vocab_size, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.unk_token_id) == (
+        512,
+        1,
+        2,
+        2,
+        0,
+    )
     assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
     assert tok.eos_token_ids == frozenset({2})
     assert tok.all_special_ids == (0, 1, 2)
@@ -108,11 +116,13 @@ def test_chat_template_renders_like_transformers(tiny_model_dir: Path, tiny_toke
     for messages in CONVERSATIONS:
         for add_generation_prompt in (True, False):
             ours = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-            theirs = reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                   tokenize=False)
+            theirs = reference.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
             assert ours == theirs
-            ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
+            ids = tiny_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=True
+            )
             assert ids == reference.encode(theirs, add_special_tokens=False)
     assert tiny_tokenizer.apply_chat_template(CONVERSATIONS[0]) == (
         "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n"
@@ -136,12 +146,16 @@ def test_template_environment_matches_transformers(tmp_path: Path, tiny_model_di
 
     model = copy_model(tiny_model_dir, tmp_path / "model")
     edit_json(model / "tokenizer_config.json", chat_template=FEATURE_TEMPLATE)
-    messages = [{"role": "user", "content": "naïve 🚀"}, {"role": "skip", "content": "x"},
-                {"role": "assistant", "content": 'say "hi"'}]
+    messages = [
+        {"role": "user", "content": "naïve 🚀"},
+        {"role": "skip", "content": "x"},
+        {"role": "assistant", "content": 'say "hi"'},
+    ]
     tools = [{"name": "clock", "description": "Uhrzeit"}]
     ours = Tokenizer.from_dir(model).apply_chat_template(messages, tools=tools)
-    theirs = AutoTokenizer.from_pretrained(model).apply_chat_template(messages, tools=tools, tokenize=False,
-                                                                      add_generation_prompt=True)
+    theirs = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
     assert ours == theirs
     # lstrip_blocks strips the indentation before {% ... %} tags only, so the {{ }} lines keep theirs;
     # trim_blocks drops the newline after each tag.
@@ -153,8 +167,10 @@ def test_template_environment_matches_transformers(tmp_path: Path, tiny_model_di
 
 def test_chat_template_sources(tmp_path: Path, tiny_model_dir: Path) -> None:
     model = copy_model(tiny_model_dir, tmp_path / "model")
-    edit_json(model / "tokenizer_config.json",
-              chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}])
+    edit_json(
+        model / "tokenizer_config.json",
+        chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
+    )
     assert Tokenizer.from_dir(model).apply_chat_template(CONVERSATIONS[0]) == "D"
     # transformers gives chat_template.jinja precedence over tokenizer_config.json
     (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
@@ -169,7 +185,10 @@ def test_chat_template_errors(tmp_path: Path, tiny_model_dir: Path, tiny_tokeniz
         ("hello", "non-empty list"),
         ([("user", "hi")], r"messages\[0\] must be an object"),
         ([{"content": "hi"}], r"messages\[0\]\.role must be a non-empty string"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], r"messages\[1\]\.content must be"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": 5}],
+            r"messages\[1\]\.content must be",
+        ),
     ]
     for messages, message in malformed:
         with pytest.raises(ValueError, match=message):
@@ -240,7 +259,9 @@ def test_byte_level_builder_options() -> None:
     assert whole_numbers.encode("123").tokens == ["12", "3"]
     # a user-defined token is matched whole and, not being special, survives skip_special_tokens
     ids = digits_split.encode("<think>a").ids
-    assert ids == [260, tokens.index("a")] and digits_split.decode(ids, skip_special_tokens=True) == "<think>a"
+    assert (
+        ids == [260, tokens.index("a")] and digits_split.decode(ids, skip_special_tokens=True) == "<think>a"
+    )
     with_bos = build_byte_level_bpe(tokens, merges, special_ids=[0, 1, 2], bos_id=1, add_bos=True)
     assert with_bos.encode("hi").ids == [1, *[tokens.index(s) for s in _symbols("hi")]]
     assert with_bos.encode("hi", add_special_tokens=False).ids == [tokens.index(s) for s in _symbols("hi")]
@@ -249,12 +270,19 @@ def test_byte_level_builder_options() -> None:
 
 
 def test_gguf_tokenizer_metadata_errors() -> None:
-    base = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm",
-            "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]}
+    base = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": ["a", "b", "ab"],
+        "tokenizer.ggml.merges": ["a b"],
+    }
     assert json.loads(tokenizer_files_from_gguf(base, 64).tokenizer_json)["model"]["merges"] == [["a", "b"]]
     cases = [
         ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama' is not supported"),
-        ({"tokenizer.ggml.pre": "llama-bpe"}, "pre-tokenizer 'llama-bpe' is not supported; supported: codeshell"),
+        (
+            {"tokenizer.ggml.pre": "llama-bpe"},
+            "pre-tokenizer 'llama-bpe' is not supported; supported: codeshell",
+        ),
         ({"tokenizer.ggml.merges": ["a b c"]}, "malformed BPE merge 'a b c'"),
         ({"tokenizer.ggml.token_type": [1, 1]}, "3 tokens but 2 token types"),
         ({"tokenizer.ggml.eos_token_id": 9}, "eos_token_id=9 is outside the vocabulary of 3"),
@@ -287,11 +315,33 @@ def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(smollm2_dir: Path
         if text == other_numerals:
             continue
         for add_special_tokens in (True, False):
-            assert ours.encode(text, add_special_tokens) == reference.encode(text, add_special_tokens=add_special_tokens)
+            assert ours.encode(text, add_special_tokens) == reference.encode(
+                text, add_special_tokens=add_special_tokens
+            )
         assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
     assert ours.encode(other_numerals) == [
-        104, 19133, 216, 43183, 19133, 39050, 216, 164, 111, 164, 112, 164, 113, 216, 16738, 216, 173, 235, 250,
-        173, 235, 111,
+        104,
+        19133,
+        216,
+        43183,
+        19133,
+        39050,
+        216,
+        164,
+        111,
+        164,
+        112,
+        164,
+        113,
+        216,
+        16738,
+        216,
+        173,
+        235,
+        250,
+        173,
+        235,
+        111,
     ]
     reference.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -299,7 +349,11 @@ def test_smollm2_tokenizer_matches_transformers_gguf_tokenizer(smollm2_dir: Path
     assert ours.encode(other_numerals) == reference.encode(other_numerals)
     for messages in CONVERSATIONS:
         assert ours.apply_chat_template(messages) == reference.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False)
+            messages, add_generation_prompt=True, tokenize=False
+        )
     assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
-        reference.bos_token_id, reference.eos_token_id, reference.pad_token_id)
+        reference.bos_token_id,
+        reference.eos_token_id,
+        reference.pad_token_id,
+    )
     assert ours.all_special_ids == tuple(range(17))

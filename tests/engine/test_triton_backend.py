@@ -30,8 +30,9 @@ NUM_DECODES = 4
 def make_step(dtype, head_dim, block_size, num_heads=6, num_kv_heads=2, seed=0):
     """A step whose new tokens' K/V are not yet in the cache: returns the batch, K/V to write, and the
     caches as they must look after the write."""
-    batch = make_paged_batch(CONTEXTS, NEW_TOKENS, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                             seed=seed)
+    batch = make_paged_batch(
+        CONTEXTS, NEW_TOKENS, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=seed
+    )
     full_keys, full_values = batch.key_cache.clone(), batch.value_cache.clone()
     flat_shape = (-1, num_kv_heads, head_dim)
     key = full_keys.view(flat_shape)[batch.slot_mapping].clone()
@@ -41,15 +42,18 @@ def make_step(dtype, head_dim, block_size, num_heads=6, num_kv_heads=2, seed=0):
     return batch, key, value, full_keys, full_values
 
 
-@pytest.mark.parametrize("dtype, head_dim, block_size, window, num_sms, splits", [
-    (torch.float16, 64, 16, None, None, False),  # 1 SM (the CPU default): no reason to split
-    (torch.bfloat16, 64, 16, None, 64, True),    # 64 SMs to fill: the 521-token decode is split
-    (torch.float16, 64, 32, 300, 64, True),
-    (torch.float32, 128, 32, 24, 64, False),     # a 24-token window leaves too little to split
-])
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, window, num_sms, splits",
+    [
+        (torch.float16, 64, 16, None, None, False),  # 1 SM (the CPU default): no reason to split
+        (torch.bfloat16, 64, 16, None, 64, True),  # 64 SMs to fill: the 521-token decode is split
+        (torch.float16, 64, 32, 300, 64, True),
+        (torch.float32, 128, 32, 24, 64, False),  # a 24-token window leaves too little to split
+    ],
+)
 def test_forward_writes_and_attends_like_the_reference(dtype, head_dim, block_size, window, num_sms, splits):
     batch, key, value, full_keys, full_values = make_step(dtype, head_dim, block_size, seed=head_dim)
-    backend = TritonAttentionBackend(6, 2, head_dim, head_dim ** -0.5, sliding_window=window, num_sms=num_sms)
+    backend = TritonAttentionBackend(6, 2, head_dim, head_dim**-0.5, sliding_window=window, num_sms=num_sms)
     meta = batch.metadata(NUM_DECODES)
     backend.prepare(meta)
     assert (meta.extras["triton_decode_plan"].num_kv_splits > 1) == splits
@@ -58,9 +62,16 @@ def test_forward_writes_and_attends_like_the_reference(dtype, head_dim, block_si
 
     assert torch.equal(batch.key_cache.nan_to_num(7.0), full_keys.nan_to_num(7.0))
     assert torch.equal(batch.value_cache.nan_to_num(7.0), full_values.nan_to_num(7.0))
-    expected = reference.reference_paged_attention(batch.query, full_keys, full_values, batch.block_tables,
-                                                   batch.seq_lens, batch.query_start_loc, head_dim ** -0.5,
-                                                   window)
+    expected = reference.reference_paged_attention(
+        batch.query,
+        full_keys,
+        full_values,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        head_dim**-0.5,
+        window,
+    )
     assert out.dtype == dtype and not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
 
@@ -75,7 +86,9 @@ def test_attend_prepares_when_the_engine_did_not():
 
 
 def test_select_backend_builds_the_triton_backend_and_cpu_warmup_is_a_no_op():
-    backend = select_backend("triton", torch.device("cpu"), num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125)
+    backend = select_backend(
+        "triton", torch.device("cpu"), num_heads=4, num_kv_heads=2, head_dim=64, scale=0.125
+    )
     assert isinstance(backend, TritonAttentionBackend)
     cache = torch.randn(3, 16, 2, 64)
     before = cache.clone()
@@ -83,12 +96,15 @@ def test_select_backend_builds_the_triton_backend_and_cpu_warmup_is_a_no_op():
     assert torch.equal(cache, before)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"head_dim": 512}, "head_dim"),
-    ({"sliding_window": 0}, "sliding_window"),
-    ({"num_sms": 0}, "num_sms"),
-    ({"num_kv_heads": 4}, "multiple"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"head_dim": 512}, "head_dim"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"num_sms": 0}, "num_sms"),
+        ({"num_kv_heads": 4}, "multiple"),
+    ],
+)
 def test_constructor_rejects_bad_arguments(kwargs, message):
     arguments = {"num_heads": 6, "num_kv_heads": 2, "head_dim": 64, "scale": 0.125, **kwargs}
     with pytest.raises(ValueError, match=message):
@@ -127,8 +143,9 @@ def test_kernels_imported_for_compilation_are_refused_on_cpu():
         "    print('REFUSED:', error)\n"
     )
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     assert "REFUSED:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
 
 
@@ -149,7 +166,8 @@ def test_backend_runs_on_cpu_even_when_triton_was_imported_first():
         "print('MAX_ERROR', (out - expected).abs().max().item())\n"
     )
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert float(result.stdout.split("MAX_ERROR")[1]) < 2e-5

@@ -14,8 +14,15 @@ from kvpilot.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.triton
 
-ENGINE_ARGS = {"model": "tiny-random", "device": DEVICE.type, "dtype": "float32", "block_size": 16,
-               "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_kv_blocks": 64}
+ENGINE_ARGS = {
+    "model": "tiny-random",
+    "device": DEVICE.type,
+    "dtype": "float32",
+    "block_size": 16,
+    "max_num_batched_tokens": 32,
+    "max_num_seqs": 8,
+    "num_kv_blocks": 64,
+}
 LONG_PROMPT = [(7 * i + 3) % 250 + 5 for i in range(45)]  # > 32-token budget: prefilled in two chunks
 FIRST_WAVE = [LONG_PROMPT, [11], [(5 * i + 1) % 200 + 20 for i in range(17)]]
 # shares LONG_PROMPT's first two full blocks (32 tokens) once the first wave has cached them

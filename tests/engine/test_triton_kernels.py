@@ -48,17 +48,40 @@ DECODE_CASES = [
 @pytest.mark.parametrize("dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n", DECODE_CASES)
 def test_decode_matches_reference(dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n):
     num_heads = group * kv_heads
-    batch = make_paged_batch([n - 1 for n in DECODE_SEQ_LENS], [1] * len(DECODE_SEQ_LENS), num_heads,
-                             kv_heads, head_dim, block_size, dtype, seed=head_dim + block_size + group, device=DEVICE)
-    scale = head_dim ** -0.5
+    batch = make_paged_batch(
+        [n - 1 for n in DECODE_SEQ_LENS],
+        [1] * len(DECODE_SEQ_LENS),
+        num_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=head_dim + block_size + group,
+        device=DEVICE,
+    )
+    scale = head_dim**-0.5
     out = torch.empty_like(batch.query)
-    partials = (KERNELS.split_kv.allocate_partials(len(DECODE_SEQ_LENS), num_heads, splits, head_dim, DEVICE)
-                if splits > 1 else None)
-    KERNELS.decode.paged_decode(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                                batch.seq_lens, scale, window, splits, partials,
-                                KernelConfig(tile_n=tile_n, num_warps=4, num_stages=2))
-    expected = reference.reference_decode(batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                                          batch.seq_lens, scale, window)
+    partials = (
+        KERNELS.split_kv.allocate_partials(len(DECODE_SEQ_LENS), num_heads, splits, head_dim, DEVICE)
+        if splits > 1
+        else None
+    )
+    KERNELS.decode.paged_decode(
+        out,
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        scale,
+        window,
+        splits,
+        partials,
+        KernelConfig(tile_n=tile_n, num_warps=4, num_stages=2),
+    )
+    expected = reference.reference_decode(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, scale, window
+    )
     assert_close(out, expected, dtype)
 
 
@@ -76,42 +99,95 @@ PREFILL_CASES = [
 PREFILL_SEQUENCES = [(0, 23), (16, 16), (37, 5), (3, 40), (0, 1), (64, 9), (20, 1)]
 
 
-@pytest.mark.parametrize("dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n", PREFILL_CASES)
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n", PREFILL_CASES
+)
 def test_prefill_matches_reference(dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n):
     contexts, new_tokens = zip(*PREFILL_SEQUENCES, strict=True)
-    batch = make_paged_batch(list(contexts), list(new_tokens), group * kv_heads, kv_heads, head_dim,
-                             block_size, dtype, seed=7 * head_dim + block_size, device=DEVICE)
-    scale = head_dim ** -0.5
+    batch = make_paged_batch(
+        list(contexts),
+        list(new_tokens),
+        group * kv_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=7 * head_dim + block_size,
+        device=DEVICE,
+    )
+    scale = head_dim**-0.5
     out = torch.empty_like(batch.query)
-    KERNELS.prefill.paged_prefill(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                                  batch.seq_lens, batch.query_start_loc, max(new_tokens), scale, window,
-                                  KernelConfig(tile_n=tile_n, num_warps=4, num_stages=2, block_m=block_m))
-    expected = reference.reference_prefill(batch.query, batch.key_cache, batch.value_cache,
-                                           batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                           scale, window)
+    KERNELS.prefill.paged_prefill(
+        out,
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        max(new_tokens),
+        scale,
+        window,
+        KernelConfig(tile_n=tile_n, num_warps=4, num_stages=2, block_m=block_m),
+    )
+    expected = reference.reference_prefill(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        scale,
+        window,
+    )
     assert_close(out, expected, dtype)
 
 
 def test_prefill_reads_only_its_slice_of_a_step():
     """Prefill sequences after two decodes: offsets into query/out come from query_start_loc."""
-    batch = make_paged_batch([5, 30, 0, 12], [1, 1, 19, 6], 4, 2, 64, 16, torch.float16, seed=3, device=DEVICE)
+    batch = make_paged_batch(
+        [5, 30, 0, 12], [1, 1, 19, 6], 4, 2, 64, 16, torch.float16, seed=3, device=DEVICE
+    )
     out = torch.full_like(batch.query, 7.0)
-    KERNELS.prefill.paged_prefill(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables[2:],
-                                  batch.seq_lens[2:], batch.query_start_loc[2:], 19, 0.125)
-    expected = reference.reference_prefill(batch.query, batch.key_cache, batch.value_cache,
-                                           batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)
+    KERNELS.prefill.paged_prefill(
+        out,
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables[2:],
+        batch.seq_lens[2:],
+        batch.query_start_loc[2:],
+        19,
+        0.125,
+    )
+    expected = reference.reference_prefill(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        batch.query_start_loc,
+        0.125,
+    )
     assert torch.all(out[:2] == 7.0), "prefill wrote into the decode tokens' rows"
     assert_close(out[2:], expected[2:], torch.float16)
 
 
-@pytest.mark.parametrize("cache_dtype, head_dim, block_size, kv_heads", [
-    (torch.float16, 64, 16, 2), (torch.bfloat16, 128, 32, 3), (torch.float32, 256, 64, 1),
-])
+@pytest.mark.parametrize(
+    "cache_dtype, head_dim, block_size, kv_heads",
+    [
+        (torch.float16, 64, 16, 2),
+        (torch.bfloat16, 128, 32, 3),
+        (torch.float32, 256, 64, 1),
+    ],
+)
 def test_kv_write_matches_reference(cache_dtype, head_dim, block_size, kv_heads):
     generator = torch.Generator().manual_seed(head_dim)
     num_blocks = 4
-    caches = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype)
-              for _ in range(2)]
+    caches = [
+        torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype)
+        for _ in range(2)
+    ]
     expected_caches = [cache.clone() for cache in caches]
     # fp32 projections sliced out of a fused qkv tensor: non-contiguous, converted on write. Their values
     # are representable in the cache dtype because the interpreter truncates fp32 -> bf16 where GPUs
@@ -119,7 +195,9 @@ def test_kv_write_matches_reference(cache_dtype, head_dim, block_size, kv_heads)
     qkv = torch.randn(6, 3, kv_heads, head_dim, generator=generator).to(DEVICE, cache_dtype).float()
     key, value = qkv[:, 1], qkv[:, 2]
     # first and last slot of the cache, a block boundary, a padded (negative) slot
-    slots = torch.tensor([0, block_size - 1, block_size, -1, 2 * block_size + 3, num_blocks * block_size - 1], device=DEVICE)
+    slots = torch.tensor(
+        [0, block_size - 1, block_size, -1, 2 * block_size + 3, num_blocks * block_size - 1], device=DEVICE
+    )
     KERNELS.kv_write.write_kv(key, value, caches[0], caches[1], slots)
     reference.reference_write_kv(key, value, expected_caches[0], expected_caches[1], slots)
     assert torch.equal(caches[0], expected_caches[0])
@@ -135,8 +213,18 @@ def test_split_results_merge_to_the_unsplit_output():
     for splits in (1, 6):
         out = torch.empty_like(batch.query)
         partials = KERNELS.split_kv.allocate_partials(3, 8, splits, 64, DEVICE) if splits > 1 else None
-        KERNELS.decode.paged_decode(out, batch.query, batch.key_cache, batch.value_cache, batch.block_tables,
-                                    batch.seq_lens, 0.125, None, splits, partials)
+        KERNELS.decode.paged_decode(
+            out,
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.125,
+            None,
+            splits,
+            partials,
+        )
         outputs.append(out)
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
 
@@ -144,5 +232,14 @@ def test_split_results_merge_to_the_unsplit_output():
 def test_decode_refuses_splits_without_scratch():
     batch = make_paged_batch([20], [1], 2, 1, 64, 16, torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="allocate_partials"):
-        KERNELS.decode.paged_decode(torch.empty_like(batch.query), batch.query, batch.key_cache,
-                                    batch.value_cache, batch.block_tables, batch.seq_lens, 0.125, None, 2)
+        KERNELS.decode.paged_decode(
+            torch.empty_like(batch.query),
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            0.125,
+            None,
+            2,
+        )

@@ -15,8 +15,10 @@ import torch
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.triton_backend import load_kernels
 
-pytestmark = [pytest.mark.triton,
-              pytest.mark.skipif(DEVICE.type != "cuda", reason="needs 8 GiB of device memory (GPU check)")]
+pytestmark = [
+    pytest.mark.triton,
+    pytest.mark.skipif(DEVICE.type != "cuda", reason="needs 8 GiB of device memory (GPU check)"),
+]
 
 BLOCK, KV_HEADS, GROUP, DIM = 16, 8, 4, 128
 
@@ -39,13 +41,28 @@ def test_blocks_beyond_2_31_elements_are_written_and_attended():
 
     query = torch.randn(1, KV_HEADS * GROUP, DIM, generator=generator).to(DEVICE, torch.float16)
     out = torch.empty_like(query)
-    kernels.decode.paged_decode(out, query, key_cache, value_cache,
-                                torch.tensor([table], dtype=torch.int32, device=DEVICE),
-                                torch.tensor([seq_len], dtype=torch.int32, device=DEVICE), DIM ** -0.5, None, 1, None)
+    kernels.decode.paged_decode(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        torch.tensor([table], dtype=torch.int32, device=DEVICE),
+        torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+        DIM**-0.5,
+        None,
+        1,
+        None,
+    )
     # the reference reads the same three blocks, copied into a small cache
     small_keys = torch.cat([key_cache[:1], key_cache[table]])
     small_values = torch.cat([value_cache[:1], value_cache[table]])
-    expected = reference.reference_decode(query, small_keys, small_values,
-                                          torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEVICE),
-                                          torch.tensor([seq_len], dtype=torch.int32, device=DEVICE), DIM ** -0.5, None)
+    expected = reference.reference_decode(
+        query,
+        small_keys,
+        small_values,
+        torch.tensor([[1, 2, 3]], dtype=torch.int32, device=DEVICE),
+        torch.tensor([seq_len], dtype=torch.int32, device=DEVICE),
+        DIM**-0.5,
+        None,
+    )
     torch.testing.assert_close(out.float(), expected, atol=3e-3, rtol=0)

@@ -20,14 +20,17 @@ from kvpilot.engine.attention.kernels.tuning import (
 pytestmark = pytest.mark.triton
 
 
-@pytest.mark.parametrize("num_seqs, kv_heads, active_len, num_sms, expected", [
-    (1, 8, 8192, 132, 16),    # one long sequence: as many splits as allowed
-    (8, 8, 8192, 132, 5),     # 64 programs, 264 wanted -> 5 splits
-    (64, 8, 8192, 132, 1),    # the batch alone fills the GPU
-    (1, 8, 600, 132, 3),      # short context: >= 256 tokens per split
-    (1, 1, 100, 132, 1),
-    (2, 2, 4096, 1, 1),       # the interpreter (1 "SM") never needs more programs
-])
+@pytest.mark.parametrize(
+    "num_seqs, kv_heads, active_len, num_sms, expected",
+    [
+        (1, 8, 8192, 132, 16),  # one long sequence: as many splits as allowed
+        (8, 8, 8192, 132, 5),  # 64 programs, 264 wanted -> 5 splits
+        (64, 8, 8192, 132, 1),  # the batch alone fills the GPU
+        (1, 8, 600, 132, 3),  # short context: >= 256 tokens per split
+        (1, 1, 100, 132, 1),
+        (2, 2, 4096, 1, 1),  # the interpreter (1 "SM") never needs more programs
+    ],
+)
 def test_split_heuristic(num_seqs, kv_heads, active_len, num_sms, expected):
     assert split_kv.choose_num_kv_splits(num_seqs, kv_heads, active_len, num_sms) == expected
 
@@ -71,8 +74,9 @@ def test_wide_heads_get_smaller_tiles():
     assert max(c.tile_n for c in decode_candidates(256)) < max(c.tile_n for c in decode_candidates(64))
 
 
-@pytest.mark.parametrize("kwargs", [{"tile_n": 8}, {"tile_n": 48}, {"num_warps": 3}, {"num_stages": 0},
-                                    {"block_m": 8}])
+@pytest.mark.parametrize(
+    "kwargs", [{"tile_n": 8}, {"tile_n": 48}, {"num_warps": 3}, {"num_stages": 0}, {"block_m": 8}]
+)
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         KernelConfig(**{"tile_n": 32, "num_warps": 4, "num_stages": 2, **kwargs})

@@ -7,58 +7,132 @@ from kvpilot.operator.spec import InferenceService
 
 
 def children(spec: dict, uid: str = "u-1") -> dict:
-    manifest = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": "smol", "namespace": "ml", "uid": uid, "generation": 1}, "spec": spec}
+    manifest = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": "ml", "uid": uid, "generation": 1},
+        "spec": spec,
+    }
     built = build_children(InferenceService.from_manifest(manifest), "img:1")
     return {(o["kind"], o["metadata"]["name"]): o for o in built.objects}
 
 
 def test_engine_and_router_command_lines_follow_the_contracts():
-    objects = children({"model": {"source": "smollm2-135m", "servedName": "smol-chat"},
-                        "engine": {"enablePrefixCaching": False, "extraArgs": ["--seed", "7"]},
-                        "router": {"policy": "least_loaded", "weights": {"prefill": 1.5, "decode": 2}}})
+    objects = children(
+        {
+            "model": {"source": "smollm2-135m", "servedName": "smol-chat"},
+            "engine": {"enablePrefixCaching": False, "extraArgs": ["--seed", "7"]},
+            "router": {"policy": "least_loaded", "weights": {"prefill": 1.5, "decode": 2}},
+        }
+    )
     pod = objects[("Deployment", "smol")]["spec"]["template"]["spec"]
     engine, router = pod["containers"]
     assert engine["command"] == ["kvpilot", "serve"]
     assert engine["args"] == [
-        "--model", "smollm2-135m", "--port", "8000", "--served-model-name", "smol-chat", "--dtype", "auto",
-        "--block-size", "16", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048",
-        "--no-enable-prefix-caching", "--enable-chunked-prefill", "--kv-cache-memory-bytes", "1073741824",
-        "--slo-ttft", "2", "--slo-tpot", "0.1", "--seed", "7"]
-    assert router["args"] == ["--model", "smollm2-135m", "--port", "8080", "--endpointslices", "smol-engines",
-                              "--namespace", "ml", "--policy", "least_loaded", "--weights", "decode=2,prefill=1.5"]
+        "--model",
+        "smollm2-135m",
+        "--port",
+        "8000",
+        "--served-model-name",
+        "smol-chat",
+        "--dtype",
+        "auto",
+        "--block-size",
+        "16",
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "2048",
+        "--no-enable-prefix-caching",
+        "--enable-chunked-prefill",
+        "--kv-cache-memory-bytes",
+        "1073741824",
+        "--slo-ttft",
+        "2",
+        "--slo-tpot",
+        "0.1",
+        "--seed",
+        "7",
+    ]
+    assert router["args"] == [
+        "--model",
+        "smollm2-135m",
+        "--port",
+        "8080",
+        "--endpointslices",
+        "smol-engines",
+        "--namespace",
+        "ml",
+        "--policy",
+        "least_loaded",
+        "--weights",
+        "decode=2,prefill=1.5",
+    ]
     assert router["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]  # its tokenizer cache
-    assert engine["startupProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                                      "failureThreshold": 16, "timeoutSeconds": 5}
+    assert engine["startupProbe"] == {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 10,
+        "failureThreshold": 16,
+        "timeoutSeconds": 5,
+    }
     assert engine["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
     # a router slow to start on a busy node is not killed by its liveness probe before it listens
-    assert router["startupProbe"] == {"httpGet": {"path": "/health", "port": "http-router"}, "periodSeconds": 5,
-                                      "failureThreshold": 24, "timeoutSeconds": 3}
+    assert router["startupProbe"] == {
+        "httpGet": {"path": "/health", "port": "http-router"},
+        "periodSeconds": 5,
+        "failureThreshold": 24,
+        "timeoutSeconds": 3,
+    }
     assert [c["topologyKey"] for c in pod["topologySpreadConstraints"]] == [
-        "topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+        "topology.kubernetes.io/zone",
+        "kubernetes.io/hostname",
+    ]
 
 
 def test_services_budget_and_access():
     objects = children({"model": {"source": "tiny-random"}, "scaling": {"replicas": 3, "spare": 2}})
     engines = objects[("Service", "smol-engines")]["spec"]
-    assert (engines["clusterIP"], engines["publishNotReadyAddresses"], engines["ports"][0]["port"]) == ("None", True, 8000)
+    assert (engines["clusterIP"], engines["publishNotReadyAddresses"], engines["ports"][0]["port"]) == (
+        "None",
+        True,
+        8000,
+    )
     client = objects[("Service", "smol")]["spec"]["ports"][0]
     assert (client["port"], client["targetPort"]) == (80, "http-router")
     assert objects[("PodDisruptionBudget", "smol")]["spec"]["maxUnavailable"] == 2
     deployment = objects[("Deployment", "smol")]["spec"]
-    assert (deployment["replicas"], deployment["strategy"]["rollingUpdate"]) == (5, {"maxUnavailable": 2, "maxSurge": 0})
+    assert (deployment["replicas"], deployment["strategy"]["rollingUpdate"]) == (
+        5,
+        {"maxUnavailable": 2, "maxSurge": 0},
+    )
     assert objects[("Role", "smol-router")]["rules"] == [
-        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
     for obj in objects.values():
-        assert obj["metadata"]["ownerReferences"] == [{
-            "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "smol", "uid": "u-1",
-            "controller": True, "blockOwnerDeletion": True}]
+        assert obj["metadata"]["ownerReferences"] == [
+            {
+                "apiVersion": "kvpilot.dev/v1alpha1",
+                "kind": "InferenceService",
+                "name": "smol",
+                "uid": "u-1",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
 
 
 def test_no_spare_rolls_by_surging_and_gpu_pvc_pods_get_their_devices_and_volume():
-    objects = children({"model": {"source": "pvc://weights/llama"}, "scaling": {"replicas": 2, "spare": 0,
-                                                                                 "requireHostSpread": True},
-                        "resources": {"gpus": 1, "gpuType": "H100", "memory": "32Gi"}})
+    objects = children(
+        {
+            "model": {"source": "pvc://weights/llama"},
+            "scaling": {"replicas": 2, "spare": 0, "requireHostSpread": True},
+            "resources": {"gpus": 1, "gpuType": "H100", "memory": "32Gi"},
+        }
+    )
     deployment = objects[("Deployment", "smol")]["spec"]
     assert deployment["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
     assert objects[("PodDisruptionBudget", "smol")]["spec"]["maxUnavailable"] == 0
@@ -92,9 +166,13 @@ def test_gpu_pods_size_their_kv_cache_from_the_gpu_unless_the_spec_fixes_it():
 
 
 def test_cpu_pods_keep_a_fixed_kv_size():
-    assert engine_args({"model": {"source": "tiny-random"}})[16:18] == ["--kv-cache-memory-bytes", "1073741824"]
-    set_size = engine_args({"model": {"source": "tiny-random"}, "engine": {"kvCacheMemory": "512Mi"},
-                            "resources": {"gpus": 0}})
+    assert engine_args({"model": {"source": "tiny-random"}})[16:18] == [
+        "--kv-cache-memory-bytes",
+        "1073741824",
+    ]
+    set_size = engine_args(
+        {"model": {"source": "tiny-random"}, "engine": {"kvCacheMemory": "512Mi"}, "resources": {"gpus": 0}}
+    )
     assert set_size[16:18] == ["--kv-cache-memory-bytes", "536870912"]
     assert "--gpu-memory-utilization" not in set_size
 
@@ -104,35 +182,57 @@ def test_a_router_token_secret_is_owned_and_both_containers_read_it():
     import base64
     import re
 
-    manifest = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
-                "spec": {"model": {"source": "tiny-random"}}}
+    manifest = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"source": "tiny-random"}},
+    }
     isvc = InferenceService.from_manifest(manifest)
     built = build_children(isvc, "img:1")
     objects = {(o["kind"], o["metadata"]["name"]): o for o in built.objects}
     secret = objects[("Secret", "smol-router-token")]
     assert (secret["apiVersion"], secret["type"], list(secret["data"])) == ("v1", "Opaque", ["token"])
     assert secret["metadata"]["namespace"] == "ml"
-    assert secret["metadata"]["labels"] == objects[("Deployment", "smol")]["metadata"]["labels"] == {
-        "app.kubernetes.io/name": "kvpilot", "app.kubernetes.io/instance": "smol",
-        "app.kubernetes.io/component": "inference", "app.kubernetes.io/managed-by": "kvpilot-operator",
-        "kvpilot.dev/inferenceservice": "smol"}
-    assert secret["metadata"]["ownerReferences"] == [{
-        "apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService", "name": "smol", "uid": "u-1",
-        "controller": True, "blockOwnerDeletion": True}]
+    assert (
+        secret["metadata"]["labels"]
+        == objects[("Deployment", "smol")]["metadata"]["labels"]
+        == {
+            "app.kubernetes.io/name": "kvpilot",
+            "app.kubernetes.io/instance": "smol",
+            "app.kubernetes.io/component": "inference",
+            "app.kubernetes.io/managed-by": "kvpilot-operator",
+            "kvpilot.dev/inferenceservice": "smol",
+        }
+    )
+    assert secret["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": "kvpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "name": "smol",
+            "uid": "u-1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     token = base64.b64decode(secret["data"]["token"]).decode()
     assert re.fullmatch(r"[0-9a-f]{64}", token)  # 32 random bytes
+
     def token_of(children: tuple[dict, ...]) -> str:
         return base64.b64decode(next(o for o in children if o["kind"] == "Secret")["data"]["token"]).decode()
 
-    assert token_of(build_children(isvc, "img:1").objects) != token  # drawn afresh: apply writes it on create only
+    assert (
+        token_of(build_children(isvc, "img:1").objects) != token
+    )  # drawn afresh: apply writes it on create only
     assert token_of(build_children(isvc, "img:1", router_token="ab" * 32).objects) == "ab" * 32
     # applied before the Deployment, whose pods cannot start without it
     kinds = [o["kind"] for o in built.objects]
     assert kinds.index("Secret") < kinds.index("Deployment")
 
-    reference = {"name": "KVPILOT_ROUTER_TOKEN",
-                 "valueFrom": {"secretKeyRef": {"name": "smol-router-token", "key": "token"}}}
+    reference = {
+        "name": "KVPILOT_ROUTER_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "smol-router-token", "key": "token"}},
+    }
     engine, router = objects[("Deployment", "smol")]["spec"]["template"]["spec"]["containers"]
     assert [v for v in engine["env"] if v["name"] == "KVPILOT_ROUTER_TOKEN"] == [reference]
     assert [v for v in router["env"] if v["name"] == "KVPILOT_ROUTER_TOKEN"] == [reference]

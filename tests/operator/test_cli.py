@@ -23,10 +23,19 @@ def test_render_prints_the_children_in_apply_order():
     assert main(["render", "-f", "-", "-n", "ml"], out=out, err=err, stdin=io.StringIO(ISVC)) == 0
     documents = list(yaml.safe_load_all(out.getvalue()))
     assert [(d["kind"], d["metadata"]["name"]) for d in documents] == [
-        ("ServiceAccount", "smol-router"), ("Role", "smol-router"), ("RoleBinding", "smol-router"),
-        ("Secret", "smol-router-token"), ("Service", "smol-engines"), ("Service", "smol"), ("PodDisruptionBudget", "smol"), ("Deployment", "smol")]
+        ("ServiceAccount", "smol-router"),
+        ("Role", "smol-router"),
+        ("RoleBinding", "smol-router"),
+        ("Secret", "smol-router-token"),
+        ("Service", "smol-engines"),
+        ("Service", "smol"),
+        ("PodDisruptionBudget", "smol"),
+        ("Deployment", "smol"),
+    ]
     assert documents[-1]["spec"]["replicas"] == 4
-    assert all(d["metadata"]["namespace"] == "ml" and "ownerReferences" not in d["metadata"] for d in documents)
+    assert all(
+        d["metadata"]["namespace"] == "ml" and "ownerReferences" not in d["metadata"] for d in documents
+    )
     assert err.getvalue() == "# ml/smol: clamp(ceil(10 × (1 + 0.2) / 4) + 1, 1, 100) = 4\n"
 
 
@@ -35,7 +44,9 @@ def test_render_refuses_an_invalid_spec_naming_the_field():
     bad = ISVC.replace("perReplicaGoodput: 4", "perReplicaGoodput: 0")
     assert main(["render", "-f", "-"], out=out, err=err, stdin=io.StringIO(bad)) == 2
     assert out.getvalue() == ""
-    assert err.getvalue().startswith("error: - (document 1): spec.scaling.perReplicaGoodput: Invalid value: 0:")
+    assert err.getvalue().startswith(
+        "error: - (document 1): spec.scaling.perReplicaGoodput: Invalid value: 0:"
+    )
     assert "Traceback" not in err.getvalue()
 
 

@@ -15,12 +15,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def isvc(spec: dict, name: str = "smol") -> dict:
-    return {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name, "namespace": "ml"}, "spec": spec}
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "namespace": "ml"},
+        "spec": spec,
+    }
 
 
-@pytest.mark.parametrize("path", ["crds/inferenceservices.kvpilot.dev.yaml",
-                                  "charts/kvpilot/crds/inferenceservices.kvpilot.dev.yaml"])
+@pytest.mark.parametrize(
+    "path",
+    ["crds/inferenceservices.kvpilot.dev.yaml", "charts/kvpilot/crds/inferenceservices.kvpilot.dev.yaml"],
+)
 def test_checked_in_crds_are_exactly_the_generated_one(path):
     assert (REPO / path).read_text() == crd_yaml(), f"regenerate with: kvpilot operator crd > {path}"
 
@@ -32,7 +38,13 @@ def test_crd_names_columns_and_status_subresource():
     assert crd["spec"]["names"]["shortNames"] == ["kvis"]
     version = crd["spec"]["versions"][0]
     assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}})
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Model", "Desired", "Ready", "Phase", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Model",
+        "Desired",
+        "Ready",
+        "Phase",
+        "Age",
+    ]
 
 
 def _validations(schema: dict, path: str = "") -> set[tuple[str, str, str]]:
@@ -57,36 +69,91 @@ def test_defaults_fill_the_spec():
     assert (spec.router.policy, spec.resources.gpus, spec.slo.ttft_seconds) == ("cache_aware", 0, 2.0)
 
 
-@pytest.mark.parametrize(("spec", "field", "message"), [
-    ({}, "spec.model", "Required value"),
-    ({"model": {"source": "gpt-9"}}, "spec.model.source", "does not match"),
-    ({"model": {"source": "smollm2-135m"}, "scaling": {"spare": -1}}, "spec.scaling.spare", "less than the minimum"),
-    ({"model": {"source": "smollm2-135m"}, "router": {"policy": "random"}}, "spec.router.policy", "is not one of"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"blockSize": 12}}, "spec.engine.blockSize", "is not one of"),
-    ({"model": {"source": "smollm2-135m"}, "scaling": {"replicas": 2, "targetRequestsPerSecond": 3,
-                                                        "perReplicaGoodput": 1}},
-     "spec.scaling.replicas", "set either scaling.replicas or scaling.targetRequestsPerSecond, not both"),
-    ({"model": {"source": "smollm2-135m"}, "scaling": {"targetRequestsPerSecond": 3}},
-     "spec.scaling.perReplicaGoodput", "given together"),
-    ({"model": {"source": "smollm2-135m"}, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
-     "spec.scaling.minReplicas", "must not exceed"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
-     "spec.engine.maxNumBatchedTokens", "at least engine.maxNumSeqs"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--port=9000"]}},
-     "spec.engine.extraArgs", "must not repeat a flag"),
-    ({"model": {"source": "smollm2-135m"}, "resources": {"gpuType": "H100"}}, "spec.resources.gpuType", "gpus > 0"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"kvCacheMemory": "8Gi"}},
-     "spec.engine.kvCacheMemory", "less than resources.memory"),
-    ({"model": {"source": "smollm2-135m"}, "resources": {"memory": "1Gi"}},
-     "spec.engine.kvCacheMemory", "(1Gi when unset) must be less than resources.memory"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"gpuMemoryUtilization": 0}},
-     "spec.engine.gpuMemoryUtilization", "0 is less than or equal to the minimum of 0"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"gpuMemoryUtilization": 1.5}},
-     "spec.engine.gpuMemoryUtilization", "1.5 is greater than the maximum of 1"),
-    ({"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--gpu-memory-utilization=0.5"]}},
-     "spec.engine.extraArgs", "must not repeat a flag"),
-    ({"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}}, "spec.router.weights", "Prefill"),
-])
+@pytest.mark.parametrize(
+    ("spec", "field", "message"),
+    [
+        ({}, "spec.model", "Required value"),
+        ({"model": {"source": "gpt-9"}}, "spec.model.source", "does not match"),
+        (
+            {"model": {"source": "smollm2-135m"}, "scaling": {"spare": -1}},
+            "spec.scaling.spare",
+            "less than the minimum",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "router": {"policy": "random"}},
+            "spec.router.policy",
+            "is not one of",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"blockSize": 12}},
+            "spec.engine.blockSize",
+            "is not one of",
+        ),
+        (
+            {
+                "model": {"source": "smollm2-135m"},
+                "scaling": {"replicas": 2, "targetRequestsPerSecond": 3, "perReplicaGoodput": 1},
+            },
+            "spec.scaling.replicas",
+            "set either scaling.replicas or scaling.targetRequestsPerSecond, not both",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "scaling": {"targetRequestsPerSecond": 3}},
+            "spec.scaling.perReplicaGoodput",
+            "given together",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "scaling": {"minReplicas": 5, "maxReplicas": 2}},
+            "spec.scaling.minReplicas",
+            "must not exceed",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"maxNumSeqs": 512, "maxNumBatchedTokens": 256}},
+            "spec.engine.maxNumBatchedTokens",
+            "at least engine.maxNumSeqs",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--port=9000"]}},
+            "spec.engine.extraArgs",
+            "must not repeat a flag",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "resources": {"gpuType": "H100"}},
+            "spec.resources.gpuType",
+            "gpus > 0",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"kvCacheMemory": "8Gi"}},
+            "spec.engine.kvCacheMemory",
+            "less than resources.memory",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1Gi"}},
+            "spec.engine.kvCacheMemory",
+            "(1Gi when unset) must be less than resources.memory",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"gpuMemoryUtilization": 0}},
+            "spec.engine.gpuMemoryUtilization",
+            "0 is less than or equal to the minimum of 0",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"gpuMemoryUtilization": 1.5}},
+            "spec.engine.gpuMemoryUtilization",
+            "1.5 is greater than the maximum of 1",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--gpu-memory-utilization=0.5"]}},
+            "spec.engine.extraArgs",
+            "must not repeat a flag",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}},
+            "spec.router.weights",
+            "Prefill",
+        ),
+    ],
+)
 def test_invalid_specs_name_the_field(spec, field, message):
     with pytest.raises(SpecError) as error:
         InferenceService.from_manifest(isvc(spec))
@@ -96,66 +163,109 @@ def test_invalid_specs_name_the_field(spec, field, message):
 
 def test_more_than_one_gpu_is_refused_naming_the_field_and_why():
     resources = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
-        "spec"]["properties"]["resources"]["properties"]
-    assert (resources["gpus"]["minimum"], resources["gpus"]["maximum"]) == (0, 1)  # what kubectl apply enforces
+        "spec"
+    ]["properties"]["resources"]["properties"]
+    assert (resources["gpus"]["minimum"], resources["gpus"]["maximum"]) == (
+        0,
+        1,
+    )  # what kubectl apply enforces
     with pytest.raises(SpecError) as error:  # what the operator reports for an object an older CRD let in
-        InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2}}))
+        InferenceService.from_manifest(
+            isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2}})
+        )
     assert (error.value.field, error.value.message) == (
-        "spec.resources.gpus", "Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
-        "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)")
+        "spec.resources.gpus",
+        "Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
+        "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)",
+    )
 
 
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_zero_or_one_gpu_is_accepted(gpus):
-    spec = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
-                                                "resources": {"gpus": gpus}})).spec
+    spec = InferenceService.from_manifest(
+        isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": gpus}})
+    ).spec
     assert spec.resources.gpus == gpus
 
 
 def test_gpu_pods_without_kv_memory_have_no_fixed_kv_size():
     engine = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
-        "spec"]["properties"]["engine"]["properties"]
+        "spec"
+    ]["properties"]["engine"]["properties"]
     assert "default" not in engine["kvCacheMemory"]
-    assert (engine["gpuMemoryUtilization"]["default"], engine["gpuMemoryUtilization"]["exclusiveMinimum"]) == (0.9, True)
-    gpu = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
-                                              "resources": {"gpus": 1}})).spec
+    assert (
+        engine["gpuMemoryUtilization"]["default"],
+        engine["gpuMemoryUtilization"]["exclusiveMinimum"],
+    ) == (0.9, True)
+    gpu = InferenceService.from_manifest(
+        isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 1}})
+    ).spec
     assert (gpu.engine.kv_cache_memory, gpu.kv_cache_memory_bytes) == (None, None)
-    fixed = InferenceService.from_manifest(isvc({"model": {"source": "pvc://models/llama"},
-                                                "engine": {"kvCacheMemory": "2Gi"}, "resources": {"gpus": 1}})).spec
+    fixed = InferenceService.from_manifest(
+        isvc(
+            {
+                "model": {"source": "pvc://models/llama"},
+                "engine": {"kvCacheMemory": "2Gi"},
+                "resources": {"gpus": 1},
+            }
+        )
+    ).spec
     assert fixed.kv_cache_memory_bytes == 2 << 30
 
 
-@pytest.mark.parametrize(("spec", "message"), [
-    # CPU: 540 MB of float32 weights + the 1Gi default KV cache + 256Mi of runtime = 1795Mi
-    ({"model": {"source": "smollm2-135m"}, "resources": {"memory": "1536Mi"}},
-     "smollm2-135m needs at least 1795Mi (its float32 weights and the KV cache live in the pod's memory, "
-     "beside the engine's runtime), got 1536Mi"),
-    # GPU: weights and KV cache on the device, but the conversion holds the 540 MB float32 shard: 771Mi
-    ({"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "768Mi"}},
-     "smollm2-135m needs at least 771Mi (its weights are converted to float32 in the pod's memory, shard by "
-     "shard, before they stream to the GPU, beside the engine's runtime), got 768Mi"),
-])
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        # CPU: 540 MB of float32 weights + the 1Gi default KV cache + 256Mi of runtime = 1795Mi
+        (
+            {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1536Mi"}},
+            "smollm2-135m needs at least 1795Mi (its float32 weights and the KV cache live in the pod's memory, "
+            "beside the engine's runtime), got 1536Mi",
+        ),
+        # GPU: weights and KV cache on the device, but the conversion holds the 540 MB float32 shard: 771Mi
+        (
+            {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "768Mi"}},
+            "smollm2-135m needs at least 771Mi (its weights are converted to float32 in the pod's memory, shard by "
+            "shard, before they stream to the GPU, beside the engine's runtime), got 768Mi",
+        ),
+    ],
+)
 def test_memory_below_what_the_known_model_needs_is_refused(spec, message):
     with pytest.raises(SpecError) as error:
         InferenceService.from_manifest(isvc(spec))
     assert (error.value.field, error.value.message) == ("spec.resources.memory", message)
 
 
-@pytest.mark.parametrize("spec", [
-    {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1795Mi"}},
-    {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "771Mi"}},
-    {"model": {"source": "smollm2-135m", "dtype": "float32"}, "resources": {"memory": "2Gi"},
-     "engine": {"kvCacheMemory": "256Mi"}},
-    {"model": {"source": "pvc://models/llama"}, "resources": {"memory": "1100Mi"}},  # size unknown: not checked
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1795Mi"}},
+        {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "771Mi"}},
+        {
+            "model": {"source": "smollm2-135m", "dtype": "float32"},
+            "resources": {"memory": "2Gi"},
+            "engine": {"kvCacheMemory": "256Mi"},
+        },
+        {
+            "model": {"source": "pvc://models/llama"},
+            "resources": {"memory": "1100Mi"},
+        },  # size unknown: not checked
+    ],
+)
 def test_memory_that_fits_the_model_or_an_unknown_model_is_accepted(spec):
     InferenceService.from_manifest(isvc(spec))
 
 
 def test_gpu_kv_memory_may_exceed_pod_memory_and_pvc_source_maps_to_its_mount():
-    spec = InferenceService.from_manifest(isvc({
-        "model": {"source": "pvc://models/llama/8b"}, "resources": {"gpus": 1, "memory": "16Gi"},
-        "engine": {"kvCacheMemory": "40Gi"}})).spec
+    spec = InferenceService.from_manifest(
+        isvc(
+            {
+                "model": {"source": "pvc://models/llama/8b"},
+                "resources": {"gpus": 1, "memory": "16Gi"},
+                "engine": {"kvCacheMemory": "40Gi"},
+            }
+        )
+    ).spec
     assert (spec.model.pvc_claim, spec.model.engine_path) == ("models", "/models/models/llama/8b")
 
 

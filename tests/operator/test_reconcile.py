@@ -27,18 +27,25 @@ class NoApi:
 
 def test_more_than_one_gpu_from_an_older_crd_is_reported_and_builds_no_deployment():
     # An object stored under an older CRD (gpus up to 16) reaches the operator although today's CRD refuses it.
-    body = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "llama", "namespace": "ml", "uid": "u-1", "generation": 4},
-            "spec": {"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2, "memory": "64Gi"}}}
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "llama", "namespace": "ml", "uid": "u-1", "generation": 4},
+        "spec": {"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2, "memory": "64Gi"}},
+    }
     result = reconcile(NoApi(), body, OperatorConfig(default_image="img:1"))
     assert (result.applied, result.error.field) == ((), "spec.resources.gpus")
     status = result.status_patch
     assert (status["phase"], status["observedGeneration"]) == ("Failed", 4)
-    message = ("spec.resources.gpus: Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
-               "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)")
+    message = (
+        "spec.resources.gpus: Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
+        "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)"
+    )
     assert [(c["type"], c["status"], c["reason"], c["message"]) for c in status["conditions"]] == [
-        ("Ready", "False", "InvalidSpec", message), ("Progressing", "False", "Idle", message),
-        ("Degraded", "True", "InvalidSpec", message)]
+        ("Ready", "False", "InvalidSpec", message),
+        ("Progressing", "False", "Idle", message),
+        ("Degraded", "True", "InvalidSpec", message),
+    ]
 
 
 class MemoryApi:
@@ -74,9 +81,12 @@ class MemoryApi:
 
 def test_later_reconciles_keep_the_router_token_and_never_write_it_anywhere_else():
     """Security (issue 26 item 1): the token stays what running pods read, and stays out of metadata."""
-    body = {"apiVersion": "kvpilot.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
-            "spec": {"model": {"source": "tiny-random"}}}
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"source": "tiny-random"}},
+    }
     api, config = MemoryApi(), OperatorConfig(default_image="img:1")
     first = reconcile(api, body, config)
     assert {r.action for r in first.applied} == {"created"}
@@ -96,11 +106,14 @@ def test_later_reconciles_keep_the_router_token_and_never_write_it_anywhere_else
     third = reconcile(api, body, config)
     patched = [r for r in third.applied if r.action == "patched"]
     assert [(r.ref.kind, r.patch) for r in patched] == [
-        ("Secret", {"metadata": {"labels": {"app.kubernetes.io/instance": "smol"}}})]
+        ("Secret", {"metadata": {"labels": {"app.kubernetes.io/instance": "smol"}}})
+    ]
     assert base64.b64decode(api.objects[secret_key]["data"]["token"]).decode() == token
 
     # A token key removed by hand is put back (pods could not start without it); the rest is left alone.
     del api.objects[secret_key]["data"]["token"]
     reconcile(api, body, config)
     data = api.objects[secret_key]["data"]
-    assert set(data) == {"token", "extra"} and re.fullmatch(r"[0-9a-f]{64}", base64.b64decode(data["token"]).decode())
+    assert set(data) == {"token", "extra"} and re.fullmatch(
+        r"[0-9a-f]{64}", base64.b64decode(data["token"]).decode()
+    )

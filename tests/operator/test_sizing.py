@@ -37,11 +37,23 @@ rates = st.decimals(min_value=0, max_value=10_000, places=2).map(float)
 goodputs = st.decimals(min_value=Fraction(1, 100), max_value=1000, places=2).map(float)
 
 
-@given(rate=rates, goodput=goodputs, headroom=st.sampled_from([0.0, 0.1, 0.2, 0.5, 1.0]),
-       spare=st.integers(0, 5), low=st.integers(0, 50), span=st.integers(0, 100))
+@given(
+    rate=rates,
+    goodput=goodputs,
+    headroom=st.sampled_from([0.0, 0.1, 0.2, 0.5, 1.0]),
+    spare=st.integers(0, 5),
+    low=st.integers(0, 50),
+    span=st.integers(0, 100),
+)
 def test_desired_is_the_clamped_n_plus_spare(rate, goodput, headroom, spare, low, span):
-    scaling = ScalingSpec(target_requests_per_second=rate, per_replica_goodput=goodput, headroom=headroom,
-                          spare=spare, min_replicas=low, max_replicas=max(1, low + span))
+    scaling = ScalingSpec(
+        target_requests_per_second=rate,
+        per_replica_goodput=goodput,
+        headroom=headroom,
+        spare=spare,
+        min_replicas=low,
+        max_replicas=max(1, low + span),
+    )
     result = size_replicas(scaling)
     exact = Fraction(str(rate)) * (1 + Fraction(str(headroom))) / Fraction(str(goodput))
     assert result.serving == math.ceil(exact)
@@ -57,5 +69,8 @@ def test_desired_is_the_clamped_n_plus_spare(rate, goodput, headroom, spare, low
 @given(rate=rates, more=st.decimals(min_value=0, max_value=100, places=2).map(float), goodput=goodputs)
 def test_more_load_never_means_fewer_replicas(rate, more, goodput):
     def desired(target):
-        return size_replicas(ScalingSpec(target_requests_per_second=target, per_replica_goodput=goodput)).desired
+        return size_replicas(
+            ScalingSpec(target_requests_per_second=target, per_replica_goodput=goodput)
+        ).desired
+
     assert desired(rate + more) >= desired(rate)

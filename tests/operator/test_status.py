@@ -13,36 +13,58 @@ T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
 
 def replicas(*stages: str) -> tuple[ReplicaObservation, ...]:
-    return tuple(ReplicaObservation(f"p{i}", stage, "CrashLoopBackOff" if stage == "failing" else stage,
-                                    T0, T0 + timedelta(seconds=30 + i) if stage == "ready" else None)
-                 for i, stage in enumerate(stages))
+    return tuple(
+        ReplicaObservation(
+            f"p{i}",
+            stage,
+            "CrashLoopBackOff" if stage == "failing" else stage,
+            T0,
+            T0 + timedelta(seconds=30 + i) if stage == "ready" else None,
+        )
+        for i, stage in enumerate(stages)
+    )
 
 
-@pytest.mark.parametrize(("observed", "phase", "reason"), [
-    (Observed(3, replicas("ready", "ready", "ready")), "Ready", "ReplicasReady"),
-    (Observed(3, replicas("ready", "ready", "ready"), rollout_complete=False), "Pending", "RolloutInProgress"),
-    (Observed(3, replicas("ready", "warmingUp", "loading")), "Loading", "RolloutInProgress"),
-    (Observed(3, replicas("warmingUp", "warmingUp", "ready")), "WarmingUp", "RolloutInProgress"),
-    (Observed(3, replicas("ready", "loading")), "Pending", "RolloutInProgress"),  # a pod not even created
-    (Observed(2, replicas("failing", "loading")), "Failed", "ReplicasFailing"),
-    (Observed(2, replicas("loading", "loading"), rollout_stalled=True), "Failed", "ReplicasFailing"),
-    (Observed(2, replicas("ready", "failing")), "Degraded", "ReplicasFailing"),
-    (Observed(2, replicas("ready", "loading"), was_ready=True), "Degraded", "ReplicasLost"),
-])
+@pytest.mark.parametrize(
+    ("observed", "phase", "reason"),
+    [
+        (Observed(3, replicas("ready", "ready", "ready")), "Ready", "ReplicasReady"),
+        (
+            Observed(3, replicas("ready", "ready", "ready"), rollout_complete=False),
+            "Pending",
+            "RolloutInProgress",
+        ),
+        (Observed(3, replicas("ready", "warmingUp", "loading")), "Loading", "RolloutInProgress"),
+        (Observed(3, replicas("warmingUp", "warmingUp", "ready")), "WarmingUp", "RolloutInProgress"),
+        (Observed(3, replicas("ready", "loading")), "Pending", "RolloutInProgress"),  # a pod not even created
+        (Observed(2, replicas("failing", "loading")), "Failed", "ReplicasFailing"),
+        (Observed(2, replicas("loading", "loading"), rollout_stalled=True), "Failed", "ReplicasFailing"),
+        (Observed(2, replicas("ready", "failing")), "Degraded", "ReplicasFailing"),
+        (Observed(2, replicas("ready", "loading"), was_ready=True), "Degraded", "ReplicasLost"),
+    ],
+)
 def test_phase_rules(observed, phase, reason):
     assert decide_phase(observed)[:2] == (phase, reason)
 
 
 def test_messages_count_stages():
-    assert decide_phase(Observed(3, replicas("ready", "warmingUp", "loading")))[2] == \
-        "1/3 replicas ready; 1 loading, 1 warmingUp"
-    assert decide_phase(Observed(2, replicas("ready", "failing")))[2] == "1/2 replicas ready; p1: CrashLoopBackOff"
+    assert (
+        decide_phase(Observed(3, replicas("ready", "warmingUp", "loading")))[2]
+        == "1/3 replicas ready; 1 loading, 1 warmingUp"
+    )
+    assert (
+        decide_phase(Observed(2, replicas("ready", "failing")))[2]
+        == "1/2 replicas ready; p1: CrashLoopBackOff"
+    )
 
 
 def test_conditions_keep_transition_times_until_status_flips():
     first = conditions("Loading", "RolloutInProgress", "m", 1, [], "t1")
-    assert [(c["type"], c["status"]) for c in first] == [("Ready", "False"), ("Progressing", "True"),
-                                                          ("Degraded", "False")]
+    assert [(c["type"], c["status"]) for c in first] == [
+        ("Ready", "False"),
+        ("Progressing", "True"),
+        ("Degraded", "False"),
+    ]
     later = conditions("Ready", "ReplicasReady", "m", 1, first, "t2")
     assert [c["lastTransitionTime"] for c in later] == ["t2", "t2", "t1"]
 
@@ -55,19 +77,31 @@ def test_cold_starts_accumulate_and_keep_the_latest_five():
 
 
 def pod(state: dict, ready: bool = False, started: bool = False) -> dict:
-    return {"metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z"},
-            "spec": {"containers": [{"name": "engine", "ports": [{"containerPort": 8000}]}]},
-            "status": {"phase": "Running", "podIP": "10.0.0.1",
-                       "conditions": [{"type": "Ready", "status": "True" if ready else "False",
-                                       "lastTransitionTime": "2026-01-01T00:01:00Z"}],
-                       "containerStatuses": [{"name": "engine", "state": state, "started": started}]}}
+    return {
+        "metadata": {"name": "p", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "spec": {"containers": [{"name": "engine", "ports": [{"containerPort": 8000}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.1",
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True" if ready else "False",
+                    "lastTransitionTime": "2026-01-01T00:01:00Z",
+                }
+            ],
+            "containerStatuses": [{"name": "engine", "state": state, "started": started}],
+        },
+    }
 
 
 def test_pod_stages_use_the_engine_report_when_there_is_one():
     asked = []
+
     def reader(host, port):
         asked.append((host, port))
         return EngineReport("warming_up", 0.5)
+
     assert observe_pod(pod({"running": {}}), reader).stage == "warmingUp"
     assert observe_pod(pod({"running": {}}), reader).detail == "engine warming_up (50%)"
     assert asked[0] == ("10.0.0.1", 8000)

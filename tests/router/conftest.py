@@ -82,9 +82,14 @@ class FakeEngine:
 
     async def start(self, port: int = 0) -> FakeEngine:
         app = web.Application()
-        for path, handler in (("/health", self._health), ("/ready", self._ready), ("/load", self._load),
-                              ("/kv/events", self._events), ("/kv/snapshot", self._snapshot),
-                              ("/v1/models", self._models)):
+        for path, handler in (
+            ("/health", self._health),
+            ("/ready", self._ready),
+            ("/load", self._load),
+            ("/kv/events", self._events),
+            ("/kv/snapshot", self._snapshot),
+            ("/v1/models", self._models),
+        ):
             app.router.add_get(path, handler)
         app.router.add_post("/v1/completions", self._inference)
         app.router.add_post("/v1/chat/completions", self._inference)
@@ -119,7 +124,9 @@ class FakeEngine:
             evicted.append(self.cached.popitem(last=False)[0])
         for kind, changed in (("stored", new), ("removed", evicted)):
             if changed:
-                self.events.append({"seq": self.seq + 1, "type": kind, "block_hashes": [h.hex() for h in changed]})
+                self.events.append(
+                    {"seq": self.seq + 1, "type": kind, "block_hashes": [h.hex() for h in changed]}
+                )
 
     def restart(self) -> None:
         """A new process on the same address: new epoch, empty cache, sequence numbers from 0."""
@@ -138,13 +145,27 @@ class FakeEngine:
     async def _load(self, request: web.Request) -> web.Response:
         b = self.behavior
         await asyncio.sleep(b.load_delay_s)
-        body = {"model": "fake-model", "epoch": self.epoch, "ready": b.ready,
-                "phase": "ready" if b.ready else "loading", "waiting": self.waiting, "running": self.running,
-                "swapped": 0, "queued_prefill_tokens": self.queued_prefill_tokens,
-                "running_decode_tokens": self.running, "kv_blocks_total": 1000, "kv_blocks_free": 900,
-                "kv_blocks_cached": len(self.cached), "kv_blocks_reserved": 0, "kv_usage": 0.1,
-                "block_size": b.block_size, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
-                "prefill_tokens_per_second": 1000.0, "decode_step_seconds": 0.01}
+        body = {
+            "model": "fake-model",
+            "epoch": self.epoch,
+            "ready": b.ready,
+            "phase": "ready" if b.ready else "loading",
+            "waiting": self.waiting,
+            "running": self.running,
+            "swapped": 0,
+            "queued_prefill_tokens": self.queued_prefill_tokens,
+            "running_decode_tokens": self.running,
+            "kv_blocks_total": 1000,
+            "kv_blocks_free": 900,
+            "kv_blocks_cached": len(self.cached),
+            "kv_blocks_reserved": 0,
+            "kv_usage": 0.1,
+            "block_size": b.block_size,
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 2048,
+            "prefill_tokens_per_second": 1000.0,
+            "decode_step_seconds": 0.01,
+        }
         body.update(b.load)
         return web.json_response(body)
 
@@ -152,13 +173,27 @@ class FakeEngine:
         since = int(request.query.get("since", "0"))
         gap = since > self.seq
         events = [] if gap else [e for e in self.events if e["seq"] > since]
-        return web.json_response({"epoch": self.epoch, "seq": self.seq, "gap": gap, "root": FAKE_ROOT.hex(),
-                                  "block_size": self.behavior.block_size, "events": events})
+        return web.json_response(
+            {
+                "epoch": self.epoch,
+                "seq": self.seq,
+                "gap": gap,
+                "root": FAKE_ROOT.hex(),
+                "block_size": self.behavior.block_size,
+                "events": events,
+            }
+        )
 
     async def _snapshot(self, request: web.Request) -> web.Response:
-        return web.json_response({"epoch": self.epoch, "seq": self.seq, "root": FAKE_ROOT.hex(),
-                                  "block_size": self.behavior.block_size,
-                                  "block_hashes": [h.hex() for h in self.cached]})
+        return web.json_response(
+            {
+                "epoch": self.epoch,
+                "seq": self.seq,
+                "root": FAKE_ROOT.hex(),
+                "block_size": self.behavior.block_size,
+                "block_hashes": [h.hex() for h in self.cached],
+            }
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
@@ -168,8 +203,9 @@ class FakeEngine:
         self.received.append((request.path, CIMultiDict(request.headers), body))
         b = self.behavior
         if b.inference_status != 200:
-            return web.json_response({"error": {"message": "fake failure", "code": b.inference_status}},
-                                     status=b.inference_status)
+            return web.json_response(
+                {"error": {"message": "fake failure", "code": b.inference_status}}, status=b.inference_status
+            )
         tenant = tenant_from_headers(request.headers)
         try:
             if request.path.endswith("/chat/completions"):
@@ -207,17 +243,34 @@ class FakeEngine:
 
     @staticmethod
     def refusal(error: Exception) -> dict[str, Any]:
-        return {"error": {"message": f"fake engine: {type(error).__name__}", "type": "invalid_request_error",
-                          "param": None, "code": "invalid_request"}}
+        return {
+            "error": {
+                "message": f"fake engine: {type(error).__name__}",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_request",
+            }
+        }
 
-    async def _answer(self, request: web.Request, body: dict, ids: list[int], cached: int) -> web.StreamResponse:
-        usage = {"prompt_tokens": len(ids), "completion_tokens": self.behavior.output_tokens,
-                 "prompt_tokens_details": {"cached_tokens": cached}}
+    async def _answer(
+        self, request: web.Request, body: dict, ids: list[int], cached: int
+    ) -> web.StreamResponse:
+        usage = {
+            "prompt_tokens": len(ids),
+            "completion_tokens": self.behavior.output_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
         request_id = request.headers.get("x-request-id", "")
         if not body.get("stream"):
             self.first_bytes.add(request_id)
-            return web.json_response({"object": "text_completion", "choices": [{"text": "t0 t1 t2"}],
-                                      "usage": usage, "served_by": self.port})
+            return web.json_response(
+                {
+                    "object": "text_completion",
+                    "choices": [{"text": "t0 t1 t2"}],
+                    "usage": usage,
+                    "served_by": self.port,
+                }
+            )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i in range(self.behavior.output_tokens):
@@ -229,7 +282,9 @@ class FakeEngine:
             assert request.transport is not None
             request.transport.abort()
             return response
-        await response.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        await response.write(
+            f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+        )
         await response.write_eof()
         return response
 
@@ -250,7 +305,9 @@ async def fake_engines(tiny_tokenizer: Tokenizer) -> AsyncIterator[Callable[...,
     started: list[FakeEngine] = []
 
     async def make(count: int = 1, **behavior: Any) -> list[FakeEngine]:
-        engines = [await FakeEngine(tiny_tokenizer, FakeEngineBehavior(**behavior)).start() for _ in range(count)]
+        engines = [
+            await FakeEngine(tiny_tokenizer, FakeEngineBehavior(**behavior)).start() for _ in range(count)
+        ]
         started.extend(engines)
         return engines
 
@@ -265,16 +322,29 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
     has ``ready`` routable replicas (default: all)."""
     started: list[RouterServer] = []
 
-    async def make(urls: list[str], policy: str = "cache_aware", weights: str = "", ready: int | None = None,
-                   poll_interval_s: float = 0.02, request_timeout_s: float = 20.0,
-                   max_body_bytes: int = 1 << 20, body_read_timeout_s: float = 30.0,
-                   **tenancy: Any) -> RouterServer:
-        config = RouterConfig(DiscoveryConfig(replicas=tuple(urls)), policy=policy, **tenancy,
-                              weights=ScoringWeights.parse(weights),
-                              poll=PollConfig(interval_s=poll_interval_s, timeout_s=0.5),
-                              upstream=UpstreamConfig(request_timeout_s=request_timeout_s,
-                                                      max_body_bytes=max_body_bytes,
-                                                      body_read_timeout_s=body_read_timeout_s))
+    async def make(
+        urls: list[str],
+        policy: str = "cache_aware",
+        weights: str = "",
+        ready: int | None = None,
+        poll_interval_s: float = 0.02,
+        request_timeout_s: float = 20.0,
+        max_body_bytes: int = 1 << 20,
+        body_read_timeout_s: float = 30.0,
+        **tenancy: Any,
+    ) -> RouterServer:
+        config = RouterConfig(
+            DiscoveryConfig(replicas=tuple(urls)),
+            policy=policy,
+            **tenancy,
+            weights=ScoringWeights.parse(weights),
+            poll=PollConfig(interval_s=poll_interval_s, timeout_s=0.5),
+            upstream=UpstreamConfig(
+                request_timeout_s=request_timeout_s,
+                max_body_bytes=max_body_bytes,
+                body_read_timeout_s=body_read_timeout_s,
+            ),
+        )
         server = await RouterServer(RouterApp(config, tiny_profiler)).start()
         started.append(server)
         await wait_for(lambda: len(server.router.fleet.routable()) == (len(urls) if ready is None else ready))

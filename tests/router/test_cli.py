@@ -22,25 +22,40 @@ KVPILOT = os.path.join(os.path.dirname(sys.executable), "kvpilot")
 def test_help_lists_the_contract_flags(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for flag in ("--port", "--replicas", "--endpointslices", "--namespace", "--model", "--policy", "--weights",
-                 "--poll-interval", "--request-timeout"):
+    for flag in (
+        "--port",
+        "--replicas",
+        "--endpointslices",
+        "--namespace",
+        "--model",
+        "--policy",
+        "--weights",
+        "--poll-interval",
+        "--request-timeout",
+    ):
         assert flag in out
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--replicas", "ftp://x:1"], "replica URL must look like http://host:port"),
-    (["--replicas", "http://a:1/v1"], "without a path"),
-    (["--replicas", "http://a:1,http://a:1"], "lists a URL twice"),
-    (["--replicas", " , "], "needs at least one URL"),
-    (["--replicas", "http://a:1", "--weights", "speed=2"], "unknown weight 'speed'; known: queue, prefill"),
-    (["--replicas", "http://a:1", "--weights", "queue"], "entries are key=value"),
-    (["--replicas", "http://a:1", "--weights", "queue=-1"], "weight queue must be a finite number >= 0"),
-    (["--replicas", "http://a:1", "--weights", "decode=x"], "weight decode must be a number"),
-    (["--replicas", "http://a:1", "--poll-interval", "0"], "--poll-interval must be a positive number"),
-    (["--replicas", "http://a:1", "--port", "70000"], "--port must be 0..65535"),
-    (["--replicas", "http://a:1", "--model", "/no/such/model"], "cannot resolve model '/no/such/model'"),
-    (["--endpointslices", "svc-engines"], "--endpointslices needs --namespace"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicas", "ftp://x:1"], "replica URL must look like http://host:port"),
+        (["--replicas", "http://a:1/v1"], "without a path"),
+        (["--replicas", "http://a:1,http://a:1"], "lists a URL twice"),
+        (["--replicas", " , "], "needs at least one URL"),
+        (
+            ["--replicas", "http://a:1", "--weights", "speed=2"],
+            "unknown weight 'speed'; known: queue, prefill",
+        ),
+        (["--replicas", "http://a:1", "--weights", "queue"], "entries are key=value"),
+        (["--replicas", "http://a:1", "--weights", "queue=-1"], "weight queue must be a finite number >= 0"),
+        (["--replicas", "http://a:1", "--weights", "decode=x"], "weight decode must be a number"),
+        (["--replicas", "http://a:1", "--poll-interval", "0"], "--poll-interval must be a positive number"),
+        (["--replicas", "http://a:1", "--port", "70000"], "--port must be 0..65535"),
+        (["--replicas", "http://a:1", "--model", "/no/such/model"], "cannot resolve model '/no/such/model'"),
+        (["--endpointslices", "svc-engines"], "--endpointslices needs --namespace"),
+    ],
+)
 def test_invalid_flags_end_in_one_line_and_status_2(capsys, argv, message):
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -54,7 +69,9 @@ def test_argparse_errors_return_2(capsys):
 
 
 def test_weights_parse_into_the_typed_config():
-    assert ScoringWeights.parse("queue=2, decode=0.5,,tie_ms=0") == ScoringWeights(queue=2.0, decode=0.5, tie_ms=0.0)
+    assert ScoringWeights.parse("queue=2, decode=0.5,,tie_ms=0") == ScoringWeights(
+        queue=2.0, decode=0.5, tie_ms=0.0
+    )
     assert ScoringWeights.parse("") == ScoringWeights()
     with pytest.raises(ConfigError, match="given twice"):
         ScoringWeights.parse("queue=1,queue=2")
@@ -64,15 +81,19 @@ def test_weights_parse_into_the_typed_config():
 
 def test_the_prefill_rate_is_the_fleets_unless_per_replica_rates_are_asked_for():
     fleet = config_from_args(build_parser().parse_args(["--replicas", "http://a:1"]))
-    mixed = config_from_args(build_parser().parse_args(["--replicas", "http://a:1", "--per-replica-prefill-rate"]))
+    mixed = config_from_args(
+        build_parser().parse_args(["--replicas", "http://a:1", "--per-replica-prefill-rate"])
+    )
     assert (fleet.per_replica_prefill_rate, mixed.per_replica_prefill_rate) == (False, True)
 
 
 def test_router_modules_do_not_import_torch():
-    code = ("import sys, kvpilot.router.cli, kvpilot.router.app, kvpilot.router.server, kvpilot.router.endpointslices;"
-            "from kvpilot.router.server import load_profiler;"
-            "assert 'torch' not in sys.modules, 'torch imported';"
-            "assert 'kubernetes' not in sys.modules, 'kubernetes imported for a static fleet'")
+    code = (
+        "import sys, kvpilot.router.cli, kvpilot.router.app, kvpilot.router.server, kvpilot.router.endpointslices;"
+        "from kvpilot.router.server import load_profiler;"
+        "assert 'torch' not in sys.modules, 'torch imported';"
+        "assert 'kubernetes' not in sys.modules, 'kubernetes imported for a static fleet'"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
@@ -81,9 +102,21 @@ def test_router_modules_do_not_import_torch():
 async def test_the_router_process_serves_and_stops_on_sigterm(fake_engines, tiny_model_dir, unused_tcp_port):
     engines = await fake_engines(2)
     process = await asyncio.create_subprocess_exec(
-        KVPILOT, "router", "--host", "127.0.0.1", "--port", str(unused_tcp_port),
-        "--replicas", ",".join(e.url for e in engines), "--model", str(tiny_model_dir), "--poll-interval", "0.05",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        KVPILOT,
+        "router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(unused_tcp_port),
+        "--replicas",
+        ",".join(e.url for e in engines),
+        "--model",
+        str(tiny_model_dir),
+        "--poll-interval",
+        "0.05",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     base = f"http://127.0.0.1:{unused_tcp_port}"
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:

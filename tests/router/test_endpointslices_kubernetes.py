@@ -19,10 +19,14 @@ pytestmark = pytest.mark.e2e
 
 
 def endpoint_slice(name: str, service: str, address: str, ready: bool = True) -> dict:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
-            "addressType": "IPv4", "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
-            "endpoints": [{"addresses": [address], "conditions": {"ready": ready}, "zone": "zone-a"}]}
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+        "endpoints": [{"addresses": [address], "conditions": {"ready": ready}, "zone": "zone-a"}],
+    }
 
 
 def test_watcher_follows_a_services_slices_through_the_kubernetes_client(tmp_path, monkeypatch):
@@ -34,17 +38,23 @@ def test_watcher_follows_a_services_slices_through_the_kubernetes_client(tmp_pat
 
         api = KubernetesSliceApi()  # falls back from in-cluster config to the kubeconfig
         discovery = client.DiscoveryV1Api()
-        discovery.create_namespaced_endpoint_slice("default", endpoint_slice("engines-a", "svc-engines", "10.1.0.1"))
+        discovery.create_namespaced_endpoint_slice(
+            "default", endpoint_slice("engines-a", "svc-engines", "10.1.0.1")
+        )
         discovery.create_namespaced_endpoint_slice("default", endpoint_slice("other-a", "other", "10.9.0.1"))
         published: queue.Queue[list[Endpoint]] = queue.Queue()
-        watcher = EndpointSliceWatcher("svc-engines", "default", "http", published.put, lambda: api,
-                                       watch_timeout_s=5)
+        watcher = EndpointSliceWatcher(
+            "svc-engines", "default", "http", published.put, lambda: api, watch_timeout_s=5
+        )
         watcher.start()
         assert published.get(timeout=10) == [Endpoint("http://10.1.0.1:8000", "zone-a")]
-        discovery.create_namespaced_endpoint_slice("default", endpoint_slice("engines-b", "svc-engines", "10.1.0.2"))
+        discovery.create_namespaced_endpoint_slice(
+            "default", endpoint_slice("engines-b", "svc-engines", "10.1.0.2")
+        )
         assert [e.url for e in published.get(timeout=10)] == ["http://10.1.0.1:8000", "http://10.1.0.2:8000"]
         discovery.replace_namespaced_endpoint_slice(
-            "engines-a", "default", endpoint_slice("engines-a", "svc-engines", "10.1.0.1", ready=False))
+            "engines-a", "default", endpoint_slice("engines-a", "svc-engines", "10.1.0.1", ready=False)
+        )
         assert [e.url for e in published.get(timeout=10)] == ["http://10.1.0.2:8000"]
         discovery.delete_namespaced_endpoint_slice("engines-b", "default")
         assert published.get(timeout=10) == []

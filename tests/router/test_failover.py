@@ -23,7 +23,9 @@ def completion(text: str = "hello there", stream: bool = True) -> dict:
     return {"prompt": text, "max_tokens": 4, "stream": stream}
 
 
-async def test_a_503_before_the_first_byte_is_retried_elsewhere_and_ejects(fake_engines, routers, http, until):
+async def test_a_503_before_the_first_byte_is_retried_elsewhere_and_ejects(
+    fake_engines, routers, http, until
+):
     failing, healthy = await fake_engines(2)
     healthy.behavior.load = SLOW
     failing.behavior.inference_status = 503
@@ -50,8 +52,9 @@ async def test_a_dead_replica_is_retried_elsewhere_and_stays_ejected(fake_engine
     assert [r.url for r in router.router.fleet.routable()] == [healthy.url]
 
 
-async def test_a_replica_that_stops_being_ready_or_answers_load_too_slowly_is_ejected(fake_engines, routers, http,
-                                                                                      until):
+async def test_a_replica_that_stops_being_ready_or_answers_load_too_slowly_is_ejected(
+    fake_engines, routers, http, until
+):
     draining, slow, healthy = await fake_engines(3)
     router = await routers([draining.url, slow.url, healthy.url])
     draining.behavior.ready = False
@@ -88,8 +91,11 @@ async def test_when_every_try_fails_the_client_gets_the_last_answer_or_a_502(fak
     await second.crash()
     async with http.post(router.url + "/v1/completions", json=completion()) as response:
         body = await response.json()
-        assert (response.status, body["error"]["code"], body["error"]["type"]) == (502, "upstream_failed",
-                                                                                   "bad_gateway")
+        assert (response.status, body["error"]["code"], body["error"]["type"]) == (
+            502,
+            "upstream_failed",
+            "bad_gateway",
+        )
     assert sample(router, "kvpilot_router_retries_total") == 1  # one retry, never more
 
 
@@ -97,12 +103,19 @@ def data_lines(received: bytes) -> list[str]:
     return [line[6:] for line in received.decode().split("\n\n") if line.startswith("data: ")]
 
 
-MID_STREAM_ERROR = {"error": {"message": "an upstream replica failed mid-response: its connection broke",
-                              "type": "bad_gateway", "param": None, "code": "upstream_failed"}}
+MID_STREAM_ERROR = {
+    "error": {
+        "message": "an upstream replica failed mid-response: its connection broke",
+        "type": "bad_gateway",
+        "param": None,
+        "code": "upstream_failed",
+    }
+}
 
 
-async def test_a_replica_dying_mid_stream_ends_it_with_an_error_event_then_done(fake_engines, routers, http,
-                                                                                 until):
+async def test_a_replica_dying_mid_stream_ends_it_with_an_error_event_then_done(
+    fake_engines, routers, http, until
+):
     (engine,) = await fake_engines(1, output_tokens=50, token_delay_s=0.05)
     router = await routers([engine.url])
     async with http.post(router.url + "/v1/completions", json=completion()) as response:
@@ -118,14 +131,17 @@ async def test_a_replica_dying_mid_stream_ends_it_with_an_error_event_then_done(
     await until(lambda: not router.router.fleet.routable())
 
 
-async def test_an_event_the_replica_left_half_written_is_dropped_before_the_error(fake_engines, routers, http):
+async def test_an_event_the_replica_left_half_written_is_dropped_before_the_error(
+    fake_engines, routers, http
+):
     (engine,) = await fake_engines(1, output_tokens=2, tear_stream=True)
     router = await routers([engine.url])
     async with http.post(router.url + "/v1/completions", json=completion()) as response:
         received = await response.read()
-    assert received == (b'data: {"choices": [{"text": "t0"}]}\n\ndata: {"choices": [{"text": "t1"}]}\n\n'
-                        b"data: " + json.dumps(MID_STREAM_ERROR, separators=(",", ":")).encode()
-                        + b"\n\ndata: [DONE]\n\n")
+    assert received == (
+        b'data: {"choices": [{"text": "t0"}]}\n\ndata: {"choices": [{"text": "t1"}]}\n\n'
+        b"data: " + json.dumps(MID_STREAM_ERROR, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+    )
 
 
 async def test_no_ready_replica_is_a_503_with_retry_after_one_poll(fake_engines, routers, http):
@@ -134,8 +150,17 @@ async def test_no_ready_replica_is_a_503_with_retry_after_one_poll(fake_engines,
         router = await routers([engine.url], ready=0, poll_interval_s=interval)
         async with http.post(router.url + "/v1/completions", json=completion()) as response:
             assert (response.status, response.headers.get("Retry-After"), await response.json()) == (
-                503, retry_after, {"error": {"message": "no engine replica is ready", "type": "service_unavailable",
-                                             "param": None, "code": "no_ready_replica"}})
+                503,
+                retry_after,
+                {
+                    "error": {
+                        "message": "no engine replica is ready",
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": "no_ready_replica",
+                    }
+                },
+            )
 
 
 async def test_security_a_502_names_the_replica_by_pod_never_by_address(fake_engines, routers, http):
@@ -151,9 +176,17 @@ async def test_security_a_502_names_the_replica_by_pod_never_by_address(fake_eng
     for server, name in ((router, "engine replica kvpilot-engine-6d9f-1"), (lone, "an upstream replica")):
         async with http.post(server.url + "/v1/completions", json=completion()) as response:
             raw = await response.read()
-            assert (response.status, json.loads(raw)) == (502, {"error": {
-                "message": f"{name} failed before answering: its connection failed", "type": "bad_gateway",
-                "param": None, "code": "upstream_failed"}})
+            assert (response.status, json.loads(raw)) == (
+                502,
+                {
+                    "error": {
+                        "message": f"{name} failed before answering: its connection failed",
+                        "type": "bad_gateway",
+                        "param": None,
+                        "code": "upstream_failed",
+                    }
+                },
+            )
         assert b"127.0.0.1" not in raw and str(unnamed.port).encode() not in raw
         assert str(named.port).encode() not in raw
 
@@ -196,8 +229,11 @@ async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_str
         router = (first, second)[i % 2]
         await asyncio.sleep(0.01 * i)
         try:
-            async with session.post(router.url + "/v1/completions", json=completion(f"request {i} " * 5),
-                                    headers={"x-request-id": str(i), "x-tenant": f"t{i % 5}"}) as response:
+            async with session.post(
+                router.url + "/v1/completions",
+                json=completion(f"request {i} " * 5),
+                headers={"x-request-id": str(i), "x-tenant": f"t{i % 5}"},
+            ) as response:
                 raw = await response.read()
                 outcomes[str(i)] = "ok" if response.status == 200 and raw.endswith(b"[DONE]\n\n") else "bad"
         except aiohttp.ClientPayloadError:
@@ -209,7 +245,9 @@ async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_str
         await victim.crash()
         await asyncio.gather(*clients)
     lost = {i for i, outcome in outcomes.items() if outcome != "ok"}
-    assert lost <= victim.first_bytes, f"lost requests that had not started streaming: {lost - victim.first_bytes}"
+    assert lost <= victim.first_bytes, (
+        f"lost requests that had not started streaming: {lost - victim.first_bytes}"
+    )
     retried = sample(first, "kvpilot_router_retries_total") + sample(second, "kvpilot_router_retries_total")
     assert retried >= 1, "the crash should have caught requests before their first byte"
     assert len(outcomes) == 40

@@ -12,12 +12,17 @@ from kvpilot.router.proxy import REPLICA_HEADER
 
 def tenant_chat(tenant: int, question: str) -> dict:
     system = f"Tenant {tenant} policy: answer in the house style of tenant {tenant}. " * 6
-    return {"stream": True, "max_tokens": 4, "messages": [{"role": "system", "content": system},
-                                                          {"role": "user", "content": question}]}
+    return {
+        "stream": True,
+        "max_tokens": 4,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
+    }
 
 
 async def post(http, router, body: dict, tenant: int) -> str:
-    async with http.post(router.url + "/v1/chat/completions", json=body, headers={"x-tenant": f"t{tenant}"}) as r:
+    async with http.post(
+        router.url + "/v1/chat/completions", json=body, headers={"x-tenant": f"t{tenant}"}
+    ) as r:
         assert r.status == 200
         await r.read()
         return r.headers[REPLICA_HEADER]
@@ -25,11 +30,14 @@ async def post(http, router, body: dict, tenant: int) -> str:
 
 def decisions(router, reason: str) -> float:
     value = router.router.metrics.registry.get_sample_value(
-        "kvpilot_router_decisions_total", {"policy": router.router.config.policy, "reason": reason})
+        "kvpilot_router_decisions_total", {"policy": router.router.config.policy, "reason": reason}
+    )
     return value or 0.0
 
 
-async def test_independent_routers_break_ties_alike_and_spread_new_prefixes(fake_engines, routers, http, until):
+async def test_independent_routers_break_ties_alike_and_spread_new_prefixes(
+    fake_engines, routers, http, until
+):
     engines = await fake_engines(3, caching=False)  # nothing is ever cached: every choice is a tie
     first, second = await routers([e.url for e in engines]), await routers([e.url for e in engines])
 
@@ -38,8 +46,13 @@ async def test_independent_routers_break_ties_alike_and_spread_new_prefixes(fake
         # a poll in between would show one router a decode running there (rare; seen once under load).
         await until(lambda: all(e.running == 0 and e.waiting == 0 for e in engines))
         since = time.perf_counter()
-        await until(lambda: all(r.load_sent_at > since for router in (first, second)
-                                for r in router.router.fleet.replicas.values()))
+        await until(
+            lambda: all(
+                r.load_sent_at > since
+                for router in (first, second)
+                for r in router.router.fleet.replicas.values()
+            )
+        )
 
     chosen = {}
     for tenant in range(12):
@@ -62,8 +75,9 @@ async def test_a_burst_of_one_new_prefix_stays_on_one_replica(fake_engines, rout
     assert (decisions(router, "cold"), decisions(router, "affinity")) == (1, 4)
 
 
-async def test_shared_prefixes_land_with_affinity_across_two_routers(fake_engines, routers, http, until,
-                                                                     tiny_profiler):
+async def test_shared_prefixes_land_with_affinity_across_two_routers(
+    fake_engines, routers, http, until, tiny_profiler
+):
     engines = await fake_engines(3)
     pair = [await routers([e.url for e in engines]) for _ in range(2)]
     homes: dict[int, set[str]] = defaultdict(set)
@@ -71,13 +85,20 @@ async def test_shared_prefixes_land_with_affinity_across_two_routers(fake_engine
         tenant = i % 4
         homes[tenant].add(await post(http, pair[(i // 4) % 2], tenant_chat(tenant, f"question {i}"), tenant))
         since = time.perf_counter()
-        await until(lambda since=since: all(r.index.synced and r.load_sent_at > since for router in pair
-                                for r in router.router.fleet.replicas.values()))
+        await until(
+            lambda since=since: all(
+                r.index.synced and r.load_sent_at > since
+                for router in pair
+                for r in router.router.fleet.replicas.values()
+            )
+        )
     assert all(len(replicas) == 1 for replicas in homes.values()), homes
     assert sum(decisions(router, "cold") for router in pair) == 4  # each tenant's first request only
     assert sum(decisions(router, "affinity") for router in pair) == 20
-    prompts = [tiny_profiler.profile("/v1/chat/completions", tenant_chat(0, f"question {i}"), None).prompts[0]
-               for i in (0, 1)]
+    prompts = [
+        tiny_profiler.profile("/v1/chat/completions", tenant_chat(0, f"question {i}"), None).prompts[0]
+        for i in (0, 1)
+    ]
     shared = next(n for n, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)  # common prefix tokens
     assert sum(e.cached_prompt_tokens for e in engines) == 20 * (shared // 16 * 16)
 

@@ -16,14 +16,38 @@ from kvpilot.router.piece_encoder import PieceEncoder
 
 # Characters where the GPT-2 regex's alternatives and its whitespace lookahead decide the split.
 ALPHABET = "aZq 0719\t\n\r\x0b\x0c'sStrmvlld.,!?-_()[]{}<>|/\\\"#$%^&*+=~`@;:\x00\x1c\x1f\x7f"
-FRAGMENTS = ["'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "  ", "\n\n", " \n ", "123", " 4", "hello", " world",
-             "don't", "THE'S", "x  \ty", "a\r\nb", "?!", " .", "   end"]
-ascii_texts = st.lists(st.one_of(st.text(alphabet=ALPHABET, max_size=12), st.sampled_from(FRAGMENTS)),
-                       max_size=16).map("".join)
+FRAGMENTS = [
+    "'s",
+    "'t",
+    "'re",
+    "'ve",
+    "'m",
+    "'ll",
+    "'d",
+    "  ",
+    "\n\n",
+    " \n ",
+    "123",
+    " 4",
+    "hello",
+    " world",
+    "don't",
+    "THE'S",
+    "x  \ty",
+    "a\r\nb",
+    "?!",
+    " .",
+    "   end",
+]
+ascii_texts = st.lists(
+    st.one_of(st.text(alphabet=ALPHABET, max_size=12), st.sampled_from(FRAGMENTS)), max_size=16
+).map("".join)
 # Text as prose is: words joined by single spaces (the encoder's word path), with whitespace, digits and
 # contractions at the words' ends, and now and then an empty word (a double space).
 WORD_ALPHABET = ALPHABET.replace(" ", "")
-words = st.one_of(st.text(alphabet=WORD_ALPHABET, max_size=6), st.sampled_from(["the", "42", "it's", "x\n", "\t7"]))
+words = st.one_of(
+    st.text(alphabet=WORD_ALPHABET, max_size=6), st.sampled_from(["the", "42", "it's", "x\n", "\t7"])
+)
 prose = st.lists(words, min_size=1, max_size=24).map(" ".join)
 
 
@@ -37,8 +61,10 @@ def smollm2_backends(smollm2_dir) -> dict[bool, tuple[dict, BackendTokenizer]]:
     """A real vocabulary (its whitespace and digit merges make a wrong piece boundary visible in the ids),
     with and without digit splitting: split_digits → (spec, backend)."""
     spec = json.loads((smollm2_dir / "tokenizer.json").read_text(encoding="utf-8"))
-    return {split: (changed, backend_with(changed))
-            for split, changed in ((True, spec), (False, without_digit_splitting(spec)))}
+    return {
+        split: (changed, backend_with(changed))
+        for split, changed in ((True, spec), (False, without_digit_splitting(spec)))
+    }
 
 
 def backend_with(spec: dict) -> BackendTokenizer:
@@ -74,8 +100,26 @@ def test_prose_encodes_exactly_as_the_tokenizer(smollm2_backends, texts, split_d
 
 
 # Where a space is not where a piece starts, or ends a digit-free part (digits split first): the regex path.
-@pytest.mark.parametrize("text", ["a\n 1", "a\n\n 12 b", "x \n", "foo ", " foo", "a  b", "a   b", "a\t b",
-                                  "1 2", "it 's", "don't stop", "x \x1c y", "end\x1c 5", "q\x0c 9", "\n 3"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a\n 1",
+        "a\n\n 12 b",
+        "x \n",
+        "foo ",
+        " foo",
+        "a  b",
+        "a   b",
+        "a\t b",
+        "1 2",
+        "it 's",
+        "don't stop",
+        "x \x1c y",
+        "end\x1c 5",
+        "q\x0c 9",
+        "\n 3",
+    ],
+)
 @pytest.mark.parametrize("split_digits", [True, False])
 def test_word_boundaries_that_are_not_piece_boundaries(smollm2_backends, text, split_digits):
     spec, backend = smollm2_backends[split_digits]
@@ -89,8 +133,15 @@ def test_words_are_cached_only_with_non_whitespace_at_both_ends(tiny_spec):
     encoder = PieceEncoder.for_spec(backend, tiny_spec)
     text = "say hello world\n again 7x"
     assert encoder.encode(text).tolist() == backend.encode(text, add_special_tokens=False).ids
-    assert sorted(encoder._words.young) == ["7x", "again", "hello"]  # not "world\n" (its end sees the next word)
-    assert encoder._words.young["7x"] == array("I", backend.encode(" 7x", add_special_tokens=False).ids).tobytes()
+    assert sorted(encoder._words.young) == [
+        "7x",
+        "again",
+        "hello",
+    ]  # not "world\n" (its end sees the next word)
+    assert (
+        encoder._words.young["7x"]
+        == array("I", backend.encode(" 7x", add_special_tokens=False).ids).tobytes()
+    )
 
 
 def test_a_texts_first_word_is_cached_so_known_text_takes_no_regex_path(tiny_spec, monkeypatch):
@@ -146,7 +197,10 @@ def test_the_piece_cache_is_bounded(tiny_spec):
     for word in words:
         encoder.encode(word)
     assert encoder.cached_pieces <= 8
-    assert encoder.encode("".join(words)).tolist() == backend.encode("".join(words), add_special_tokens=False).ids
+    assert (
+        encoder.encode("".join(words)).tolist()
+        == backend.encode("".join(words), add_special_tokens=False).ids
+    )
 
 
 def test_non_ascii_text_is_left_to_the_tokenizer(tiny_spec):
@@ -155,17 +209,30 @@ def test_non_ascii_text_is_left_to_the_tokenizer(tiny_spec):
     assert encoder.encode("").tolist() == []
 
 
-@pytest.mark.parametrize("change", [
-    lambda s: s.update(normalizer={"type": "NFC"}),
-    lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
-    lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(use_regex=False),
-    lambda s: s["pre_tokenizer"]["pretokenizers"].__setitem__(0, {"type": "Digits", "individual_digits": False}),
-    lambda s: s.update(pre_tokenizer={"type": "Split", "pattern": {"Regex": "\\s+"}, "behavior": "Isolated",
-                                      "invert": False}),
-    lambda s: s.update(pre_tokenizer={"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always"}),
-    lambda s: s.update(pre_tokenizer=None),
-    lambda s: s["model"].update(dropout=0.1),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda s: s.update(normalizer={"type": "NFC"}),
+        lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+        lambda s: s["pre_tokenizer"]["pretokenizers"][1].update(use_regex=False),
+        lambda s: s["pre_tokenizer"]["pretokenizers"].__setitem__(
+            0, {"type": "Digits", "individual_digits": False}
+        ),
+        lambda s: s.update(
+            pre_tokenizer={
+                "type": "Split",
+                "pattern": {"Regex": "\\s+"},
+                "behavior": "Isolated",
+                "invert": False,
+            }
+        ),
+        lambda s: s.update(
+            pre_tokenizer={"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always"}
+        ),
+        lambda s: s.update(pre_tokenizer=None),
+        lambda s: s["model"].update(dropout=0.1),
+    ],
+)
 def test_tokenizers_it_cannot_reproduce_are_refused(tiny_spec, change):
     spec = copy.deepcopy(tiny_spec)
     change(spec)

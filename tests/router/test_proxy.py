@@ -17,8 +17,12 @@ SYSTEM = "You are the support assistant of tenant alpha. " * 12  # about 30 bloc
 
 
 def chat(user: str, stream: bool = True, system: str = SYSTEM) -> dict:
-    return {"model": "fake-model", "stream": stream, "max_tokens": 8,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    return {
+        "model": "fake-model",
+        "stream": stream,
+        "max_tokens": 8,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+    }
 
 
 def sse_texts(raw: bytes) -> list[str]:
@@ -32,8 +36,11 @@ def sse_texts(raw: bytes) -> list[str]:
 async def test_streams_through_byte_for_byte_and_names_the_replica(fake_engines, routers, http):
     (engine,) = await fake_engines(1, output_tokens=4)
     router = await routers([engine.url])
-    async with http.post(router.url + "/v1/chat/completions", json=chat("hi"),
-                         headers={"x-tenant": "alpha", "x-request-id": "r1"}) as response:
+    async with http.post(
+        router.url + "/v1/chat/completions",
+        json=chat("hi"),
+        headers={"x-tenant": "alpha", "x-request-id": "r1"},
+    ) as response:
         assert response.status == 200
         assert response.headers[REPLICA_HEADER] == engine.url
         assert response.headers["Content-Type"] == "text/event-stream"
@@ -42,11 +49,16 @@ async def test_streams_through_byte_for_byte_and_names_the_replica(fake_engines,
     assert raw.endswith(b"data: [DONE]\n\n")
     path, headers, body = engine.received[0]
     assert (path, headers["x-tenant"], headers["x-request-id"], body) == (
-        "/v1/chat/completions", "alpha", "r1", chat("hi"))
+        "/v1/chat/completions",
+        "alpha",
+        "r1",
+        chat("hi"),
+    )
 
 
 async def test_a_replica_that_becomes_routable_gets_a_keep_alive_connection_before_its_first_request(
-        fake_engines, routers, http, until):
+    fake_engines, routers, http, until
+):
     (engine,) = await fake_engines(1, token_delay_s=0.2)  # a stream long enough to look at mid-way
     router = await routers([engine.url])
     pool, key = router.router._pool, upstream_key(engine.url)
@@ -63,8 +75,9 @@ async def test_a_replica_that_becomes_routable_gets_a_keep_alive_connection_befo
 async def test_non_streaming_and_models_pass_through(fake_engines, routers, http):
     (engine,) = await fake_engines(1)
     router = await routers([engine.url])
-    async with http.post(router.url + "/v1/completions?trace=1",
-                         json={"prompt": "hello world", "max_tokens": 3}) as response:
+    async with http.post(
+        router.url + "/v1/completions?trace=1", json={"prompt": "hello world", "max_tokens": 3}
+    ) as response:
         assert response.status == 200 and response.headers[REPLICA_HEADER] == engine.url
         assert (await response.json())["served_by"] == engine.port
     async with http.get(router.url + "/v1/models") as response:
@@ -80,8 +93,9 @@ async def test_router_endpoints_health_ready_and_json_errors(fake_engines, route
     async with http.get(router.url + "/ready") as response:
         body = await response.json()
         assert response.status == 503 and body["ready"] is False
-        assert body["replicas"] == [{"url": engine.url, "zone": None, "routable": False, "phase": "loading",
-                                     "ejected": None}]
+        assert body["replicas"] == [
+            {"url": engine.url, "zone": None, "routable": False, "phase": "loading", "ejected": None}
+        ]
     async with http.post(router.url + "/v1/completions", json={"prompt": "x"}) as response:
         assert response.status == 503
         assert (await response.json())["error"]["code"] == "no_ready_replica"
@@ -93,8 +107,9 @@ async def test_router_endpoints_health_ready_and_json_errors(fake_engines, route
         async with http.post(router.url + "/v1/completions", data=payload) as response:
             error = (await response.json())["error"]
             assert (response.status, error["code"], error["type"]) == (status, code, "invalid_request_error")
-    async with http.post(router.url + "/v1/completions", json={"prompt": "x"},
-                         headers={"x-tenant": "t" * 200}) as response:
+    async with http.post(
+        router.url + "/v1/completions", json={"prompt": "x"}, headers={"x-tenant": "t" * 200}
+    ) as response:
         assert (response.status, (await response.json())["error"]["code"]) == (400, "invalid_tenant")
     async with http.get(router.url + "/v2/nothing") as response:
         assert (response.status, (await response.json())["error"]["code"]) == (404, "not_found")
@@ -108,11 +123,17 @@ async def test_an_oversized_body_is_refused_before_routing(fake_engines, routers
     router = await routers([engine.url], max_body_bytes=1000)
     async with http.post(router.url + "/v1/completions", json={"prompt": "x" * 2000}) as response:
         error = (await response.json())["error"]
-        assert (response.status, error["code"], error["type"]) == (413, "request_too_large", "invalid_request_error")
+        assert (response.status, error["code"], error["type"]) == (
+            413,
+            "request_too_large",
+            "invalid_request_error",
+        )
     assert engine.received == []
 
 
-async def test_models_is_answered_by_a_ready_replica_and_is_not_a_routing_decision(fake_engines, routers, http):
+async def test_models_is_answered_by_a_ready_replica_and_is_not_a_routing_decision(
+    fake_engines, routers, http
+):
     broken, healthy = await fake_engines(2)
     router = await routers([broken.url, healthy.url], poll_interval_s=30.0)
     await broken.crash()
@@ -120,8 +141,12 @@ async def test_models_is_answered_by_a_ready_replica_and_is_not_a_routing_decisi
         async with http.get(router.url + "/v1/models") as response:
             assert (response.status, response.headers[REPLICA_HEADER]) == (200, healthy.url)
     registry = router.router.metrics.registry
-    assert registry.get_sample_value("kvpilot_router_decisions_total",
-                                     {"policy": "cache_aware", "reason": "cold"}) == 0
+    assert (
+        registry.get_sample_value(
+            "kvpilot_router_decisions_total", {"policy": "cache_aware", "reason": "cold"}
+        )
+        == 0
+    )
 
 
 async def test_a_shared_prefix_follows_its_cache_and_tenants_do_not_share(fake_engines, routers, http, until):
@@ -129,8 +154,9 @@ async def test_a_shared_prefix_follows_its_cache_and_tenants_do_not_share(fake_e
     router = await routers([e.url for e in engines])
     served = []
     for i in range(6):
-        async with http.post(router.url + "/v1/chat/completions", json=chat(f"question {i}"),
-                             headers={"x-tenant": "alpha"}) as response:
+        async with http.post(
+            router.url + "/v1/chat/completions", json=chat(f"question {i}"), headers={"x-tenant": "alpha"}
+        ) as response:
             served.append(response.headers[REPLICA_HEADER])
             await response.read()
     assert len(set(served)) == 1  # every alpha request went where alpha's system prompt is cached
@@ -139,8 +165,9 @@ async def test_a_shared_prefix_follows_its_cache_and_tenants_do_not_share(fake_e
     assert metrics.decisions.labels("cache_aware", "cold")._value.get() == 1
     assert metrics.decisions.labels("cache_aware", "affinity")._value.get() == 5
     # Another tenant's identical prompt shares no block (salted hashes): a cold decision again.
-    async with http.post(router.url + "/v1/chat/completions", json=chat("question 0"),
-                         headers={"x-tenant": "beta"}) as response:
+    async with http.post(
+        router.url + "/v1/chat/completions", json=chat("question 0"), headers={"x-tenant": "beta"}
+    ) as response:
         await response.read()
     assert metrics.decisions.labels("cache_aware", "cold")._value.get() == 2
     assert home.received[0][2] == chat("question 0")
@@ -154,26 +181,39 @@ async def test_metrics_are_exposed_and_promtool_clean(fake_engines, routers, htt
     async with http.get(router.url + "/metrics") as response:
         assert response.headers["Content-Type"].startswith("text/plain")
         text = await response.text()
-    for name in ("kvpilot_router_decisions_total", "kvpilot_router_estimated_ttft_seconds_bucket",
-                 "kvpilot_router_observed_ttft_seconds_bucket", "kvpilot_router_in_flight_requests",
-                 "kvpilot_router_routing_overhead_seconds_bucket", "kvpilot_router_retries_total",
-                 "kvpilot_router_routable_replicas", "kvpilot_router_kv_resyncs_total"):
+    for name in (
+        "kvpilot_router_decisions_total",
+        "kvpilot_router_estimated_ttft_seconds_bucket",
+        "kvpilot_router_observed_ttft_seconds_bucket",
+        "kvpilot_router_in_flight_requests",
+        "kvpilot_router_routing_overhead_seconds_bucket",
+        "kvpilot_router_retries_total",
+        "kvpilot_router_routable_replicas",
+        "kvpilot_router_kv_resyncs_total",
+    ):
         assert name in text, name
     assert 'kvpilot_router_decisions_total{policy="cache_aware",reason="cold"} 1.0' in text
     assert "kvpilot_router_routing_overhead_seconds_count 1.0" in text
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is missing: run `bash scripts/setup.sh` (Debian's prometheus package)", pytrace=False)
-    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+        pytest.fail(
+            "promtool is missing: run `bash scripts/setup.sh` (Debian's prometheus package)", pytrace=False
+        )
+    result = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("raw", [
-    b'{"prompt": "caf\\u00e9 \\ud83d\\ude80", "max_tokens": 3, "temperature": 0.1}',
-    b'{"a": NaN, "b": Infinity}',  # orjson refuses these; Python's json (and so the engine) accepts them
-    b'{"seed": 123456789012345678901234567890}',
-    b'{"a": 1, "a": 2}',
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "caf\\u00e9 \\ud83d\\ude80", "max_tokens": 3, "temperature": 0.1}',
+        b'{"a": NaN, "b": Infinity}',  # orjson refuses these; Python's json (and so the engine) accepts them
+        b'{"seed": 123456789012345678901234567890}',
+        b'{"a": 1, "a": 2}',
+    ],
+)
 def test_request_bodies_parse_as_pythons_json_parses_them(raw: bytes) -> None:
     parsed, expected = parse_json(raw), json.loads(raw)
     assert json.dumps(parsed) == json.dumps(expected)  # NaN != NaN: compare the dumps
@@ -186,16 +226,24 @@ def test_request_bodies_that_are_not_json_raise_value_error(raw: bytes) -> None:
 
 
 def test_huge_floats_that_are_written_as_floats_parse_alike() -> None:
-    for raw in (b'{"x": [1e300, -9.3e18]}', b'{"x": {"y": [18446744073709551616]}}', b'[-9223372036854775809]'):
+    for raw in (
+        b'{"x": [1e300, -9.3e18]}',
+        b'{"x": {"y": [18446744073709551616]}}',
+        b"[-9223372036854775809]",
+    ):
         assert json.dumps(parse_json(raw)) == json.dumps(json.loads(raw))
 
 
-async def test_a_replica_discovery_drops_leaves_no_connections_or_targets_behind(fake_engines, routers, http, until):
+async def test_a_replica_discovery_drops_leaves_no_connections_or_targets_behind(
+    fake_engines, routers, http, until
+):
     engines = await fake_engines(2)
     router = await routers([e.url for e in engines])
     app = router.router
     for _ in range(2):
-        async with http.post(router.url + "/v1/chat/completions", json=chat("hello", stream=False)) as response:
+        async with http.post(
+            router.url + "/v1/chat/completions", json=chat("hello", stream=False)
+        ) as response:
             assert response.status == 200
     await until(lambda: all(app._pool._idle.get(upstream_key(e.url)) for e in engines))
     assert set(app._forwarder._targets) <= {e.url for e in engines}
@@ -228,8 +276,11 @@ async def test_security_a_declared_oversized_body_is_refused_unread(fake_engines
     """A Content-Length beyond the limit is answered 413 at once, before any of the body is sent."""
     (engine,) = await fake_engines(1)
     router = await routers([engine.url], max_body_bytes=1000)
-    status_line, _ = await raw_status_line(router.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                           b"Content-Type: application/json\r\nContent-Length: 30000000\r\n\r\n")
+    status_line, _ = await raw_status_line(
+        router.url,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 30000000\r\n\r\n",
+    )
     assert status_line.startswith(b"HTTP/1.1 413")
     assert engine.received == []
 
@@ -248,8 +299,11 @@ async def test_security_a_client_cannot_pass_a_router_token_through(fake_engines
     """A client's own x-kvpilot-router-token never reaches the engine: only the router may vouch."""
     (engine,) = await fake_engines(1)
     router = await routers([engine.url], router_token=TOKEN)
-    async with http.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                         headers={"x-tenant": "victim", "x-kvpilot-router-token": TOKEN}) as response:
+    async with http.post(
+        router.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"x-tenant": "victim", "x-kvpilot-router-token": TOKEN},
+    ) as response:
         assert response.status == 200
     (_, headers, _) = engine.received[-1]
     assert "x-kvpilot-router-token" not in headers and headers["x-tenant"] == "victim"
@@ -258,8 +312,11 @@ async def test_security_a_client_cannot_pass_a_router_token_through(fake_engines
 async def test_a_router_trusting_the_tenant_header_vouches_for_it(fake_engines, routers, http):
     (engine,) = await fake_engines(1)
     router = await routers([engine.url], router_token=TOKEN, trust_tenant_header=True)
-    async with http.post(router.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                         headers={"x-tenant": "gateway-set", "x-kvpilot-router-token": "forged"}) as response:
+    async with http.post(
+        router.url + "/v1/completions",
+        json={"prompt": "x", "max_tokens": 1},
+        headers={"x-tenant": "gateway-set", "x-kvpilot-router-token": "forged"},
+    ) as response:
         assert response.status == 200
     (_, headers, _) = engine.received[-1]
     assert headers.getall("x-kvpilot-router-token") == [TOKEN] and headers["x-tenant"] == "gateway-set"
@@ -277,7 +334,9 @@ async def test_security_a_trickled_body_is_timed_out_with_408(fake_engines, rout
     (engine,) = await fake_engines(1)
     router = await routers([engine.url], body_read_timeout_s=0.3)
     status_line, seconds = await raw_status_line(
-        router.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        router.url,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": ',
+    )
     assert status_line.startswith(b"HTTP/1.1 408") and seconds < 3
     assert engine.received == []

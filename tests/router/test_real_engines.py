@@ -27,8 +27,18 @@ from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.proxy import REPLICA_HEADER
 
 BLOCK_SIZE = 16
-ENGINE_ARGS = ["--model", "tiny-random", "--served-model-name", "tiny", "--block-size", str(BLOCK_SIZE),
-               "--num-kv-blocks", "1024", "--warmup-buckets", "1x8"]
+ENGINE_ARGS = [
+    "--model",
+    "tiny-random",
+    "--served-model-name",
+    "tiny",
+    "--block-size",
+    str(BLOCK_SIZE),
+    "--num-kv-blocks",
+    "1024",
+    "--warmup-buckets",
+    "1x8",
+]
 TENANTS = 3
 
 
@@ -57,9 +67,16 @@ def system_prompt(tenant: int) -> str:
 
 
 def chat(tenant: int, question: str, max_tokens: int = 4, stream: bool = False) -> dict:
-    return {"model": "tiny", "max_tokens": max_tokens, "stream": stream, "temperature": 0,
-            "messages": [{"role": "system", "content": system_prompt(tenant)},
-                         {"role": "user", "content": question}]}
+    return {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": system_prompt(tenant)},
+            {"role": "user", "content": question},
+        ],
+    }
 
 
 def expected_cached_tokens(tokenizer: Tokenizer, first: dict, later: dict) -> int:
@@ -73,19 +90,24 @@ async def routers_caught_up(session: aiohttp.ClientSession, engines: list[Server
     """Wait until every router's prefix index has applied every engine's newest KV event."""
     seqs = {e.url: await kv_seq(session, e) for e in engines}
     deadline = time.monotonic() + 10
-    while not all(r.router.fleet.replicas[url].index.seq >= seq for r in routers for url, seq in seqs.items()):
+    while not all(
+        r.router.fleet.replicas[url].index.seq >= seq for r in routers for url, seq in seqs.items()
+    ):
         assert time.monotonic() < deadline, "routers did not apply the engines' KV events in time"
         await asyncio.sleep(0.01)
 
 
-async def test_shared_prefixes_land_with_affinity_and_hit_the_engines_prefix_cache(engines, routers,
-                                                                                    tiny_tokenizer):
+async def test_shared_prefixes_land_with_affinity_and_hit_the_engines_prefix_cache(
+    engines, routers, tiny_tokenizer
+):
     urls = [e.url for e in engines]
     first, second = await routers(urls), await routers(urls)
     home: dict[int, str] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         for tenant in range(TENANTS):  # one cold request per tenant
-            async with session.post(first.url + "/v1/chat/completions", json=chat(tenant, "Hello?")) as response:
+            async with session.post(
+                first.url + "/v1/chat/completions", json=chat(tenant, "Hello?")
+            ) as response:
                 assert response.status == 200, await response.text()
                 home[tenant] = response.headers[REPLICA_HEADER]
                 assert (await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -145,7 +167,8 @@ async def test_killing_an_engine_mid_run_loses_no_request_that_had_not_started_s
     lost = {i for i, outcome in outcomes.items() if outcome != "ok"}
     assert all(i in started_streaming and served_by[i] == victim.url for i in lost), (
         f"lost requests that had not started streaming from the killed engine: "
-        f"{ {i: (outcomes[i], served_by.get(i)) for i in lost} }")
+        f"{ {i: (outcomes[i], served_by.get(i)) for i in lost} }"
+    )
     for router in (first, second):
         assert victim.url not in [r.url for r in router.router.fleet.routable()]
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:

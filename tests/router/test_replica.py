@@ -15,10 +15,27 @@ from kvpilot.router.request_profile import RequestProfile
 from kvpilot.router.scoring import rendezvous_weight
 
 ROOT = bytes(16)
-LOAD = {"model": "m", "epoch": "e1", "ready": True, "phase": "ready", "waiting": 2, "running": 3, "swapped": 0,
-        "queued_prefill_tokens": 500, "running_decode_tokens": 3, "kv_blocks_total": 100, "kv_blocks_free": 60,
-        "kv_blocks_cached": 10, "kv_blocks_reserved": 10, "kv_usage": 0.4, "block_size": 16, "max_num_seqs": 8,
-        "max_num_batched_tokens": 512, "prefill_tokens_per_second": 0.0, "decode_step_seconds": 0.02}
+LOAD = {
+    "model": "m",
+    "epoch": "e1",
+    "ready": True,
+    "phase": "ready",
+    "waiting": 2,
+    "running": 3,
+    "swapped": 0,
+    "queued_prefill_tokens": 500,
+    "running_decode_tokens": 3,
+    "kv_blocks_total": 100,
+    "kv_blocks_free": 60,
+    "kv_blocks_cached": 10,
+    "kv_blocks_reserved": 10,
+    "kv_usage": 0.4,
+    "block_size": 16,
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 512,
+    "prefill_tokens_per_second": 0.0,
+    "decode_step_seconds": 0.02,
+}
 
 
 def load(**changes) -> EngineLoad:
@@ -32,8 +49,15 @@ def profile(tokens: int, tenant: str | None = None) -> RequestProfile:
 def synced_replica(url: str = "http://r:8000", cached: list[bytes] = ()) -> Replica:
     replica = Replica(url)
     replica.accept_load(load(), sent_at=10.0)
-    replica.index.apply_snapshot({"epoch": "e1", "seq": 0, "block_size": 16, "root": ROOT.hex(),
-                                  "block_hashes": [h.hex() for h in cached]})
+    replica.index.apply_snapshot(
+        {
+            "epoch": "e1",
+            "seq": 0,
+            "block_size": 16,
+            "root": ROOT.hex(),
+            "block_hashes": [h.hex() for h in cached],
+        }
+    )
     return replica
 
 
@@ -41,7 +65,9 @@ def test_snapshot_counts_only_requests_the_last_load_cannot_include():
     replica = synced_replica()
     reported = Dispatch(sent_at=9.0, prefill_work_tokens=0, uncached_tokens=300, kv_blocks=20)
     prefilling = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=200, kv_blocks=13)
-    decoding = Dispatch(sent_at=12.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7, first_byte_at=12.5)
+    decoding = Dispatch(
+        sent_at=12.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7, first_byte_at=12.5
+    )
     for dispatch in (reported, prefilling, decoding):
         replica.begin(dispatch)
     snap = replica.snapshot(prefill_rate=1500.0)
@@ -60,8 +86,9 @@ def test_sent_prompts_count_as_cached_while_in_flight_and_until_an_events_poll_c
     leader = profile(100)  # 6 full blocks; a hit can cover (100 - 1) // 16 = 6
     follower = RequestProfile(None, (list(range(90)) + [7] * 30,), 0, b"")  # shares 5 blocks, then differs
     assert replica.cached_tokens(follower) == 0
-    dispatch = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7,
-                        chains=replica.chains(leader))
+    dispatch = Dispatch(
+        sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7, chains=replica.chains(leader)
+    )
     replica.begin(dispatch)
     assert replica.cached_tokens(leader) == 96
     assert replica.cached_tokens(follower) == 80
@@ -80,8 +107,9 @@ def test_sent_prompts_count_as_cached_while_in_flight_and_until_an_events_poll_c
 def test_a_request_that_failed_before_its_first_byte_leaves_nothing_held():
     replica = synced_replica()
     request = profile(100)
-    dispatch = Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7,
-                        chains=replica.chains(request))
+    dispatch = Dispatch(
+        sent_at=11.0, prefill_work_tokens=0, uncached_tokens=100, kv_blocks=7, chains=replica.chains(request)
+    )
     replica.begin(dispatch)
     replica.finish(dispatch, now=12.0)
     assert replica.cached_tokens(request) == 0 and len(replica.sent) == 0
@@ -96,14 +124,17 @@ def test_a_hit_stops_at_the_first_missing_block_and_never_covers_the_last_token(
     assert synced_replica(cached=hashes).cached_tokens(tenant) == 0
 
 
-@pytest.mark.parametrize("held, expected_blocks", [
-    (range(30), 30),             # the whole hittable chain (the prompt's last token is never a hit)
-    (range(19), 19),             # a shared prefix across two whole runs of 8 and part of a third
-    (range(16), 16),             # a prefix ending on a run's edge
-    ([*range(11), *range(12, 31)], 11),  # a hole in the second run: the hit stops there
-    ([*range(8), *range(9, 31)], 8),     # a hole on a run's first block
-    (range(1, 31), 0),           # without the first block nothing counts
-])
+@pytest.mark.parametrize(
+    "held, expected_blocks",
+    [
+        (range(30), 30),  # the whole hittable chain (the prompt's last token is never a hit)
+        (range(19), 19),  # a shared prefix across two whole runs of 8 and part of a third
+        (range(16), 16),  # a prefix ending on a run's edge
+        ([*range(11), *range(12, 31)], 11),  # a hole in the second run: the hit stops there
+        ([*range(8), *range(9, 31)], 8),  # a hole on a run's first block
+        (range(1, 31), 0),  # without the first block nothing counts
+    ],
+)
 def test_a_long_hit_ends_exactly_at_the_first_missing_block(held, expected_blocks):
     request = profile(31 * 16 + 5)  # 31 full blocks, 31 hittable
     hashes = block_hashes(request.prompts[0], 16, ROOT)
@@ -116,8 +147,15 @@ def test_a_sent_prompt_extends_a_hit_past_what_the_index_holds():
     hashes = block_hashes(request.prompts[0], 16, ROOT)
     replica = synced_replica(cached=hashes[:19])
     shorter = profile(26 * 16)  # the same tokens, 26 full blocks, sent there just now
-    replica.begin(Dispatch(sent_at=11.0, prefill_work_tokens=0, uncached_tokens=0, kv_blocks=0,
-                           chains=replica.chains(shorter)))
+    replica.begin(
+        Dispatch(
+            sent_at=11.0,
+            prefill_work_tokens=0,
+            uncached_tokens=0,
+            kv_blocks=0,
+            chains=replica.chains(shorter),
+        )
+    )
     assert replica.cached_tokens(request) == 26 * 16
 
 
@@ -169,8 +207,16 @@ def fleet_with_rates(rates: list[float]) -> list[Replica]:
     replicas = []
     for i, rate in enumerate(rates):
         replica = synced_replica(f"http://r{i}:1")
-        replica.accept_load(load(prefill_tokens_per_second=rate, queued_prefill_tokens=0, waiting=0, running=0,
-                                 running_decode_tokens=0), sent_at=11.0)
+        replica.accept_load(
+            load(
+                prefill_tokens_per_second=rate,
+                queued_prefill_tokens=0,
+                waiting=0,
+                running=0,
+                running_decode_tokens=0,
+            ),
+            sent_at=11.0,
+        )
         replicas.append(replica)
     return replicas
 
@@ -190,19 +236,38 @@ def test_a_replica_measured_under_load_does_not_draw_cold_requests_away_from_idl
     # 700-token prompt is cheaper on an idle replica: per-replica rates said r0 ((278 + 1400) / 360 = 4.66 s
     # against 1400 / 200 = 7 s), which is how the first tenants all piled onto one replica.
     replicas = fleet_with_rates([360.0, 200.0, 200.0])
-    replicas[0].accept_load(load(prefill_tokens_per_second=360.0, queued_prefill_tokens=278, waiting=1, running=1,
-                                 running_decode_tokens=0), sent_at=11.0)
+    replicas[0].accept_load(
+        load(
+            prefill_tokens_per_second=360.0,
+            queued_prefill_tokens=278,
+            waiting=1,
+            running=1,
+            running_decode_tokens=0,
+        ),
+        sent_at=11.0,
+    )
     cold = profile(700)
     fleet = ReplicaPicker("cache_aware", ScoringWeights(), 2000.0)
     chosen, decision = fleet.pick(replicas, cold)
-    idle_winner = max(("http://r1:1", "http://r2:1"), key=lambda url: rendezvous_weight(cold.tie_key(16), url))
+    idle_winner = max(
+        ("http://r1:1", "http://r2:1"), key=lambda url: rendezvous_weight(cold.tie_key(16), url)
+    )
     assert (chosen.url, decision.reason) == (idle_winner, "cold")  # the idle pair ties: the hash picks
     mixed = ReplicaPicker("cache_aware", ScoringWeights(), 2000.0, per_replica_rate=True)
     assert mixed.pick(replicas, cold)[0].url == "http://r0:1"
 
 
-@pytest.mark.parametrize("change", [{"ready": "yes"}, {"waiting": -1}, {"block_size": 0}, {"epoch": None},
-                                    {"prefill_tokens_per_second": float("nan")}, {"running": True}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"ready": "yes"},
+        {"waiting": -1},
+        {"block_size": 0},
+        {"epoch": None},
+        {"prefill_tokens_per_second": float("nan")},
+        {"running": True},
+    ],
+)
 def test_a_load_body_that_breaks_the_contract_is_refused(change):
     with pytest.raises(LoadFormatError):
         EngineLoad.from_json({**LOAD, **change})

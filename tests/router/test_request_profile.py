@@ -16,10 +16,12 @@ from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS, Prompt
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
 ROOT = root_hash("test-model")
-MESSAGES = [{"role": "system", "content": "You answer briefly. " * 20},
-            {"role": "user", "content": "What is a KV cache?"},
-            {"role": "assistant", "content": "Keys and values of past tokens."},
-            {"role": "user", "content": "and <|im_start|> inside text?"}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly. " * 20},
+    {"role": "user", "content": "What is a KV cache?"},
+    {"role": "assistant", "content": "Keys and values of past tokens."},
+    {"role": "user", "content": "and <|im_start|> inside text?"},
+]
 
 
 def test_chat_and_completion_ids_equal_the_engines(tiny_profiler, tiny_tokenizer):
@@ -27,25 +29,38 @@ def test_chat_and_completion_ids_equal_the_engines(tiny_profiler, tiny_tokenizer
     assert list(chat.prompts[0]) == chat_prompt_ids(tiny_tokenizer, MESSAGES)
     again = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES}, tenant=None)  # from the cache
     assert again.prompts == chat.prompts
-    no_generation = tiny_profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES, "add_generation_prompt": False},
-                                          tenant=None)
-    assert list(no_generation.prompts[0]) == chat_prompt_ids(tiny_tokenizer, MESSAGES, add_generation_prompt=False)
+    no_generation = tiny_profiler.profile(
+        CHAT_COMPLETIONS, {"messages": MESSAGES, "add_generation_prompt": False}, tenant=None
+    )
+    assert list(no_generation.prompts[0]) == chat_prompt_ids(
+        tiny_tokenizer, MESSAGES, add_generation_prompt=False
+    )
     text = tiny_profiler.profile(COMPLETIONS, {"prompt": "Once upon a time"}, tenant=None)
     assert text.prompts == (completion_prompt_ids(tiny_tokenizer, "Once upon a time"),)
-    batch = tiny_profiler.profile(COMPLETIONS, {"prompt": ["a b", "c d"], "max_tokens": 5, "n": 2}, tenant=None)
+    batch = tiny_profiler.profile(
+        COMPLETIONS, {"prompt": ["a b", "c d"], "max_tokens": 5, "n": 2}, tenant=None
+    )
     assert batch.prompts == tuple(completion_prompt_ids(tiny_tokenizer, p) for p in ("a b", "c d"))
     assert (batch.max_output_tokens, batch.prompt_tokens) == (10, sum(len(p) for p in batch.prompts))
     ids = tiny_profiler.profile(COMPLETIONS, {"prompt": [[5, 6, 7], [8]]}, tenant=None)
     assert ids.prompts == ([5, 6, 7], [8])
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    (CHAT_COMPLETIONS, {}), (CHAT_COMPLETIONS, {"messages": []}), (CHAT_COMPLETIONS, {"messages": "hi"}),
-    (CHAT_COMPLETIONS, {"messages": MESSAGES, "chat_template_kwargs": []}),
-    (CHAT_COMPLETIONS, {"messages": [{"role": "user"}]}),
-    (COMPLETIONS, {}), (COMPLETIONS, {"prompt": 3}), (COMPLETIONS, {"prompt": ["a", 1]}),
-    (COMPLETIONS, {"prompt": [-1]}), (COMPLETIONS, {"prompt": []}),
-])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        (CHAT_COMPLETIONS, {}),
+        (CHAT_COMPLETIONS, {"messages": []}),
+        (CHAT_COMPLETIONS, {"messages": "hi"}),
+        (CHAT_COMPLETIONS, {"messages": MESSAGES, "chat_template_kwargs": []}),
+        (CHAT_COMPLETIONS, {"messages": [{"role": "user"}]}),
+        (COMPLETIONS, {}),
+        (COMPLETIONS, {"prompt": 3}),
+        (COMPLETIONS, {"prompt": ["a", 1]}),
+        (COMPLETIONS, {"prompt": [-1]}),
+        (COMPLETIONS, {"prompt": []}),
+    ],
+)
 def test_bodies_without_a_usable_prompt_raise_prompt_error(tiny_profiler, path, body):
     with pytest.raises(PromptError):
         tiny_profiler.profile(path, body, tenant=None)
@@ -56,7 +71,9 @@ def test_block_hashes_equal_the_engines_and_are_salted_per_tenant(tiny_profiler)
     shared, acme = (tiny_profiler.profile(CHAT_COMPLETIONS, body, tenant=t) for t in (None, "acme"))
     ids = shared.prompts[0]
     assert shared.chains(ROOT, 16)[0].all_hashes() == block_hashes(ids, 16, ROOT)
-    assert acme.chains(ROOT, 16)[0].all_hashes() == block_hashes(ids, 16, ROOT, encode_extra_keys(cache_salt="acme"))
+    assert acme.chains(ROOT, 16)[0].all_hashes() == block_hashes(
+        ids, 16, ROOT, encode_extra_keys(cache_salt="acme")
+    )
     assert not set(acme.chains(ROOT, 16)[0].all_hashes()) & set(shared.chains(ROOT, 16)[0].all_hashes())
     assert acme.tie_key(16) != shared.tie_key(16)
 
@@ -65,12 +82,16 @@ MEMO = HashMemo(max_entries=64)  # small: the property runs through its eviction
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 511), max_size=200), st.sampled_from([1, 4, 16]), st.binary(max_size=8),
-       st.booleans())
+@given(
+    st.lists(st.integers(0, 511), max_size=200),
+    st.sampled_from([1, 4, 16]),
+    st.binary(max_size=8),
+    st.booleans(),
+)
 def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra, memoized):
     chain = BlockChain(tokens, block_size, ROOT, extra, MEMO if memoized else None)
     expected = block_hashes(tokens, block_size, ROOT, extra)
-    held = set(expected[:len(expected) // 2])
+    held = set(expected[: len(expected) // 2])
     assert chain.cached_blocks(held) == min(len(held), chain.hittable_blocks)
     assert [chain.hash_at(i) for i in reversed(range(len(expected)))] == expected[::-1]
     assert chain.all_hashes() == expected
@@ -83,8 +104,10 @@ def test_chains_sharing_a_prefix_reuse_its_memoized_runs_and_stay_exact():
     one, two = [*shared, 1, 2, 3, 4, 5], [*shared, 9, 9, 9, 9, 9]
     first = BlockChain(one, 4, ROOT, b"", memo)
     assert first.all_hashes() == block_hashes(one, 4, ROOT)
-    runs = [memo.run(ROOT, token_bytes(shared[:32]), b""),
-            memo.run(first.hash_at(7), token_bytes(shared[32:64]), b"")]
+    runs = [
+        memo.run(ROOT, token_bytes(shared[:32]), b""),
+        memo.run(first.hash_at(7), token_bytes(shared[32:64]), b""),
+    ]
     assert runs == [tuple(first.hashes(8)), tuple(first.all_hashes()[8:16])]
     second = BlockChain(two, 4, ROOT, b"", memo)
     assert second.all_hashes() == block_hashes(two, 4, ROOT)
@@ -95,12 +118,16 @@ def test_chains_sharing_a_prefix_reuse_its_memoized_runs_and_stay_exact():
 def test_a_run_and_a_block_of_another_block_size_with_the_same_bytes_do_not_collide():
     memo, tokens = HashMemo(), list(range(300))
     for block_size in (16, 128, 16):  # a run of 8 blocks of 16 has the bytes of one block of 128
-        assert BlockChain(tokens, block_size, ROOT, b"", memo).all_hashes() == block_hashes(tokens, block_size, ROOT)
+        assert BlockChain(tokens, block_size, ROOT, b"", memo).all_hashes() == block_hashes(
+            tokens, block_size, ROOT
+        )
 
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>"]
-texts = st.lists(st.one_of(st.text(max_size=80), st.sampled_from(SPECIALS), st.sampled_from([" ", "\n", "\n\n"])),
-                 max_size=12).map("".join)
+texts = st.lists(
+    st.one_of(st.text(max_size=80), st.sampled_from(SPECIALS), st.sampled_from([" ", "\n", "\n\n"])),
+    max_size=12,
+).map("".join)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -113,20 +140,25 @@ def test_segment_cache_encodes_exactly_like_the_tokenizer(tiny_tokenizer, tiny_m
 
 
 def test_segment_cache_stays_within_its_token_budget(tiny_tokenizer, tiny_model_dir):
-    segments = SegmentTokenizer(tiny_tokenizer, tiny_model_dir, max_cached_tokens=400, max_cached_stretches=20)
+    segments = SegmentTokenizer(
+        tiny_tokenizer, tiny_model_dir, max_cached_tokens=400, max_cached_stretches=20
+    )
     for i in range(30):
         segments.encode_rendered(f"<|im_start|>system\nprompt number {i} " * 3 + "<|im_end|>")
     stretches, tokens = segments.cache_size
     assert 0 < tokens <= 400 and stretches <= 20
 
 
-def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(tiny_tokenizer, tiny_model_dir, tmp_path):
+def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(
+    tiny_tokenizer, tiny_model_dir, tmp_path
+):
     spec = (tiny_model_dir / "tokenizer.json").read_text()
     (tmp_path / "tokenizer.json").write_text(spec.replace('"lstrip": false', '"lstrip": true', 1))
     segments = SegmentTokenizer(tiny_tokenizer, tmp_path)
     assert not segments.segmenting
-    assert list(segments.encode_rendered("a<|im_end|> b")) == tiny_tokenizer.encode("a<|im_end|> b",
-                                                                                  add_special_tokens=False)
+    assert list(segments.encode_rendered("a<|im_end|> b")) == tiny_tokenizer.encode(
+        "a<|im_end|> b", add_special_tokens=False
+    )
 
 
 @pytest.mark.slow
@@ -150,7 +182,9 @@ def test_router_hashes_equal_the_blocks_a_real_engine_caches(tiny_profiler):
     while engine.has_unfinished_requests():
         engine.step()
     stored = {h for e in engine.kv_events.since(0).events if e.kind == "stored" for h in e.hashes}
-    router_hashes = [h.hex() for h in profile.chains(engine.kv.root_hash, engine.kv.block_size)[0].all_hashes()]
+    router_hashes = [
+        h.hex() for h in profile.chains(engine.kv.root_hash, engine.kv.block_size)[0].all_hashes()
+    ]
     assert router_hashes and set(router_hashes) <= stored
 
 
@@ -176,8 +210,11 @@ def test_warm_up_prepares_the_common_chat_shapes(tiny_model_dir):
     profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
     profiler.warm_up()
     shapes = tokenizer._skeletons._skeletons
-    assert [[role for (_, role), in ast.literal_eval(key[1:])[0]] for key in shapes] == [
-        ["user"], ["system", "user"], ["system", "user", "assistant", "user"]]
+    assert [[role for ((_, role),) in ast.literal_eval(key[1:])[0]] for key in shapes] == [
+        ["user"],
+        ["system", "user"],
+        ["system", "user", "assistant", "user"],
+    ]
     profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES[:2]}, tenant="t")
     assert len(shapes) == 3  # a request of a warmed shape probes nothing
     assert profiler._segments.cache_size[0] > 0
@@ -211,6 +248,10 @@ def test_security_a_text_longer_than_every_context_is_not_tokenized(tiny_model_d
     with pytest.raises(PromptError, match="1000000 characters cannot fit a 512-token context"):
         profiler.profile(COMPLETIONS, huge, None)
     with pytest.raises(PromptError, match="cannot fit a 512-token context"):
-        profiler.profile(CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "word " * 200_000}]}, None)
+        profiler.profile(
+            CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "word " * 200_000}]}, None
+        )
     assert calls == [1]  # neither huge prompt reached the tokenizer
-    assert profiler.profile(COMPLETIONS, {"prompt": "short", "max_tokens": 1}, None).prompts  # small ones still
+    assert profiler.profile(
+        COMPLETIONS, {"prompt": "short", "max_tokens": 1}, None
+    ).prompts  # small ones still

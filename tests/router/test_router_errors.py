@@ -46,27 +46,50 @@ async def router(fake_engines, routers):
     return server
 
 
-@pytest.mark.parametrize("raw", [b"[" * DEEP + b"]" * DEEP, b'{"prompt": ' + b'{"a": ' * DEEP + b"1" + b"}" * (DEEP + 1)])
+@pytest.mark.parametrize(
+    "raw", [b"[" * DEEP + b"]" * DEEP, b'{"prompt": ' + b'{"a": ' * DEEP + b"1" + b"}" * (DEEP + 1)]
+)
 async def test_security_a_100k_deep_body_is_a_400_not_a_500(router, http, raw: bytes) -> None:
     status, body = await answer(http, "POST", router.url + COMPLETIONS, data=raw)
-    assert (status, json.loads(body)) == (400, {"error": {
-        "message": "request body must be a JSON object: the body nests too deeply", "type": "invalid_request_error",
-        "param": None, "code": "invalid_json"}})
+    assert (status, json.loads(body)) == (
+        400,
+        {
+            "error": {
+                "message": "request body must be a JSON object: the body nests too deeply",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_json",
+            }
+        },
+    )
     assert router.engine.received == []
 
 
-@pytest.mark.parametrize(("path", "raw"), [
-    (COMPLETIONS, b'{"prompt": "caf\\ud800 au lait", "max_tokens": 1}'),
-    (CHAT_COMPLETIONS, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}'),
-])
-async def test_security_a_lone_surrogate_is_routed_without_locality_and_gets_the_engines_400(router, http, path,
-                                                                                              raw) -> None:
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        (COMPLETIONS, b'{"prompt": "caf\\ud800 au lait", "max_tokens": 1}'),
+        (CHAT_COMPLETIONS, b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 1}'),
+    ],
+)
+async def test_security_a_lone_surrogate_is_routed_without_locality_and_gets_the_engines_400(
+    router, http, path, raw
+) -> None:
     async with http.post(router.url + path, data=raw) as response:
         status, body, replica = response.status, await response.json(), response.headers[REPLICA_HEADER]
     # the fake engine's own refusal (the real engine says the field "contains invalid Unicode")
-    assert (status, body, replica) == (400, {"error": {"message": "fake engine: TypeError",
-                                                       "type": "invalid_request_error", "param": None,
-                                                       "code": "invalid_request"}}, router.engine.url)
+    assert (status, body, replica) == (
+        400,
+        {
+            "error": {
+                "message": "fake engine: TypeError",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_request",
+            }
+        },
+        router.engine.url,
+    )
     assert [p for p, _, _ in router.engine.received] == [path]
     assert sample(router, "kvpilot_router_decisions_total", policy="cache_aware", reason="fallback") == 1
 
@@ -77,8 +100,9 @@ async def test_security_token_ids_and_budgets_beyond_any_model_do_not_break_the_
     assert (status, json.loads(raw)["error"]["message"]) == (400, "fake engine: OverflowError")
     assert sample(router, "kvpilot_router_decisions_total", policy="cache_aware", reason="fallback") == 1
     # an output budget no float holds is scored as one beyond any KV cache
-    status, raw = await answer(http, "POST", router.url + COMPLETIONS,
-                               json={"prompt": "hi", "max_tokens": 10**400, "n": 10**30})
+    status, raw = await answer(
+        http, "POST", router.url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 10**400, "n": 10**30}
+    )
     assert (status, json.loads(raw)["usage"]["prompt_tokens"]) == (200, 1)
     assert sample(router, "kvpilot_router_decisions_total", policy="cache_aware", reason="fallback") == 2
 
@@ -89,8 +113,17 @@ async def test_a_router_bug_is_still_an_openai_error_body(router, http, monkeypa
 
     monkeypatch.setattr(router.router.picker, "pick", broken)
     status, body = await answer(http, "POST", router.url + COMPLETIONS, json={"prompt": "hi"})
-    assert (status, json.loads(body)) == (500, {"error": {"message": "internal router error", "type": "server_error",
-                                                          "param": None, "code": "internal_error"}})
+    assert (status, json.loads(body)) == (
+        500,
+        {
+            "error": {
+                "message": "internal router error",
+                "type": "server_error",
+                "param": None,
+                "code": "internal_error",
+            }
+        },
+    )
 
 
 # --- fuzzing -----------------------------------------------------------------------------------------------
@@ -98,33 +131,56 @@ async def test_a_router_bug_is_still_an_openai_error_body(router, http, monkeypa
 plain_text = st.text(max_size=40)
 # a lone surrogate somewhere (json.dumps writes it as a \\udxxx escape, which Python's json reads back)
 any_text = plain_text | st.tuples(plain_text, st.characters(categories=["Cs"]), plain_text).map("".join)
-scalars = (st.none() | st.booleans() | st.integers() | st.integers(min_value=-(10**40), max_value=10**40)
-           | st.floats(allow_nan=True, allow_infinity=True) | any_text)
-any_json = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner,
-                                                                                           max_size=4),
-                        max_leaves=20)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(10**40), max_value=10**40)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | any_text
+)
+any_json = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
+    max_leaves=20,
+)
 role = st.sampled_from(["user", "system", "assistant"]) | any_json
-message = (st.fixed_dictionaries({"role": role, "content": any_text | any_json})
-           | st.fixed_dictionaries({}, optional={"role": role, "content": any_json}))
-prompt = (any_text | st.lists(st.integers(min_value=-5, max_value=1 << 33), max_size=40)
-          | st.lists(any_text, max_size=3) | any_json)
+message = st.fixed_dictionaries({"role": role, "content": any_text | any_json}) | st.fixed_dictionaries(
+    {}, optional={"role": role, "content": any_json}
+)
+prompt = (
+    any_text
+    | st.lists(st.integers(min_value=-5, max_value=1 << 33), max_size=40)
+    | st.lists(any_text, max_size=3)
+    | any_json
+)
 # apply_chat_template's own parameter names among them: as template variables they clash
 template_keys = st.sampled_from(["messages", "tokenize", "add_generation_prompt", "tools"]) | any_text
-options = {"max_tokens": st.integers() | any_json, "max_completion_tokens": st.integers(),
-           "n": st.integers() | any_json, "stream": st.booleans() | any_json, "tools": any_json,
-           "chat_template_kwargs": st.dictionaries(template_keys, any_json, max_size=3) | any_json,
-           "add_generation_prompt": st.booleans() | any_json, "model": any_text}
-request_like = (st.fixed_dictionaries({"prompt": prompt}, optional=options)
-                | st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3) | any_json},
-                                        optional=options)
-                | st.fixed_dictionaries({}, optional={"prompt": prompt, "messages": any_json, **options}))
+options = {
+    "max_tokens": st.integers() | any_json,
+    "max_completion_tokens": st.integers(),
+    "n": st.integers() | any_json,
+    "stream": st.booleans() | any_json,
+    "tools": any_json,
+    "chat_template_kwargs": st.dictionaries(template_keys, any_json, max_size=3) | any_json,
+    "add_generation_prompt": st.booleans() | any_json,
+    "model": any_text,
+}
+request_like = (
+    st.fixed_dictionaries({"prompt": prompt}, optional=options)
+    | st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=1, max_size=3) | any_json}, optional=options
+    )
+    | st.fixed_dictionaries({}, optional={"prompt": prompt, "messages": any_json, **options})
+)
 nested = st.integers(min_value=1, max_value=5000).map(lambda depth: b"[" * depth + b"]" * depth)
 
 
 @FUZZ
 @given(path=st.sampled_from([COMPLETIONS, CHAT_COMPLETIONS]), body=request_like | any_json)
-async def test_security_fuzzed_json_bodies_never_get_a_5xx_and_every_error_is_openai_shaped(router, http, path,
-                                                                                            body) -> None:
+async def test_security_fuzzed_json_bodies_never_get_a_5xx_and_every_error_is_openai_shaped(
+    router, http, path, body
+) -> None:
     raw = json.dumps(body).encode()  # NaN, Infinity and \\ud800 escapes included: Python's json reads them
     status, answered = await answer(http, "POST", router.url + path, data=raw)
     if status >= 400:
@@ -133,20 +189,37 @@ async def test_security_fuzzed_json_bodies_never_get_a_5xx_and_every_error_is_op
 
 @FUZZ
 @given(path=st.sampled_from([COMPLETIONS, CHAT_COMPLETIONS]), raw=st.binary(max_size=300) | nested)
-async def test_security_fuzzed_bytes_never_get_a_5xx_and_every_error_is_openai_shaped(router, http, path,
-                                                                                      raw) -> None:
-    status, answered = await answer(http, "POST", router.url + path, data=raw,
-                                    headers={"Content-Type": "application/json"})
+async def test_security_fuzzed_bytes_never_get_a_5xx_and_every_error_is_openai_shaped(
+    router, http, path, raw
+) -> None:
+    status, answered = await answer(
+        http, "POST", router.url + path, data=raw, headers={"Content-Type": "application/json"}
+    )
     if status >= 400:
         assert_openai_error(status, answered)
 
 
 @FUZZ
-@given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
-       path=st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready",
-                             "/metrics", "/", "/v1", "/v1/completions/x"]) | st.from_regex(r"\A/[a-z0-9._/-]{0,24}\Z"))
-async def test_security_fuzzed_methods_and_paths_never_get_a_5xx_and_every_error_is_openai_shaped(router, http,
-                                                                                                  method, path) -> None:
+@given(
+    method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]),
+    path=st.sampled_from(
+        [
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/health",
+            "/ready",
+            "/metrics",
+            "/",
+            "/v1",
+            "/v1/completions/x",
+        ]
+    )
+    | st.from_regex(r"\A/[a-z0-9._/-]{0,24}\Z"),
+)
+async def test_security_fuzzed_methods_and_paths_never_get_a_5xx_and_every_error_is_openai_shaped(
+    router, http, method, path
+) -> None:
     status, answered = await answer(http, method, router.url + path, data=b"{}")
     if status >= 400:
         assert_openai_error(status, answered)

@@ -19,9 +19,11 @@ from kvpilot.router.upstream import (
 )
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-CHUNKED_SSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
-               b"9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n0\r\n\r\n")
-JSON_OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{\"a\": 1}"
+CHUNKED_SSE = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"9\r\ndata: a\n\n\r\n9\r\ndata: b\n\n\r\n0\r\n\r\n"
+)
+JSON_OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8\r\n\r\n{"a": 1}'
 
 
 class RawServer:
@@ -53,8 +55,14 @@ class RawServer:
 
     async def read_request(self, reader: asyncio.StreamReader) -> bytes:
         head = await reader.readuntil(b"\r\n\r\n")
-        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
+        length = next(
+            (
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
         request = head + await reader.readexactly(length)
         self.requests.append(request)
         return request
@@ -75,6 +83,7 @@ def post(body: bytes = b"{}", path: str = "/v1/completions", headers=()) -> tupl
 
 def answering(*responses: bytes) -> Callable[[RawServer], Handler]:
     """A handler that answers each request on a connection with the next response, then keeps it open."""
+
     def make(server: RawServer) -> Handler:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             for response in responses:
@@ -82,18 +91,23 @@ def answering(*responses: bytes) -> Callable[[RawServer], Handler]:
                 writer.write(response)
                 await writer.drain()
             await reader.read()  # until the client closes
+
         return handle
+
     return make
 
 
 def first_chunk_then(then: Handler) -> Callable[[RawServer], Handler]:
     """A handler that reads one request, starts a chunked answer with the chunk ``first``, then runs ``then``."""
+
     def make(server: RawServer) -> Handler:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await server.read_request(reader)
             writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
             await then(reader, writer)
+
         return handle
+
     return make
 
 
@@ -110,11 +124,15 @@ async def test_keep_alive_reuses_one_connection_for_chunked_and_sized_bodies():
         for _ in range(3):
             async with await pool.request(server.key, *post()) as response:
                 bodies.append((response.status, response.content_length, await response.read_all()))
-        assert bodies == [(200, None, b"data: a\n\ndata: b\n\n"), (200, 8, b'{"a": 1}'),
-                          (200, None, b"data: a\n\ndata: b\n\n")]
+        assert bodies == [
+            (200, None, b"data: a\n\ndata: b\n\n"),
+            (200, 8, b'{"a": 1}'),
+            (200, None, b"data: a\n\ndata: b\n\n"),
+        ]
         assert server.connections == 1
-        assert server.requests[0] == (b"POST /v1/completions HTTP/1.1\r\nHost: engine:8000\r\n"
-                                      b"Content-Length: 2\r\n\r\n{}")
+        assert server.requests[0] == (
+            b"POST /v1/completions HTTP/1.1\r\nHost: engine:8000\r\nContent-Length: 2\r\n\r\n{}"
+        )
         pool.close()
 
 
@@ -129,8 +147,9 @@ async def test_chunks_arrive_as_sent_and_the_write_callback_fires_before_any_ans
     async with await serve(first_chunk_then(then)) as server:
         pool = UpstreamPool(2.0, 5.0)
         written = []
-        async with await pool.request(server.key, *post(), on_written=lambda: written.append(server.requests[:])) \
-                as response:
+        async with await pool.request(
+            server.key, *post(), on_written=lambda: written.append(server.requests[:])
+        ) as response:
             assert written == [[]]  # the callback ran when the request was written, before the server read it
             assert await response.read_chunk() == b"first"
             gate.set()
@@ -150,6 +169,7 @@ async def test_a_pooled_connection_closed_while_idle_is_retried_once_on_a_new_on
                 writer.transport.abort()
                 return
             await reader.read()
+
         return handle
 
     async with await serve(make) as server:
@@ -183,7 +203,9 @@ async def test_a_body_cut_short_is_an_error_and_a_body_ended_by_close_is_complet
                 await server.read_request(reader)
                 writer.write(response)
                 await writer.drain()
+
             return handle
+
         return make
 
     pool = UpstreamPool(2.0, 5.0)
@@ -213,15 +235,23 @@ async def test_a_response_left_unread_closes_its_connection_and_the_server_sees_
 
 
 async def test_client_headers_pass_through_as_raw_bytes_without_hop_by_hop_ones():
-    raw = [(b"Content-Type", b"application/json"), (b"Connection", b"keep-alive"), (b"X-Note", b"caf\xc3\xa9"),
-           (b"Host", b"router:80"), (b"Content-Length", b"2"), (b"Authorization", b"Bearer t")]
+    raw = [
+        (b"Content-Type", b"application/json"),
+        (b"Connection", b"keep-alive"),
+        (b"X-Note", b"caf\xc3\xa9"),
+        (b"Host", b"router:80"),
+        (b"Content-Length", b"2"),
+        (b"Authorization", b"Bearer t"),
+    ]
     async with await serve(answering(JSON_OK)) as server:
         pool = UpstreamPool(2.0, 5.0)
         async with await pool.request(server.key, *post(headers=forward_raw_headers(raw))) as response:
             await response.read_all()
-        assert server.requests[0] == (b"POST /v1/completions HTTP/1.1\r\nHost: engine:8000\r\nContent-Length: 2\r\n"
-                                      b"Content-Type: application/json\r\nX-Note: caf\xc3\xa9\r\n"
-                                      b"Authorization: Bearer t\r\n\r\n{}")
+        assert server.requests[0] == (
+            b"POST /v1/completions HTTP/1.1\r\nHost: engine:8000\r\nContent-Length: 2\r\n"
+            b"Content-Type: application/json\r\nX-Note: caf\xc3\xa9\r\n"
+            b"Authorization: Bearer t\r\n\r\n{}"
+        )
         pool.close()
 
 
@@ -253,12 +283,15 @@ async def test_a_spare_connection_is_opened_when_the_last_idle_one_is_taken():
         async def handle(reader, writer):
             while True:
                 await server.read_request(reader)
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
-                             b"\r\n\r\n5\r\nfirst\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked"
+                    b"\r\n\r\n5\r\nfirst\r\n"
+                )
                 await writer.drain()
                 await release.wait()  # a long stream: its connection stays busy until the test says
                 writer.write(b"0\r\n\r\n")
                 await writer.drain()
+
         return handle
 
     async with await serve(make) as server:
@@ -287,6 +320,7 @@ async def test_closing_the_pool_closes_its_idle_connections():
             writer.write(JSON_OK)
             await reader.read()  # returns when the client closes
             closed.set()
+
         return handle
 
     async with await serve(make) as server:

@@ -42,8 +42,11 @@ class InProcessServer:
         engine_config = EngineArgs.from_kwargs(**engine_args).create_config()
         self.config = config or ServerConfig(warmup_buckets=(WarmupBucket(1, 8),))
         self.state = build_state(engine_config, self.config, **build_kwargs)
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.state), host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            )
+        )
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self, wait: bool = True) -> InProcessServer:
@@ -74,9 +77,21 @@ class InProcessServer:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("tiny-server") / "server.log"
-    server = ServerProcess([*TINY_ARGS, "--max-body-bytes", "65536", "--slo-ttft", "60", "--slo-tpot", "60",
-                            "--router-token", ROUTER_TOKEN],
-                           log, api_key=API_KEY).wait_ready()
+    server = ServerProcess(
+        [
+            *TINY_ARGS,
+            "--max-body-bytes",
+            "65536",
+            "--slo-ttft",
+            "60",
+            "--slo-tpot",
+            "60",
+            "--router-token",
+            ROUTER_TOKEN,
+        ],
+        log,
+        api_key=API_KEY,
+    ).wait_ready()
     yield server
     assert server.stop() == 0, server.log_path.read_text()
 
@@ -98,8 +113,9 @@ def client(tiny_server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def start_process(tiny_model_dir: Path,
-                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+def start_process(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., ServerProcess]]:
     """Factory: ``start_process(args, api_key=None, wait=True)``; every server is stopped after the module."""
     started: list[ServerProcess] = []
 
@@ -119,8 +135,9 @@ def start_in_process(tiny_model_dir: Path) -> Iterator[Callable[..., InProcessSe
     the module."""
     started: list[InProcessServer] = []
 
-    def start(engine_args: dict | None = None, config: ServerConfig | None = None, wait: bool = True,
-              **build_kwargs) -> InProcessServer:
+    def start(
+        engine_args: dict | None = None, config: ServerConfig | None = None, wait: bool = True, **build_kwargs
+    ) -> InProcessServer:
         server = InProcessServer(engine_args or {}, config, **build_kwargs)
         started.append(server)
         return server.start(wait)

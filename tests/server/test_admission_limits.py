@@ -19,8 +19,14 @@ MODEL = "tiny-random"
 
 @pytest.fixture(scope="module")
 def limited(start_in_process):
-    config = ServerConfig(tenant_rate_limit=0.1, tenant_burst=2, max_queue_len=1, queue_timeout_s=0.5,
-                          retry_after_s=2, warmup_buckets=(WarmupBucket(1, 8),))
+    config = ServerConfig(
+        tenant_rate_limit=0.1,
+        tenant_burst=2,
+        max_queue_len=1,
+        queue_timeout_s=0.5,
+        retry_after_s=2,
+        warmup_buckets=(WarmupBucket(1, 8),),
+    )
     return start_in_process({"max_num_seqs": 1, "max_num_batched_tokens": 512, "num_kv_blocks": 40}, config)
 
 
@@ -41,8 +47,9 @@ def test_tenant_over_its_rate_gets_429_with_retry_after(limited):
 
 
 def test_full_queue_is_429_and_a_stale_queued_request_is_503(limited):
-    hog = tenant_client(limited, "hog").completions.create(model=MODEL, prompt="hog", max_tokens=480,
-                                                           stream=True, extra_body={"ignore_eos": True})
+    hog = tenant_client(limited, "hog").completions.create(
+        model=MODEL, prompt="hog", max_tokens=480, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(hog))  # the hog holds the only batch slot now
     waited: dict = {}
 

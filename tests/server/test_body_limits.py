@@ -13,12 +13,15 @@ from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 
 
 def test_security_a_stalled_body_gets_408_and_others_are_served(start_in_process):
-    server = start_in_process({"num_kv_blocks": 64},
-                              ServerConfig(body_read_timeout_s=0.3, warmup_buckets=(WarmupBucket(1, 8),)))
+    server = start_in_process(
+        {"num_kv_blocks": 64}, ServerConfig(body_read_timeout_s=0.3, warmup_buckets=(WarmupBucket(1, 8),))
+    )
     address = urlsplit(server.url)
     with socket.create_connection((address.hostname, address.port), timeout=5) as stalled:
-        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                        b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        stalled.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
         start = time.monotonic()
         reply = b""
         while b"}}" not in reply and time.monotonic() - start < 5:  # headers, then the JSON error body

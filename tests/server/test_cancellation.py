@@ -38,8 +38,9 @@ def test_twenty_dropped_streams_free_everything_within_a_second(tiny_server):
     all_started = threading.Barrier(20)
 
     def drop_after_three_chunks(i: int) -> int:
-        stream = client.completions.create(model=MODEL, prompt=f"cancel me {i}", max_tokens=400, stream=True,
-                                           extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model=MODEL, prompt=f"cancel me {i}", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = [next(iter(stream)) for _ in range(3)]
         all_started.wait(30)  # all 20 are running when the first one leaves
         stream.close()
@@ -58,7 +59,11 @@ def test_a_dropped_non_streaming_request_is_cancelled(tiny_server):
     _wait_idle(tiny_server, 10)
     aborted_before = _finished(tiny_server, "abort")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(tiny_server.url + "/v1/completions", headers=tiny_server.headers, timeout=0.3,
-                   json={"prompt": "never read", "max_tokens": 480, "ignore_eos": True})
+        httpx.post(
+            tiny_server.url + "/v1/completions",
+            headers=tiny_server.headers,
+            timeout=0.3,
+            json={"prompt": "never read", "max_tokens": 480, "ignore_eos": True},
+        )
     _wait_idle(tiny_server, 1.0)
     assert _finished(tiny_server, "abort") == aborted_before + 1

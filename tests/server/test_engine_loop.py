@@ -28,10 +28,13 @@ def make_loop(**config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
     lifecycle = Lifecycle(metrics.startup_phase)
     from kvpilot.engine.engine_core import LLMEngine
 
-    loop = EngineLoop(lambda: LLMEngine(engine_config),
-                      ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY,
-                                   **config),
-                      lifecycle, metrics, placeholder_load(engine_config))
+    loop = EngineLoop(
+        lambda: LLMEngine(engine_config),
+        ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY, **config),
+        lifecycle,
+        metrics,
+        placeholder_load(engine_config),
+    )
     return loop, lifecycle, metrics
 
 
@@ -88,7 +91,9 @@ def test_abort_reclaims_blocks_in_the_next_snapshot(tiny_model_dir):
         loop.submit(reqs)
         for req in reqs:
             await req.stream.get()  # each has started
-        await wait_for(lambda: loop.load["running"] == 3)  # the snapshot follows the step that fed the streams
+        await wait_for(
+            lambda: loop.load["running"] == 3
+        )  # the snapshot follows the step that fed the streams
         loop.abort([r.request_id for r in reqs])
         start = time.monotonic()
         await wait_for(lambda: loop.load["running"] == 0, timeout_s=1.0)
@@ -171,9 +176,14 @@ def test_an_engine_failure_reclaims_every_request_as_failed_with_one_record_each
     async def main() -> None:
         metrics = ServerMetrics("tiny-random")
         lifecycle = Lifecycle(metrics.startup_phase)
-        loop = EngineLoop(factory, ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY),
-                          lifecycle, metrics, placeholder_load(EngineArgs(model="tiny-random").create_config()),
-                          reasons.append)
+        loop = EngineLoop(
+            factory,
+            ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY),
+            lifecycle,
+            metrics,
+            placeholder_load(EngineArgs(model="tiny-random").create_config()),
+            reasons.append,
+        )
         loop.start()
         await wait_for(lambda: lifecycle.phase is Phase.READY)
         engine = engines[0]
@@ -192,7 +202,9 @@ def test_an_engine_failure_reclaims_every_request_as_failed_with_one_record_each
         await wait_for(lambda: lifecycle.phase is Phase.FAILED)
         records = [*kept.history, *kept]
         assert sorted((r.request_id, r.status, r.finish_reason) for r in records) == [
-            ("r0", "failed", "error"), ("r1", "failed", "error")]
+            ("r0", "failed", "error"),
+            ("r1", "failed", "error"),
+        ]
         assert engine.pool.num_in_use == 0 and not engine.has_unfinished_requests()
         assert reasons == ["engine loop failed: RuntimeError: device lost"]
         loop.stop()

@@ -16,26 +16,29 @@ def _error(exc: pytest.ExceptionInfo) -> tuple[int, str | None, str | None]:
     return exc.value.status_code, exc.value.code, exc.value.param
 
 
-@pytest.mark.parametrize(("kwargs", "code", "param"), [
-    ({"temperature": -1.0}, "invalid_request", "temperature"),
-    ({"top_p": 0.0}, "invalid_request", "top_p"),
-    ({"n": 0}, "invalid_request", "n"),
-    ({"n": 65}, "invalid_request", "n"),  # more samples than the server's max_num_seqs (64)
-    ({"n": 2, "best_of": 65}, "invalid_request", "best_of"),
-    ({"max_tokens": 0}, "invalid_request", "max_tokens"),
-    ({"max_tokens": 600}, "context_length_exceeded", "max_tokens"),
-    ({"logprobs": 21}, "invalid_request", None),
-    ({"stream": True, "best_of": 3}, "invalid_request", "stream"),
-    ({"prompt": [100000]}, "invalid_request", "prompt"),
-    ({"prompt": [7] * 600}, "context_length_exceeded", "prompt"),
-    ({"prompt": []}, "invalid_request", "prompt"),
-    ({"logit_bias": {"abc": 1.0}}, "invalid_request", "logit_bias"),
-    ({"extra_body": {"max_tokens": "5"}}, "invalid_request", "max_tokens"),
-    ({"extra_body": {"top_k": -5}}, "invalid_request", "top_k"),
-    ({"extra_body": {"seed": 1 << 70}}, "invalid_request", "seed"),
-    ({"extra_body": {"stream_options": {"include_usage": True}}}, "invalid_request", "stream_options"),
-    ({"suffix": "tail"}, "invalid_request", "suffix"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "code", "param"),
+    [
+        ({"temperature": -1.0}, "invalid_request", "temperature"),
+        ({"top_p": 0.0}, "invalid_request", "top_p"),
+        ({"n": 0}, "invalid_request", "n"),
+        ({"n": 65}, "invalid_request", "n"),  # more samples than the server's max_num_seqs (64)
+        ({"n": 2, "best_of": 65}, "invalid_request", "best_of"),
+        ({"max_tokens": 0}, "invalid_request", "max_tokens"),
+        ({"max_tokens": 600}, "context_length_exceeded", "max_tokens"),
+        ({"logprobs": 21}, "invalid_request", None),
+        ({"stream": True, "best_of": 3}, "invalid_request", "stream"),
+        ({"prompt": [100000]}, "invalid_request", "prompt"),
+        ({"prompt": [7] * 600}, "context_length_exceeded", "prompt"),
+        ({"prompt": []}, "invalid_request", "prompt"),
+        ({"logit_bias": {"abc": 1.0}}, "invalid_request", "logit_bias"),
+        ({"extra_body": {"max_tokens": "5"}}, "invalid_request", "max_tokens"),
+        ({"extra_body": {"top_k": -5}}, "invalid_request", "top_k"),
+        ({"extra_body": {"seed": 1 << 70}}, "invalid_request", "seed"),
+        ({"extra_body": {"stream_options": {"include_usage": True}}}, "invalid_request", "stream_options"),
+        ({"suffix": "tail"}, "invalid_request", "suffix"),
+    ],
+)
 def test_completion_400s(client, kwargs, code, param):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4, **kwargs}
     with pytest.raises(openai.BadRequestError) as exc:
@@ -44,14 +47,20 @@ def test_completion_400s(client, kwargs, code, param):
     assert exc.value.type == "invalid_request_error"
 
 
-@pytest.mark.parametrize(("kwargs", "param"), [
-    ({"messages": [{"role": "robot", "content": "beep"}]}, "messages"),  # the template refuses the role
-    ({"messages": []}, "messages"),
-    ({"top_logprobs": 2}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-    ({"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}}, "chat_template_kwargs"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"messages": [{"role": "robot", "content": "beep"}]}, "messages"),  # the template refuses the role
+        ({"messages": []}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tool_choice",
+        ),
+        ({"extra_body": {"chat_template_kwargs": {"add_generation_prompt": False}}}, "chat_template_kwargs"),
+    ],
+)
 def test_chat_400s(client, kwargs, param):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as exc:
@@ -59,16 +68,22 @@ def test_chat_400s(client, kwargs, param):
     assert (exc.value.status_code, exc.value.param) == (400, param)
 
 
-@pytest.mark.parametrize(("raw", "param"), [
-    (b'{"prompt": "x", "max_tokens": 2', None),  # truncated JSON
-    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
-    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),  # a lone surrogate
-    (b'[1, 2]', None),
-    (b'{"max_tokens": 2}', "prompt"),
-])
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": "x", "max_tokens": 2', None),  # truncated JSON
+        (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),  # a lone surrogate
+        (b"[1, 2]", None),
+        (b'{"max_tokens": 2}', "prompt"),
+    ],
+)
 def test_malformed_bodies_are_400(tiny_server, raw, param):
-    r = httpx.post(tiny_server.url + "/v1/completions", content=raw,
-                   headers={**tiny_server.headers, "content-type": "application/json"})
+    r = httpx.post(
+        tiny_server.url + "/v1/completions",
+        content=raw,
+        headers={**tiny_server.headers, "content-type": "application/json"},
+    )
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error" and r.json()["error"]["param"] == param
 
@@ -81,8 +96,12 @@ def test_bad_tenant_header_is_400(tiny_server):
 
 def test_401_without_or_with_a_wrong_key(tiny_server):
     for key in ("wrong-key", ""):
-        client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key=key or "x", max_retries=0,
-                               default_headers={} if key else {"Authorization": ""})
+        client = openai.OpenAI(
+            base_url=tiny_server.url + "/v1",
+            api_key=key or "x",
+            max_retries=0,
+            default_headers={} if key else {"Authorization": ""},
+        )
         with pytest.raises(openai.AuthenticationError) as exc:
             client.completions.create(model=MODEL, prompt="x", max_tokens=1)
         assert (exc.value.status_code, exc.value.code) == (401, "invalid_api_key")
@@ -105,8 +124,11 @@ def test_413_body_too_large(client, tiny_server):
         client.completions.create(model=MODEL, prompt="x" * 70_000, max_tokens=1)
     assert (exc.value.status_code, exc.value.code) == (413, "request_too_large")
     # a chunked body (no Content-Length) is cut off at the limit too
-    r = httpx.post(tiny_server.url + "/v1/completions", content=iter([b'{"prompt": "', b"y" * 70_000, b'"}']),
-                   headers={**tiny_server.headers, "content-type": "application/json"})
+    r = httpx.post(
+        tiny_server.url + "/v1/completions",
+        content=iter([b'{"prompt": "', b"y" * 70_000, b'"}']),
+        headers={**tiny_server.headers, "content-type": "application/json"},
+    )
     assert r.status_code == 413
 
 

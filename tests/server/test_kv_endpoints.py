@@ -12,20 +12,43 @@ from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.router.engine_load import EngineLoad
 
-LOAD_FIELDS = {"model": str, "epoch": str, "ready": bool, "phase": str, "waiting": int, "running": int,
-               "swapped": int, "queued_prefill_tokens": int, "running_decode_tokens": int,
-               "kv_blocks_total": int,
-               "kv_blocks_free": int, "kv_blocks_cached": int, "kv_blocks_reserved": int, "kv_usage": float,
-               "block_size": int, "max_model_len": int, "kv_cache_bytes": int, "kv_cache_sizing": str, "max_num_seqs": int, "max_num_batched_tokens": int,
-               "prefill_tokens_per_second": float, "decode_step_seconds": float}
+LOAD_FIELDS = {
+    "model": str,
+    "epoch": str,
+    "ready": bool,
+    "phase": str,
+    "waiting": int,
+    "running": int,
+    "swapped": int,
+    "queued_prefill_tokens": int,
+    "running_decode_tokens": int,
+    "kv_blocks_total": int,
+    "kv_blocks_free": int,
+    "kv_blocks_cached": int,
+    "kv_blocks_reserved": int,
+    "kv_usage": float,
+    "block_size": int,
+    "max_model_len": int,
+    "kv_cache_bytes": int,
+    "kv_cache_sizing": str,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "prefill_tokens_per_second": float,
+    "decode_step_seconds": float,
+}
 
 
 @pytest.mark.e2e
 def test_load_has_every_contract_field_and_the_router_accepts_it(tiny_server):
     load = tiny_server.get("/load").json()
     assert {k: type(load[k]) for k in LOAD_FIELDS} == LOAD_FIELDS
-    assert (load["model"], load["ready"], load["phase"], load["block_size"], load["kv_blocks_total"]) == \
-        ("tiny-random", True, "ready", 16, 511)
+    assert (load["model"], load["ready"], load["phase"], load["block_size"], load["kv_blocks_total"]) == (
+        "tiny-random",
+        True,
+        "ready",
+        16,
+        511,
+    )
     assert EngineLoad.from_json(load).ready
 
 
@@ -34,7 +57,11 @@ def test_events_are_ordered_salted_like_the_routers_and_match_the_snapshot(tiny_
     start = tiny_server.get("/kv/events?since=0").json()
     epoch, root, seq0 = start["epoch"], bytes.fromhex(start["root"]), start["seq"]
     prompt = [3 + (i * 5) % 400 for i in range(40)]  # two full blocks
-    tiny_server.post("/v1/completions", {"prompt": prompt, "max_tokens": 1}, headers={"x-tenant": "kv-test", **router_headers})
+    tiny_server.post(
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": 1},
+        headers={"x-tenant": "kv-test", **router_headers},
+    )
     batch = tiny_server.get(f"/kv/events?since={seq0}").json()
     assert (batch["epoch"], batch["gap"], batch["block_size"]) == (epoch, False, 16)
     assert batch["root"] == start["root"]
@@ -62,8 +89,14 @@ def test_events_are_ordered_salted_like_the_routers_and_match_the_snapshot(tiny_
 @pytest.mark.e2e
 def test_a_reader_from_the_future_sees_a_gap_and_since_is_validated(tiny_server):
     now = tiny_server.get("/kv/events?since=0").json()["seq"]
-    assert tiny_server.get(f"/kv/events?since={now}").json() | {"root": None, "epoch": None} == \
-        {"epoch": None, "seq": now, "gap": False, "block_size": 16, "root": None, "events": []}
+    assert tiny_server.get(f"/kv/events?since={now}").json() | {"root": None, "epoch": None} == {
+        "epoch": None,
+        "seq": now,
+        "gap": False,
+        "block_size": 16,
+        "root": None,
+        "events": [],
+    }
     future = tiny_server.get(f"/kv/events?since={now + 5}").json()
     assert (future["gap"], future["events"]) == (True, [])
     assert tiny_server.get("/kv/events?since=-1").status_code == 400

@@ -36,8 +36,11 @@ def test_not_ready_until_the_engine_has_loaded_and_warmed_up(start_in_process):
     server = start_in_process({"num_kv_blocks": 64}, config, wait=False, engine_factory=gated_engine)
     ready = httpx.get(server.url + "/ready")
     assert ready.status_code == 503
-    assert {k: ready.json()[k] for k in ("model", "phase", "ready")} == {"model": MODEL, "phase": "loading",
-                                                                        "ready": False}
+    assert {k: ready.json()[k] for k in ("model", "phase", "ready")} == {
+        "model": MODEL,
+        "phase": "loading",
+        "ready": False,
+    }
     assert httpx.get(server.url + "/health").status_code == 503  # the startup probe waits out the loading
     load = httpx.get(server.url + "/load").json()
     assert (load["ready"], load["phase"], load["epoch"], load["kv_blocks_total"]) == (False, "loading", "", 0)
@@ -61,12 +64,29 @@ def test_not_ready_until_the_engine_has_loaded_and_warmed_up(start_in_process):
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(start_process):
-    server = start_process(["--model", "tiny-random", "--num-kv-blocks", "256", "--warmup-buckets", "none",
-                            "--drain-grace-seconds", "60"])
+    server = start_process(
+        [
+            "--model",
+            "tiny-random",
+            "--num-kv-blocks",
+            "256",
+            "--warmup-buckets",
+            "none",
+            "--drain-grace-seconds",
+            "60",
+        ]
+    )
     client = server.client()
-    stream = iter(client.completions.create(model=MODEL, prompt="drain me", max_tokens=240, stream=True,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    stream = iter(
+        client.completions.create(
+            model=MODEL,
+            prompt="drain me",
+            max_tokens=240,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     next(stream)
     server.signal(signal.SIGTERM)
     deadline = time.monotonic() + 10
@@ -86,12 +106,15 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(start_process):
 
 def test_grace_period_over_cancels_what_is_left(start_in_process):
     server = start_in_process({"num_kv_blocks": 64})
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json={"prompt": "slow", "max_tokens": 480, "stream": True, "ignore_eos": True}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json={"prompt": "slow", "max_tokens": 480, "stream": True, "ignore_eos": True},
+    ) as r:
         lines = r.iter_lines()
         assert next(lines).startswith("data: {")
         asyncio.run(drain(server.state, grace_s=0.2))
         events = [line for line in lines if line]
-    error = json.loads(events[-2][len("data: "):])["error"]
+    error = json.loads(events[-2][len("data: ") :])["error"]
     assert (error["code"], events[-1]) == ("draining", "data: [DONE]")
     assert server.state.inflight == 0 and server.state.lifecycle.phase.value == "draining"

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-random"
 CHART = Path(__file__).resolve().parents[2] / "charts" / "kvpilot"
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$')
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
 
 
 def scrape(server) -> dict[str, float]:
@@ -52,22 +52,36 @@ def test_every_engine_metric_the_chart_uses_is_exposed(tiny_server, client):
     engine_names = {n for n in used if not n.startswith(("kvpilot_operator_", "kvpilot_router_"))}
     exposed = {key.split("{")[0] for key in scrape(tiny_server)}
     assert engine_names == {
-        "kvpilot_slo_attained_requests_total", "kvpilot_requests_finished_total",
+        "kvpilot_slo_attained_requests_total",
+        "kvpilot_requests_finished_total",
         "kvpilot_kv_cache_usage_ratio",
-        "kvpilot_num_requests_waiting", "kvpilot_num_requests_running", "kvpilot_prefix_cache_hits_total",
-        "kvpilot_prefix_cache_queries_total", "kvpilot_time_to_first_token_seconds_bucket",
-        "kvpilot_time_per_output_token_seconds_bucket", "kvpilot_inter_token_latency_seconds_bucket",
-        "kvpilot_e2e_request_latency_seconds_bucket", "kvpilot_startup_phase_seconds_sum",
-        "kvpilot_startup_phase_seconds_count"}
+        "kvpilot_num_requests_waiting",
+        "kvpilot_num_requests_running",
+        "kvpilot_prefix_cache_hits_total",
+        "kvpilot_prefix_cache_queries_total",
+        "kvpilot_time_to_first_token_seconds_bucket",
+        "kvpilot_time_per_output_token_seconds_bucket",
+        "kvpilot_inter_token_latency_seconds_bucket",
+        "kvpilot_e2e_request_latency_seconds_bucket",
+        "kvpilot_startup_phase_seconds_sum",
+        "kvpilot_startup_phase_seconds_count",
+    }
     assert engine_names <= exposed, engine_names - exposed
 
 
 def test_latency_definitions_hold_exactly_for_one_streamed_request(tiny_server, client):
     before = scrape(tiny_server)
-    chunks = list(client.completions.create(model=MODEL, prompt="The cat sat on the mat", max_tokens=6,
-                                            stream=True, temperature=0.0,
-                                            stream_options={"include_usage": True},
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="The cat sat on the mat",
+            max_tokens=6,
+            stream=True,
+            temperature=0.0,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     prompt_tokens = chunks[-1].usage.prompt_tokens
     after = scrape(tiny_server)
 
@@ -102,9 +116,11 @@ def test_prefix_cache_counts_hits_and_never_crosses_tenants(tiny_server, router_
         before = scrape(tiny_server)
         out = tiny_server.post("/v1/completions", body, headers={"x-tenant": tenant, **router_headers}).json()
         after = scrape(tiny_server)
-        return (out["usage"]["prompt_tokens_details"]["cached_tokens"],
-                delta(before, after, f"kvpilot_prefix_cache_queries_total{{{M}}}"),
-                delta(before, after, f"kvpilot_prefix_cache_hits_total{{{M}}}"))
+        return (
+            out["usage"]["prompt_tokens_details"]["cached_tokens"],
+            delta(before, after, f"kvpilot_prefix_cache_queries_total{{{M}}}"),
+            delta(before, after, f"kvpilot_prefix_cache_hits_total{{{M}}}"),
+        )
 
     assert run("tenant-a") == (0, 70, 0)
     assert run("tenant-b") == (0, 70, 0)  # same tokens, other tenant: salted hashes, no hit
@@ -114,7 +130,12 @@ def test_prefix_cache_counts_hits_and_never_crosses_tenants(tiny_server, router_
 def test_gauges_follow_the_load_snapshot(tiny_server):
     load = tiny_server.get("/load").json()
     samples = scrape(tiny_server)
-    assert samples[f"kvpilot_kv_cache_blocks{{{M},state=\"total\"}}"] == load["kv_blocks_total"] == 511
-    assert samples[f'kvpilot_cache_config_info{{block_size="16",kv_cache_sizing="num_kv_blocks",{M},num_gpu_blocks="511"}}'] == 1
+    assert samples[f'kvpilot_kv_cache_blocks{{{M},state="total"}}'] == load["kv_blocks_total"] == 511
+    assert (
+        samples[
+            f'kvpilot_cache_config_info{{block_size="16",kv_cache_sizing="num_kv_blocks",{M},num_gpu_blocks="511"}}'
+        ]
+        == 1
+    )
     assert samples[f'kvpilot_server_phase{{{M},phase="ready"}}'] == 1
     assert samples[f'kvpilot_slo_objective_seconds{{{M},objective="ttft"}}'] == 60

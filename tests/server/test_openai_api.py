@@ -18,8 +18,9 @@ MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
 
 
 def test_completion_shape_and_usage(client, tiny_tokenizer):
-    out = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
-                                    extra_body=FIXED_LEN)
+    out = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, extra_body=FIXED_LEN
+    )
     assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
     (choice,) = out.choices
     assert (choice.index, choice.finish_reason, choice.logprobs) == (0, "length", None)
@@ -33,8 +34,9 @@ def test_completion_default_max_tokens_is_16(client):
 
 
 def test_chat_shape_and_prompt_ids(client, tiny_tokenizer):
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=4,
-                                         extra_body=FIXED_LEN)
+    out = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=4, extra_body=FIXED_LEN
+    )
     assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
     (choice,) = out.choices
     assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
@@ -44,8 +46,13 @@ def test_chat_shape_and_prompt_ids(client, tiny_tokenizer):
 
 
 def test_streaming_completion_matches_non_streaming(client):
-    kwargs = {"model": MODEL, "prompt": "The quick brown fox", "max_tokens": 12, **GREEDY,
-              "extra_body": FIXED_LEN}
+    kwargs = {
+        "model": MODEL,
+        "prompt": "The quick brown fox",
+        "max_tokens": 12,
+        **GREEDY,
+        "extra_body": FIXED_LEN,
+    }
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     *content, last = chunks
@@ -59,8 +66,9 @@ def test_streaming_completion_matches_non_streaming(client):
 def test_chat_stream_first_chunk_carries_role_and_first_token(client):
     kwargs = {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, **GREEDY, "extra_body": FIXED_LEN}
     full = client.chat.completions.create(**kwargs)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True},
-                                                 **kwargs))
+    chunks = list(
+        client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     first = chunks[0].choices[0].delta
     assert first.role == "assistant" and first.content  # coalesced: the role never travels alone
     assert all(c.choices[0].delta.role is None for c in chunks[1:-1])
@@ -69,8 +77,15 @@ def test_chat_stream_first_chunk_carries_role_and_first_token(client):
 
 
 def test_n2_gives_two_seeded_samples(client):
-    kwargs = {"model": MODEL, "prompt": "Paged KV", "max_tokens": 8, "n": 2, "seed": 7, "temperature": 1.0,
-              "extra_body": FIXED_LEN}
+    kwargs = {
+        "model": MODEL,
+        "prompt": "Paged KV",
+        "max_tokens": 8,
+        "n": 2,
+        "seed": 7,
+        "temperature": 1.0,
+        "extra_body": FIXED_LEN,
+    }
     out = client.completions.create(**kwargs)
     assert [c.index for c in out.choices] == [0, 1] and out.usage.completion_tokens == 16
     assert out.choices[0].text != out.choices[1].text
@@ -83,8 +98,13 @@ def test_n2_gives_two_seeded_samples(client):
 
 def test_seed_reproducibility(client):
     def sample(seed: int) -> str:
-        return client.completions.create(model=MODEL, prompt="Seeds", max_tokens=16, temperature=1.0,
-                                         seed=seed, extra_body=FIXED_LEN).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL, prompt="Seeds", max_tokens=16, temperature=1.0, seed=seed, extra_body=FIXED_LEN
+            )
+            .choices[0]
+            .text
+        )
 
     first = sample(1234)
     assert sample(1234) == first
@@ -92,8 +112,9 @@ def test_seed_reproducibility(client):
 
 
 def test_completion_logprobs(client):
-    out = client.completions.create(model=MODEL, prompt="Log probs", max_tokens=5, logprobs=3, **GREEDY,
-                                    extra_body=FIXED_LEN)
+    out = client.completions.create(
+        model=MODEL, prompt="Log probs", max_tokens=5, logprobs=3, **GREEDY, extra_body=FIXED_LEN
+    )
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
@@ -104,8 +125,15 @@ def test_completion_logprobs(client):
 
 
 def test_chat_logprobs_and_top_logprobs(client):
-    out = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, logprobs=True,
-                                         top_logprobs=2, **GREEDY, extra_body=FIXED_LEN)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        **GREEDY,
+        extra_body=FIXED_LEN,
+    )
     content = out.choices[0].logprobs.content
     assert len(content) == 4
     for item in content:
@@ -126,21 +154,31 @@ def test_stop_string_spanning_tokens(client):
     out = client.completions.create(stop=[stop], extra_body=FIXED_LEN, **base)
     assert (out.choices[0].text, out.choices[0].finish_reason) == (text[:cut], "stop")
     assert out.choices[0].model_extra["stop_reason"] == stop
-    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=[stop], stream=True,
-                                                                             extra_body=FIXED_LEN, **base))
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(stop=[stop], stream=True, extra_body=FIXED_LEN, **base)
+    )
     assert streamed == text[:cut] and stop not in streamed
-    included = client.completions.create(stop=[stop], **base,
-                                         extra_body={**FIXED_LEN, "include_stop_str_in_output": True})
+    included = client.completions.create(
+        stop=[stop], **base, extra_body={**FIXED_LEN, "include_stop_str_in_output": True}
+    )
     assert included.choices[0].text == text[:cut] + stop
 
 
 def test_several_prompts_and_token_id_prompts(client, tiny_tokenizer):
     ids = completion_prompt_ids(tiny_tokenizer, "second prompt")
-    out = client.completions.create(model=MODEL, prompt=["first prompt", "second prompt"], n=2, max_tokens=3,
-                                    extra_body=FIXED_LEN, **GREEDY)
+    out = client.completions.create(
+        model=MODEL,
+        prompt=["first prompt", "second prompt"],
+        n=2,
+        max_tokens=3,
+        extra_body=FIXED_LEN,
+        **GREEDY,
+    )
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
-    by_ids = client.completions.create(model=MODEL, prompt=[[1, 2, 3], ids], max_tokens=3,
-                                       extra_body=FIXED_LEN, **GREEDY)
+    by_ids = client.completions.create(
+        model=MODEL, prompt=[[1, 2, 3], ids], max_tokens=3, extra_body=FIXED_LEN, **GREEDY
+    )
     # greedy: the same prompt gives the same text, as text or as token ids, and for both samples
     assert by_ids.choices[1].text == out.choices[2].text == out.choices[3].text
     assert by_ids.usage.prompt_tokens == 3 + len(ids)
@@ -155,25 +193,49 @@ def test_echo_prepends_the_prompt(client):
 
 def test_vllm_extra_sampling_params(client, tiny_tokenizer):
     token = tiny_tokenizer.encode("e", add_special_tokens=False)[0]
-    out = client.completions.create(model=MODEL, prompt="Constrained", max_tokens=4, logprobs=0,
-                                    extra_body={"allowed_token_ids": [token], **FIXED_LEN})
+    out = client.completions.create(
+        model=MODEL,
+        prompt="Constrained",
+        max_tokens=4,
+        logprobs=0,
+        extra_body={"allowed_token_ids": [token], **FIXED_LEN},
+    )
     lp = out.choices[0].logprobs
     assert lp.tokens == [tiny_tokenizer.decode([token], skip_special_tokens=False)] * 4
-    top1 = client.completions.create(model=MODEL, prompt="top k", max_tokens=6, temperature=1.0, seed=3,
-                                     extra_body={"top_k": 1, **FIXED_LEN})
-    greedy = client.completions.create(model=MODEL, prompt="top k", max_tokens=6, extra_body=FIXED_LEN,
-                                       **GREEDY)
+    top1 = client.completions.create(
+        model=MODEL,
+        prompt="top k",
+        max_tokens=6,
+        temperature=1.0,
+        seed=3,
+        extra_body={"top_k": 1, **FIXED_LEN},
+    )
+    greedy = client.completions.create(
+        model=MODEL, prompt="top k", max_tokens=6, extra_body=FIXED_LEN, **GREEDY
+    )
     assert top1.choices[0].text == greedy.choices[0].text
-    stopped = client.completions.create(model=MODEL, prompt="Constrained", max_tokens=8,
-                                        extra_body={"allowed_token_ids": [token], "stop_token_ids": [token],
-                                                    **FIXED_LEN})
+    stopped = client.completions.create(
+        model=MODEL,
+        prompt="Constrained",
+        max_tokens=8,
+        extra_body={"allowed_token_ids": [token], "stop_token_ids": [token], **FIXED_LEN},
+    )
     assert (stopped.usage.completion_tokens, stopped.choices[0].finish_reason) == (1, "stop")
     assert stopped.choices[0].model_extra["stop_reason"] == token
 
 
 def test_best_of_picks_n_and_user_is_accepted(client):
-    out = client.completions.create(model=MODEL, prompt="best of", max_tokens=4, n=1, best_of=3, seed=5,
-                                    temperature=1.0, user="user-42", extra_body=FIXED_LEN)
+    out = client.completions.create(
+        model=MODEL,
+        prompt="best of",
+        max_tokens=4,
+        n=1,
+        best_of=3,
+        seed=5,
+        temperature=1.0,
+        user="user-42",
+        extra_body=FIXED_LEN,
+    )
     assert [c.index for c in out.choices] == [0] and out.usage.completion_tokens == 4
 
 
@@ -186,8 +248,12 @@ def test_models_endpoint(client, tiny_server):
 def test_raw_http_stream_is_sse_with_done(tiny_server):
     body = {"prompt": "raw", "max_tokens": 2, "ignore_eos": True, "temperature": 0}
     full = tiny_server.post("/v1/completions", body).json()["choices"][0]["text"]
-    with httpx.stream("POST", tiny_server.url + "/v1/completions", headers=tiny_server.headers,
-                      json={**body, "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        tiny_server.url + "/v1/completions",
+        headers=tiny_server.headers,
+        json={**body, "stream": True},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         raw = r.read().decode()
     events = raw.split("\n\n")

@@ -8,10 +8,13 @@ from kvpilot.engine.server.output_deltas import DeltaTracker
 
 
 def output(samples: list[tuple[str, list[int], str | None]], finished: bool = False, prompt_logprobs=None):
-    outs = [CompletionOutput(i, text, tokens, finish_reason=reason)
-            for i, (text, tokens, reason) in enumerate(samples)]
-    return RequestOutput("r", None, [1, 2, 3], outs, finished, num_cached_tokens=0,
-                         prompt_logprobs=prompt_logprobs)
+    outs = [
+        CompletionOutput(i, text, tokens, finish_reason=reason)
+        for i, (text, tokens, reason) in enumerate(samples)
+    ]
+    return RequestOutput(
+        "r", None, [1, 2, 3], outs, finished, num_cached_tokens=0, prompt_logprobs=prompt_logprobs
+    )
 
 
 def test_held_back_tokens_leave_with_the_next_text():
@@ -31,8 +34,10 @@ def test_held_back_tokens_leave_with_the_next_text():
 def test_samples_finish_once_and_token_only_requests_send_every_token():
     tracker = DeltaTracker(detokenize=False)
     chunk = tracker.update(output([("", [5], "length"), ("", [6], None)]))
-    assert [(d.index, d.token_ids, d.finish_reason) for d in chunk.samples] == \
-        [(0, (5,), "length"), (1, (6,), None)]
+    assert [(d.index, d.token_ids, d.finish_reason) for d in chunk.samples] == [
+        (0, (5,), "length"),
+        (1, (6,), None),
+    ]
     chunk = tracker.update(output([("", [5], "length"), ("", [6, 7], "length")], finished=True))
     assert [(d.index, d.token_ids) for d in chunk.samples] == [(1, (7,))]
 

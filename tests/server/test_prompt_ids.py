@@ -12,10 +12,12 @@ from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS
 from kvpilot.router.server import load_profiler
 
-MESSAGES = [{"role": "system", "content": "You answer briefly. " * 10},
-            {"role": "user", "content": "What is a KV cache? ünïcode ✓ 🚀"},
-            {"role": "assistant", "content": "Keys and values of past tokens."},
-            {"role": "user", "content": "and <|im_start|> inside text?"}]
+MESSAGES = [
+    {"role": "system", "content": "You answer briefly. " * 10},
+    {"role": "user", "content": "What is a KV cache? ünïcode ✓ 🚀"},
+    {"role": "assistant", "content": "Keys and values of past tokens."},
+    {"role": "user", "content": "and <|im_start|> inside text?"},
+]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
 BODIES = [
     (COMPLETIONS, {"prompt": "Once upon a time"}),
@@ -29,8 +31,17 @@ BODIES = [
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "tools": TOOLS}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "tools": None}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES[1:2]}),
-    (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is"},
-                                                                  {"type": "text", "text": "a KV cache?"}]}]}),
+    (
+        CHAT_COMPLETIONS,
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "a KV cache?"}],
+                }
+            ]
+        },
+    ),
 ]
 
 
@@ -46,20 +57,26 @@ def tokenizers(request):
     return Tokenizer.from_dir(model_dir), load_profiler(str(model_dir))
 
 
-@pytest.mark.parametrize(("path", "body"), BODIES,
-                         ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, _) in enumerate(BODIES)])
+@pytest.mark.parametrize(
+    ("path", "body"), BODIES, ids=[f"{p.rsplit('/', 1)[1]}-{i}" for i, (p, _) in enumerate(BODIES)]
+)
 def test_server_and_router_derive_the_same_prompt_ids(tokenizers, path, body):
     tokenizer, profiler = tokenizers
-    router_ids = tuple(list(ids) for ids in profiler.profile(path, body, tenant="t").prompts)  # chat: array("I")
+    router_ids = tuple(
+        list(ids) for ids in profiler.profile(path, body, tenant="t").prompts
+    )  # chat: array("I")
     assert server_prompt_ids(tokenizer, path, body) == router_ids
 
 
 def test_content_parts_are_joined_text_and_other_parts_are_refused(tokenizers):
     tokenizer, _ = tokenizers
-    parts = [{"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "it?"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "it?"}]}
+    ]
     plain = [{"role": "user", "content": "What is\nit?"}]
-    assert server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": parts}) == \
-        server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": plain})
+    assert server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": parts}) == server_prompt_ids(
+        tokenizer, CHAT_COMPLETIONS, {"messages": plain}
+    )
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     with pytest.raises(Exception, match="only text content parts"):
         server_prompt_ids(tokenizer, CHAT_COMPLETIONS, {"messages": image})

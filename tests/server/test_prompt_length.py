@@ -39,47 +39,74 @@ def post(server, path: str, body: dict) -> httpx.Response:
 
 
 def context_error(message: str) -> dict:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": "prompt",
-                      "code": "context_length_exceeded"}}
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error",
+            "param": "prompt",
+            "code": "context_length_exceeded",
+        }
+    }
 
 
 def test_security_an_8_mb_prompt_is_refused_by_its_length_without_tokenizing(server, encoded) -> None:
     prompt = "hello world " * 666_666  # 7,999,992 characters
     response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
-    assert (response.status_code, response.json()) == (400, context_error(
-        "prompt has at least 615384 tokens (7999992 characters, at most 13 per token); the context limit is "
-        "512 (prompt + at least one generated token)"))
+    assert (response.status_code, response.json()) == (
+        400,
+        context_error(
+            "prompt has at least 615384 tokens (7999992 characters, at most 13 per token); the context limit is "
+            "512 (prompt + at least one generated token)"
+        ),
+    )
     assert encoded == []
 
 
 def test_security_an_8_mb_chat_message_is_refused_by_its_rendered_length_without_tokenizing(
-        server, encoded, tiny_tokenizer) -> None:
+    server, encoded, tiny_tokenizer
+) -> None:
     messages = [{"role": "user", "content": "hello world " * 666_666}]
     chars = len(render_chat_prompt(tiny_tokenizer, messages))
     assert chars == 7_999_992 + 106  # the template adds a system prompt and the role markers
     response = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1})
-    assert (response.status_code, response.json()) == (400, context_error(
-        f"prompt has at least 615393 tokens ({chars} characters, at most 13 per token); the context limit is "
-        "512 (prompt + at least one generated token)"))
+    assert (response.status_code, response.json()) == (
+        400,
+        context_error(
+            f"prompt has at least 615393 tokens ({chars} characters, at most 13 per token); the context limit is "
+            "512 (prompt + at least one generated token)"
+        ),
+    )
     assert encoded == []
 
 
-def test_security_one_huge_prompt_among_several_stops_them_all_before_any_is_tokenized(server, encoded) -> None:
-    response = post(server, "/v1/completions", {"prompt": ["short", "a" * (LONGEST_TOKENIZED + 1)],
-                                                "max_tokens": 1})
-    assert (response.status_code, response.json()) == (400, context_error(
-        "prompt has at least 512 tokens (6644 characters, at most 13 per token); the context limit is 512 "
-        "(prompt + at least one generated token)"))
+def test_security_one_huge_prompt_among_several_stops_them_all_before_any_is_tokenized(
+    server, encoded
+) -> None:
+    response = post(
+        server, "/v1/completions", {"prompt": ["short", "a" * (LONGEST_TOKENIZED + 1)], "max_tokens": 1}
+    )
+    assert (response.status_code, response.json()) == (
+        400,
+        context_error(
+            "prompt has at least 512 tokens (6644 characters, at most 13 per token); the context limit is 512 "
+            "(prompt + at least one generated token)"
+        ),
+    )
     assert encoded == []
 
 
-def test_a_prompt_just_under_the_bound_is_tokenized_and_checked_by_its_tokens(server, encoded,
-                                                                            tiny_tokenizer) -> None:
+def test_a_prompt_just_under_the_bound_is_tokenized_and_checked_by_its_tokens(
+    server, encoded, tiny_tokenizer
+) -> None:
     prompt = "a" * LONGEST_TOKENIZED
     tokens = len(tiny_tokenizer.encode(prompt))
     response = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1})
-    assert (response.status_code, response.json()) == (400, context_error(
-        f"prompt has {tokens} tokens; the context limit is 512 (prompt + at least one generated token)"))
+    assert (response.status_code, response.json()) == (
+        400,
+        context_error(
+            f"prompt has {tokens} tokens; the context limit is 512 (prompt + at least one generated token)"
+        ),
+    )
     assert encoded == [prompt]
 
 

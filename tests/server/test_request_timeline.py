@@ -32,15 +32,18 @@ def test_no_emit_means_no_ttft_and_empty_chunks_emit_nothing():
     assert (lat.ttft, lat.tpots, lat.e2e, t.last_emit) == (None, [], 2.0, None)
 
 
-@pytest.mark.parametrize(("lat", "reason", "ttft", "tpot", "attained"), [
-    (Latencies(0.2, [0.05], 1.0, 10), "stop", 0.5, 0.1, True),
-    (Latencies(0.2, [0.05], 1.0, 10), "length", None, None, True),  # no objective: completed is enough
-    (Latencies(0.6, [0.05], 1.0, 10), "stop", 0.5, 0.1, False),
-    (Latencies(0.2, [0.05, 0.2], 1.0, 10), "stop", 0.5, 0.1, False),  # every sample must meet TPOT
-    (Latencies(0.2, [], 1.0, 1), "stop", 0.5, 0.1, True),  # one token: no TPOT to miss
-    (Latencies(None, [], 1.0, 0), "stop", 0.5, None, False),
-    (Latencies(0.2, [0.05], 1.0, 10), "abort", None, None, False),
-    (Latencies(0.2, [0.05], 1.0, 10), "timeout", 0.5, 0.1, False),
-])
+@pytest.mark.parametrize(
+    ("lat", "reason", "ttft", "tpot", "attained"),
+    [
+        (Latencies(0.2, [0.05], 1.0, 10), "stop", 0.5, 0.1, True),
+        (Latencies(0.2, [0.05], 1.0, 10), "length", None, None, True),  # no objective: completed is enough
+        (Latencies(0.6, [0.05], 1.0, 10), "stop", 0.5, 0.1, False),
+        (Latencies(0.2, [0.05, 0.2], 1.0, 10), "stop", 0.5, 0.1, False),  # every sample must meet TPOT
+        (Latencies(0.2, [], 1.0, 1), "stop", 0.5, 0.1, True),  # one token: no TPOT to miss
+        (Latencies(None, [], 1.0, 0), "stop", 0.5, None, False),
+        (Latencies(0.2, [0.05], 1.0, 10), "abort", None, None, False),
+        (Latencies(0.2, [0.05], 1.0, 10), "timeout", 0.5, 0.1, False),
+    ],
+)
 def test_slo_attainment(lat, reason, ttft, tpot, attained):
     assert slo_attained(lat, reason, ttft, tpot) is attained

@@ -18,12 +18,22 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def fuzzed_server(start_in_process):
     config = ServerConfig(warmup_buckets=(WarmupBucket(1, 8),), queue_timeout_s=20.0)
-    return start_in_process({"max_model_len": 64, "num_kv_blocks": 128, "max_num_seqs": 16,
-                             "max_num_batched_tokens": 256}, config)
+    return start_in_process(
+        {"max_model_len": 64, "num_kv_blocks": 128, "max_num_seqs": 16, "max_num_batched_tokens": 256}, config
+    )
 
 
-EXPECTED_OPERATIONS = {"POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
-                       "GET /ready", "GET /load", "GET /metrics", "GET /kv/events", "GET /kv/snapshot"}
+EXPECTED_OPERATIONS = {
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "GET /v1/models",
+    "GET /health",
+    "GET /ready",
+    "GET /load",
+    "GET /metrics",
+    "GET /kv/events",
+    "GET /kv/snapshot",
+}
 
 
 def test_no_server_errors(fuzzed_server):
@@ -38,8 +48,13 @@ def test_no_server_errors(fuzzed_server):
         for mode in modes:
 
             @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                derandomize=True,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             def no_5xx(case) -> None:
                 response = case.call(base_url=fuzzed_server.url, timeout=60)
                 case.validate_response(response, checks=[not_a_server_error])

@@ -14,13 +14,24 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def test_smollm2_server_answers_a_chat_question(start_process, smollm2_dir):
-    server = start_process(["--model", "smollm2-135m", "--served-model-name", "smollm2",
-                            "--warmup-buckets", "1x16", "--max-model-len", "2048"])
+    server = start_process(
+        [
+            "--model",
+            "smollm2-135m",
+            "--served-model-name",
+            "smollm2",
+            "--warmup-buckets",
+            "1x16",
+            "--max-model-len",
+            "2048",
+        ]
+    )
     client = server.client()
     out = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24, temperature=0.0)
     assert out.choices[0].message.content == "The capital of France is Paris."
     assert out.choices[0].finish_reason == "stop"
     assert out.usage.prompt_tokens == len(chat_prompt_ids(Tokenizer.from_dir(smollm2_dir), QUESTION))
-    streamed = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=24,
-                                              temperature=0.0, stream=True)
+    streamed = client.chat.completions.create(
+        model="smollm2", messages=QUESTION, max_tokens=24, temperature=0.0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed) == out.choices[0].message.content

@@ -24,10 +24,29 @@ OTHER_PROMPT = "A key value cache keeps the keys and values of every token " * 5
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("tenant-identity") / "server.log"
-    server = ServerProcess(["--model", "tiny-random", "--num-kv-blocks", "256", "--warmup-buckets", "none",
-                            "--api-key", f"{ALICE}:alice", "--api-key", BOB, "--api-key", CAROL,
-                            "--router-token", TOKEN,
-                            "--tenant-rate-limit", "0.01", "--tenant-burst", "4"], log).wait_ready()
+    server = ServerProcess(
+        [
+            "--model",
+            "tiny-random",
+            "--num-kv-blocks",
+            "256",
+            "--warmup-buckets",
+            "none",
+            "--api-key",
+            f"{ALICE}:alice",
+            "--api-key",
+            BOB,
+            "--api-key",
+            CAROL,
+            "--router-token",
+            TOKEN,
+            "--tenant-rate-limit",
+            "0.01",
+            "--tenant-burst",
+            "4",
+        ],
+        log,
+    ).wait_ready()
     yield server
     server.stop()
 
@@ -35,9 +54,12 @@ def keyed_server(tiny_model_dir, tmp_path_factory):
 def complete(server: ServerProcess, key: str, headers: dict[str, str] | None = None, prompt: str = PROMPT):
     import httpx
 
-    r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   json={"model": "tiny-random", "prompt": prompt, "max_tokens": 1},
-                   headers={"Authorization": f"Bearer {key}", **(headers or {})})
+    r = httpx.post(
+        server.url + "/v1/completions",
+        timeout=60,
+        json={"model": "tiny-random", "prompt": prompt, "max_tokens": 1},
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
+    )
     cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] if r.status_code == 200 else None
     return r.status_code, cached
 
@@ -70,14 +92,18 @@ def test_security_a_wrong_router_token_is_not_trusted():
     assert resolve_tenant(headers, TenantPolicy(authenticated=True, router_token=None)) == key_tenant(BOB)
 
 
-@pytest.mark.parametrize(("policy", "expected"), [
-    (TenantPolicy(), "claimed"),  # no API keys: no identities to protect
-    (TenantPolicy(authenticated=True), "bound"),
-    (TenantPolicy(authenticated=True, trust_header=True), "claimed"),  # behind a proxy that sets it
-])
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (TenantPolicy(), "claimed"),  # no API keys: no identities to protect
+        (TenantPolicy(authenticated=True), "bound"),
+        (TenantPolicy(authenticated=True, trust_header=True), "claimed"),  # behind a proxy that sets it
+    ],
+)
 def test_which_source_names_the_tenant(policy, expected):
-    policy = TenantPolicy(authenticated=policy.authenticated, trust_header=policy.trust_header,
-                          key_tenants={"k": "bound"})
+    policy = TenantPolicy(
+        authenticated=policy.authenticated, trust_header=policy.trust_header, key_tenants={"k": "bound"}
+    )
     assert resolve_tenant({"authorization": "Bearer k", "x-tenant": "claimed"}, policy) == expected
     assert resolve_tenant({"authorization": "Bearer k"}, policy) == "bound"
     assert resolve_tenant({}, policy) is None
@@ -90,8 +116,9 @@ def test_key_bindings_and_keys_files_parse_with_clear_errors(tmp_path):
         parse_api_key("sk-1:")
     keys = tmp_path / "keys"
     keys.write_text("# team keys\nsk-a:alpha\n\nsk-b\n")
-    config = server_config_from_namespace(build_parser().parse_args(["--api-keys-file", str(keys),
-                                                                     "--api-key", "sk-c:gamma"]))
+    config = server_config_from_namespace(
+        build_parser().parse_args(["--api-keys-file", str(keys), "--api-key", "sk-c:gamma"])
+    )
     assert config.api_keys == ("sk-c", "sk-a", "sk-b")
     assert dict(config.api_key_tenants) == {"sk-c": "gamma", "sk-a": "alpha"}
     assert "sk-a" not in repr(config)  # keys never appear in logs of the config

@@ -47,12 +47,23 @@ class ServerProcess:
         self.api_key = api_key
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "kvpilot.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               *args, *(["--api-key", api_key] if api_key else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvpilot.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *args,
+            *(["--api-key", api_key] if api_key else []),
+        ]
         # run from the log's folder: a `python -m` in the repo root would put its `operator/` folder first
         # on sys.path (see scripts/setup.sh)
-        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ),
-                                        cwd=log_path.parent)
+        self.process = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ), cwd=log_path.parent
+        )
 
     def wait_ready(self, timeout_s: float = 90) -> ServerProcess:
         try:

@@ -34,20 +34,48 @@ from kvpilot.engine.attention.kernels.tuning import DECODE_DEFAULT, KernelConfig
 
 
 @triton.jit
-def paged_decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
-                        query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
-                        scale_log2, sliding_window, num_kv_splits,
-                        stride_q_token, stride_q_head, stride_q_dim,
-                        stride_o_token, stride_o_head, stride_o_dim,
-                        stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-                        stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
-                        stride_bt_seq,
-                        stride_po_seq, stride_po_head, stride_po_split,
-                        stride_pl_seq, stride_pl_head,
-                        QUERY_GROUP: tl.constexpr, GROUP_PADDED: tl.constexpr,
-                        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                        BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
-                        HAS_WINDOW: tl.constexpr, WRITE_PARTIALS: tl.constexpr, DOT_FP32: tl.constexpr):
+def paged_decode_kernel(
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    scale_log2,
+    sliding_window,
+    num_kv_splits,
+    stride_q_token,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_token,
+    stride_o_head,
+    stride_o_dim,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
+    stride_bt_seq,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_split,
+    stride_pl_seq,
+    stride_pl_head,
+    QUERY_GROUP: tl.constexpr,
+    GROUP_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    WRITE_PARTIALS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,9 +96,14 @@ def paged_decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     heads = (kv_head * QUERY_GROUP + group_rows).to(tl.int64)
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
-    query = tl.load(query_ptr + seq * stride_q_token + heads[:, None] * stride_q_head
-                    + dims[None, :].to(tl.int64) * stride_q_dim,
-                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    query = tl.load(
+        query_ptr
+        + seq * stride_q_token
+        + heads[:, None] * stride_q_head
+        + dims[None, :].to(tl.int64) * stride_q_dim,
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
     query = query.to(key_cache_ptr.dtype.element_ty)
 
     block_table_row = block_tables_ptr + seq * stride_bt_seq
@@ -80,12 +113,34 @@ def paged_decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     for tile in range(tile_begin, tile_end):
         token_pos = range_start + tile * TILE_N + tl.arange(0, TILE_N)
         token_valid = (token_pos < seq_len) & (token_pos >= first_key)
-        keys = load_kv_tile(key_cache_ptr, block_table_row, token_pos, token_valid, kv_head,
-                            stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-                            dims, dim_valid, BLOCK_SIZE)
-        values = load_kv_tile(value_cache_ptr, block_table_row, token_pos, token_valid, kv_head,
-                              stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
-                              dims, dim_valid, BLOCK_SIZE)
+        keys = load_kv_tile(
+            key_cache_ptr,
+            block_table_row,
+            token_pos,
+            token_valid,
+            kv_head,
+            stride_kc_block,
+            stride_kc_slot,
+            stride_kc_head,
+            stride_kc_dim,
+            dims,
+            dim_valid,
+            BLOCK_SIZE,
+        )
+        values = load_kv_tile(
+            value_cache_ptr,
+            block_table_row,
+            token_pos,
+            token_valid,
+            kv_head,
+            stride_vc_block,
+            stride_vc_slot,
+            stride_vc_head,
+            stride_vc_dim,
+            dims,
+            dim_valid,
+            BLOCK_SIZE,
+        )
         scores = tile_dot(query, tl.trans(keys), DOT_FP32) * scale_log2
         scores = tl.where(token_valid[None, :], scores, float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, scores, values, DOT_FP32)
@@ -97,19 +152,39 @@ def paged_decode_kernel(out_ptr, partial_out_ptr, partial_lse_ptr,
     if WRITE_PARTIALS:
         lse = tl.where(row_sum > 0.0, row_max + tl.log2(safe_sum), float("-inf"))
         tl.store(partial_lse_ptr + seq * stride_pl_seq + heads * stride_pl_head + split, lse, mask=row_valid)
-        tl.store(partial_out_ptr + seq * stride_po_seq + heads[:, None] * stride_po_head
-                 + split.to(tl.int64) * stride_po_split + dims[None, :], result, mask=store_mask)
+        tl.store(
+            partial_out_ptr
+            + seq * stride_po_seq
+            + heads[:, None] * stride_po_head
+            + split.to(tl.int64) * stride_po_split
+            + dims[None, :],
+            result,
+            mask=store_mask,
+        )
     else:
-        tl.store(out_ptr + seq * stride_o_token + heads[:, None] * stride_o_head
-                 + dims[None, :].to(tl.int64) * stride_o_dim,
-                 result.to(out_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(
+            out_ptr
+            + seq * stride_o_token
+            + heads[:, None] * stride_o_head
+            + dims[None, :].to(tl.int64) * stride_o_dim,
+            result.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
 
 
-def paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                 sliding_window: int | None = None, num_kv_splits: int = 1,
-                 partials: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 config: KernelConfig = DECODE_DEFAULT) -> None:
+def paged_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    num_kv_splits: int = 1,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    config: KernelConfig = DECODE_DEFAULT,
+) -> None:
     """Decode attention for ``query`` ``[num_seqs, num_heads, head_dim]`` (token ``b`` is sequence
     ``b``'s only new token) into ``out`` of the same shape.
 
@@ -126,8 +201,10 @@ def paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor
     write_partials = num_kv_splits > 1
     if write_partials:
         if partials is None or partials[0].shape[2] != num_kv_splits or partials[0].shape[0] < num_seqs:
-            raise ValueError(f"num_kv_splits={num_kv_splits} needs scratch from allocate_partials with "
-                             f">= {num_seqs} sequences and exactly {num_kv_splits} splits")
+            raise ValueError(
+                f"num_kv_splits={num_kv_splits} needs scratch from allocate_partials with "
+                f">= {num_seqs} sequences and exactly {num_kv_splits} splits"
+            )
         partial_out, partial_lse = partials
     else:
         # never written; any tensor satisfies the pointer arguments
@@ -135,16 +212,34 @@ def paged_decode(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor
     partial_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2]) if write_partials else (0,) * 5
 
     paged_decode_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
-        out, partial_out, partial_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0, num_kv_splits,
-        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
-        block_tables.stride(0), *partial_strides,
-        QUERY_GROUP=query_group, GROUP_PADDED=padded_dim(query_group),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_dim(head_dim),
-        BLOCK_SIZE=block_size, TILE_N=config.tile_n,
-        HAS_WINDOW=sliding_window is not None, WRITE_PARTIALS=write_partials,
+        out,
+        partial_out,
+        partial_lse,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale * math.log2(math.e),
+        sliding_window or 0,
+        num_kv_splits,
+        *query.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        block_tables.stride(0),
+        *partial_strides,
+        QUERY_GROUP=query_group,
+        GROUP_PADDED=padded_dim(query_group),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=padded_dim(head_dim),
+        BLOCK_SIZE=block_size,
+        TILE_N=config.tile_n,
+        HAS_WINDOW=sliding_window is not None,
+        WRITE_PARTIALS=write_partials,
         DOT_FP32=dot_in_fp32(key_cache.dtype, runs_in_interpreter(paged_decode_kernel)),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if write_partials:
         merge_splits(out, partial_out, partial_lse)

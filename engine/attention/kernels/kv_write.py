@@ -14,14 +14,32 @@ import triton.language as tl
 
 
 @triton.jit
-def kv_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                    num_kv_heads,
-                    stride_k_token, stride_k_head, stride_k_dim,
-                    stride_v_token, stride_v_head, stride_v_dim,
-                    stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-                    stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
-                    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, HEADS_PADDED: tl.constexpr,
-                    BLOCK_SIZE: tl.constexpr):
+def kv_write_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    num_kv_heads,
+    stride_k_token,
+    stride_k_head,
+    stride_k_dim,
+    stride_v_token,
+    stride_v_head,
+    stride_v_dim,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -33,20 +51,39 @@ def kv_write_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_map
     dims = tl.arange(0, HEAD_DIM_PADDED).to(tl.int64)
     mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
 
-    key = tl.load(key_ptr + token * stride_k_token + heads[:, None] * stride_k_head
-                  + dims[None, :] * stride_k_dim, mask=mask)
-    value = tl.load(value_ptr + token * stride_v_token + heads[:, None] * stride_v_head
-                    + dims[None, :] * stride_v_dim, mask=mask)
-    key_dst = (key_cache_ptr + block * stride_kc_block + row * stride_kc_slot
-               + heads[:, None] * stride_kc_head + dims[None, :] * stride_kc_dim)
-    value_dst = (value_cache_ptr + block * stride_vc_block + row * stride_vc_slot
-                 + heads[:, None] * stride_vc_head + dims[None, :] * stride_vc_dim)
+    key = tl.load(
+        key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :] * stride_k_dim,
+        mask=mask,
+    )
+    value = tl.load(
+        value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim,
+        mask=mask,
+    )
+    key_dst = (
+        key_cache_ptr
+        + block * stride_kc_block
+        + row * stride_kc_slot
+        + heads[:, None] * stride_kc_head
+        + dims[None, :] * stride_kc_dim
+    )
+    value_dst = (
+        value_cache_ptr
+        + block * stride_vc_block
+        + row * stride_vc_slot
+        + heads[:, None] * stride_vc_head
+        + dims[None, :] * stride_vc_dim
+    )
     tl.store(key_dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` caches at ``slot_mapping`` (int64 ``[num_tokens]``). Shapes are checked
     by the caller (the backend validates once per step)."""
@@ -58,9 +95,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     tile_elements = triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim)
     num_warps = 1 if tile_elements <= 512 else (4 if tile_elements <= 4096 else 8)
     kv_write_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, num_kv_heads,
-        *key.stride(), *value.stride(), *key_cache.stride(), *value_cache.stride(),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        HEADS_PADDED=triton.next_power_of_2(num_kv_heads), BLOCK_SIZE=block_size,
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        num_kv_heads,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=block_size,
         num_warps=num_warps,
     )

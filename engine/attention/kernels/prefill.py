@@ -32,17 +32,40 @@ from kvpilot.engine.attention.kernels.tuning import PREFILL_DEFAULT, KernelConfi
 
 
 @triton.jit
-def paged_prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
-                         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-                         scale_log2, sliding_window,
-                         stride_q_token, stride_q_head, stride_q_dim,
-                         stride_o_token, stride_o_head, stride_o_dim,
-                         stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-                         stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
-                         stride_bt_seq,
-                         QUERY_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-                         HAS_WINDOW: tl.constexpr, DOT_FP32: tl.constexpr):
+def paged_prefill_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale_log2,
+    sliding_window,
+    stride_q_token,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_token,
+    stride_o_head,
+    stride_o_dim,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_kc_dim,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    stride_vc_dim,
+    stride_bt_seq,
+    QUERY_GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     TOKENS_PER_PROGRAM: tl.constexpr = BLOCK_M // QUERY_GROUP
     query_tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
@@ -64,9 +87,14 @@ def paged_prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     dims = tl.arange(0, HEAD_DIM_PADDED)
     dim_valid = dims < HEAD_DIM
     row_offsets = (query_start + row_token).to(tl.int64)
-    query = tl.load(query_ptr + row_offsets[:, None] * stride_q_token + heads[:, None] * stride_q_head
-                    + dims[None, :].to(tl.int64) * stride_q_dim,
-                    mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    query = tl.load(
+        query_ptr
+        + row_offsets[:, None] * stride_q_token
+        + heads[:, None] * stride_q_head
+        + dims[None, :].to(tl.int64) * stride_q_dim,
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
     query = query.to(key_cache_ptr.dtype.element_ty)
 
     # keys this program can see: up to its last query position; from its first query's window start
@@ -82,12 +110,34 @@ def paged_prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
     for tile_start in range(key_begin, key_end, TILE_N):
         token_pos = tile_start + tl.arange(0, TILE_N)
         token_valid = token_pos < key_end
-        keys = load_kv_tile(key_cache_ptr, block_table_row, token_pos, token_valid, kv_head,
-                            stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
-                            dims, dim_valid, BLOCK_SIZE)
-        values = load_kv_tile(value_cache_ptr, block_table_row, token_pos, token_valid, kv_head,
-                              stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
-                              dims, dim_valid, BLOCK_SIZE)
+        keys = load_kv_tile(
+            key_cache_ptr,
+            block_table_row,
+            token_pos,
+            token_valid,
+            kv_head,
+            stride_kc_block,
+            stride_kc_slot,
+            stride_kc_head,
+            stride_kc_dim,
+            dims,
+            dim_valid,
+            BLOCK_SIZE,
+        )
+        values = load_kv_tile(
+            value_cache_ptr,
+            block_table_row,
+            token_pos,
+            token_valid,
+            kv_head,
+            stride_vc_block,
+            stride_vc_slot,
+            stride_vc_head,
+            stride_vc_dim,
+            dims,
+            dim_valid,
+            BLOCK_SIZE,
+        )
         scores = tile_dot(query, tl.trans(keys), DOT_FP32) * scale_log2
         visible = token_valid[None, :] & (token_pos[None, :] <= row_pos[:, None])
         if HAS_WINDOW:
@@ -97,15 +147,29 @@ def paged_prefill_kernel(out_ptr, query_ptr, key_cache_ptr, value_cache_ptr,
 
     # padded rows may have seen no key; every valid row has seen at least itself
     result = acc / tl.where(row_sum > 0.0, row_sum, 1.0)[:, None]
-    tl.store(out_ptr + row_offsets[:, None] * stride_o_token + heads[:, None] * stride_o_head
-             + dims[None, :].to(tl.int64) * stride_o_dim,
-             result.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
+    tl.store(
+        out_ptr
+        + row_offsets[:, None] * stride_o_token
+        + heads[:, None] * stride_o_head
+        + dims[None, :].to(tl.int64) * stride_o_dim,
+        result.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None] & dim_valid[None, :],
+    )
 
 
-def paged_prefill(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                  block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                  max_query_len: int, scale: float, sliding_window: int | None = None,
-                  config: KernelConfig = PREFILL_DEFAULT) -> None:
+def paged_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    config: KernelConfig = PREFILL_DEFAULT,
+) -> None:
     """Attention for the new tokens of ``len(seq_lens)`` sequences.
 
     ``query``/``out`` ``[num_tokens, num_heads, head_dim]`` are indexed through ``query_start_loc``
@@ -125,13 +189,28 @@ def paged_prefill(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tenso
 
     grid = (triton.cdiv(max_query_len, tokens_per_program), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale * math.log2(math.e), sliding_window or 0,
-        *query.stride(), *out.stride(), *key_cache.stride(), *value_cache.stride(),
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * math.log2(math.e),
+        sliding_window or 0,
+        *query.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
         block_tables.stride(0),
-        QUERY_GROUP=query_group, HEAD_DIM=head_dim, HEAD_DIM_PADDED=padded_dim(head_dim),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, TILE_N=config.tile_n,
+        QUERY_GROUP=query_group,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=padded_dim(head_dim),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        TILE_N=config.tile_n,
         HAS_WINDOW=sliding_window is not None,
         DOT_FP32=dot_in_fp32(key_cache.dtype, runs_in_interpreter(paged_prefill_kernel)),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )

@@ -8,8 +8,13 @@ from __future__ import annotations
 import torch
 
 
-def reference_write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reference_write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """Copy token ``t``'s K/V into row ``slot % block_size`` of block ``slot // block_size``;
     negative slots are padding and skipped."""
     block_size = key_cache.shape[1]
@@ -27,8 +32,9 @@ def gather_sequence_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_l
     return torch.stack(rows)
 
 
-def attend_one_sequence(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-                        sliding_window: int | None) -> torch.Tensor:
+def attend_one_sequence(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int | None
+) -> torch.Tensor:
     """Softmax attention of the ``query`` ``[q_len, num_heads, head_dim]`` tokens at the last ``q_len``
     positions of a ``seq_len``-key sequence: causal, optionally windowed, GQA by repeating KV heads."""
     q_len, num_heads, _ = query.shape
@@ -48,10 +54,16 @@ def attend_one_sequence(query: torch.Tensor, keys: torch.Tensor, values: torch.T
     return out
 
 
-def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                              block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                              query_start_loc: torch.Tensor, scale: float,
-                              sliding_window: int | None = None) -> torch.Tensor:
+def reference_paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Output ``[num_tokens, num_heads, head_dim]`` (fp32) of every sequence's new tokens attending
     their paged context; decode is the case ``q_len == 1``."""
     out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -64,18 +76,33 @@ def reference_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, valu
     return out
 
 
-def reference_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
+def reference_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Reference for ``decode.paged_decode``: query token ``b`` is sequence ``b``'s only new token."""
     query_start_loc = torch.arange(query.shape[0] + 1)
-    return reference_paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, sliding_window)
+    return reference_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+    )
 
 
-def reference_prefill(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                      scale: float, sliding_window: int | None = None) -> torch.Tensor:
+def reference_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Reference for ``prefill.paged_prefill`` (``query_start_loc`` starting at 0)."""
-    return reference_paged_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                     query_start_loc, scale, sliding_window)
+    return reference_paged_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+    )

@@ -65,17 +65,30 @@ def reduce_sum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, block_table_row_ptr, token_pos, token_valid, kv_head,
-                 stride_block, stride_slot, stride_head, stride_dim, dim_offsets, dim_valid,
-                 BLOCK_SIZE: tl.constexpr):
+def load_kv_tile(
+    cache_ptr,
+    block_table_row_ptr,
+    token_pos,
+    token_valid,
+    kv_head,
+    stride_block,
+    stride_slot,
+    stride_head,
+    stride_dim,
+    dim_offsets,
+    dim_valid,
+    BLOCK_SIZE: tl.constexpr,
+):
     """Gather the ``[TILE_N, HEAD_DIM_PADDED]`` K or V rows of one KV head at logical ``token_pos``.
 
     Invalid tokens and padded dims read 0; their scores are masked by the caller.
     """
     physical_block = tl.load(block_table_row_ptr + token_pos // BLOCK_SIZE, mask=token_valid, other=0)
-    row_offset = (physical_block.to(tl.int64) * stride_block
-                  + (token_pos % BLOCK_SIZE).to(tl.int64) * stride_slot
-                  + kv_head.to(tl.int64) * stride_head)
+    row_offset = (
+        physical_block.to(tl.int64) * stride_block
+        + (token_pos % BLOCK_SIZE).to(tl.int64) * stride_slot
+        + kv_head.to(tl.int64) * stride_head
+    )
     ptrs = cache_ptr + row_offset[:, None] + dim_offsets.to(tl.int64)[None, :] * stride_dim
     return tl.load(ptrs, mask=token_valid[:, None] & dim_valid[None, :], other=0.0)
 

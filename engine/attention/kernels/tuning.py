@@ -50,16 +50,22 @@ PREFILL_DEFAULT = KernelConfig(tile_n=32, num_warps=4, num_stages=2, block_m=64)
 def decode_candidates(head_dim: int) -> list[KernelConfig]:
     """Decode is bandwidth bound: vary how many keys one program streams per step and the pipelining."""
     tiles = (16, 32, 64) if head_dim >= 256 else (32, 64, 128)
-    return [KernelConfig(tile_n=t, num_warps=w, num_stages=s)
-            for t in tiles for w in (2, 4) for s in (1, 2, 3)]
+    return [
+        KernelConfig(tile_n=t, num_warps=w, num_stages=s) for t in tiles for w in (2, 4) for s in (1, 2, 3)
+    ]
 
 
 def prefill_candidates(head_dim: int) -> list[KernelConfig]:
     """Prefill is compute bound: vary the query/key tile. The fp32 accumulator is block_m x head_dim,
     so wide heads get shorter query tiles to stay in registers."""
     block_ms = (32, 64) if head_dim >= 256 else (64, 128)
-    return [KernelConfig(tile_n=t, num_warps=w, num_stages=s, block_m=m)
-            for m in block_ms for t in (32, 64) for w in (4, 8) for s in (1, 2)]
+    return [
+        KernelConfig(tile_n=t, num_warps=w, num_stages=s, block_m=m)
+        for m in block_ms
+        for t in (32, 64)
+        for w in (4, 8)
+        for s in (1, 2)
+    ]
 
 
 class ConfigTable:
@@ -74,8 +80,14 @@ class ConfigTable:
     def is_tuned(self, kernel: str, key: tuple) -> bool:
         return (kernel, key) in self._chosen
 
-    def tune(self, kernel: str, key: tuple, candidates: Iterable[KernelConfig],
-             run: Callable[[KernelConfig], None], measure: Callable[[Callable[[], None]], float]) -> KernelConfig:
+    def tune(
+        self,
+        kernel: str,
+        key: tuple,
+        candidates: Iterable[KernelConfig],
+        run: Callable[[KernelConfig], None],
+        measure: Callable[[Callable[[], None]], float],
+    ) -> KernelConfig:
         """Time ``run(config)`` for every candidate with ``measure`` (seconds or ms, lower is better)
         and remember the fastest. Candidates the GPU cannot fit (shared memory, registers) are skipped."""
         timings: list[tuple[float, KernelConfig]] = []

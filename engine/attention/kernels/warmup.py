@@ -23,14 +23,16 @@ DECODE_TUNING_BATCH = 64
 PREFILL_TUNING_TOKENS = 2048
 
 
-def shape_key(head_dim: int, query_group: int, block_size: int, dtype: torch.dtype,
-              has_window: bool) -> tuple:
+def shape_key(
+    head_dim: int, query_group: int, block_size: int, dtype: torch.dtype, has_window: bool
+) -> tuple:
     """What a kernel's best configuration depends on (the batch and lengths do not change it much)."""
     return (head_dim, query_group, block_size, str(dtype).removeprefix("torch."), has_window)
 
 
-def _cycling_block_tables(num_seqs: int, seq_len: int, block_size: int, num_blocks: int,
-                          device: torch.device) -> torch.Tensor:
+def _cycling_block_tables(
+    num_seqs: int, seq_len: int, block_size: int, num_blocks: int, device: torch.device
+) -> torch.Tensor:
     blocks_per_seq = triton.cdiv(seq_len, block_size)
     ids = torch.arange(num_seqs * blocks_per_seq, device=device) % (num_blocks - 1) + 1  # block 0 reserved
     return ids.view(num_seqs, blocks_per_seq).to(torch.int32)
@@ -42,9 +44,18 @@ def _measure_ms(fn) -> float:
     return do_bench(fn, warmup=5, rep=20)
 
 
-def tune_served_shapes(configs: ConfigTable, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       num_heads: int, scale: float, sliding_window: int | None, max_num_seqs: int,
-                       max_num_batched_tokens: int, max_model_len: int, num_sms: int) -> None:
+def tune_served_shapes(
+    configs: ConfigTable,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    sliding_window: int | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    num_sms: int,
+) -> None:
     """Tune decode and prefill for this cache's shape class and record the choices in ``configs``."""
     if key_cache.device.type != "cuda":
         raise ValueError("warm-up tuning times kernels on a GPU; the interpreter uses the defaults")
@@ -65,10 +76,25 @@ def tune_served_shapes(configs: ConfigTable, key_cache: torch.Tensor, value_cach
     active = min(context, sliding_window) if sliding_window else context
     splits = choose_num_kv_splits(batch, num_kv_heads, active, num_sms)
     partials = allocate_partials(batch, num_heads, splits, head_dim, device) if splits > 1 else None
-    configs.tune("decode", key, decode_candidates(head_dim),
-                 lambda config: paged_decode(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                             scale, sliding_window, splits, partials, config),
-                 _measure_ms)
+    configs.tune(
+        "decode",
+        key,
+        decode_candidates(head_dim),
+        lambda config: paged_decode(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            scale,
+            sliding_window,
+            splits,
+            partials,
+            config,
+        ),
+        _measure_ms,
+    )
 
     tokens = min(max_num_batched_tokens, max_model_len, PREFILL_TUNING_TOKENS)
     block_tables = _cycling_block_tables(1, tokens, block_size, num_blocks, device)
@@ -76,7 +102,22 @@ def tune_served_shapes(configs: ConfigTable, key_cache: torch.Tensor, value_cach
     query_start_loc = torch.tensor([0, tokens], dtype=torch.int32, device=device)
     query = torch.randn(tokens, num_heads, head_dim, device=device, dtype=dtype)
     out = torch.empty_like(query)
-    configs.tune("prefill", key, prefill_candidates(head_dim),
-                 lambda config: paged_prefill(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                              query_start_loc, tokens, scale, sliding_window, config),
-                 _measure_ms)
+    configs.tune(
+        "prefill",
+        key,
+        prefill_candidates(head_dim),
+        lambda config: paged_prefill(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            tokens,
+            scale,
+            sliding_window,
+            config,
+        ),
+        _measure_ms,
+    )
