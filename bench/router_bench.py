@@ -425,15 +425,14 @@ def run_null_engine(port: int, model: str) -> None:
     from kvpilot.engine.prompt_render import completion_prompt_ids
     from kvpilot.engine.tenancy import tenant_from_headers
     from kvpilot.engine.tokenizer import Tokenizer
-    from kvpilot.router.block_chain import BlockChain, HashMemo
+    from kvpilot.router.block_chain import BlockChain
     from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
-    # The router's exact token cache and hash memo: the null engine must cost the shared host little.
+    # The router's exact token cache: the null engine must cost the shared host little.
     model_dir = resolve_model(model, progress=False)
     tokenizer = Tokenizer.from_dir(model_dir)
-    segments, memo, root, epoch = (
+    segments, root, epoch = (
         SegmentTokenizer(tokenizer, model_dir),
-        HashMemo(),
         root_hash("null"),
         uuid.uuid4().hex,
     )
@@ -484,7 +483,7 @@ def run_null_engine(port: int, model: str) -> None:
             else completion_prompt_ids(tokenizer, body["prompt"])
         )
         salt = encode_extra_keys(cache_salt=tenant_from_headers(request.headers))
-        new = [h.hex() for h in BlockChain(ids, 16, root, salt, memo).all_hashes() if h.hex() not in cached]
+        new = [h.hex() for h in BlockChain(ids, 16, root, salt).all_hashes() if h.hex() not in cached]
         if new:
             cached.update(new)
             events.append({"seq": len(events) + 1, "type": "stored", "block_hashes": new})

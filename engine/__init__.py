@@ -9,11 +9,9 @@ Configuration and entry points:
 - ``cli``                ``kvpilot generate``: offline generation from the command line
 - ``server/``            OpenAI-compatible HTTP server (``kvpilot serve``)
 
-Prompts and requests (``tokenizer``, ``chat_skeleton``, ``prompt_render``, ``prompt_bound`` and ``tenancy``
-are torch-free and shared with the router):
+Prompts and requests (``tokenizer``, ``prompt_render``, ``prompt_bound`` and ``tenancy`` are torch-free
+and shared with the router):
 - ``tokenizer``          tokenizer + chat template
-- ``chat_skeleton``      renders templates that only emit message contents by splicing them into a cached
-                         skeleton
 - ``prompt_render``      request body → prompt token ids, exactly as the server and the router derive them
 - ``prompt_bound``       a lower bound on a text's token count without tokenizing it (refuses huge prompts)
 - ``tenancy``            a request's tenant (``x-tenant``, else an API-key digest): the prefix-cache salt

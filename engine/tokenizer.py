@@ -7,8 +7,7 @@ them), so both build this class from the same model directory: ``tokenizer.json`
 
 The chat template is rendered the way HF transformers renders it (sandboxed jinja2, trim_blocks,
 lstrip_blocks, ``raise_exception``, ``tojson``, ``strftime_now``, special tokens as variables), so a prompt
-rendered here matches ``AutoTokenizer.apply_chat_template`` for the same model. Templates that only emit
-message contents are rendered from cached skeletons (``chat_skeleton``), with the same output.
+rendered here matches ``AutoTokenizer.apply_chat_template`` for the same model.
 
 This module must not import torch: the router imports it and has no torch.
 """
@@ -25,8 +24,6 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as BackendTokenizer
-
-from kvpilot.engine.chat_skeleton import ChatSkeletons
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -49,7 +46,6 @@ class Tokenizer:
                 raise ValueError(f"{name} {token!r} is not in the tokenizer's vocabulary")
         self.chat_template = chat_template
         self._template = _compile_chat_template(chat_template) if chat_template is not None else None
-        self._skeletons = ChatSkeletons(self._template, chat_template) if self._template is not None else None
         self.bos_token_id = self._id_of("bos_token")
         if self.bos_token_id is None:
             self.bos_token_id = fallback_bos_token_id
@@ -145,10 +141,6 @@ class Tokenizer:
         _check_messages(messages)
         variables = {name: token for name, token in self._special_tokens.items() if token is not None}
         variables.update(template_kwargs)
-        assert self._skeletons is not None
-        prompt = self._skeletons.render(messages, add_generation_prompt, variables)
-        if prompt is not None:
-            return self.encode(prompt, add_special_tokens=False) if tokenize else prompt
         try:
             prompt = self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables

@@ -12,12 +12,10 @@ Package map:
 - ``proxy``             forwards one request to one replica, streaming, retryable until the first byte
 - ``upstream``          lean HTTP/1.1 client of the proxied requests: keep-alive pool, httptools parsing
 - ``errors``            OpenAI-style JSON error responses; middleware that turns every other error into one
-- ``json_body``         request body → JSON (orjson, the standard parser where they differ), 400 on bad input
+- ``json_body``         request body → JSON (orjson; Python's ``json`` for what orjson refuses)
 - ``request_profile``   request → tenant, prompt token ids (shared engine functions), output budget
 - ``segment_tokenizer`` exact per-segment token cache for rendered chat prompts
-- ``piece_encoder``     exact per-word id cache for new ASCII stretches (byte-level BPE tokenizers)
-- ``block_chain``       a prompt's block hashes (shared engine hash), lazily up to the first miss; hash memo
-- ``generations``       bounded two-generation cache behind the hash memo and the piece cache
+- ``block_chain``       a prompt's block hashes (shared engine hash), lazily up to the first miss
 - ``scoring``           pure policy functions: cost, headroom filter, hot-spot guard, rendezvous ties
 - ``picker``            applies the policy to live replica state
 - ``replica``           per-replica state: readiness, last ``/load``, cached hashes, in-flight requests

@@ -17,7 +17,7 @@ from kvpilot.engine.kv.block_hash import encode_extra_keys, hash_block
 from kvpilot.engine.prompt_bound import max_chars_per_token, min_tokens
 from kvpilot.engine.prompt_render import completion_prompt_ids, render_chat_prompt
 from kvpilot.engine.tokenizer import Tokenizer
-from kvpilot.router.block_chain import BlockChain, HashMemo
+from kvpilot.router.block_chain import BlockChain
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -43,7 +43,6 @@ class RequestProfile:
     max_output_tokens: int
     #: encoded extra keys (the tenant's cache salt) of every block hash
     extra: bytes
-    memo: HashMemo | None = field(default=None, repr=False)
     _chains: dict[tuple[bytes, int], list[BlockChain]] = field(default_factory=dict, repr=False)
 
     @property
@@ -56,7 +55,7 @@ class RequestProfile:
         chains = self._chains.get(key)
         if chains is None:
             chains = self._chains[key] = [
-                BlockChain(ids, block_size, root, self.extra, self.memo) for ids in self.prompts
+                BlockChain(ids, block_size, root, self.extra) for ids in self.prompts
             ]
         return chains
 
@@ -71,7 +70,6 @@ class RequestProfiler:
     def __init__(self, tokenizer: Tokenizer, segments: SegmentTokenizer) -> None:
         self._tokenizer = tokenizer
         self._segments = segments
-        self._memo = HashMemo()
         #: the most characters one token can stand for (None: no bound for this tokenizer)
         self._chars_per_token = max_chars_per_token(tokenizer)
         #: the fleet's largest context limit in tokens (None: unknown yet); set by the app
@@ -110,35 +108,7 @@ class RequestProfiler:
             prompts=prompts,
             max_output_tokens=_output_budget(body),
             extra=_salt_keys(tenant),
-            memo=self._memo,
         )
-
-    def warm_up(self) -> None:
-        """Profile a few requests of the common shapes before serving. Otherwise the first request of a process
-        pays one-time costs on its routing path (the chat skeleton's probe render, first runs of the encoders
-        and of the hash chain): 2.7 ms instead of 0.8 ms for a first chat request in-process, and the slowest
-        routing window of a benchmark run (3.1 ms) was its first request."""
-        text = " ".join(["Route each request to the replica that answers it first."] * 40)
-        turns = [
-            {"role": "system", "content": text},
-            {"role": "user", "content": text},
-            {"role": "assistant", "content": "Done."},
-            {"role": "user", "content": "And the next one?"},
-        ]
-        bodies = [
-            (CHAT_COMPLETIONS, {"messages": turns[1:2]}),
-            (CHAT_COMPLETIONS, {"messages": turns[:2]}),
-            (CHAT_COMPLETIONS, {"messages": turns}),
-            (COMPLETIONS, {"prompt": text}),
-        ]
-        for path, body in bodies:
-            try:
-                profile = self.profile(path, {**body, "max_tokens": 1}, None)
-            except PromptError:
-                continue  # e.g. a model without a chat template
-            for chain in profile.chains(_TIE_ROOT, 16):
-                chain.cached_blocks(frozenset())
-                chain.all_hashes()
 
     def _chat_ids(self, body: dict[str, Any]) -> Sequence[int]:
         messages = body.get("messages")

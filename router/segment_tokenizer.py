@@ -9,8 +9,7 @@ longest match), and only then normalizes, pre-tokenizes and runs the model on ea
 independently. Cutting at the same places and encoding each stretch with the shared :class:`Tokenizer`
 therefore yields the same ids, and a stretch seen before (the system prompt) comes from the cache. This
 holds when added tokens match plainly; a tokenizer whose added tokens strip neighbouring whitespace, match
-single words only, or match after a normalizer is encoded whole, uncached. A stretch not seen before goes
-through :class:`PieceEncoder` where the tokenizer is one it encodes exactly (byte-level BPE, ASCII text).
+single words only, or match after a normalizer is encoded whole, uncached.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from collections import OrderedDict
 from pathlib import Path
 
 from kvpilot.engine.tokenizer import Tokenizer
-from kvpilot.router.piece_encoder import PieceEncoder
 
 
 class SegmentTokenizer:
@@ -40,8 +38,6 @@ class SegmentTokenizer:
         self._cached_tokens = 0
         spec = json.loads((Path(model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
         added, plain = _added_tokens(spec)
-        #: exact per-word cache for new stretches (None: this tokenizer's pre-tokenizer is not one it knows)
-        self.pieces = PieceEncoder.for_spec(tokenizer.backend, spec)
         self._added_ids = added
         self._splitter: re.Pattern[str] | None = None
         if plain and added:
@@ -78,9 +74,7 @@ class SegmentTokenizer:
         if cached is not None:
             self._cache.move_to_end(stretch)
             return cached
-        ids = self.pieces.encode(stretch) if self.pieces is not None else None
-        if ids is None:
-            ids = array("I", self.tokenizer.encode(stretch, add_special_tokens=False))
+        ids = array("I", self.tokenizer.encode(stretch, add_special_tokens=False))
         if len(ids) <= self._max_cached_tokens // 4:  # one huge prompt must not flush everything else
             self._cache[stretch] = ids
             self._cached_tokens += len(ids)

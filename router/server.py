@@ -21,11 +21,7 @@ def load_profiler(model: str) -> RequestProfiler:
     model_dir = resolve_tokenizer(model)
     tokenizer = Tokenizer.from_dir(model_dir)
     segments = SegmentTokenizer(tokenizer, model_dir)
-    if segments.pieces is not None:
-        segments.pieces.warm_from_vocabulary()  # ~1 s for a 49k vocabulary, once per router process
-    profiler = RequestProfiler(tokenizer, segments)
-    profiler.warm_up()
-    return profiler
+    return RequestProfiler(tokenizer, segments)
 
 
 class RouterServer:

@@ -3,15 +3,13 @@ its segment token cache, and routes what it cannot tokenize without locality ins
 
 from __future__ import annotations
 
-import ast
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash, token_bytes
+from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash
 from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
-from kvpilot.router.block_chain import BlockChain, HashMemo
+from kvpilot.router.block_chain import BlockChain
 from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS, PromptError
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
@@ -78,49 +76,16 @@ def test_block_hashes_equal_the_engines_and_are_salted_per_tenant(tiny_profiler)
     assert acme.tie_key(16) != shared.tie_key(16)
 
 
-MEMO = HashMemo(max_entries=64)  # small: the property runs through its evictions too
-
-
 @settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.integers(0, 511), max_size=200),
-    st.sampled_from([1, 4, 16]),
-    st.binary(max_size=8),
-    st.booleans(),
-)
-def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra, memoized):
-    chain = BlockChain(tokens, block_size, ROOT, extra, MEMO if memoized else None)
+@given(st.lists(st.integers(0, 511), max_size=200), st.sampled_from([1, 4, 16]), st.binary(max_size=8))
+def test_a_lazy_chain_is_the_shared_block_hash_chain(tokens, block_size, extra):
+    chain = BlockChain(tokens, block_size, ROOT, extra)
     expected = block_hashes(tokens, block_size, ROOT, extra)
     held = set(expected[: len(expected) // 2])
     assert chain.cached_blocks(held) == min(len(held), chain.hittable_blocks)
     assert [chain.hash_at(i) for i in reversed(range(len(expected)))] == expected[::-1]
     assert chain.all_hashes() == expected
     assert chain.hittable_blocks == (max(len(tokens), 1) - 1) // block_size
-
-
-def test_chains_sharing_a_prefix_reuse_its_memoized_runs_and_stay_exact():
-    memo = HashMemo()
-    shared = list(range(1000, 1000 + 20 * 4))  # 20 blocks of 4: two full runs of 8, then 4 more blocks
-    one, two = [*shared, 1, 2, 3, 4, 5], [*shared, 9, 9, 9, 9, 9]
-    first = BlockChain(one, 4, ROOT, b"", memo)
-    assert first.all_hashes() == block_hashes(one, 4, ROOT)
-    runs = [
-        memo.run(ROOT, token_bytes(shared[:32]), b""),
-        memo.run(first.hash_at(7), token_bytes(shared[32:64]), b""),
-    ]
-    assert runs == [tuple(first.hashes(8)), tuple(first.all_hashes()[8:16])]
-    second = BlockChain(two, 4, ROOT, b"", memo)
-    assert second.all_hashes() == block_hashes(two, 4, ROOT)
-    assert second.hashes(20) == first.hashes(20) and second.hash_at(20) != first.hash_at(20)
-    assert memo.run(ROOT, token_bytes(shared[:32]), b"salt") is None  # another tenant's salt: another key
-
-
-def test_a_run_and_a_block_of_another_block_size_with_the_same_bytes_do_not_collide():
-    memo, tokens = HashMemo(), list(range(300))
-    for block_size in (16, 128, 16):  # a run of 8 blocks of 16 has the bytes of one block of 128
-        assert BlockChain(tokens, block_size, ROOT, b"", memo).all_hashes() == block_hashes(
-            tokens, block_size, ROOT
-        )
 
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "|>"]
@@ -188,47 +153,23 @@ def test_router_hashes_equal_the_blocks_a_real_engine_caches(tiny_profiler):
     assert router_hashes and set(router_hashes) <= stored
 
 
-def test_a_hit_test_hashes_only_as_far_as_the_first_run_with_a_miss():
+def test_a_hit_test_hashes_only_as_far_as_the_first_miss(monkeypatch):
+    from kvpilot.router import block_chain
+
+    hashed = []
+    real = block_chain.hash_block_bytes
+    monkeypatch.setattr(block_chain, "hash_block_bytes", lambda *a: hashed.append(1) or real(*a))
     tokens = list(range(40 * 4 + 1))  # 40 hittable blocks of 4
     expected = block_hashes(tokens, 4, ROOT)
     chain = BlockChain(tokens, 4, ROOT, b"")
     assert chain.cached_blocks(set(expected[:10])) == 10
-    assert len(chain._hashes) == 16  # runs 0-7 and 8-15; the 24 blocks after them are never hashed
-    assert chain.cached_blocks(set()) == 0 and len(chain._hashes) == 16
-    fresh = BlockChain(tokens, 4, ROOT, b"")
-    assert fresh.cached_blocks(set()) == 0 and len(fresh._hashes) == 1  # a new prefix: one hash
-    assert fresh.cached_blocks(set(expected)) == 40 and len(fresh._hashes) == 40
+    assert len(hashed) == 11  # the ten held blocks and the first missing one; the 29 after it never
+    assert chain.cached_blocks(set()) == 0 and len(hashed) == 11  # hashes are computed once
+    hashed.clear()
+    assert BlockChain(tokens, 4, ROOT, b"").cached_blocks(set()) == 0 and hashed == [1]  # a new prefix
+    assert BlockChain(tokens, 4, ROOT, b"").cached_blocks(set(expected)) == 40
     held_late = set(expected) - {expected[3]}
     assert BlockChain(tokens, 4, ROOT, b"").cached_blocks(held_late) == 3
-
-
-def test_warm_up_prepares_the_common_chat_shapes(tiny_model_dir):
-    from kvpilot.engine.tokenizer import Tokenizer
-    from kvpilot.router.request_profile import RequestProfiler
-
-    tokenizer = Tokenizer.from_dir(tiny_model_dir)
-    profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
-    profiler.warm_up()
-    shapes = tokenizer._skeletons._skeletons
-    assert [[role for ((_, role),) in ast.literal_eval(key[1:])[0]] for key in shapes] == [
-        ["user"],
-        ["system", "user"],
-        ["system", "user", "assistant", "user"],
-    ]
-    profiler.profile(CHAT_COMPLETIONS, {"messages": MESSAGES[:2]}, tenant="t")
-    assert len(shapes) == 3  # a request of a warmed shape probes nothing
-    assert profiler._segments.cache_size[0] > 0
-
-
-def test_warm_up_without_a_chat_template(tiny_model_dir):
-    from kvpilot.engine.tokenizer import Tokenizer
-    from kvpilot.router.request_profile import RequestProfiler
-
-    base = Tokenizer.from_dir(tiny_model_dir)
-    tokenizer = Tokenizer(base.backend, {"bos_token": base.bos_token, "eos_token": base.eos_token}, None)
-    profiler = RequestProfiler(tokenizer, SegmentTokenizer(tokenizer, tiny_model_dir))
-    profiler.warm_up()  # chat shapes are skipped, completions still run
-    assert len(profiler._memo) > 0
 
 
 def test_security_a_text_longer_than_every_context_is_not_tokenized(tiny_model_dir, monkeypatch):
