@@ -7,7 +7,7 @@ here; cross-field rules live in ``crd_rules.py`` and are attached below as ``x-k
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from typing import Any
 
 from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY, rules_for
@@ -15,6 +15,19 @@ from kvpilot.router.config import POLICIES, ScoringWeights
 
 #: the router's cost-term knobs, straight from its config (one source of truth for the CRD and the router)
 ROUTER_WEIGHT_KEYS = tuple(f.name for f in fields(ScoringWeights))
+#: what each knob does (the router's defaults are added from ScoringWeights; a test keeps the keys equal)
+ROUTER_WEIGHT_DESCRIPTIONS = {
+    "queue": "Multiplier on the prefill tokens already queued at a replica (work ahead of the request).",
+    "prefill": "Multiplier on the request's own prompt tokens the replica does not hold in its prefix cache "
+    "(the work a cache hit saves).",
+    "decode": "Multiplier on one decode step of the replica's running batch, which the first token waits for.",
+    "balance": "Hot-spot guard: a replica whose outstanding requests reach ceil((1 + balance) x (all "
+    "outstanding + 1) / replicas) takes no new request while another can.",
+    "balance_floor": "The hot-spot guard leaves a replica with fewer outstanding requests than this alone "
+    "(low load never breaks affinity).",
+    "tie_ms": "Costs within this many milliseconds of the best tie; the rendezvous hash of the request's first "
+    "block breaks the tie, so independent routers pick the same replica.",
+}
 
 # Kubernetes' own resource.Quantity grammar, without a sign: memory and KV sizes are never negative.
 QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
@@ -250,6 +263,17 @@ def _scaling() -> dict[str, Any]:
     )
 
 
+def _router_weight(name: str) -> dict[str, Any]:
+    default = next(f.default for f in fields(ScoringWeights) if f.name == name)
+    unset = "" if default is MISSING else f" Unset: the router's {default:g}."
+    return {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 1000,
+        "description": ROUTER_WEIGHT_DESCRIPTIONS[name] + unset,
+    }
+
+
 def _router() -> dict[str, Any]:
     return _object(
         "The routing sidecar in every pod.",
@@ -263,9 +287,7 @@ def _router() -> dict[str, Any]:
             "weights": {
                 "type": "object",
                 "additionalProperties": False,
-                "properties": {
-                    name: {"type": "number", "minimum": 0, "maximum": 1000} for name in ROUTER_WEIGHT_KEYS
-                },
+                "properties": {name: _router_weight(name) for name in ROUTER_WEIGHT_KEYS},
                 "description": "cache_aware knobs passed as --weights k=v,... (keys: "
                 + ", ".join(ROUTER_WEIGHT_KEYS)
                 + ").",
@@ -279,27 +301,64 @@ def _tenancy() -> dict[str, Any]:
     toleration = {
         "type": "object",
         "properties": {
-            "key": {"type": "string", "maxLength": 317},
-            "operator": {"type": "string", "enum": ["Exists", "Equal"]},
-            "value": {"type": "string", "maxLength": 63},
-            "effect": {"type": "string", "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"]},
-            "tolerationSeconds": {"type": "integer", "format": "int64", "minimum": 0},
+            "key": {
+                "type": "string",
+                "maxLength": 317,
+                "description": "Taint key the toleration matches; empty with operator Exists matches every taint.",
+            },
+            "operator": {
+                "type": "string",
+                "enum": ["Exists", "Equal"],
+                "description": "Exists: any value of the key; Equal (Kubernetes' default): the value below.",
+            },
+            "value": {
+                "type": "string",
+                "maxLength": 63,
+                "description": "Taint value to match with operator Equal.",
+            },
+            "effect": {
+                "type": "string",
+                "enum": ["NoSchedule", "PreferNoSchedule", "NoExecute"],
+                "description": "Taint effect to match; empty matches every effect.",
+            },
+            "tolerationSeconds": {
+                "type": "integer",
+                "format": "int64",
+                "minimum": 0,
+                "description": "With effect NoExecute: how long a replica stays on a node after the taint "
+                "appears (unset: forever).",
+            },
         },
+        "description": "A Kubernetes toleration, copied into the replicas' pod spec.",
     }
     return _object(
         "Where the replicas may run and how they share a cluster with other tenants.",
         {
-            "priorityClassName": {"type": "string", "maxLength": 253, "pattern": DNS_LABEL_PATTERN},
+            "priorityClassName": {
+                "type": "string",
+                "maxLength": 253,
+                "pattern": DNS_LABEL_PATTERN,
+                "description": "PriorityClass of the replicas' pods (scheduling order and preemption).",
+            },
             "nodeSelector": {
                 "type": "object",
                 "additionalProperties": {"type": "string", "maxLength": 63},
                 "maxProperties": 16,
+                "description": "Node labels the replicas must run on; resources.gpuType adds "
+                "nvidia.com/gpu.product.",
             },
-            "tolerations": {"type": "array", "maxItems": 16, "items": toleration},
+            "tolerations": {
+                "type": "array",
+                "maxItems": 16,
+                "items": toleration,
+                "description": "Taints the replicas tolerate; GPU replicas also tolerate nvidia.com/gpu "
+                "(NoSchedule).",
+            },
             "imagePullSecrets": {
                 "type": "array",
                 "maxItems": 8,
                 "items": {"type": "string", "maxLength": 253, "pattern": DNS_LABEL_PATTERN},
+                "description": "Names of Secrets in this namespace for pulling the engine image.",
             },
         },
         ("spec", "tenancy"),
@@ -329,82 +388,155 @@ def spec_schema() -> dict[str, Any]:
 def _condition() -> dict[str, Any]:
     return {
         "type": "object",
+        "description": "One condition, as Kubernetes conditions are written.",
         "required": ["type", "status"],
         "properties": {
-            "type": {"type": "string", "enum": list(CONDITION_TYPES)},
-            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
-            "reason": {"type": "string", "maxLength": 1024},
-            "message": {"type": "string", "maxLength": 32768},
-            "lastTransitionTime": {"type": "string", "format": "date-time"},
-            "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0},
+            "type": {
+                "type": "string",
+                "enum": list(CONDITION_TYPES),
+                "description": "Ready: phase Ready; Progressing: a rollout phase (Pending, Loading, "
+                "WarmingUp); Degraded: phase Degraded or Failed.",
+            },
+            "status": {
+                "type": "string",
+                "enum": ["True", "False", "Unknown"],
+                "description": "Whether the condition holds.",
+            },
+            "reason": {
+                "type": "string",
+                "maxLength": 1024,
+                "description": "Machine-readable cause: ReplicasReady, RolloutInProgress, ReplicasFailing, "
+                "ReplicasLost, InvalidSpec (Progressing: Idle outside a rollout).",
+            },
+            "message": {
+                "type": "string",
+                "maxLength": 32768,
+                "description": "What a person should read: ready/desired counts and failing pods, or the "
+                "invalid field.",
+            },
+            "lastTransitionTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When status last flipped.",
+            },
+            "observedGeneration": {
+                "type": "integer",
+                "format": "int64",
+                "minimum": 0,
+                "description": "metadata.generation this condition was computed for.",
+            },
         },
     }
 
 
+def _count(description: str) -> dict[str, Any]:
+    return {"type": "integer", "format": "int32", "minimum": 0, "description": description}
+
+
+def _seconds(description: str) -> dict[str, Any]:
+    return {"type": "number", "minimum": 0, "description": description}
+
+
 def status_schema() -> dict[str, Any]:
-    count = {"type": "integer", "format": "int32", "minimum": 0}
-    seconds = {"type": "number", "minimum": 0}
     return {
         "type": "object",
         "description": "Observed state, written by the operator.",
         "properties": {
-            "phase": {"type": "string", "enum": list(PHASES)},
+            "phase": {
+                "type": "string",
+                "enum": list(PHASES),
+                "description": "Ready: every desired replica serves; Pending, Loading, WarmingUp: a rollout, "
+                "named by its slowest replica; Degraded: some serve, a replica fails or was lost; Failed: "
+                "none serves and a replica fails, the rollout stalled, or the spec is invalid.",
+            },
             "conditions": {
                 "type": "array",
                 "items": _condition(),
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
+                "description": "Ready, Progressing and Degraded, one of each.",
             },
-            "replicas": count,
-            "readyReplicas": count,
-            "desiredReplicas": count,
-            "observedGeneration": {"type": "integer", "format": "int64", "minimum": 0},
-            "endpoint": {"type": "string"},
+            "replicas": _count("Engine pods that exist (any stage)."),
+            "readyReplicas": _count("Replicas whose engine is loaded, warmed up and Ready."),
+            "desiredReplicas": _count("Replicas the N+1 sizing asks for (serving + spare)."),
+            "observedGeneration": {
+                "type": "integer",
+                "format": "int64",
+                "minimum": 0,
+                "description": "metadata.generation of the spec this status describes.",
+            },
+            "endpoint": {
+                "type": "string",
+                "description": "In-cluster URL of the client Service (the routers); OpenAI paths under /v1.",
+            },
             "sizing": {
                 "type": "object",
                 "description": "Inputs and result of the N+1 replica sizing.",
                 "properties": {
-                    "mode": {"type": "string", "enum": ["Replicas", "Rate"]},
-                    "replicas": count,
-                    "targetRequestsPerSecond": {"type": "number"},
-                    "perReplicaGoodput": {"type": "number"},
-                    "headroom": {"type": "number"},
-                    "spare": count,
-                    "minReplicas": count,
-                    "maxReplicas": count,
-                    "serving": count,
-                    "unclamped": count,
-                    "desiredReplicas": count,
-                    "formula": {"type": "string"},
+                    "mode": {
+                        "type": "string",
+                        "enum": ["Replicas", "Rate"],
+                        "description": "Replicas: from scaling.replicas; Rate: from "
+                        "scaling.targetRequestsPerSecond and scaling.perReplicaGoodput.",
+                    },
+                    "replicas": _count("scaling.replicas (mode Replicas)."),
+                    "targetRequestsPerSecond": {
+                        "type": "number",
+                        "description": "scaling.targetRequestsPerSecond (mode Rate).",
+                    },
+                    "perReplicaGoodput": {
+                        "type": "number",
+                        "description": "scaling.perReplicaGoodput (mode Rate).",
+                    },
+                    "headroom": {"type": "number", "description": "scaling.headroom (mode Rate)."},
+                    "spare": _count("scaling.spare."),
+                    "minReplicas": _count("scaling.minReplicas."),
+                    "maxReplicas": _count("scaling.maxReplicas."),
+                    "serving": _count("Replicas that carry the load (N)."),
+                    "unclamped": _count("N + spare, before the min/max clamp."),
+                    "desiredReplicas": _count("The clamped result."),
+                    "formula": {"type": "string", "description": "The arithmetic with its numbers."},
                 },
             },
             "engines": {
                 "type": "object",
                 "description": "Replicas by warm-up stage.",
                 "properties": {
-                    "pending": count,
-                    "loading": count,
-                    "warmingUp": count,
-                    "ready": count,
-                    "failing": count,
+                    "pending": _count(
+                        "Desired replicas whose engine has not started: no pod yet, not scheduled, "
+                        "or the container waiting (e.g. pulling its image)."
+                    ),
+                    "loading": _count("Engines loading weights and allocating the KV cache."),
+                    "warmingUp": _count("Engines running their warm-up passes (and kernel tuning on CUDA)."),
+                    "ready": _count("Engines Ready to serve."),
+                    "failing": _count(
+                        "Pods that will not serve without a change: crash loop, image pull or container "
+                        "config errors, a terminated engine or a failed pod."
+                    ),
                 },
             },
             "coldStart": {
                 "type": "object",
                 "description": "Pod creation to Ready, for recently started replicas.",
                 "properties": {
-                    "samples": count,
-                    "lastSeconds": seconds,
-                    "maxSeconds": seconds,
+                    "samples": _count("Replicas measured since the InferenceService was created."),
+                    "lastSeconds": _seconds("Cold start of the replica that turned Ready last."),
+                    "maxSeconds": _seconds("Longest cold start measured."),
                     "recent": {
                         "type": "array",
                         "maxItems": 5,
+                        "description": "The latest replicas to turn Ready, newest first.",
                         "items": {
                             "type": "object",
+                            "description": "One replica's cold start.",
                             "properties": {
-                                "pod": {"type": "string"},
-                                "seconds": seconds,
-                                "readyAt": {"type": "string", "format": "date-time"},
+                                "pod": {"type": "string", "description": "Pod name."},
+                                "seconds": _seconds("Pod creation to Ready."),
+                                "readyAt": {
+                                    "type": "string",
+                                    "format": "date-time",
+                                    "description": "When the pod turned Ready.",
+                                },
                             },
                         },
                     },
