@@ -47,6 +47,7 @@ def test_the_packages_are_found():
     assert {
         "kvpilot",
         "kvpilot/bench",
+        "kvpilot/bench/compare",
         "engine",
         "engine/model",
         "engine/kv",

@@ -20,4 +20,5 @@ Package map (one responsibility per module):
 - ``report_text``      the human-readable tables
 - ``report_json``      the JSON report (definitions, figures, per-request records)
 - ``plots``            PNG plots: latency vs achieved throughput, latency CDFs
+- ``compare/``         kvpilot side by side with vLLM's CPU build and HF ``generate`` (its own map)
 """

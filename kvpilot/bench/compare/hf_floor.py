@@ -1,10 +1,10 @@
-#!/usr/bin/env python
 """The floor of the comparison: HF transformers ``generate`` in-process, fp32, a fixed thread count.
 
-Run as a child process of ``compare_vllm.py`` (so it can be timed out, and its torch threads and memory are
-gone before a server starts):
+Run as a child process of :mod:`kvpilot.bench.compare.side_by_side` (so it can be timed out, and its torch
+threads and memory are gone before a server starts), or alone (outside the repo root, whose ``operator/``
+shadows the stdlib module):
 
-    python bench/compare_hf_floor.py --model-dir DIR --prompts prompts.json --output-len 64 \
+    python -m kvpilot.bench.compare.hf_floor --model-dir DIR --prompts prompts.json --output-len 64 \
         --threads 2 --output-json hf.json
 
 ``prompts.json`` maps a batch size to its prompts (``{"1": [...], "8": [...]}``). Each batch is one

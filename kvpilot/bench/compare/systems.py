@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare_servers import ServerSpec
+from kvpilot.bench.compare.servers import ServerSpec
 
 VLLM_KVCACHE_GIB = 1
 VLLM_MAX_MODEL_LEN = 2048

