@@ -330,6 +330,17 @@ def test_every_system_gets_one_openmp_setting_not_kvpilots_import_default(policy
     assert {key: env[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in env} == expected
 
 
+def test_the_side_by_side_script_runs_from_the_repo_root_and_refuses_bad_flags():
+    script = [sys.executable, str(REPO / "bench" / "compare_vllm.py")]
+    shown = subprocess.run([*script, "--help"], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "--skip-vllm" in shown.stdout and "--omp-wait-policy" in shown.stdout
+    refused = subprocess.run(
+        [*script, "--skip-hf", "--skip-vllm", "--skip-kvpilot"], capture_output=True, text=True, cwd=REPO
+    )
+    assert refused.returncode == 2 and "every system is skipped" in refused.stderr
+
+
 def test_the_hf_floor_runs_as_a_module_and_checks_its_prompts_file(tmp_path):
     (tmp_path / "prompts.json").write_text(json.dumps({"2": ["only one prompt"]}))
     argv = [sys.executable, "-m", "kvpilot.bench.compare.hf_floor", "--model-dir", str(tmp_path)]
