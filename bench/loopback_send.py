@@ -26,7 +26,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.append(str(Path(__file__).resolve().parent))
 from router_bench import KVPILOT, Processes, free_port
 
 

@@ -20,9 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from router_bench import placement  # a sibling script: the hog is placed as router_bench places engines
 
 from kvpilot.bench.config import WorkloadConfig
 from kvpilot.bench.workloads import Workload
@@ -34,9 +34,6 @@ from kvpilot.router.picker import ReplicaPicker
 from kvpilot.router.replica import Replica
 from kvpilot.router.request_profile import CHAT_COMPLETIONS
 from kvpilot.router.server import load_profiler
-
-sys.path.append(str(Path(__file__).resolve().parent))
-from router_bench import placement  # a sibling script: the hog is placed as router_bench places engines
 
 STAGES = ("parse", "profile", "pick", "total")
 HOG = "import numpy as np\na = np.random.rand(1200, 1200).astype(np.float32)\nwhile True:\n    a @ a\n"

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(BENCH))  # the script is a sibling module (appended: shadows nothing)
+from bench_scripts import BENCH, bench_script
 
-import loopback_send  # noqa: E402
+loopback_send = bench_script("loopback_send")
 
 
 def test_the_report_counts_slow_sends_and_their_share_of_run_queue_wait():

@@ -7,14 +7,11 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import BENCH, bench_script
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(BENCH))  # the script is a sibling module (appended: shadows nothing)
-
-import router_bench  # noqa: E402
+router_bench = bench_script("router_bench")
 
 
 def test_cpu_lists_parse_to_exact_sets_and_bad_ones_are_argument_errors():

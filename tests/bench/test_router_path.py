@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-sys.path.append(str(BENCH))  # the script is a sibling module (appended: shadows nothing)
+from bench_scripts import BENCH, bench_script
 
-import router_path  # noqa: E402
+router_path = bench_script("router_path")
 
 
 def test_the_report_gives_each_stage_by_decision_reason():

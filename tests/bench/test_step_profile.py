@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "step_profile.py"
-spec = importlib.util.spec_from_file_location("step_profile", SCRIPT)
-step_profile = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step_profile)
+step_profile = bench_script("step_profile")
 
 
 @pytest.mark.parametrize(
