@@ -2,7 +2,8 @@
 """Issue 2's benchmark: kvpilot's offline engine vs HF transformers ``generate`` on the same workload.
 
 Workload (seeded): 32 requests, prompts of 16–256 random tokens, outputs of 16–128 tokens each (change
-with ``--prompt-len`` / ``--output-len``), greedy, exact lengths (``ignore_eos`` / ``min_new_tokens``). Model: SmolLM2-135M fp32, 2 threads.
+with ``--prompt-len`` / ``--output-len``), greedy, exact lengths (``ignore_eos`` / ``min_new_tokens``).
+Model: SmolLM2-135M fp32, 2 threads.
 - kvpilot: all requests queued at once (continuous batching, chunked prefill).
 - HF one at a time: ``generate`` per request.
 - HF padded batch: one left-padded ``generate`` of all prompts to the longest output; only the tokens each
@@ -162,7 +163,8 @@ def main() -> None:
         if runs[-1]["cached_prompt_tokens"]:
             raise RuntimeError("a kvpilot run hit the prefix cache; its figure would not be comparable")
         print(
-            f"kvpilot (continuous batching), run {len(runs)}: {runs[-1]['output_tok_per_s']:7.1f} output tok/s  "
+            f"kvpilot (continuous batching), run {len(runs)}: "
+            f"{runs[-1]['output_tok_per_s']:7.1f} output tok/s  "
             f"({runs[-1]['wall_s']:.1f} s)",
             flush=True,
         )
@@ -184,7 +186,8 @@ def main() -> None:
     k = args.hf_serial_requests or args.num_requests
     serial = hf_one_at_a_time(hf, wl.prompts[:k], wl.output_lens[:k])
     print(
-        f"HF one at a time ({k} requests): {serial['output_tok_per_s']:7.1f} output tok/s  ({serial['wall_s']:.1f} s)",
+        f"HF one at a time ({k} requests): {serial['output_tok_per_s']:7.1f} output tok/s  "
+        f"({serial['wall_s']:.1f} s)",
         flush=True,
     )
     del hf
@@ -196,7 +199,8 @@ def main() -> None:
         "runs_wall_s": [r["wall_s"] for r in runs],
     }
     print(
-        f"kvpilot median of {len(runs)} runs: {kv['output_tok_per_s']:7.1f} output tok/s  ({kv['wall_s']:.1f} s)"
+        f"kvpilot median of {len(runs)} runs: {kv['output_tok_per_s']:7.1f} output tok/s  "
+        f"({kv['wall_s']:.1f} s)"
     )
 
     pref = prefix_ttft(1024, 32, args.seed + 2)

@@ -375,8 +375,10 @@ def report(rows: list[dict]) -> None:
     for r in rows:
         cached = "-" if r["cached"] is None else f"{r['cached']:.0%}"
         print(
-            f"{r['policy']:<13}{ms(r['ttft_p50']):>12}{ms(r['ttft_p99']):>12}{r['rps']:>8.2f}{r['out_tps']:>10.1f}"
-            f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}{ms(r['cpu_per_request']):>11}"
+            f"{r['policy']:<13}{ms(r['ttft_p50']):>12}{ms(r['ttft_p99']):>12}"
+            f"{r['rps']:>8.2f}{r['out_tps']:>10.1f}"
+            f"{ms(r['overhead_p50'], True):>11}{ms(r['overhead_p99'], True):>11}"
+            f"{ms(r['cpu_per_request']):>11}"
             f"{cached:>8}  {r['decisions']}"
         )
     by_policy = {r["policy"]: r for r in rows}
@@ -489,7 +491,10 @@ def run_null_engine(port: int, model: str) -> None:
             events.append({"seq": len(events) + 1, "type": "stored", "block_hashes": new})
         choice = {"index": 0, "delta": {"content": "ok"}} if chat else {"index": 0, "text": "ok"}
         usage = {"prompt_tokens": len(ids), "completion_tokens": 1}
-        payload = f"data: {json.dumps({'choices': [choice]})}\n\ndata: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        payload = (
+            f"data: {json.dumps({'choices': [choice]})}\n\n"
+            f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+        )
         return web.Response(text=payload + "data: [DONE]\n\n", content_type="text/event-stream")
 
     async def ok(request: web.Request) -> web.Response:
@@ -608,7 +613,8 @@ def main() -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     print(
         f"router bench: {args.replicas} x {args.engine} ({args.model}), {args.num_tenants} tenants x "
-        f"{args.system_prompt_len}-word system prompts, {args.num_requests} requests at {args.request_rate}/s; "
+        f"{args.system_prompt_len}-word system prompts, "
+        f"{args.num_requests} requests at {args.request_rate}/s; "
         f"logs in {out}",
         flush=True,
     )

@@ -1,4 +1,5 @@
-"""``import kvpilot`` chooses how idle OpenMP workers wait (before torch loads), unless the user already did."""
+"""``import kvpilot`` chooses how idle OpenMP workers wait (before torch loads), unless the user already
+did."""
 
 import json
 import os

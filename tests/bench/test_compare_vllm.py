@@ -221,7 +221,8 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
 
 def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log():
     log = (
-        "(EngineCore pid=1) INFO [core.py:402] init engine (profile, create kv cache, warmup model) took 150.79 s\n"
+        "(EngineCore pid=1) INFO [core.py:402] init engine (profile, create kv cache, warmup model) "
+        "took 150.79 s\n"
         "(Worker pid=2) WARNING [decorators.py:333] [backbone] Compiling model again due to a load failure "
         "from /root/.cache/vllm/x/model, reason: 'function' object has no attribute 'finalize_loading'\n"
     )

@@ -1,5 +1,6 @@
-"""Where the engine's tensors go. ``--device``: a CUDA device gets its index and becomes the current device (Triton launches on the current
-device, so ``cuda:1`` with another current device would run kernels where the tensors are not). The CUDA
+"""Where the engine's tensors go. ``--device``: a CUDA device gets its index and becomes the current device
+(Triton launches on the current device, so ``cuda:1`` with another current device would run kernels where
+the tensors are not). The CUDA
 runtime is replaced by a recorder, so this runs on the CPU. Weights: streamed from the checkpoint into
 parameters already on the device, one fused tensor at a time."""
 

@@ -1,6 +1,6 @@
 """Scheduler behaviour from the engine's own scheduler, with the model replaced by a unit-cost stub:
-completion ticks of static vs continuous batching (docs/architecture.md#scheduling), priorities, preemption victims with exact
-block ids, two-phase admission, and a randomized property test of the KV invariants."""
+completion ticks of static vs continuous batching (docs/architecture.md#scheduling), priorities, preemption
+victims with exact block ids, two-phase admission, and a randomized property test of the KV invariants."""
 
 from __future__ import annotations
 

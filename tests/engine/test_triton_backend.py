@@ -160,9 +160,11 @@ def test_backend_runs_on_cpu_even_when_triton_was_imported_first():
         "from kvpilot.engine.attention.triton_backend import TritonAttentionBackend\n"
         "batch = make_paged_batch([0, 40, 0], [1, 1, 9], 4, 2, 64, 16, torch.float32)\n"
         "backend = TritonAttentionBackend(4, 2, 64, 0.125)\n"
-        "out = backend.attend(batch.query, None, None, batch.key_cache, batch.value_cache, batch.metadata(2))\n"
+        "out = backend.attend(batch.query, None, None, batch.key_cache, batch.value_cache,\n"
+        "                     batch.metadata(2))\n"
         "expected = reference_paged_attention(batch.query, batch.key_cache, batch.value_cache,\n"
-        "                                     batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125)\n"
+        "                                     batch.block_tables, batch.seq_lens, batch.query_start_loc,\n"
+        "                                     0.125)\n"
         "print('MAX_ERROR', (out - expected).abs().max().item())\n"
     )
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}

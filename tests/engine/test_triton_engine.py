@@ -1,4 +1,5 @@
-"""The engine generates the same greedy tokens with the Triton backend (interpreter) as with the torch backend.
+"""The engine generates the same greedy tokens with the Triton backend (interpreter) as with the torch
+backend.
 
 The step mix is chosen so every kernel path runs: a prompt longer than the token budget (chunked prefill:
 an extend over a cached prefix), decodes batched with prefills, a one-token prompt, and a second request

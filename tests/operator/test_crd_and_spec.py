@@ -219,14 +219,14 @@ def test_gpu_pods_without_kv_memory_have_no_fixed_kv_size():
         # CPU: 540 MB of float32 weights + the 1Gi default KV cache + 256Mi of runtime = 1795Mi
         (
             {"model": {"source": "smollm2-135m"}, "resources": {"memory": "1536Mi"}},
-            "smollm2-135m needs at least 1795Mi (its float32 weights and the KV cache live in the pod's memory, "
-            "beside the engine's runtime), got 1536Mi",
+            "smollm2-135m needs at least 1795Mi (its float32 weights and the KV cache live in the pod's "
+            "memory, beside the engine's runtime), got 1536Mi",
         ),
         # GPU: weights and KV cache on the device, but the conversion holds the 540 MB float32 shard: 771Mi
         (
             {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 1, "memory": "768Mi"}},
-            "smollm2-135m needs at least 771Mi (its weights are converted to float32 in the pod's memory, shard by "
-            "shard, before they stream to the GPU, beside the engine's runtime), got 768Mi",
+            "smollm2-135m needs at least 771Mi (its weights are converted to float32 in the pod's memory, "
+            "shard by shard, before they stream to the GPU, beside the engine's runtime), got 768Mi",
         ),
     ],
 )

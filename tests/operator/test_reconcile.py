@@ -26,7 +26,8 @@ class NoApi:
 
 
 def test_more_than_one_gpu_from_an_older_crd_is_reported_and_builds_no_deployment():
-    # An object stored under an older CRD (gpus up to 16) reaches the operator although today's CRD refuses it.
+    # An object stored under an older CRD (gpus up to 16) reaches the operator although today's CRD
+    # refuses it.
     body = {
         "apiVersion": "kvpilot.dev/v1alpha1",
         "kind": "InferenceService",

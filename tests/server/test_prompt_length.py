@@ -55,8 +55,8 @@ def test_security_an_8_mb_prompt_is_refused_by_its_length_without_tokenizing(ser
     assert (response.status_code, response.json()) == (
         400,
         context_error(
-            "prompt has at least 615384 tokens (7999992 characters, at most 13 per token); the context limit is "
-            "512 (prompt + at least one generated token)"
+            "prompt has at least 615384 tokens (7999992 characters, at most 13 per token); "
+            "the context limit is 512 (prompt + at least one generated token)"
         ),
     )
     assert encoded == []
@@ -72,8 +72,8 @@ def test_security_an_8_mb_chat_message_is_refused_by_its_rendered_length_without
     assert (response.status_code, response.json()) == (
         400,
         context_error(
-            f"prompt has at least 615393 tokens ({chars} characters, at most 13 per token); the context limit is "
-            "512 (prompt + at least one generated token)"
+            f"prompt has at least 615393 tokens ({chars} characters, at most 13 per token); "
+            "the context limit is 512 (prompt + at least one generated token)"
         ),
     )
     assert encoded == []
@@ -88,8 +88,8 @@ def test_security_one_huge_prompt_among_several_stops_them_all_before_any_is_tok
     assert (response.status_code, response.json()) == (
         400,
         context_error(
-            "prompt has at least 512 tokens (6644 characters, at most 13 per token); the context limit is 512 "
-            "(prompt + at least one generated token)"
+            "prompt has at least 512 tokens (6644 characters, at most 13 per token); "
+            "the context limit is 512 (prompt + at least one generated token)"
         ),
     )
     assert encoded == []

@@ -1,4 +1,5 @@
-"""Where the Triton tests run: the CPU interpreter by default (CI), or a GPU with ``KVPILOT_TEST_DEVICE=cuda``.
+"""Where the Triton tests run: the CPU interpreter by default (CI), or a GPU with
+``KVPILOT_TEST_DEVICE=cuda``.
 
 Import this before anything that imports the kernel modules: on CPU it sets ``TRITON_INTERPRET=1``
 first, because Triton reads that variable when a kernel module is imported. On a GPU machine,
