@@ -10,7 +10,7 @@ Package map:
 - ``server``            runs the app on a port (in-process or until SIGTERM); loads the shared tokenizer
 - ``app``               HTTP surface: proxied endpoints, ``/health``, ``/ready``, ``/metrics``; retry loop
 - ``proxy``             forwards one request to one replica, streaming, retryable until the first byte
-- ``upstream``          lean HTTP/1.1 client of the proxied requests: keep-alive pool, httptools parsing
+- ``upstream``          aiohttp client of the proxied requests: a keep-alive session per replica
 - ``errors``            OpenAI-style JSON error responses; middleware that turns every other error into one
 - ``json_body``         request body → JSON (orjson; Python's ``json`` for what orjson refuses)
 - ``request_profile``   request → tenant, prompt token ids (shared engine functions), output budget

@@ -1,9 +1,8 @@
 """The router's HTTP surface (aiohttp): the proxied OpenAI endpoints, its own ``/health``, ``/ready``,
 ``/metrics``, and the start/stop of discovery, pollers and client connections.
 
-aiohttp serves without an ASGI layer in between and the proxied requests leave through ``upstream``'s lean
-client on the same event loop, which keeps the routing overhead (arrival → upstream request written) to the
-work routing itself needs.
+aiohttp serves without an ASGI layer in between, and the proxied requests leave through aiohttp's client
+(``upstream``) on the same event loop.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from kvpilot.router.request_profile import (
     RequestProfiler,
 )
 from kvpilot.router.scoring import Decision
-from kvpilot.router.upstream import UpstreamPool
+from kvpilot.router.upstream import UpstreamClient
 
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"
@@ -72,7 +71,8 @@ class RouterApp:
         self._watcher: EndpointSliceWatcher | None = None
         self._sessions: list[aiohttp.ClientSession] = []
         self._forwarder: Forwarder | None = None
-        self._pool: UpstreamPool | None = None
+        #: the client of the proxied requests (made on startup)
+        self.upstream: UpstreamClient | None = None
 
     def build(self) -> web.Application:
         app = web.Application(client_max_size=self.config.upstream.max_body_bytes, middlewares=[json_errors])
@@ -89,7 +89,7 @@ class RouterApp:
 
     async def _start(self, app: web.Application) -> None:
         upstream = self.config.upstream
-        self._pool = UpstreamPool(upstream.connect_timeout_s, upstream.request_timeout_s, keep_spare=True)
+        self.upstream = UpstreamClient(upstream.connect_timeout_s, upstream.request_timeout_s)
         poll_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s),
@@ -99,20 +99,15 @@ class RouterApp:
             poll_session,
             self.config.poll.interval_s,
             self.metrics,
-            on_routable=self._preconnect,
             on_removed=self._forget,
         )
         vouch = self.config.router_token if self.config.trust_tenant_header else None
-        self._forwarder = Forwarder(self._pool, self.fleet.eject, vouch)
+        self._forwarder = Forwarder(self.upstream, self.fleet.eject, vouch)
         if self.config.discovery.endpointslice_service:
             assert self._slice_api is not None
             self._watcher = self._start_watcher(self._slice_api)
         else:
             self.fleet.set_endpoints(Endpoint(url) for url in self.config.discovery.replicas)
-
-    def _preconnect(self, replica: Replica) -> None:
-        if self._forwarder is not None:
-            self._forwarder.preconnect(replica)
 
     def _forget(self, url: str) -> None:
         if self._forwarder is not None:
@@ -139,8 +134,8 @@ class RouterApp:
             await self.fleet.close()
         for session in self._sessions:
             await session.close()
-        if self._pool is not None:
-            self._pool.close()
+        if self.upstream is not None:
+            await self.upstream.close()
 
     def _context_limit(self) -> int | None:
         """The largest context limit the routable replicas report (None before any reports one)."""

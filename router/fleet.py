@@ -22,17 +22,14 @@ class Fleet:
         session: aiohttp.ClientSession,
         poll_interval_s: float,
         metrics: RouterMetrics,
-        on_routable: Callable[[Replica], None] | None = None,
         on_removed: Callable[[str], None] | None = None,
     ) -> None:
-        """``on_routable(replica)`` runs each time a replica becomes routable (e.g. to open a connection),
-        ``on_removed(url)`` when discovery drops one (e.g. to close its connections)."""
+        """``on_removed(url)`` runs when discovery drops a replica (e.g. to close its connections)."""
         self.replicas: dict[str, Replica] = {}
         self._pollers: dict[str, asyncio.Task[None]] = {}
         self._session = session
         self._interval_s = poll_interval_s
         self._metrics = metrics
-        self._on_routable = on_routable
         self._on_removed = on_removed
         #: set whenever some replica becomes routable (lets startup and tests wait without sleeping)
         self.changed = asyncio.Event()
@@ -84,8 +81,6 @@ class Fleet:
     def on_load(self, replica: Replica, was_routable: bool) -> None:
         if replica.routable and not was_routable:
             self.changed.set()
-            if self._on_routable is not None:
-                self._on_routable(replica)
         self._refresh_gauges()
 
     def on_resync(self, replica: Replica) -> None:

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
+import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -29,14 +29,7 @@ from kvpilot.router.errors import error_body
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
-from kvpilot.router.upstream import (
-    UpstreamError,
-    UpstreamKey,
-    UpstreamPool,
-    UpstreamResponse,
-    request_head,
-    upstream_key,
-)
+from kvpilot.router.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvpilot-replica"
@@ -114,33 +107,26 @@ class SendProbe:
             after()
 
 
-def forward_headers(headers: Any) -> CIMultiDict[str]:
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in _HOP_BY_HOP)
-
-
-def forward_raw_headers(
-    raw_headers: Iterable[tuple[bytes, bytes]], vouch: bytes | None = None
-) -> list[tuple[bytes, bytes]]:
-    """The client's header lines as it sent them, without hop-by-hop ones and without any router token a
-    client sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``)."""
-    lines = [
-        (name, value)
-        for name, value in raw_headers
-        if (lower := name.decode("latin-1").lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER
-    ]
+def forward_headers(headers: Any, vouch: str | None = None) -> CIMultiDict[str]:
+    """Headers to pass across the proxy: without hop-by-hop ones and without any router token the other side
+    sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``)."""
+    forwarded = CIMultiDict(
+        (k, v)
+        for k, v in headers.items()
+        if (lower := k.lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER
+    )
     if vouch is not None:
-        lines.append((ROUTER_TOKEN_HEADER.encode(), vouch))
-    return lines
+        forwarded[ROUTER_TOKEN_HEADER] = vouch
+    return forwarded
 
 
 class Forwarder:
     def __init__(
-        self, pool: UpstreamPool, eject: Callable[[Replica, str], None], vouch_token: str | None = None
+        self, client: UpstreamClient, eject: Callable[[Replica, str], None], vouch_token: str | None = None
     ) -> None:
-        self._pool = pool
-        self._vouch = vouch_token.encode("latin-1") if vouch_token else None
+        self._client = client
+        self._vouch = vouch_token or None
         self._eject = eject  # called when a replica fails mid-response (earlier failures raise instead)
-        self._targets: dict[str, tuple[UpstreamKey, str]] = {}  # replica URL → (connection key, Host)
 
     async def forward(
         self,
@@ -159,21 +145,9 @@ class Forwarder:
             failure.replica_url, failure.replica_name = replica.url, describe(replica)
             raise
 
-    def preconnect(self, replica: Replica) -> None:
-        """Open a keep-alive connection to ``replica`` ahead of its first request."""
-        self._pool.preconnect(self._target(replica.url)[0])
-
     def forget(self, url: str) -> None:
-        """The replica at ``url`` left the fleet: drop what was kept for it (its idle connections included)."""
-        target = self._targets.pop(url, None)
-        if target is not None:
-            self._pool.discard(target[0])
-
-    def _target(self, url: str) -> tuple[UpstreamKey, str]:
-        target = self._targets.get(url)
-        if target is None:
-            target = self._targets[url] = (upstream_key(url), urlsplit(url).netloc)
-        return target
+        """The replica at ``url`` left the fleet: its connections close once its requests have ended."""
+        self._client.forget(url)
 
     async def _forward(
         self,
@@ -184,62 +158,64 @@ class Forwarder:
         probe: SendProbe | None,
         on_first_byte: Callable[[], None] | None,
     ) -> web.StreamResponse:
-        key, host = self._target(replica.url)
-        head = request_head(
-            request.method,
-            request.raw_path,
-            host,
-            len(body),
-            forward_raw_headers(request.raw_headers, self._vouch),
-        )
+        headers = forward_headers(request.headers, self._vouch)
+        on_written = probe.written if probe is not None else None
         try:
-            upstream = await self._pool.request(key, head, body, probe.written if probe is not None else None)
+            async with self._client.request(
+                replica.url, request.method, request.raw_path, headers, body, on_written
+            ) as upstream:
+                return await self._answer(request, upstream, replica, dispatch, on_first_byte)
         except TimeoutError:
             raise UpstreamFailure(TIMEOUT, f"{replica.url}: no answer in time", "no answer in time") from None
         except UpstreamError as error:
-            raise UpstreamFailure(ERROR, f"{replica.url}: {error}", "its connection failed") from None
-        async with upstream:
-            if upstream.status in _RETRYABLE_STATUS:
-                answer = await _read_quietly(upstream)
-                raise UpstreamFailure(
-                    _RETRYABLE_STATUS[upstream.status],
-                    f"{replica.url}: HTTP {upstream.status}",
-                    f"HTTP {upstream.status}",
-                    (upstream.status, forward_headers(upstream.headers), answer),
-                )
-            try:
-                first = await upstream.read_chunk()
-            except TimeoutError:
-                raise UpstreamFailure(
-                    TIMEOUT, f"{replica.url}: no first byte in time", "no first byte in time"
-                ) from None
-            except UpstreamError as error:
-                raise UpstreamFailure(
-                    ERROR,
-                    f"{replica.url}: dropped before the first byte: {error}",
-                    "its connection dropped before the first byte",
-                ) from None
-            now = time.perf_counter()
-            replica.first_byte(dispatch, now)
-            response = web.StreamResponse(
-                status=upstream.status,
-                reason=upstream.reason or None,
-                headers=forward_headers(upstream.headers),
+            raise UpstreamFailure(ERROR, f"{replica.url}: {error!r}", "its connection failed") from None
+
+    async def _answer(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        replica: Replica,
+        dispatch: Dispatch,
+        on_first_byte: Callable[[], None] | None,
+    ) -> web.StreamResponse:
+        if upstream.status in _RETRYABLE_STATUS:
+            answer = await _read_quietly(upstream)
+            raise UpstreamFailure(
+                _RETRYABLE_STATUS[upstream.status],
+                f"{replica.url}: HTTP {upstream.status}",
+                f"HTTP {upstream.status}",
+                (upstream.status, forward_headers(upstream.headers), answer),
             )
-            response.headers[REPLICA_HEADER] = replica.url
-            if upstream.content_length is not None:
-                response.content_length = upstream.content_length
-            try:
-                await response.prepare(request)
-                await self._relay(request, upstream, response, replica, first, on_first_byte)
-            except ConnectionResetError:
-                pass  # the client left; leaving the context closes the upstream, which aborts it there
-            return response
+        try:
+            first = await upstream.content.readany()
+        except TimeoutError:
+            raise UpstreamFailure(
+                TIMEOUT, f"{replica.url}: no first byte in time", "no first byte in time"
+            ) from None
+        except UpstreamError as error:
+            raise UpstreamFailure(
+                ERROR,
+                f"{replica.url}: dropped before the first byte: {error!r}",
+                "its connection dropped before the first byte",
+            ) from None
+        replica.first_byte(dispatch, time.perf_counter())
+        response = web.StreamResponse(
+            status=upstream.status, reason=upstream.reason or None, headers=forward_headers(upstream.headers)
+        )
+        response.headers[REPLICA_HEADER] = replica.url
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        try:
+            await response.prepare(request)
+            await self._relay(request, upstream, response, replica, first, on_first_byte)
+        except ConnectionResetError:
+            pass  # the client left; leaving the context closes the upstream, which aborts it there
+        return response
 
     async def _relay(
         self,
         request: web.Request,
-        upstream: UpstreamResponse,
+        upstream: aiohttp.ClientResponse,
         response: web.StreamResponse,
         replica: Replica,
         chunk: bytes,
@@ -259,9 +235,9 @@ class Forwarder:
                 on_first_byte()
                 on_first_byte = None
             try:
-                chunk = await upstream.read_chunk()
+                chunk = await upstream.content.readany()
             except (TimeoutError, UpstreamError) as error:
-                log.warning("replica %s failed mid-response: %s", replica.url, error)
+                log.warning("replica %s failed mid-response: %r", replica.url, error)
                 timed_out = isinstance(error, TimeoutError)
                 self._eject(replica, TIMEOUT if timed_out else ERROR)
                 problem = "it did not finish in time" if timed_out else "its connection broke"
@@ -283,9 +259,9 @@ class Forwarder:
         await response.write_eof()
 
 
-async def _read_quietly(response: UpstreamResponse) -> bytes:
+async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
     try:
-        return await response.read_all()
+        return await response.read()
     except (TimeoutError, UpstreamError):
         return b""
 

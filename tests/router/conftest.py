@@ -66,6 +66,7 @@ class FakeEngine:
         self.received: list[tuple[str, CIMultiDict[str], dict[str, Any]]] = []  # path, headers, body
         self.first_bytes: set[str] = set()  # x-request-id of requests that got a first byte from here
         self.cancelled = 0  # inference handlers cancelled by a client disconnect
+        self.inference_peers: list[Any] = []  # the client address of each inference request's connection
         self.prompt_tokens = self.cached_prompt_tokens = 0  # over all inference requests served
         self.waiting = self.running = self.queued_prefill_tokens = 0
         self._runner: web.AppRunner | None = None
@@ -201,6 +202,9 @@ class FakeEngine:
     async def _inference(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append((request.path, CIMultiDict(request.headers), body))
+        self.inference_peers.append(
+            request.transport.get_extra_info("peername") if request.transport else None
+        )
         b = self.behavior
         if b.inference_status != 200:
             return web.json_response(

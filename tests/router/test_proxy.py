@@ -11,7 +11,6 @@ import pytest
 from kvpilot.router.endpointslices import Endpoint
 from kvpilot.router.json_body import parse_json
 from kvpilot.router.proxy import REPLICA_HEADER
-from kvpilot.router.upstream import upstream_key
 
 SYSTEM = "You are the support assistant of tenant alpha. " * 12  # about 30 blocks of the tiny tokenizer
 
@@ -56,20 +55,14 @@ async def test_streams_through_byte_for_byte_and_names_the_replica(fake_engines,
     )
 
 
-async def test_a_replica_that_becomes_routable_gets_a_keep_alive_connection_before_its_first_request(
-    fake_engines, routers, http, until
-):
-    (engine,) = await fake_engines(1, token_delay_s=0.2)  # a stream long enough to look at mid-way
+async def test_requests_to_a_replica_reuse_one_keep_alive_connection(fake_engines, routers, http):
+    (engine,) = await fake_engines(1)
     router = await routers([engine.url])
-    pool, key = router.router._pool, upstream_key(engine.url)
-    await until(lambda: len(pool._idle.get(key, [])) == 1)
-    opened = pool._idle[key][0]
-    async with http.post(router.url + "/v1/chat/completions", json=chat("hi", stream=True)) as response:
-        assert response.status == 200
-        assert opened not in pool._idle[key]  # the request is going over it
-        await response.read()
-    # it came back, beside the spare the router opened when the request took the last idle connection
-    await until(lambda: len(pool._idle[key]) == 2 and opened in pool._idle[key])
+    for stream in (True, False, True):
+        async with http.post(router.url + "/v1/chat/completions", json=chat("hi", stream=stream)) as response:
+            assert response.status == 200
+            await response.read()
+    assert len(engine.inference_peers) == 3 and len(set(engine.inference_peers)) == 1
 
 
 async def test_non_streaming_and_models_pass_through(fake_engines, routers, http):
@@ -229,25 +222,21 @@ def test_integers_beyond_64_bits_parse_as_numbers() -> None:
     assert parse_json(b'{"seed": 123456789012345678901234567890}') == {"seed": 1.2345678901234568e29}
 
 
-async def test_a_replica_discovery_drops_leaves_no_connections_or_targets_behind(
-    fake_engines, routers, http, until
-):
+async def test_a_replica_discovery_drops_keeps_no_connections_behind(fake_engines, routers, http):
     engines = await fake_engines(2)
     router = await routers([e.url for e in engines])
     app = router.router
-    for _ in range(2):
-        async with http.post(
-            router.url + "/v1/chat/completions", json=chat("hello", stream=False)
-        ) as response:
-            assert response.status == 200
-    await until(lambda: all(app._pool._idle.get(upstream_key(e.url)) for e in engines))
-    assert set(app._forwarder._targets) <= {e.url for e in engines}
-    app.fleet.set_endpoints([Endpoint(engines[0].url)])
-    gone = upstream_key(engines[1].url)
-    assert engines[1].url not in app._forwarder._targets and gone not in app._pool._idle
+    async with http.post(router.url + "/v1/chat/completions", json=chat("hello", stream=False)) as response:
+        assert response.status == 200
+        used = response.headers[REPLICA_HEADER]
+    client = app.upstream
+    assert client.replicas == {used}
+    (other,) = [e.url for e in engines if e.url != used]
+    app.fleet.set_endpoints([Endpoint(other)])
+    assert client.replicas == set()
     async with http.post(router.url + "/v1/chat/completions", json=chat("again", stream=False)) as response:
-        assert response.headers[REPLICA_HEADER] == engines[0].url
-    assert gone not in app._pool._idle
+        assert response.headers[REPLICA_HEADER] == other
+    assert client.replicas == {other}
 
 
 async def raw_status_line(url: str, head: bytes) -> tuple[bytes, float]:
