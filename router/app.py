@@ -22,10 +22,10 @@ from kvpilot.router.config import RouterConfig
 from kvpilot.router.endpointslices import Endpoint, EndpointSliceWatcher, SliceApi
 from kvpilot.router.errors import error_response, json_errors
 from kvpilot.router.fleet import Fleet
-from kvpilot.router.json_body import parse_json
+from kvpilot.router.json_body import BodyError, read_json_object
 from kvpilot.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpilot.router.picker import ReplicaPicker
-from kvpilot.router.proxy import REPLICA_HEADER, Forwarder, SendProbe, UpstreamFailure
+from kvpilot.router.proxy import Forwarder, UpstreamFailure
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import (
     CHAT_COMPLETIONS,
@@ -148,40 +148,12 @@ class RouterApp:
 
     async def inference(self, request: web.Request) -> web.StreamResponse:
         arrival = time.perf_counter()
-        limit = self.config.upstream.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            # refused unread: a client declaring 30 MB gets its answer before sending any of it
-            return self._count(
-                error_response(413, f"request body exceeds {limit} bytes", "request_too_large")
-            )
-        read_timeout = self.config.upstream.body_read_timeout_s
+        limits = self.config.upstream
         try:
-            async with asyncio.timeout(read_timeout):
-                raw = await request.read()
-        except TimeoutError:
-            return self._count(
-                error_response(
-                    408, f"the request body did not arrive within {read_timeout:g} s", "request_timeout"
-                )
-            )
-        except web.HTTPRequestEntityTooLarge:
-            return self._count(
-                error_response(
-                    413,
-                    f"request body exceeds {self.config.upstream.max_body_bytes} bytes",
-                    "request_too_large",
-                )
-            )
-        try:
-            body = parse_json(raw)
-        except ValueError as error:
-            return self._count(
-                error_response(400, f"request body must be a JSON object: {error}", "invalid_json")
-            )
-        if not isinstance(body, dict):
-            return self._count(error_response(400, "request body must be a JSON object", "invalid_json"))
-        try:
+            raw, body = await read_json_object(request, limits.max_body_bytes, limits.body_read_timeout_s)
             tenant = tenant_from_headers(request.headers)
+        except BodyError as error:
+            return self._count(error_response(error.status, str(error), error.code))
         except TenantError as error:
             return self._count(error_response(400, str(error), "invalid_tenant"))
         profile = None
@@ -231,30 +203,38 @@ class RouterApp:
                     decision.uncached_tokens,
                     decision.kv_blocks,
                 )
+                self._count_decision(decision, profile)
             if profile is not None:
                 dispatch.chains = replica.chains(profile)
             replica.begin(dispatch)
-            # The metrics wait until the request is on its way (they are not routing work); settle() in the
-            # finally counts them for a request that never got written.
-            count = functools.partial(self._count_sent, replica.url, decision, profile)
-            probe = SendProbe(self.metrics, arrival, count) if arrival is not None and attempt == 0 else None
-            if probe is None:
-                count()
+            self.metrics.in_flight.labels(replica.url).inc()
+            # the routing overhead: arrival → the first try's request going out to its replica
+            written = (
+                functools.partial(self._observe_overhead, arrival)
+                if arrival is not None and not attempt
+                else None
+            )
             try:
                 return await self._forwarder.forward(
-                    request, raw, replica, dispatch, probe, self._observe_ttft(dispatch) if decision else None
+                    request,
+                    raw,
+                    replica,
+                    dispatch,
+                    written,
+                    self._observe_ttft(dispatch) if decision else None,
                 )
             except UpstreamFailure as error:
                 log.warning("request failed before its first byte: %s", error)
                 self.fleet.eject(replica, error.reason)
                 failure = error
             finally:
-                if probe is not None:
-                    probe.settle()
                 replica.finish(dispatch, time.perf_counter())
                 if replica.url in self.fleet.replicas:
                     self.metrics.in_flight.labels(replica.url).dec()
         return self._no_answer(failure)
+
+    def _observe_overhead(self, arrival: float) -> None:
+        self.metrics.overhead.observe(time.perf_counter() - arrival)
 
     def _observe_ttft(self, dispatch: Dispatch) -> Callable[[], None]:
         def observe() -> None:
@@ -262,11 +242,6 @@ class RouterApp:
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
 
         return observe
-
-    def _count_sent(self, url: str, decision: Decision | None, profile: RequestProfile | None) -> None:
-        self.metrics.in_flight.labels(url).inc()
-        if decision is not None:
-            self._count_decision(decision, profile)
 
     def _count_decision(self, decision: Decision, profile: RequestProfile | None) -> None:
         self.metrics.decisions.labels(self.config.policy, decision.reason).inc()
@@ -277,25 +252,12 @@ class RouterApp:
             self.metrics.cached_prompt_tokens.inc(decision.cached_tokens)
 
     def _no_answer(self, failure: UpstreamFailure | None) -> web.Response:
-        if failure is None:
-            # A replica becomes routable on a poll: worth asking again after the next one.
-            retry_after = max(1, math.ceil(self.config.poll.interval_s))
-            return error_response(
-                503,
-                "no engine replica is ready",
-                "no_ready_replica",
-                headers={"Retry-After": str(retry_after)},
-            )
-        if failure.response is not None:  # the replica's own 502/503/504: pass it on as it said it
-            status, headers, body = failure.response
-            response = web.Response(status=status, body=body, headers=headers)
-            response.headers[REPLICA_HEADER] = failure.replica_url or ""
-            return response
+        if failure is not None:
+            return failure.client_response()
+        # A replica becomes routable on a poll: worth asking again after the next one.
+        retry_after = max(1, math.ceil(self.config.poll.interval_s))
         return error_response(
-            502,
-            failure.client_message(),
-            "upstream_failed",
-            headers={REPLICA_HEADER: failure.replica_url or ""},
+            503, "no engine replica is ready", "no_ready_replica", headers={"Retry-After": str(retry_after)}
         )
 
     def _count(self, response: web.StreamResponse) -> web.StreamResponse:

@@ -6,9 +6,11 @@ so the engine's parser stays the authority on what a body means.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import orjson
+from aiohttp import web
 
 
 def parse_json(raw: bytes) -> object:
@@ -23,3 +25,37 @@ def parse_json(raw: bytes) -> object:
         return json.loads(raw)
     except RecursionError:
         raise ValueError("the body nests too deeply") from None
+
+
+class BodyError(ValueError):
+    """A request body the router refuses: ``status`` and OpenAI error ``code`` for the client."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+async def read_json_object(request: web.Request, max_bytes: int, timeout_s: float) -> tuple[bytes, dict]:
+    """The raw body (forwarded as it came) and its JSON object. A declared Content-Length over ``max_bytes``
+    is refused unread (a client declaring 30 MB gets its answer before sending any of it); a body that
+    takes longer than ``timeout_s`` to arrive gets 408."""
+    too_large = BodyError(413, f"request body exceeds {max_bytes} bytes", "request_too_large")
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise too_large
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise BodyError(
+            408, f"the request body did not arrive within {timeout_s:g} s", "request_timeout"
+        ) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
+    try:
+        body = parse_json(raw)
+    except ValueError as error:
+        raise BodyError(400, f"request body must be a JSON object: {error}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise BodyError(400, "request body must be a JSON object", "invalid_json")
+    return raw, body

@@ -13,6 +13,7 @@ more: its queue (``queued_prefill_tokens``) grows.
 from __future__ import annotations
 
 import itertools
+import statistics
 from collections.abc import Sequence
 
 from kvpilot.router.config import ScoringWeights
@@ -41,11 +42,8 @@ class ReplicaPicker:
 
     def fleet_prefill_rate(self, replicas: Sequence[Replica]) -> float:
         """Median of the replicas' known rates (peers share model and hardware), else the prior."""
-        rates = sorted(rate for rate in (r.rate.rate() for r in replicas) if rate)
-        if not rates:
-            return self._prior
-        middle = len(rates) // 2  # the median, without the statistics module's generic path on every request
-        return rates[middle] if len(rates) % 2 else (rates[middle - 1] + rates[middle]) / 2
+        rates = [rate for rate in (r.rate.rate() for r in replicas) if rate]
+        return statistics.median(rates) if rates else self._prior
 
     def prefill_rates(self, replicas: Sequence[Replica]) -> list[float]:
         """The rate each replica's work is costed at, in the order of ``replicas``."""

@@ -16,7 +16,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,8 +24,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
-from kvpilot.router.errors import error_body
-from kvpilot.router.metrics import RouterMetrics
+from kvpilot.router.errors import error_body, error_response
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.upstream import UpstreamClient, UpstreamError
@@ -77,34 +75,22 @@ class UpstreamFailure(Exception):
     def client_message(self) -> str:
         return f"{self.replica_name} failed before answering: {self.problem}"
 
+    def client_response(self) -> web.Response:
+        """What the client gets when no replica answered: the last replica's own 502/503/504 as it said it,
+        else a 502 naming the failure."""
+        replica = {REPLICA_HEADER: self.replica_url or ""}
+        if self.response is None:
+            return error_response(502, self.client_message(), "upstream_failed", headers=replica)
+        status, headers, body = self.response
+        response = web.Response(status=status, body=body, headers=headers)
+        response.headers.update(replica)
+        return response
+
 
 def describe(replica: Replica | None) -> str:
     """A replica as clients may see it: its pod's name if known, never its address."""
     pod = replica.pod if replica is not None else None
     return f"engine replica {pod}" if pod else "an upstream replica"
-
-
-@dataclass
-class SendProbe:
-    """Records the routing overhead (arrival → upstream request written to its socket) once, then runs
-    ``after`` (bookkeeping that need not delay the request)."""
-
-    metrics: RouterMetrics
-    arrival: float
-    after: Callable[[], None] | None = None
-    fired: bool = False
-
-    def written(self) -> None:
-        if not self.fired:
-            self.fired = True
-            self.metrics.overhead.observe(time.perf_counter() - self.arrival)
-            self.settle()
-
-    def settle(self) -> None:
-        """Run ``after`` now if it has not run (the request failed before it was written)."""
-        after, self.after = self.after, None
-        if after is not None:
-            after()
 
 
 def forward_headers(headers: Any, vouch: str | None = None) -> CIMultiDict[str]:
@@ -134,13 +120,14 @@ class Forwarder:
         body: bytes,
         replica: Replica,
         dispatch: Dispatch,
-        probe: SendProbe | None,
+        on_written: Callable[[], None] | None = None,
         on_first_byte: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Send ``request`` to ``replica`` and stream its answer; raises :class:`UpstreamFailure` before
-        the first byte. ``on_first_byte()`` runs once that byte has been relayed."""
+        the first byte. ``on_written()`` runs as the request goes out, ``on_first_byte()`` once that byte
+        has been relayed."""
         try:
-            return await self._forward(request, body, replica, dispatch, probe, on_first_byte)
+            return await self._forward(request, body, replica, dispatch, on_written, on_first_byte)
         except UpstreamFailure as failure:
             failure.replica_url, failure.replica_name = replica.url, describe(replica)
             raise
@@ -155,11 +142,10 @@ class Forwarder:
         body: bytes,
         replica: Replica,
         dispatch: Dispatch,
-        probe: SendProbe | None,
+        on_written: Callable[[], None] | None,
         on_first_byte: Callable[[], None] | None,
     ) -> web.StreamResponse:
         headers = forward_headers(request.headers, self._vouch)
-        on_written = probe.written if probe is not None else None
         try:
             async with self._client.request(
                 replica.url, request.method, request.raw_path, headers, body, on_written
