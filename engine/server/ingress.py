@@ -77,10 +77,9 @@ class IngressGate:
 
     async def _read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         timeout = self.state.config.body_read_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._read_body_unbounded(headers, receive)
-        except TimeoutError:
+        try:  # wait_for, not asyncio.timeout(): that is Python 3.11+, and kvpilot supports 3.10
+            return await asyncio.wait_for(self._read_body_unbounded(headers, receive), timeout)
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
             raise APIError(
                 408, f"the request body did not arrive within {timeout:g} s", code="request_timeout"
             ) from None
