@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpilot.engine.sampling.params import SamplingParams
+    from kvpilot.engine.sequence_group import SequenceGroup
 
 
 class RequestStatus(enum.Enum):
@@ -135,7 +136,7 @@ class Request:
         #: monotonically increasing number for FCFS ties
         self.seq_no = 0
         #: the user request this sequence belongs to (a ``SequenceGroup``), set by the engine
-        self.group = None
+        self.group: SequenceGroup | None = None
         #: token sequences ``bad_words`` bans, and the n-gram index ``no_repeat_ngram_size`` consults
         self.bad_word_ids: list[list[int]] = []
         self.ngram_index: dict[tuple[int, ...], set[int]] = {}

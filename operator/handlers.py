@@ -90,7 +90,8 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
         await reconcile_into(body, patch, logger)
 
     @kopf.on.delete(*RESOURCE, optional=True, registry=registry)
-    def on_delete(namespace: str, name: str, **_: Any) -> None:
-        metrics.forget(namespace, name)
+    def on_delete(namespace: str | None, name: str, **_: Any) -> None:
+        if namespace is not None:  # always, for the namespaced InferenceService (kopf's type allows None)
+            metrics.forget(namespace, name)
 
     return registry

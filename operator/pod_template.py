@@ -30,7 +30,7 @@ RUN_AS_USER = 10001  # the image's non-root user
 
 def _model_mounts(isvc: InferenceService) -> list[dict[str, Any]]:
     """The writable scratch volume, and the model's PVC read-only when the model lives on one."""
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     if isvc.spec.model.pvc_claim:
         mounts.append(
             {"name": "model", "mountPath": f"{MODELS_MOUNT}/{isvc.spec.model.pvc_claim}", "readOnly": True}

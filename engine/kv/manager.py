@@ -7,11 +7,11 @@ token needs its logits, and the cache holds only K/V (docs/architecture.md#prefi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys
 from kvpilot.engine.kv.block_pool import BlockPool
-from kvpilot.engine.kv.capacity import blocks_for_tokens, slot_usage
+from kvpilot.engine.kv.capacity import SlotUsage, blocks_for_tokens, slot_usage
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.request import Request
 
@@ -91,7 +91,7 @@ class KVCacheManager:
             and self.pool.ref_cnt[table[-1]] > 1
         )
 
-    def blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> int:
+    def blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens would consume (hits that are now
         cached-free count too: reviving them takes them out of the free queue; a shared partial last
         block that must be copied before it is written counts one)."""
@@ -100,7 +100,7 @@ class KVCacheManager:
         new = max(0, blocks_for_tokens(total, self.block_size) - len(table) - len(hits))
         return new + sum(1 for b in hits if self.pool.ref_cnt[b] == 0) + self._needs_copy_on_write(req, table)
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: list[int] = ()) -> bool:
+    def allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> bool:
         """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
         Returns False (changing nothing) when the pool cannot supply the blocks."""
         if self.blocks_to_allocate(req, num_new_tokens, hits) > self.pool.num_free:
@@ -211,7 +211,7 @@ class KVCacheManager:
         return self.allocate(req, num_new_tokens)
 
     # ---- accounting and invariants -------------------------------------------------------------------
-    def slot_usage(self, reqs: Iterable[Request]):
+    def slot_usage(self, reqs: Iterable[Request]) -> SlotUsage:
         """Logical vs allocated slots over the given requests' block tables."""
         reqs = [r for r in reqs if r.request_id in self.tables]
         usage = slot_usage([r.num_computed_tokens for r in reqs], self.block_size)

@@ -64,7 +64,7 @@ def _mask(logits: torch.Tensor, row: int, tokens: set[int] | list[int]) -> None:
         logits[row, ids] = NEG_INF
 
 
-def _counts(rows: list[int], id_lists: list[Sequence[int]], vocab: int, device) -> torch.Tensor:
+def _counts(rows: list[int], id_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] float counts of token ids per row (one batched scatter-add)."""
     width = max((len(ids) for ids in id_lists), default=0)
     padded = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long, device=device)

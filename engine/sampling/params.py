@@ -77,8 +77,9 @@ class SamplingParams:
     detokenize: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        stop: object = self.stop  # typed as normalised below; a caller may pass one string (vLLM does)
+        if isinstance(stop, str):
+            self.stop = [stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
@@ -126,7 +127,7 @@ class SamplingParams:
             if not cond:
                 raise SamplingParamsError(msg)
 
-        def is_int(v) -> bool:
+        def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
         need(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")

@@ -126,9 +126,14 @@ class Sampler:
         proc_lp = final.log_softmax(dim=-1) if (raw_lp is None and any(want_lp)) or any(want_full) else None
         for i, st in enumerate(states):
             if want_full[i]:
+                assert proc_lp is not None  # computed whenever a row wants its full distribution
                 full[i] = proc_lp[i]  # beam search scores the constrained, penalised distribution
             if want_lp[i]:
-                row = raw_lp[i] if raw_lp is not None else proc_lp[i]
+                if raw_lp is not None:
+                    row = raw_lp[i]
+                else:
+                    assert proc_lp is not None  # computed when a row wants logprobs and raw ones are off
+                    row = proc_lp[i]
                 sampled_lp[i] = float(row[token_list[i]])
                 if st.params.logprobs is not None:
                     top[i] = top_logprobs_of(row, token_list[i], st.params.logprobs)

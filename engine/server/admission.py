@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.request_validation import RequestError
+from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.errors import APIError, bad_request
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.serving_request import ServingRequest
+
+if TYPE_CHECKING:  # torch: only the engine thread imports the engine
+    from kvpilot.engine.engine_core import LLMEngine
 
 
 def draining_error(retry_after: int) -> APIError:
@@ -41,7 +46,11 @@ def draining_error(retry_after: int) -> APIError:
 
 class Admission:
     def __init__(
-        self, engine, config: ServerConfig, active: dict[str, ServingRequest], metrics: ServerMetrics
+        self,
+        engine: LLMEngine,
+        config: ServerConfig,
+        active: dict[str, ServingRequest],
+        metrics: ServerMetrics,
     ) -> None:
         self._engine = engine
         self._config = config
@@ -58,7 +67,7 @@ class Admission:
     def pending_prompt_tokens(self) -> int:
         return sum(r.num_prompt_tokens for r in self.pending)
 
-    def _cost(self, req: ServingRequest, params=None) -> int:
+    def _cost(self, req: ServingRequest, params: SamplingParams | None = None) -> int:
         return self._engine.admission_cost(req.token_ids, params or req.params, req.cache_salt)
 
     def submit(self, batch: list[ServingRequest]) -> None:

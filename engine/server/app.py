@@ -4,8 +4,9 @@ stops with it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 from opentelemetry.sdk.trace import TracerProvider
@@ -26,9 +27,12 @@ from kvpilot.engine.server.rate_limit import TenantRateLimiter
 from kvpilot.engine.server.state import ServerState
 from kvpilot.engine.server.tracing import INSTRUMENTATION_NAME
 
+if TYPE_CHECKING:
+    from kvpilot.engine.engine_core import LLMEngine
 
-def _load_engine(engine_config: EngineConfig) -> Callable[[], object]:
-    def load():
+
+def _load_engine(engine_config: EngineConfig) -> Callable[[], LLMEngine]:
+    def load() -> LLMEngine:
         from kvpilot.engine.engine_core import LLMEngine  # torch: imported on the engine thread
 
         return LLMEngine(engine_config)
@@ -40,7 +44,7 @@ def build_state(
     engine_config: EngineConfig,
     config: ServerConfig,
     *,
-    engine_factory: Callable[[], object] | None = None,
+    engine_factory: Callable[[], LLMEngine] | None = None,
     tracer_provider: TracerProvider | None = None,
     registry: CollectorRegistry | None = None,
     on_fatal: Callable[[str], None] = lambda reason: None,
@@ -80,7 +84,7 @@ def build_state(
 
 def create_app(state: ServerState) -> FastAPI:
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.loop.start()
         yield
         await run_in_threadpool(state.loop.stop)

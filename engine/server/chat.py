@@ -11,11 +11,13 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.generation import Generation, PromptResult
 from kvpilot.engine.server.logprobs_format import chat_logprobs, prompt_logprobs_json
@@ -46,7 +48,9 @@ class ChatFormat:
             "choices": choices,
         }
 
-    def _logprobs(self, token_ids, entries) -> dict | None:
+    def _logprobs(
+        self, token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]] | None
+    ) -> dict | None:
         return None if entries is None else chat_logprobs(token_ids, entries, self._top_n)
 
     def chunk_events(self, index: int, chunk: OutputChunk) -> list[dict]:

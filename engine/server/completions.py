@@ -6,11 +6,13 @@ from __future__ import annotations
 import functools
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
+from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.generation import Generation, PromptResult
 from kvpilot.engine.server.logprobs_format import completion_logprobs, prompt_logprobs_json
@@ -43,7 +45,14 @@ class CompletionFormat:
         return prompt.text if prompt.text is not None else self._tokenizer.decode(prompt.token_ids)
 
     def _choice(
-        self, prompt_index: int, index: int, text: str, token_ids, logprobs, finish_reason, stop_reason
+        self,
+        prompt_index: int,
+        index: int,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[dict[int, Logprob]] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None,
     ) -> dict:
         choice = prompt_index * self._n + index
         text = self._echo(prompt_index, choice) + text

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import ContentStream, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 T = TypeVar("T")
@@ -56,7 +56,7 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content: ContentStream, headers: dict[str, str] | None = None) -> None:
         super().__init__(
             content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})}
         )

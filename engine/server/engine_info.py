@@ -4,11 +4,15 @@ with them without ever touching the (not thread-safe) engine itself."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.prompt_bound import max_chars_per_token
 from kvpilot.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch: only the engine thread imports the engine
+    from kvpilot.engine.engine_core import LLMEngine
 
 
 @dataclass(frozen=True)
@@ -32,7 +36,7 @@ class EngineInfo:
     max_chars_per_token: int | None = None
 
     @classmethod
-    def from_engine(cls, engine) -> EngineInfo:
+    def from_engine(cls, engine: LLMEngine) -> EngineInfo:
         sc = engine.config.scheduler
         return cls(
             served_model_name=engine.served_model_name,

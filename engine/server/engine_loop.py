@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.server.admission import Admission, draining_error
-from kvpilot.engine.server.config import ServerConfig
+from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.engine_info import EngineInfo
 from kvpilot.engine.server.engine_telemetry import EngineTelemetry
 from kvpilot.engine.server.errors import APIError
@@ -34,6 +35,9 @@ from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.serving_request import ServingRequest
 from kvpilot.engine.server.warmup import effective_buckets, run_warmup
 from kvpilot.engine.stats import load_snapshot
+
+if TYPE_CHECKING:  # torch: the engine is imported on the engine thread (app.py)
+    from kvpilot.engine.engine_core import LLMEngine
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.25  # longest sleep with nothing to do (bounds heartbeat age and /load staleness)
@@ -71,7 +75,7 @@ class _Stop:
 class EngineLoop:
     def __init__(
         self,
-        engine_factory: Callable[[], object],
+        engine_factory: Callable[[], LLMEngine],
         config: ServerConfig,
         lifecycle: Lifecycle,
         metrics: ServerMetrics,
@@ -167,7 +171,7 @@ class EngineLoop:
             )
             self._fail(f"engine loop failed: {type(err).__name__}: {err}")
 
-    def _on_warmup_bucket(self, index: int, bucket) -> None:
+    def _on_warmup_bucket(self, index: int, bucket: WarmupBucket) -> None:
         self.heartbeat = time.monotonic()
         self._lifecycle.advance(
             index, f"warm-up pass {index + 1}: batch {bucket.batch_size} x {bucket.prompt_len} prompt tokens"
@@ -269,10 +273,10 @@ class EngineLoop:
                 if not self._admission.remove_pending(rid) and self._active.pop(rid, None) is not None:
                     engine.abort_request(rid, RequestStatus.CANCELLED)
         elif isinstance(cmd, _Resume):
-            req = self._active.get(cmd.request_id)
-            if req is not None:
+            resumed = self._active.get(cmd.request_id)
+            if resumed is not None:
                 engine.set_backpressure(cmd.request_id, False)
-                req.paused_since = None
+                resumed.paused_since = None
         elif isinstance(cmd, _Snapshot):
             if not cmd.future.set_running_or_notify_cancel():
                 return

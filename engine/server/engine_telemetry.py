@@ -8,13 +8,18 @@ engine's record list from growing for the life of the server.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvpilot.engine.outputs import TerminalRecord
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.serving_request import ServingRequest
 
+if TYPE_CHECKING:  # torch: only the engine thread imports the engine
+    from kvpilot.engine.engine_core import LLMEngine
+
 
 class EngineTelemetry:
-    def __init__(self, engine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self._engine = engine
         self._metrics = metrics
         self._counters = (
@@ -72,7 +77,8 @@ class EngineTelemetry:
         if first is not None and scheduled is not None:
             m.prefill_time.observe(max(0.0, first - scheduled))
         if record.status == "finished":
-            if first is not None and t.get("finished") is not None:
-                m.decode_time.observe(max(0.0, t["finished"] - first))
+            finished = t.get("finished")
+            if first is not None and finished is not None:
+                m.decode_time.observe(max(0.0, finished - first))
             m.prompt_len.observe(record.num_prompt_tokens)
             m.output_len.observe(record.num_committed)

@@ -92,28 +92,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI, count_rejection: Callable[[str], None]) -> None:
-    """Every error leaves as an OpenAI error object; each is counted by its code."""
+    """Every error leaves as an OpenAI error object; each is counted by its code. (The decorator form:
+    starlette's ``add_exception_handler`` types each handler as taking any ``Exception``.)"""
 
+    @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         count_rejection(exc.code)
         return error_response(exc)
 
+    @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         return await on_api_error(request, bad_request(message, param))
 
+    @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
         error = APIError(exc.status_code, str(exc.detail), code=code)
         count_rejection(code)
         return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         error = APIError(500, f"internal server error: {type(exc).__name__}", code="internal_error")
         return error_response(error)
-
-    app.add_exception_handler(APIError, on_api_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)

@@ -14,15 +14,16 @@ import asyncio
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse
 
+from kvpilot.engine.server.engine_info import EngineInfo
 from kvpilot.engine.server.errors import APIError
 from kvpilot.engine.server.lifecycle import Phase
-from kvpilot.engine.server.state import server_state
+from kvpilot.engine.server.state import ServerState, server_state
 
 router = APIRouter()
 SNAPSHOT_TIMEOUT_S = 10.0
 
 
-def _engine_info(request: Request):
+def _engine_info(request: Request) -> tuple[ServerState, EngineInfo]:
     state = server_state(request)
     phase = state.lifecycle.phase
     if state.loop.info is None or phase not in (Phase.WARMING_UP, Phase.READY, Phase.DRAINING):
@@ -36,7 +37,9 @@ def _engine_info(request: Request):
 
 
 @router.get("/kv/events")
-async def kv_events(request: Request, since: int = Query(0, ge=0, description="last seq the reader has")):
+async def kv_events(
+    request: Request, since: int = Query(0, ge=0, description="last seq the reader has")
+) -> JSONResponse:
     _, info = _engine_info(request)
     batch = info.kv_events.since(since)
     return JSONResponse(
@@ -52,7 +55,7 @@ async def kv_events(request: Request, since: int = Query(0, ge=0, description="l
 
 
 @router.get("/kv/snapshot")
-async def kv_snapshot(request: Request):
+async def kv_snapshot(request: Request) -> JSONResponse:
     state, info = _engine_info(request)
     if state.lifecycle.phase is Phase.WARMING_UP:  # the loop is busy warming up, not taking commands
         raise APIError(

@@ -4,6 +4,8 @@ token's logprob is reported as -9999.0 (vLLM's convention)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpilot.engine.outputs import Logprob
 
 FLOOR = -9999.0
@@ -22,7 +24,7 @@ def _text(lp: Logprob | None) -> str:
 
 
 def completion_logprobs(
-    token_ids: tuple[int, ...] | list[int], entries, text_offset: int
+    token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], text_offset: int
 ) -> tuple[dict, int]:
     """``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` for these tokens, and the offset after
     them. ``top_logprobs`` lists the top-N and the sampled token (up to N + 1 entries, as OpenAI does)."""
@@ -46,7 +48,7 @@ def _chat_entry(lp: Logprob) -> dict:
     return {"token": text, "logprob": _finite(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(token_ids: tuple[int, ...] | list[int], entries, top_n: int) -> dict:
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[dict[int, Logprob]], top_n: int) -> dict:
     """``{"content": [{"token", "logprob", "bytes", "top_logprobs": [the top_n by rank]}]}``."""
     content = []
     for token, entry in zip(token_ids, entries, strict=True):

@@ -10,7 +10,7 @@ scrape time, so they can never disagree with ``/load``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -117,7 +117,9 @@ class ServerMetrics:
         def counter(metric: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(metric, doc, [*name, *labels], registry=r)
 
-        def histogram(metric: str, doc: str, buckets, labels: tuple[str, ...] = ()) -> Histogram:
+        def histogram(
+            metric: str, doc: str, buckets: Sequence[float], labels: tuple[str, ...] = ()
+        ) -> Histogram:
             return Histogram(metric, doc, [*name, *labels], registry=r, buckets=buckets)
 
         def one(family):  # the family's only series (label model_name)

@@ -86,7 +86,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         access_log=config.access_log,
         timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
         lifespan="on",
-        timeout_keep_alive=config.timeout_keep_alive_s,
+        # uvicorn annotates int but only hands it to loop.call_later: fractional seconds work as given
+        timeout_keep_alive=config.timeout_keep_alive_s,  # type: ignore[arg-type]
         server_header=False,
     )
     server = DrainingServer(uv_config, state, config.drain_grace_s)

@@ -22,7 +22,7 @@ from opentelemetry import propagate
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 SERVICE_NAME = "kvpilot-engine"
 INSTRUMENTATION_NAME = "kvpilot.engine.server"
@@ -55,7 +55,7 @@ class RequestSpan:
     ) -> None:
         self._lock = threading.Lock()
         self._ended = tracer is None
-        self._span = None
+        self._span: Span | None = None
         if tracer is not None:
             parent = propagate.extract(dict(headers)) if headers else None
             self._span = tracer.start_span(
@@ -64,17 +64,17 @@ class RequestSpan:
 
     def event(self, name: str, attributes: Mapping[str, Any] | None = None) -> None:
         with self._lock:
-            if not self._ended:
+            if not self._ended and self._span is not None:
                 self._span.add_event(name, dict(attributes or {}), timestamp=time.time_ns())
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         with self._lock:
-            if not self._ended:
+            if not self._ended and self._span is not None:
                 self._span.set_attributes({k: v for k, v in attributes.items() if v is not None})
 
     def end(self, error: str | None = None) -> None:
         with self._lock:
-            if self._ended:
+            if self._ended or self._span is None:
                 return
             self._ended = True
             if error is not None:

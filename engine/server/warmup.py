@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.server.config import WarmupBucket
+
+if TYPE_CHECKING:  # torch: only the engine thread imports the engine
+    from kvpilot.engine.engine_core import LLMEngine
 
 WARMUP_SALT = "kvpilot-warmup"
 
@@ -43,7 +47,7 @@ def warmup_prompt(bucket: WarmupBucket, index: int, vocab_size: int) -> list[int
 
 
 def run_warmup(
-    engine,
+    engine: LLMEngine,
     buckets: list[WarmupBucket],
     on_bucket: Callable[[int, WarmupBucket], None],
     on_kernel_tuning: Callable[[float], None],
@@ -59,7 +63,10 @@ def run_warmup(
             key_cache, value_cache, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len
         )
         on_kernel_tuning(time.monotonic() - start)
-    params = SamplingParams(max_tokens=2, min_tokens=2, temperature=0.0, ignore_eos=True, detokenize=True)
+    out_tokens = 2
+    params = SamplingParams(
+        max_tokens=out_tokens, min_tokens=out_tokens, temperature=0.0, ignore_eos=True, detokenize=True
+    )
     vocab = engine.arch.vocab_size
     for i, bucket in enumerate(buckets):
         on_bucket(i, bucket)
@@ -69,7 +76,7 @@ def run_warmup(
             engine.add_request(rid, prompt, params, cache_salt=WARMUP_SALT)
         # each step computes at least one of the bucket's tokens (twice that allows for recomputation after
         # a preemption): a warm-up that cannot finish fails the start instead of hanging it
-        for _ in range(2 * bucket.batch_size * (bucket.prompt_len + params.max_tokens)):
+        for _ in range(2 * bucket.batch_size * (bucket.prompt_len + out_tokens)):
             if not engine.has_unfinished_requests():
                 break
             engine.step()
