@@ -12,6 +12,7 @@ import os
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV
 from kvpilot.router.app import RouterApp
@@ -29,7 +30,7 @@ from kvpilot.router.server import RouterServer, load_profiler
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def _default(config_class: type, name: str):
+def _default(config_class: type, name: str) -> Any:
     return next(f.default for f in fields(config_class) if f.name == name)
 
 

@@ -89,7 +89,8 @@ class KubernetesSliceApi:
         self._watch: Any = None
 
     def list(self, namespace: str, selector: str) -> tuple[list[dict[str, Any]], str]:
-        response = self._api.list_namespaced_endpoint_slice(
+        # _preload_content=False: the raw urllib3 response (its JSON), not the client's generated model
+        response: Any = self._api.list_namespaced_endpoint_slice(
             namespace, label_selector=selector, _preload_content=False
         )
         body = json.loads(response.data)

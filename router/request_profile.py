@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from kvpilot.engine.kv.block_hash import encode_extra_keys, hash_block
 from kvpilot.engine.prompt_bound import max_chars_per_token, min_tokens
@@ -155,7 +155,7 @@ def _is_token_id(value: Any) -> bool:
     return _is_count(value) and value < _TOKEN_ID_LIMIT
 
 
-def _is_count(value: Any) -> bool:
+def _is_count(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 

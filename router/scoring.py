@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvpilot.router.config import ScoringWeights
@@ -160,7 +160,9 @@ def choose_round_robin(keys: Sequence[str], rotation: int) -> Decision:
     return Decision(ordered[rotation % len(ordered)], FALLBACK)
 
 
-def _highest(candidates: Sequence[Candidate], tie_key: bytes, primary) -> Candidate:
+def _highest(
+    candidates: Sequence[Candidate], tie_key: bytes, primary: Callable[[Candidate], float]
+) -> Candidate:
     return max(candidates, key=lambda c: (primary(c), rendezvous_weight(tie_key, c.replica.key)))
 
 
