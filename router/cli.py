@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvpilot router",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Cache-aware routing sidecar: proxies the OpenAI endpoints to the engine replica with the "
-        "lowest estimated completion cost (queued + uncached prefill over the learned prefill rate, "
+        description="Cache-aware routing sidecar: proxies the OpenAI endpoints to the engine replica with "
+        "the lowest estimated completion cost (queued + uncached prefill over the learned prefill rate, "
         "plus a decode term), among replicas with KV headroom.",
     )
     parser.add_argument("--host", default=_default(RouterConfig, "host"), help="address to listen on")

@@ -7,8 +7,9 @@ through a callback, which the router hops onto its event loop.
 
 Which addresses count: an endpoint whose ``ready`` condition is not false (nil means ready, per the API)
 and that is not terminating; its first address (the API makes addresses of one endpoint fungible), with
-its zone and, from its ``targetRef``, its pod's name (how error messages name a replica). The engines' headless Service publishes not-ready addresses (a pod's readiness includes its
-router's, which needs an engine), so the router's own ``/load`` polls decide which engines take traffic.
+its zone and, from its ``targetRef``, its pod's name (how error messages name a replica). The engines'
+headless Service publishes not-ready addresses (a pod's readiness includes its router's, which needs an
+engine), so the router's own ``/load`` polls decide which engines take traffic.
 """
 
 from __future__ import annotations

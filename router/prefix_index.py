@@ -32,7 +32,8 @@ class PrefixIndex:
         self.synced = False
 
     def apply_snapshot(self, body: Any) -> None:
-        """Replace the set with a ``/kv/snapshot`` body (raises :class:`KVFormatError`, leaving it unsynced)."""
+        """Replace the set with a ``/kv/snapshot`` body (raises :class:`KVFormatError`, leaving it
+        unsynced)."""
         self.invalidate()
         epoch, seq, root, block_size = _header(body, "/kv/snapshot")
         hashes = _hashes(body, "/kv/snapshot")

@@ -57,7 +57,8 @@ class SegmentTokenizer:
 
     def encode_rendered(self, text: str) -> array:
         """Ids of a rendered chat prompt, as ``tokenizer.encode(text, add_special_tokens=False)``, in an
-        ``array("I")``: cached stretches join by memory copy, and block hashing takes its bytes as they are."""
+        ``array("I")``: cached stretches join by memory copy, and block hashing takes its bytes as they
+        are."""
         if self._splitter is None:
             return array("I", self.tokenizer.encode(text, add_special_tokens=False))
         ids = array("I")

@@ -1,4 +1,5 @@
-"""Runs a :class:`RouterApp` on a TCP port: in-process start/stop (tests, benchmarks) or until SIGTERM (CLI)."""
+"""Runs a :class:`RouterApp` on a TCP port: in-process start/stop (tests, benchmarks) or until SIGTERM
+(CLI)."""
 
 from __future__ import annotations
 

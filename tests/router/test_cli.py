@@ -89,7 +89,8 @@ def test_the_prefill_rate_is_the_fleets_unless_per_replica_rates_are_asked_for()
 
 def test_router_modules_do_not_import_torch():
     code = (
-        "import sys, kvpilot.router.cli, kvpilot.router.app, kvpilot.router.server, kvpilot.router.endpointslices;"
+        "import sys, kvpilot.router.cli, kvpilot.router.app, kvpilot.router.server,"
+        " kvpilot.router.endpointslices;"
         "from kvpilot.router.server import load_profiler;"
         "assert 'torch' not in sys.modules, 'torch imported';"
         "assert 'kubernetes' not in sys.modules, 'kubernetes imported for a static fleet'"

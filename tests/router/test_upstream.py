@@ -98,7 +98,8 @@ def answering(*responses: bytes) -> Callable[[RawServer], Handler]:
 
 
 def first_chunk_then(then: Handler) -> Callable[[RawServer], Handler]:
-    """A handler that reads one request, starts a chunked answer with the chunk ``first``, then runs ``then``."""
+    """A handler that reads one request, starts a chunked answer with the chunk ``first``, then runs
+    ``then``."""
 
     def make(server: RawServer) -> Handler:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
