@@ -196,7 +196,8 @@ def test_invalid_specs_are_refused_or_reported(cluster, kubectl, namespace):
     assert refused.returncode != 0
     assert "spec.resources.gpus" in refused.stderr
     assert cluster.get(ISVC, namespace, "tp") is None
-    # Both sizing forms at once: a CEL rule on a real cluster; the harness has no CEL, so the operator reports.
+    # Both sizing forms at once: a CEL rule on a real cluster; the harness has no CEL, so the operator
+    # reports.
     kubectl(
         "apply",
         "-f",

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(
-        f"model {llm_engine.served_model_name} ({llm_engine.dtype}, {llm_engine.device}): loaded in {load_s:.1f} s; "
+        f"model {llm_engine.served_model_name} ({llm_engine.dtype}, {llm_engine.device}): "
+        f"loaded in {load_s:.1f} s; "
         f"{len(outs)} requests, {n_out} output tokens in {gen_s:.2f} s = {n_out / gen_s:.1f} tok/s"
     )
     return 0

@@ -1,4 +1,5 @@
-"""Incremental detokenization and stop-string handling for one generated sequence (docs/architecture.md#stop-conditions-and-streaming).
+"""Incremental detokenization and stop-string handling for one generated sequence
+(docs/architecture.md#stop-conditions-and-streaming).
 
 ``IncrementalDetokenizer`` turns each new token into a text delta without re-decoding the whole output:
 it decodes a short window (``prefix_offset`` … end) and emits what extends beyond the window's already

@@ -1,9 +1,9 @@
 """``LLMEngine``: owns the model, KV cache, scheduler and sampler; ``step()`` runs one scheduler tick.
 
-Per tick (docs/architecture.md#engine-tick): expire deadlines → schedule (batch admission, token budget, preemption) → one
-flattened forward → sample the rows whose sequences are fully computed (forking parallel samples off a
-finished prompt, advancing beams) → append tokens, detokenize, check stop conditions → release finished
-sequences; a request whose sequences are all done goes through the single reclaim routine.
+Per tick (docs/architecture.md#engine-tick): expire deadlines → schedule (batch admission, token budget,
+preemption) → one flattened forward → sample the rows whose sequences are fully computed (forking parallel
+samples off a finished prompt, advancing beams) → append tokens, detokenize, check stop conditions → release
+finished sequences; a request whose sequences are all done goes through the single reclaim routine.
 """
 
 from __future__ import annotations
@@ -249,7 +249,8 @@ class LLMEngine(StepOutputs):
         self, token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> int:
         """KV blocks admitting this request would reserve: its uncached prompt (after a prefix lookup) and
-        the first block of each sample — the exact phase of two-phase admission, docs/architecture.md#admission."""
+        the first block of each sample — the exact phase of two-phase admission,
+        docs/architecture.md#admission."""
         probe = Request("admission-probe", token_ids, params, cache_salt=cache_salt)
         cost = self.scheduler.reservation_for(probe)
         self.kv.forget(probe)  # drop the probe's cached extra-keys entry

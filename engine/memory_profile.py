@@ -110,15 +110,16 @@ def kv_budget_bytes(profile: MemoryProfile, utilization: float) -> int:
     if budget <= 0:
         raise ConfigError(
             f"gpu_memory_utilization {utilization} allows {requested / GIB:.2f} GiB, but weights "
-            f"({profile.weights_bytes / GIB:.2f} GiB), the activation peak ({profile.activation_peak_bytes / GIB:.2f}"
-            f" GiB) and non-torch memory ({profile.non_torch_bytes / GIB:.2f} GiB) already take "
+            f"({profile.weights_bytes / GIB:.2f} GiB), the activation peak "
+            f"({profile.activation_peak_bytes / GIB:.2f} GiB) and non-torch memory "
+            f"({profile.non_torch_bytes / GIB:.2f} GiB) already take "
             f"{used / GIB:.2f} GiB: no room for a KV cache; raise gpu_memory_utilization or lower "
             "max_num_batched_tokens"
         )
     if budget > profile.free_bytes:
         raise ConfigError(
-            f"the KV cache would need {budget / GIB:.2f} GiB but only {profile.free_bytes / GIB:.2f} GiB of the "
-            f"device are free (other processes use it); lower gpu_memory_utilization below "
+            f"the KV cache would need {budget / GIB:.2f} GiB but only {profile.free_bytes / GIB:.2f} GiB of "
+            f"the device are free (other processes use it); lower gpu_memory_utilization below "
             f"{utilization} or set kv_cache_memory_bytes"
         )
     return budget
@@ -206,7 +207,8 @@ def profiled_kv_budget(
     kv_layout: str,
     utilization: float,
 ) -> int:
-    """The KV budget in bytes for ``utilization``, from one profiled step of the largest size the engine runs."""
+    """The KV budget in bytes for ``utilization``, from one profiled step of the largest size the engine
+    runs."""
     num_tokens = max(1, min(max_num_batched_tokens, max_model_len))
     profile = profile_step_memory(
         model,

@@ -1,4 +1,5 @@
-"""A request's state and its lifecycle state machine (docs/architecture.md#request-state-machine), enforced in one place.
+"""A request's state and its lifecycle state machine (docs/architecture.md#request-state-machine), enforced in
+one place.
 
 States and the resources each holds:
 - QUEUED: admitted with a KV *reservation* (accounting only); no physical blocks yet.
@@ -79,7 +80,8 @@ class FinishReason(str, enum.Enum):
 
 @dataclass
 class RequestTimes:
-    """Monotonic timestamps (``time.monotonic``) for the latency definitions (docs/architecture.md#latency-definitions)."""
+    """Monotonic timestamps (``time.monotonic``) for the latency definitions
+    (docs/architecture.md#latency-definitions)."""
 
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None

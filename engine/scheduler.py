@@ -1,10 +1,11 @@
 """Token-budget scheduler: continuous batching with chunked prefill, priorities and preemption.
 
-Each ``schedule()`` call is one tick (docs/architecture.md#scheduling): it fills a budget of ``max_num_batched_tokens`` with
-running requests first (one token per decode, then the next chunk of each unfinished prefill), then swaps
-requests back in, then admits waiting requests in queue order (priority, then arrival) as long as their
-blocks can be allocated and the sequence cap allows. Scheduling is in tokens, not phases: a request simply
-asks for ``num_tokens - num_computed_tokens`` more tokens, whether those are prompt or output.
+Each ``schedule()`` call is one tick (docs/architecture.md#scheduling): it fills a budget of
+``max_num_batched_tokens`` with running requests first (one token per decode, then the next chunk of each
+unfinished prefill), then swaps requests back in, then admits waiting requests in queue order (priority, then
+arrival) as long as their blocks can be allocated and the sequence cap allows. Scheduling is in tokens, not
+phases: a request simply asks for ``num_tokens - num_computed_tokens`` more tokens, whether those are prompt
+or output.
 
 Preemption (when a running request cannot get blocks for its next tokens): the victim is the running
 request with the lowest priority (largest value), latest arrival among those not yet scheduled in this

@@ -64,7 +64,8 @@ class TenantPolicy:
 
 
 def _well_formed(tenant: str) -> bool:
-    """A tenant id: printable ASCII of at most ``MAX_TENANT_LEN`` characters (header and key bindings alike)."""
+    """A tenant id: printable ASCII of at most ``MAX_TENANT_LEN`` characters (header and key bindings
+    alike)."""
     return len(tenant) <= MAX_TENANT_LEN and tenant.isascii() and tenant.isprintable()
 
 

@@ -115,7 +115,8 @@ class Tokenizer:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``. Ids past :attr:`vocab_size` (padded embedding rows) decode to nothing, as in HF."""
+        """Text of ``ids``. Ids past :attr:`vocab_size` (padded embedding rows) decode to nothing, as in
+        HF."""
         return self._backend.decode(_checked_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str | None] | None:

@@ -20,17 +20,21 @@ ROUTER_WEIGHT_DESCRIPTIONS = {
     "queue": "Multiplier on the prefill tokens already queued at a replica (work ahead of the request).",
     "prefill": "Multiplier on the request's own prompt tokens the replica does not hold in its prefix cache "
     "(the work a cache hit saves).",
-    "decode": "Multiplier on one decode step of the replica's running batch, which the first token waits for.",
+    "decode": "Multiplier on one decode step of the replica's running batch, which the first token waits "
+    "for.",
     "balance": "Hot-spot guard: a replica whose outstanding requests reach ceil((1 + balance) x (all "
     "outstanding + 1) / replicas) takes no new request while another can.",
     "balance_floor": "The hot-spot guard leaves a replica with fewer outstanding requests than this alone "
     "(low load never breaks affinity).",
-    "tie_ms": "Costs within this many milliseconds of the best tie; the rendezvous hash of the request's first "
-    "block breaks the tie, so independent routers pick the same replica.",
+    "tie_ms": "Costs within this many milliseconds of the best tie; the rendezvous hash of the request's "
+    "first block breaks the tie, so independent routers pick the same replica.",
 }
 
 # Kubernetes' own resource.Quantity grammar, without a sign: memory and KV sizes are never negative.
-QUANTITY_PATTERN = r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+QUANTITY_PATTERN = (
+    r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"  # the number
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"  # its suffix, if any
+)
 # Model sources the engine resolves: a bundled name, an absolute path inside the image or on a
 # mounted volume, or pvc://<claim>[/<path in the claim>] (the operator mounts the claim read-only).
 MODEL_SOURCE_PATTERN = r"^(smollm2-135m|tiny-random|/\S+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?)$"
@@ -180,8 +184,9 @@ def _engine() -> dict[str, Any]:
                 f"gpuMemoryUtilization after loading the weights; on CPU it gets {CPU_KV_CACHE_MEMORY}."
             ),
             "gpuMemoryUtilization": _number(
-                "GPU pods without kvCacheMemory: the fraction of the GPU's memory the engine may use for weights, "
-                "activations and the KV cache together; ignored on CPU and when kvCacheMemory is set.",
+                "GPU pods without kvCacheMemory: the fraction of the GPU's memory the engine may use for "
+                "weights, activations and the KV cache together; ignored on CPU and when kvCacheMemory "
+                "is set.",
                 0,
                 1,
                 exclusive_minimum=True,
@@ -304,7 +309,8 @@ def _tenancy() -> dict[str, Any]:
             "key": {
                 "type": "string",
                 "maxLength": 317,
-                "description": "Taint key the toleration matches; empty with operator Exists matches every taint.",
+                "description": "Taint key the toleration matches; empty with operator Exists matches every "
+                "taint.",
             },
             "operator": {
                 "type": "string",

@@ -109,7 +109,8 @@ class InferenceServiceSpec:
 
     @property
     def kv_cache_memory_bytes(self) -> int | None:
-        """The fixed KV budget the engine gets, or None when a GPU pod sizes it from gpu_memory_utilization."""
+        """The fixed KV budget the engine gets, or None when a GPU pod sizes it from
+        gpu_memory_utilization."""
         quantity = self.engine.kv_cache_memory
         if quantity is None and self.resources.gpus == 0:
             quantity = CPU_KV_CACHE_MEMORY

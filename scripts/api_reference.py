@@ -167,7 +167,8 @@ def _field_row(path: str, name: str, field: dict[str, Any], required: bool) -> s
         target = _path_of_items(f"{path}.{name}", field)
         kind = f"[{kind}](#{anchor(target)})"
     checks = "; ".join(validation_of(field))
-    return f"| {label} | {kind} | {default_of(field)} | {_cell(checks)} | {_cell(field.get('description', ''))} |"
+    description = field.get("description", "")
+    return f"| {label} | {kind} | {default_of(field)} | {_cell(checks)} | {_cell(description)} |"
 
 
 def _object_section(path: str, schema: dict[str, Any]) -> list[str]:

@@ -79,7 +79,8 @@ def resolve_secret_env(
 ) -> dict[str, Any]:
     """The pod with each ``env[].valueFrom.secretKeyRef`` turned into a plain ``value``, read through
     ``secret_of(namespace, name)``; ``MissingSecret`` names the first Secret or key that is absent (an
-    ``optional`` one is left out instead). Other ``valueFrom`` sources stay, for ``build_launch`` to refuse."""
+    ``optional`` one is left out instead). Other ``valueFrom`` sources stay, for ``build_launch`` to
+    refuse."""
     resolved = copy.deepcopy(pod)
     namespace = pod["metadata"].get("namespace", "default")
     for container in resolved["spec"].get("containers", []):

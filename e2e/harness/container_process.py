@@ -108,7 +108,8 @@ class ContainerProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
 
     async def stop(self, grace_s: float) -> None:
-        """SIGTERM, then SIGKILL to the group once ``grace_s`` has passed; returns when the process is gone."""
+        """SIGTERM, then SIGKILL to the group once ``grace_s`` has passed; returns when the process is
+        gone."""
         if not self.running:
             self.kill_group()
             return

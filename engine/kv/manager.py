@@ -119,7 +119,8 @@ class KVCacheManager:
         return True
 
     def _copy_on_write(self, table: list[int]) -> None:
-        """Give the table a private copy of its shared last block (never write a shared block: docs/architecture.md#kv-lifecycle)."""
+        """Give the table a private copy of its shared last block (never write a shared block:
+        docs/architecture.md#kv-lifecycle)."""
         if self.cache is None:
             raise RuntimeError("copy-on-write needs the KV cache tensors")
         (private,) = self.pool.allocate(1)

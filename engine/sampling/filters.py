@@ -1,4 +1,5 @@
-"""Truncation filters with exact support sets (docs/architecture.md#sampling-pipeline), as batched tensor ops on logits.
+"""Truncation filters with exact support sets (docs/architecture.md#sampling-pipeline), as batched tensor ops
+on logits.
 
 Each filter masks (to -inf) the tokens outside its support and leaves the rest unchanged; the following
 softmax renormalises. Rows are filtered only where their parameter is active. Ties are broken by token id

@@ -3,10 +3,10 @@
 allowed_token_ids → logit_bias (±100) → bad_words → min_tokens → no_repeat_ngram_size →
 repetition_penalty → frequency/presence penalties.
 
-Masks set logits to -inf (constrained decoding is a mask, docs/architecture.md#sampling-pipeline). Penalties: repetition is sign-aware
-(z/r if z > 0, z·r if z < 0) over tokens seen in prompt or output; frequency/presence subtract
-``α_f·c_i + α_p·1[c_i > 0]`` with c_i counted over generated tokens. Rows are processed only where their
-parameter is active; penalties use batched count tensors.
+Masks set logits to -inf (constrained decoding is a mask, docs/architecture.md#sampling-pipeline). Penalties:
+repetition is sign-aware (z/r if z > 0, z·r if z < 0) over tokens seen in prompt or output; frequency/presence
+subtract ``α_f·c_i + α_p·1[c_i > 0]`` with c_i counted over generated tokens. Rows are processed only where
+their parameter is active; penalties use batched count tensors.
 """
 
 from __future__ import annotations

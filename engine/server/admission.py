@@ -1,4 +1,5 @@
-"""Exact admission (docs/architecture.md#admission, phase two: after tokenization and prefix lookup) on the engine thread.
+"""Exact admission (docs/architecture.md#admission, phase two: after tokenization and prefix lookup) on the
+engine thread.
 
 Policy, in order, for each accepted batch (a completions request with several prompts is one batch and is
 admitted or turned away as a whole):
@@ -11,7 +12,8 @@ admitted or turned away as a whole):
 3. Admit now — reserve the blocks and hand the request to the scheduler — when its cost fits the headroom
    (free blocks minus outstanding reservations) and nobody is pending ahead of it (FIFO, no overtaking).
 4. Degrade: a ``best_of`` > ``n`` request that does not fit is admitted with ``best_of`` = ``n`` when that
-   smaller reservation fits now (a degraded admission: counted, and the response says so; docs/architecture.md#admission).
+   smaller reservation fits now (a degraded admission: counted, and the response says so;
+   docs/architecture.md#admission).
 5. Otherwise it waits in the pending queue, in arrival order, until headroom frees up.
 6. Queue deadline: a request not scheduled within ``queue_timeout`` of its arrival is dropped (its
    reservation rolled back) and answered 503 with ``Retry-After``; nothing was sent, so a router retries it.

@@ -1,5 +1,6 @@
-"""Noticing that a client went away — promptly, streaming or not (docs/architecture.md#backpressure-and-cancellation: a request nobody listens to
-must stop holding the batch and its KV blocks).
+"""Noticing that a client went away — promptly, streaming or not
+(docs/architecture.md#backpressure-and-cancellation: a request nobody listens to must stop holding the batch
+and its KV blocks).
 
 The ASGI server reports a closed connection as an ``http.disconnect`` message on ``receive()``, which
 only arrives if someone is waiting for it. Before a response starts, ``until_disconnected`` races the

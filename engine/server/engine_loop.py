@@ -10,7 +10,8 @@ HTTP handlers talk to it only through commands (a thread-safe queue) and read ba
 the published ``/load`` dict (replaced, never mutated), ``EngineInfo``, and each request's stream.
 An abort (client gone, queue deadline) reclaims the request's blocks in the engine at once, and the
 snapshot published right after shows it. An exception from the engine is fatal: every open request
-gets a 500 and is reclaimed as FAILED (its blocks freed, one terminal record), the phase becomes failed, ``on_fatal`` stops the server so the pod restarts.
+gets a 500 and is reclaimed as FAILED (its blocks freed, one terminal record), the phase becomes failed,
+``on_fatal`` stops the server so the pod restarts.
 """
 
 from __future__ import annotations
@@ -226,8 +227,9 @@ class EngineLoop:
         return engine.num_steps != steps
 
     def _expire_backpressure(self, now: float) -> None:
-        """docs/architecture.md#backpressure-and-cancellation: a full buffer cannot wait forever — a client that stopped reading but keeps its
-        connection open would hold KV blocks and a batch slot indefinitely."""
+        """docs/architecture.md#backpressure-and-cancellation: a full buffer cannot wait forever — a client
+        that stopped reading but keeps its connection open would hold KV blocks and a batch slot
+        indefinitely."""
         timeout = self._config.backpressure_timeout_s
         if timeout <= 0:
             return

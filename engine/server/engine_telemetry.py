@@ -2,8 +2,8 @@
 span events and each request's ``scheduled`` flag, terminal records → per-request engine-side times.
 
 The first snapshot of the engine's counters is taken after warm-up, so warm-up work never shows up in
-steady-state metrics (docs/architecture.md#readiness-and-warm-up). Terminal records are consumed and cleared here, which keeps the
-engine's record list from growing for the life of the server.
+steady-state metrics (docs/architecture.md#readiness-and-warm-up). Terminal records are consumed and cleared
+here, which keeps the engine's record list from growing for the life of the server.
 """
 
 from __future__ import annotations

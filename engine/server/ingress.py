@@ -1,5 +1,5 @@
-"""The ingress gate (docs/architecture.md#admission, phase one): cheap checks on headers and size, before any JSON parsing or
-tokenization, in this order:
+"""The ingress gate (docs/architecture.md#admission, phase one): cheap checks on headers and size, before any
+JSON parsing or tokenization, in this order:
 
 1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);
 2. inference POSTs only while ready (503 while loading, warming up or draining, with Retry-After);

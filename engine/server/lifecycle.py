@@ -1,5 +1,5 @@
-"""The server's phase (``/ready``'s truth) and its startup timings (docs/architecture.md#readiness-and-warm-up: cold start is not steady
-state).
+"""The server's phase (``/ready``'s truth) and its startup timings
+(docs/architecture.md#readiness-and-warm-up: cold start is not steady state).
 
 loading → warming_up → ready, then draining after SIGTERM; ``failed`` when loading or the engine loop
 broke. Draining and failed are final: a late ``enter(READY)`` from the engine thread cannot undo a drain

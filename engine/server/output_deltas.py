@@ -3,9 +3,9 @@ chunk holds only new tokens, never a copy of the whole output).
 
 A sample's new tokens ride with the text they produce: tokens whose text is still held back (a possible
 stop string, an incomplete UTF-8 character) wait for the next chunk that carries text, or for the
-sample's end. So every chunk the handler takes is one *emit* of the tokens it carries (the latency definitions'
-t_emit), and a chunk without text is only ever a sample's final one (or any chunk when the request
-asked for token ids without text, ``detokenize=False``).
+sample's end. So every chunk the handler takes is one *emit* of the tokens it carries (the latency
+definitions' t_emit), and a chunk without text is only ever a sample's final one (or any chunk when the
+request asked for token ids without text, ``detokenize=False``).
 """
 
 from __future__ import annotations

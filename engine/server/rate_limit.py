@@ -1,4 +1,5 @@
-"""Per-tenant token buckets: the rate part of the ingress gate (docs/architecture.md#admission, phase one, before tokenization).
+"""Per-tenant token buckets: the rate part of the ingress gate (docs/architecture.md#admission, phase one,
+before tokenization).
 
 Each tenant (``kvpilot.engine.tenancy.tenant_from_headers``; requests without one share the anonymous
 bucket) holds up to ``burst`` tokens, refilled at ``rate`` per second; a request takes one. Memory stays

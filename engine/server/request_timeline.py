@@ -1,5 +1,5 @@
-"""One request's emit times and the latency definitions (docs/architecture.md#latency-definitions), with arrival at the server as the
-boundary and the HTTP handler taking a chunk from its stream as the emit:
+"""One request's emit times and the latency definitions (docs/architecture.md#latency-definitions), with
+arrival at the server as the boundary and the HTTP handler taking a chunk from its stream as the emit:
 
     TTFT = t_first_emit − t_arrival          ITL_j = t_emit,j − t_emit,j−1 (per sample, j ≥ 2)
     TPOT = (t_last_emit − t_first_emit) / (N_out − 1)   for N_out ≥ 2 (per sample)

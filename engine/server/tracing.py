@@ -1,4 +1,5 @@
-"""OpenTelemetry: one span per engine request, with an event per phase of its life (docs/architecture.md#data-path).
+"""OpenTelemetry: one span per engine request, with an event per phase of its life
+(docs/architecture.md#data-path).
 
 Events: ``queued`` (accepted; KV reservation made, or waiting for headroom), ``kv_reserved`` (left the
 pending-admission queue), ``admitted`` (the scheduler allocated its blocks; ``cached_tokens``),

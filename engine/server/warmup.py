@@ -2,7 +2,8 @@
 batch/length buckets through the real engine path (add_request → step → sample → detokenize →
 reclaim),
 so the first real requests do not pay for lazy initialisation, allocator growth or kernel compilation
-(docs/architecture.md#readiness-and-warm-up). Runs on the engine thread, before the engine loop serves anything.
+(docs/architecture.md#readiness-and-warm-up). Runs on the engine thread, before the engine loop serves
+anything.
 
 Warm-up prompts carry their own cache salt, so their cached blocks can never be hit by a real request;
 they are the least recently used blocks and are evicted first.

@@ -89,7 +89,8 @@ def measure_server(
             closed[str(level)] = figures
             say(
                 f"[{spec.name}] closed loop c={level}: {figures['output_tps']:.1f} output tok/s, "
-                f"{figures['requests_ok']}/{figures['requests_total']} ok ({time.perf_counter() - started:.0f} s)"
+                f"{figures['requests_ok']}/{figures['requests_total']} ok "
+                f"({time.perf_counter() - started:.0f} s)"
             )
         open_points, saturation = {}, None
         if plan.rates:
@@ -170,7 +171,8 @@ def measure_hf(
     figures = json.loads(result_path.read_text(encoding="utf-8"))
     for batch in sorted(figures["batches"].values(), key=lambda b: b["batch"]):
         say(
-            f"[hf] batch {batch['batch']}: {batch['output_tok_per_s']:.1f} output tok/s ({batch['wall_s']:.1f} s)"
+            f"[hf] batch {batch['batch']}: {batch['output_tok_per_s']:.1f} output tok/s "
+            f"({batch['wall_s']:.1f} s)"
         )
     return figures
 

@@ -13,8 +13,8 @@ vLLM (``python -m vllm.entrypoints.openai.api_server`` from its own venv):
   every start compiles; :func:`vllm_startup_note` reports it). ``--vllm-arg --enforce-eager`` turns it off.
 - Hub access is off (``HF_HUB_OFFLINE``), and so are vLLM's usage statistics.
 
-kvpilot: ``python -m kvpilot.cli serve --model smollm2-135m --host 127.0.0.1 --port N`` (``smollm2-135m`` resolves to the
-same directory), ready when ``/ready`` answers 200 (weights loaded, warm-up done).
+kvpilot: ``python -m kvpilot.cli serve --model smollm2-135m --host 127.0.0.1 --port N`` (``smollm2-135m``
+resolves to the same directory), ready when ``/ready`` answers 200 (weights loaded, warm-up done).
 
 All three get the same OMP_WAIT_POLICY (``--omp-wait-policy``, PASSIVE unless told otherwise), so the
 OpenMP runtime is not one of the differences being measured.

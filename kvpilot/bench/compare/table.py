@@ -87,8 +87,8 @@ def _environment_lines(summary: dict) -> list[str]:
         f"Workload (the same for every system): seed {plan['seed']}, prompts of "
         f"{plan['input_len'][0]}–{plan['input_len'][1]} tokens (random words; one word is one token for this "
         f"tokenizer), exactly {plan['output_len']} output tokens (greedy, `ignore_eos`), streaming "
-        f"`/v1/completions`; {plan['warmup_requests']} warm-up requests per `bench serve` run, excluded. Model: "
-        f"SmolLM2-135M-Instruct, fp32, weights from `{env['model_dir']}` for all three.",
+        f"`/v1/completions`; {plan['warmup_requests']} warm-up requests per `bench serve` run, excluded. "
+        f"Model: SmolLM2-135M-Instruct, fp32, weights from `{env['model_dir']}` for all three.",
     ]
     for name in ("hf", "vllm", "kvpilot"):
         system = summary["systems"].get(name, {})
