@@ -2,7 +2,8 @@
 
 - Every test session gets its own model cache (``KVPILOT_CACHE_DIR`` under pytest's tmp dir), so tests
   never read or write ``~/.cache/kvpilot`` and each run exercises the first GGUF conversion once.
-- ``tests/support/`` is put on ``sys.path``: helpers shared across folders (``live_server``).
+- ``tests/support/`` is put on ``sys.path``: helpers shared across folders (``live_server``, ``polling``
+  for deadline waits, ``bench_scripts`` for importing ``bench/`` scripts).
 - ``tiny_model_dir``: the seeded tiny random Llama (``resolve_model("tiny-random")``), written once per
   session.
 - ``smollm2_dir``: the bundled SmolLM2-135M GGUF converted to HF format, once per session (~10 s on

@@ -8,10 +8,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from kvpilot.bench.cli import main as bench_main
 from kvpilot.bench.compare import side_by_side
@@ -274,17 +274,10 @@ def test_stopping_a_server_ends_its_whole_process_group(tmp_path):
     )
     with ManagedServer(spec, tmp_path / "toy.log") as server:
         leader = server.process.pid
-        deadline = time.monotonic() + 10
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        child = int(pid_file.read_text())
+        child = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), 10, "the child's pid"))
         assert _alive(child)
     assert server.process is None and not _alive(leader)
-    deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:  # reaped by init once the group is killed
-        time.sleep(0.05)
-    assert not _alive(child)
+    wait_until(lambda: not _alive(child), 5, "the child to end")  # reaped by init once the group is killed
 
 
 def test_a_server_that_dies_or_never_gets_ready_is_a_clear_error(tmp_path):
