@@ -3,13 +3,17 @@ trace joined through ``traceparent``; and OTLP export switched on by the environ
 
 from __future__ import annotations
 
-import time
+import http.server
+import threading
 
 import httpx
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
+from polling import wait_until
 
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.tracing import tracer_provider_from_env
@@ -18,11 +22,8 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 
 
 def wait_spans(exporter: InMemorySpanExporter, count: int):
-    deadline = time.monotonic() + 5
-    while len(spans := exporter.get_finished_spans()) < count:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    return spans
+    wait_until(lambda: len(exporter.get_finished_spans()) >= count, 5, f"{count} finished span(s)")
+    return exporter.get_finished_spans()
 
 
 def traced_server(start_in_process, engine_args: dict, config: ServerConfig | None = None):
@@ -106,15 +107,51 @@ def test_security_the_user_field_is_not_exported_by_default(start_in_process):
     assert span.attributes["enduser.id"] == ""
 
 
-def test_otlp_export_follows_the_environment(monkeypatch):
+@pytest.fixture
+def collector():
+    """A local OTLP/HTTP trace collector: the (path, content type, body) of every POST it receives."""
+    received: list[tuple[str, str, bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((self.path, self.headers["Content-Type"], body))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", received
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("variable", "path"),
+    [("OTEL_EXPORTER_OTLP_ENDPOINT", ""), ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "/v1/traces")],
+)
+def test_otlp_export_follows_the_environment(monkeypatch, collector, variable, path):
+    url, received = collector
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
     assert tracer_provider_from_env() is None
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    monkeypatch.setenv(
+        variable, url + path
+    )  # the generic variable is a base URL, the traces one the full URL
     provider = tracer_provider_from_env()
     try:
-        assert provider.resource.attributes["service.name"] == "kvpilot-engine"
-        (processor,) = provider._active_span_processor._span_processors
-        assert type(processor.span_exporter).__name__ == "OTLPSpanExporter"
+        provider.get_tracer("test").start_span("probe").end()
+        assert provider.force_flush(10_000)
     finally:
         provider.shutdown()
+    ((where, content_type, body),) = received
+    assert (where, content_type) == ("/v1/traces", "application/x-protobuf")
+    (resource_spans,) = ExportTraceServiceRequest.FromString(body).resource_spans
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+    assert service == "kvpilot-engine"
+    assert [s.name for scope in resource_spans.scope_spans for s in scope.spans] == ["probe"]
