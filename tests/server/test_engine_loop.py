@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from polling import async_wait_until
+
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
@@ -38,17 +40,30 @@ def make_loop(**config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
     return loop, lifecycle, metrics
 
 
-async def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.005)
+wait_for = async_wait_until
 
 
-def request(loop: EngineLoop, rid: str, max_tokens: int) -> ServingRequest:
+def request(
+    loop: EngineLoop, rid: str, max_tokens: int, prompt: tuple[int, ...] = (5, 6, 7, 8, 9)
+) -> ServingRequest:
     stream = RequestStream(asyncio.get_running_loop(), CAPACITY, RESUME, lambda: loop.resume(rid))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
-    return ServingRequest(rid, [5, 6, 7, 8, 9], params, None, 0, time.monotonic(), stream, NO_SPAN)
+    return ServingRequest(rid, list(prompt), params, None, 0, time.monotonic(), stream, NO_SPAN)
+
+
+async def read_all(req: ServingRequest) -> tuple[int, OutputChunk]:
+    """Read the request's stream to its end, as a fast client does: (tokens received, the last chunk)."""
+    tokens = 0
+    while True:
+        chunk: OutputChunk = await req.stream.get()
+        tokens += sum(len(d.token_ids) for d in chunk.samples)
+        if chunk.finished:
+            return tokens, chunk
+
+
+def counter(metrics: ServerMetrics, name: str) -> float | None:
+    """A counter of this model as /metrics exposes it."""
+    return metrics.registry.get_sample_value(name, {"model_name": "tiny-random"})
 
 
 def test_slow_consumer_is_backpressured_then_resumes(tiny_model_dir):
@@ -59,24 +74,25 @@ def test_slow_consumer_is_backpressured_then_resumes(tiny_model_dir):
         req = request(loop, "slow", 60)
         loop.submit([req])
         await wait_for(lambda: loop.load["backpressured"] == 1)
-        # paused: the buffer stays bounded and no more tokens are generated while nobody reads
+        # paused: the buffer stays bounded and no more tokens are generated while nobody reads, though
+        # the engine keeps stepping: a second request, read at once, runs 20 decode steps meanwhile
         depth = req.stream.depth
-        await asyncio.sleep(0.2)
-        assert req.stream.depth == depth and CAPACITY <= depth <= CAPACITY + 1
-        assert loop.load["running"] == 1 and loop.load["kv_blocks_free"] < loop.load["kv_blocks_total"]
-        assert metrics.backpressure_pauses._value.get() == 1
-        tokens = 0
-        while True:
-            chunk: OutputChunk = await req.stream.get()
-            tokens += sum(len(d.token_ids) for d in chunk.samples)
-            if chunk.finished:
-                break
+        assert CAPACITY <= depth <= CAPACITY + 1
+        fast = request(loop, "fast", 20, prompt=(11, 12, 13, 14, 15))
+        loop.submit([fast])
+        assert (await read_all(fast))[0] == 20
+        assert req.stream.depth == depth and req.stream.backpressured
+        await wait_for(lambda: loop.load["running"] == 1, what="the fast request to finish")
+        assert loop.load["kv_blocks_free"] < loop.load["kv_blocks_total"]  # the paused one keeps its blocks
+        assert counter(metrics, "kvpilot_backpressure_pauses_total") == 1
+        tokens, chunk = await read_all(req)
         assert tokens == 60 and chunk.samples[-1].finish_reason == "length"
         await wait_for(lambda: loop.load["running"] == 0)
         load = loop.load
         assert load["backpressured"] == 0 and load["kv_blocks_free"] == load["kv_blocks_total"]
         # warm-up (2 requests x 8 prompt tokens, 2 output tokens each) is not in the steady-state counters
-        assert metrics.generation_tokens._value.get() == 60 and metrics.prompt_tokens._value.get() == 5
+        assert counter(metrics, "kvpilot_generation_tokens_total") == 60 + 20
+        assert counter(metrics, "kvpilot_prompt_tokens_total") == 5 + 5
         loop.stop()
 
     asyncio.run(main())
