@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from doc_anchors import github_anchor, heading_anchors
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "architecture.md"
 SEARCHED = (
@@ -25,20 +27,8 @@ SUFFIXES = {".py", ".md", ".sh", ".yaml", ".tpl", ".txt", ".c", ".h"}
 CITATION = re.compile(r"architecture\.md#([A-Za-z0-9_-]+)")
 
 
-def github_anchor(heading: str) -> str:
-    """The anchor GitHub gives a Markdown heading: lower case, punctuation dropped, spaces → hyphens."""
-    text = heading.strip().lower().replace("`", "")
-    text = re.sub(r"[^\w\- ]", "", text)
-    return text.replace(" ", "-")
-
-
 def anchors() -> set[str]:
-    headings = [
-        line.lstrip("#")
-        for line in DOC.read_text(encoding="utf-8").splitlines()
-        if re.match(r"#{1,6} ", line)
-    ]
-    return {github_anchor(h) for h in headings}
+    return heading_anchors(DOC)
 
 
 def searched_files():
