@@ -43,7 +43,7 @@ def run(*args: str, cwd: Path = REPO, stdin: str | None = None) -> str:
     return result.stdout
 
 
-def helm_template(*values: str) -> str:
+def helm_template(*values: str, hooks: bool = True) -> str:
     sets = [arg for value in values for arg in ("--set", value)]
     return run(
         tool("helm"),
@@ -53,8 +53,19 @@ def helm_template(*values: str) -> str:
         "--namespace",
         "kvpilot-system",
         "--include-crds",
+        *([] if hooks else ["--no-hooks"]),
         *sets,
     )
+
+
+def rendered(*values: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all(helm_template(*values)) if d]
+
+
+def one(documents: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in documents if d["kind"] == kind and name in (None, d["metadata"]["name"])]
+    assert len(found) == 1, (kind, name, [d["metadata"]["name"] for d in found])
+    return found[0]
 
 
 def test_helm_lint_strict():
@@ -72,6 +83,7 @@ def test_helm_lint_strict():
             "metrics.prometheusRule.enabled=true",
             "metrics.grafanaDashboard.enabled=true",
         ),
+        ("uninstall.inferenceServices=orphan", "watchNamespaces={ml}"),
     ],
 )
 def test_rendered_chart_is_valid_kubernetes(values, tmp_path):
@@ -81,13 +93,18 @@ def test_rendered_chart_is_valid_kubernetes(values, tmp_path):
     path.write_text(yaml.safe_dump_all(core))
     run(tool("kubernetes-validate"), "--strict", "--quiet", str(path))
     if values and values[0].startswith("watchNamespaces"):
-        roles = [(d["kind"], d["metadata"].get("namespace")) for d in documents if d["kind"].endswith("Role")]
+        hooks = hook_objects(documents)
+        roles = [
+            (d["kind"], d["metadata"].get("namespace"))
+            for d in documents
+            if d["kind"].endswith("Role") and d not in hooks
+        ]
         assert roles == [("ClusterRole", None), ("Role", "ml"), ("Role", "research")]
         args = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"][
             "containers"
         ][0]["args"]
         assert "--namespace=ml" in args and "--all-namespaces" not in args
-    if len(values) > 1:
+    if any(value.startswith("metrics.") for value in values):
         assert {d["kind"] for d in documents} >= MONITORING_KINDS
 
 
@@ -98,6 +115,9 @@ def test_rendered_chart_is_valid_kubernetes(values, tmp_path):
         ("metrics.podMonitor.intervl=15s", "intervl"),
         ("imagee.tag=x", "imagee"),
         ("serviceAccount.nam=x", "nam"),
+        ("metrics.serviceMonitor.honorLabel=true", "honorLabel"),
+        ("metrics.prometheusRule.runbookUrl=https://x", "runbookUrl"),
+        ("uninstall.inferenceService=orphan", "inferenceService"),
     ],
 )
 def test_misspelled_values_are_refused_at_install(value, misspelled):
@@ -113,12 +133,15 @@ def test_misspelled_values_are_refused_at_install(value, misspelled):
 
 def test_kubectl_install_manifest_is_the_rendered_chart():
     header = (
-        "# Generated: helm template kvpilot charts/kvpilot --namespace kvpilot-system --include-crds "
+        "# Generated: helm template kvpilot charts/kvpilot --namespace kvpilot-system --include-crds --no-hooks "
         "(see manifests/README.md)\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: kvpilot-system\n"
     )
-    assert (REPO / "manifests" / "install.yaml").read_text() == header + helm_template(), (
+    text = (REPO / "manifests" / "install.yaml").read_text()
+    assert text == header + helm_template(hooks=False), (
         "regenerate manifests/install.yaml (command in manifests/README.md)"
     )
+    # kubectl apply would run a hook as an ordinary object: the uninstall Job would start at install time.
+    assert "helm.sh/hook" not in text and "kind: Job" not in text
 
 
 def test_examples_validate_and_render():
@@ -128,10 +151,222 @@ def test_examples_validate_and_render():
         assert main(["render", "-f", str(example)], out=io.StringIO(), err=io.StringIO()) == 0, example
 
 
-def test_alert_rules_pass_promtool_check_and_unit_tests():
+def test_alert_rules_pass_promtool_check_and_unit_tests(tmp_path):
     promtool = tool("promtool")
     run(promtool, "check", "rules", str(CHART / "files" / "prometheus-rules.yaml"))
     run(promtool, "test", "rules", "alerts_test.yaml", cwd=Path(__file__).parent / "promtool")
+    # what the chart installs, with its runbook base URL replaced, is still a valid rules file
+    rule = one(
+        rendered(
+            "metrics.prometheusRule.enabled=true",
+            "metrics.prometheusRule.runbookBaseUrl=https://wiki.example/kv",
+        ),
+        "PrometheusRule",
+    )
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
+    run(promtool, "check", "rules", str(tmp_path / "rules.yaml"))
+
+
+DEFAULT_RUNBOOK = "https://github.com/kvpilot/kvpilot/blob/main/docs/diagnosis.md"
+
+
+def alerts(rules: dict) -> list[dict]:
+    return [r for group in rules["groups"] for r in group["rules"] if "alert" in r]
+
+
+def test_every_alert_links_its_section_of_the_diagnosis_guide():
+    from doc_anchors import heading_anchors
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["metrics"]["prometheusRule"]["runbookBaseUrl"] == DEFAULT_RUNBOOK
+    sections = heading_anchors(REPO / "docs" / "diagnosis.md")
+    rules = alerts(yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text()))
+    assert len(rules) >= 6
+    for rule in rules:
+        anchor = rule["alert"].lower()
+        assert rule["annotations"]["runbook_url"] == f"{DEFAULT_RUNBOOK}#{anchor}", rule["alert"]
+        assert anchor in sections, f"docs/diagnosis.md has no section for {rule['alert']}"
+    # the symptoms each have a section too
+    for symptom in ("ttft-up", "tpot-up", "preemption-storms-and-kv-exhaustion", "queue-growth"):
+        assert symptom in sections
+    for symptom in ("prefix-hit-drop", "routing-imbalance", "cold-starts"):
+        assert symptom in sections
+
+
+def test_runbook_base_url_is_a_chart_value():
+    base = "https://runbooks.example.internal/kvpilot/diagnosis"
+    rule = one(
+        rendered("metrics.prometheusRule.enabled=true", f"metrics.prometheusRule.runbookBaseUrl={base}"),
+        "PrometheusRule",
+    )
+    urls = [r["annotations"]["runbook_url"] for r in alerts(rule["spec"])]
+    assert urls and all(u == f"{base}#{u.rsplit('#', 1)[1]}" for u in urls)
+    assert DEFAULT_RUNBOOK not in yaml.safe_dump(rule)
+    with_default = one(rendered("metrics.prometheusRule.enabled=true"), "PrometheusRule")
+    assert with_default["spec"] == yaml.safe_load((CHART / "files" / "prometheus-rules.yaml").read_text())
+    result = subprocess.run(
+        [
+            tool("helm"),
+            "template",
+            "kvpilot",
+            str(CHART),
+            "--set",
+            "metrics.prometheusRule.runbookBaseUrl=x#y",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "runbookBaseUrl" in result.stderr
+
+
+def test_service_monitor_keeps_the_operators_namespace_label():
+    endpoint = one(rendered("metrics.serviceMonitor.enabled=true"), "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["honorLabels"] is True
+    assert endpoint["metricRelabelings"] == [
+        {
+            "sourceLabels": ["exported_namespace"],
+            "regex": "(.+)",
+            "targetLabel": "namespace",
+            "replacement": "$1",
+            "action": "replace",
+        },
+        {"regex": "exported_namespace", "action": "labeldrop"},
+    ]
+    off = one(
+        rendered("metrics.serviceMonitor.enabled=true", "metrics.serviceMonitor.honorLabels=false"),
+        "ServiceMonitor",
+    )
+    assert off["spec"]["endpoints"][0]["honorLabels"] is False
+    assert off["spec"]["endpoints"][0]["metricRelabelings"] == endpoint["metricRelabelings"]
+
+
+def test_pod_monitor_labels_series_with_their_inference_service():
+    from kvpilot.operator import api_names
+
+    monitor = one(rendered("metrics.podMonitor.enabled=true"), "PodMonitor")["spec"]
+    assert monitor["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": api_names.MANAGED_BY}
+    endpoints = monitor["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == ["http", "http-router"]
+    source = "__meta_kubernetes_pod_label_" + "".join(
+        c if c.isalnum() else "_" for c in api_names.SELECTOR_LABEL
+    )
+    for endpoint in endpoints:
+        assert "honorLabels" not in endpoint
+        assert endpoint["relabelings"] == [
+            {"sourceLabels": [source], "targetLabel": "inferenceservice", "action": "replace"}
+        ]
+
+
+HOOK_KINDS = {
+    "ServiceAccount",
+    "ConfigMap",
+    "ClusterRole",
+    "ClusterRoleBinding",
+    "Role",
+    "RoleBinding",
+    "Job",
+}
+
+
+def hook_objects(documents: list[dict]) -> list[dict]:
+    return [d for d in documents if "helm.sh/hook" in d["metadata"].get("annotations", {})]
+
+
+def hook_args(documents: list[dict]) -> list[str]:
+    job = one(documents, "Job")
+    return job["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_uninstall_hook_deletes_inference_services_before_the_operator_goes():
+    import kopf
+
+    from kvpilot.operator.handlers import _configure_kopf
+
+    documents = rendered()
+    hooks = hook_objects(documents)
+    assert {d["kind"] for d in hooks} == HOOK_KINDS
+    for obj in hooks:
+        annotations = obj["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "pre-delete"
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        # everything the Job needs exists before it
+        assert int(annotations["helm.sh/hook-weight"]) == (0 if obj["kind"] == "Job" else -10)
+    settings = kopf.OperatorSettings()
+    _configure_kopf(settings)
+    args = hook_args(documents)
+    assert args == [
+        "--mode=delete",
+        f"--finalizer={settings.persistence.finalizer}",
+        "--release-namespace=kvpilot-system",
+        "--release-record=sh.helm.release.v1.kvpilot.v1",
+        "--timeout=180",
+    ]
+    job = one(documents, "Job")
+    assert job["spec"]["activeDeadlineSeconds"] == 270  # helm uninstall's own default timeout is 300 s
+    pod = job["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"] == ["python", "/hook/uninstall_hook.py"]
+    assert (
+        pod["containers"][0]["image"]
+        == one(documents, "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    )
+    script = one(documents, "ConfigMap", "kvpilot-uninstall")["data"]["uninstall_hook.py"]
+    assert script == (CHART / "files" / "uninstall_hook.py").read_text()
+    cluster_role = one(documents, "ClusterRole", "kvpilot-uninstall")
+    assert cluster_role["rules"] == [
+        {
+            "apiGroups": ["kvpilot.dev"],
+            "resources": ["inferenceservices"],
+            "verbs": ["get", "list", "delete", "patch"],
+        }
+    ]
+    release_role = one(documents, "Role", "kvpilot-uninstall-release")
+    assert release_role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["secrets", "configmaps"],
+            "resourceNames": ["sh.helm.release.v1.kvpilot.v1"],
+            "verbs": ["get"],
+        }
+    ]
+
+
+def test_uninstall_hook_orphan_mode_and_watched_namespaces():
+    documents = rendered("uninstall.inferenceServices=orphan", "watchNamespaces={ml,research}")
+    args = hook_args(documents)
+    assert args[:3] == ["--mode=orphan", "--namespace=ml", "--namespace=research"]
+    deployment = one(documents, "Deployment")
+    selector = ",".join(f"{k}={v}" for k, v in sorted(deployment["spec"]["selector"]["matchLabels"].items()))
+    assert f"--operator-deployment={deployment['metadata']['name']}" in args
+    assert f"--operator-selector={selector}" in args
+    roles = [
+        (d["kind"], d["metadata"].get("namespace"))
+        for d in hook_objects(documents)
+        if d["kind"].endswith("Role")
+    ]
+    assert sorted(roles) == [("Role", "kvpilot-system"), ("Role", "ml"), ("Role", "research")]
+    release_rules = one(documents, "Role", "kvpilot-uninstall-release")["rules"]
+    assert {
+        "apiGroups": ["apps"],
+        "resources": ["deployments"],
+        "resourceNames": ["kvpilot"],
+        "verbs": ["get", "patch"],
+    } in release_rules
+    assert {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]} in release_rules
+
+
+def test_uninstall_hook_can_be_turned_off_and_its_release_check_relaxed():
+    assert hook_objects(rendered("uninstall.inferenceServices=none")) == []
+    documents = rendered("uninstall.requireHelmRelease=false")
+    assert "--no-release-check" in hook_args(documents)
+    assert not [d for d in documents if d["metadata"]["name"] == "kvpilot-uninstall-release"]
+    result = subprocess.run(
+        [tool("helm"), "template", "kvpilot", str(CHART), "--set", "uninstall.inferenceServices=purge"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "inferenceServices" in result.stderr
 
 
 def test_dashboard_queries_use_only_contract_metrics():

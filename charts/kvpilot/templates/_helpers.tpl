@@ -20,6 +20,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
 
+{{/* The selector labels as a label selector string (k=v,...), for API calls. */}}
+{{- define "kvpilot.selector" -}}
+{{- $pairs := list -}}
+{{- range $key, $value := include "kvpilot.selectorLabels" . | fromYaml -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+
 {{- define "kvpilot.serviceAccountName" -}}
 {{- default (include "kvpilot.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
