@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import sys
 import time
@@ -185,10 +186,13 @@ def test_secret_key_refs_become_the_stored_values_and_a_missing_secret_holds_the
     )  # refused later
 
 
-def test_the_kubelet_loop_starts_a_pod_once_its_secret_exists_with_the_value_in_the_process_env(tmp_path):
+def test_the_kubelet_loop_starts_a_pod_once_its_secret_exists_with_the_value_in_the_process_env(
+    tmp_path, caplog
+):
     """The operator's pods read the router token from a Secret: the real processes must see its value."""
     import kmock
 
+    caplog.set_level(logging.INFO, logger="harness.workloads")
     runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
     cluster = HarnessCluster(tmp_path, runner=runner).start()
     try:
@@ -210,7 +214,15 @@ def test_the_kubelet_loop_starts_a_pod_once_its_secret_exists_with_the_value_in_
             },
         }
         cluster.call(cluster.api.create(kmock.resource("", "v1", "pods"), "default", pod_manifest))
-        time.sleep(0.5)  # several kubelet steps: the pod waits for its Secret, without an address
+        cluster.wait_for(
+            "the kubelet to hold the pod back for its Secret",
+            lambda: any(
+                "pod default/reader waits:" in r.getMessage() and 'secret "tok" not found' in r.getMessage()
+                for r in caplog.records
+            ),
+            timeout=10,
+            interval=0.02,
+        )  # the kubelet has seen the pod and decided: it waits, without an address, nothing started
         assert not cluster.get("v1/pods", "default", "reader").get("status", {}).get("podIP")
         assert runner.containers("default") == []
         cluster.call(
