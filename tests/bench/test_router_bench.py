@@ -106,7 +106,8 @@ def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path)
     assert set(rows) == {"direct", "round_robin", "cache_aware"}
     assert "'fallback': 8" in rows["round_robin"]  # the 8 measured requests (not the 2 of the warm-up)
     assert "affinity" in rows["cache_aware"] and "cold" in rows["cache_aware"]
-    assert "routing overhead p99 < 2 ms:" in result.stdout
+    assert "routing overhead p99 <= 5 ms:" in result.stdout
+    assert "routing overhead p50 <= 1% of TTFT p50" in result.stdout
     assert "slowest warm-up window ≤" in result.stdout
     warm = (tmp_path / "cache_aware-router-warmup.metrics").read_text()
     assert router_bench.sample_value(warm, 'kvpilot_router_decisions_total{policy="cache_aware"') == 2
