@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TENANT_HEADER = "x-tenant"
 ROUTER_TOKEN_HEADER = "x-kvpilot-router-token"
@@ -98,6 +99,25 @@ def resolve_tenant(headers: Mapping[str, str], policy: TenantPolicy) -> str | No
 def tenant_from_headers(headers: Mapping[str, str]) -> str | None:
     """The tenant as a server without API keys sees it (``x-tenant``, else the key's digest)."""
     return resolve_tenant(headers, TenantPolicy())
+
+
+def read_api_keys_file(path: str) -> list[str]:
+    """The ``KEY`` / ``KEY:TENANT`` lines of an API-keys file (blank lines and ``#`` comments skipped);
+    ``OSError`` if it cannot be read."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def key_bindings(specs: Iterable[str]) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """``KEY`` / ``KEY:TENANT`` specs → (every key, the (key, tenant) bindings); ``TenantError`` for a
+    malformed binding."""
+    keys, bindings = [], []
+    for spec in specs:
+        key, tenant = parse_api_key(spec)
+        keys.append(key)
+        if tenant is not None:
+            bindings.append((key, tenant))
+    return tuple(keys), tuple(bindings)
 
 
 def parse_api_key(spec: str) -> tuple[str, str | None]:

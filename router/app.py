@@ -17,7 +17,7 @@ from collections.abc import Callable
 import aiohttp
 from aiohttp import web
 
-from kvpilot.engine.tenancy import TenantError, tenant_from_headers
+from kvpilot.engine.tenancy import TenantError, resolve_tenant
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.endpointslices import Endpoint, EndpointSliceWatcher, SliceApi
 from kvpilot.router.errors import error_response, json_errors
@@ -67,6 +67,7 @@ class RouterApp:
         if profiler is not None:
             profiler.context_limit = self._context_limit
         self._slice_api = slice_api
+        self._tenant_policy = config.tenant_policy()
         self.fleet: Fleet | None = None
         self._watcher: EndpointSliceWatcher | None = None
         self._sessions: list[aiohttp.ClientSession] = []
@@ -151,7 +152,7 @@ class RouterApp:
         limits = self.config.upstream
         try:
             raw, body = await read_json_object(request, limits.max_body_bytes, limits.body_read_timeout_s)
-            tenant = tenant_from_headers(request.headers)
+            tenant = resolve_tenant(request.headers, self._tenant_policy)
         except BodyError as error:
             return self._count(error_response(error.status, str(error), error.code))
         except TenantError as error:

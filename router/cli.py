@@ -14,7 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV
+from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV, TenantError, key_bindings, read_api_keys_file
 from kvpilot.router.app import RouterApp
 from kvpilot.router.config import (
     POLICIES,
@@ -95,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"the deployment's shared token (default: ${ROUTER_TOKEN_ENV})",
     )
     parser.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY[:TENANT]",
+        help="an API key the engines accept, as their --api-key (repeat for several): the router then "
+        "predicts the tenant from the key as the engines do, for exact prefix-cache affinity",
+    )
+    parser.add_argument(
+        "--api-keys-file", help="the engines' --api-keys-file (one KEY or KEY:TENANT per line)"
+    )
+    parser.add_argument(
         "--connect-timeout",
         type=float,
         default=upstream.connect_timeout_s,
@@ -150,6 +161,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
     if args.replicas is not None and not replicas:
         raise ConfigError("--replicas needs at least one URL")
+    specs = list(args.api_key or [])
+    if args.api_keys_file:
+        try:
+            specs += read_api_keys_file(args.api_keys_file)
+        except OSError as error:
+            raise ConfigError(f"--api-keys-file {args.api_keys_file}: {error.strerror}") from None
+    try:
+        _, bindings = key_bindings(specs)
+    except TenantError as error:
+        raise ConfigError(str(error)) from None
     namespace = args.namespace
     if args.endpointslices and not namespace and SERVICE_ACCOUNT_NAMESPACE.is_file():
         namespace = SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
@@ -176,6 +197,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         per_replica_prefill_rate=args.per_replica_prefill_rate,
         trust_tenant_header=args.trust_tenant_header,
         router_token=args.router_token or None,
+        api_keys_known=bool(specs),
+        api_key_tenants=bindings,
     )
 
 

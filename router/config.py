@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from kvpilot.engine.tenancy import TenantPolicy
+
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 
@@ -165,6 +167,20 @@ class RouterConfig:
     #: the deployment's shared token (``$KVPILOT_ROUTER_TOKEN``, provisioned by the operator); a client's own
     #: ``x-kvpilot-router-token`` is never passed on
     router_token: str | None = field(default=None, repr=False)
+    #: the engines' API keys are known (``--api-key`` / ``--api-keys-file``, the same as the engines'): the
+    #: router then predicts each request's tenant as the engines derive it — from its key, ignoring a
+    #: client's ``x-tenant`` unless ``trust_tenant_header`` — so its block hashes carry the engines' salt
+    api_keys_known: bool = False
+    #: (key, tenant) bindings of those keys, as the engines' ``KEY:TENANT``
+    api_key_tenants: tuple[tuple[str, str], ...] = field(default=(), repr=False)
+
+    def tenant_policy(self) -> TenantPolicy:
+        """How the engines behind this router derive a request's tenant (what the router must predict)."""
+        return TenantPolicy(
+            authenticated=self.api_keys_known,
+            trust_header=self.trust_tenant_header,  # the router vouches for the header it forwards
+            key_tenants=dict(self.api_key_tenants),
+        )
 
     def __post_init__(self) -> None:
         if self.trust_tenant_header and not self.router_token:

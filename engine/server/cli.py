@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
 from kvpilot.engine.server.config import (
@@ -17,7 +16,7 @@ from kvpilot.engine.server.config import (
     ServerConfigError,
     parse_warmup_buckets,
 )
-from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV, TenantError, parse_api_key
+from kvpilot.engine.tenancy import ROUTER_TOKEN_ENV, TenantError, key_bindings, read_api_keys_file
 
 API_KEY_ENV = "KVPILOT_API_KEY"
 
@@ -152,30 +151,24 @@ def _api_key_specs(ns: argparse.Namespace) -> list[str]:
     specs = list(ns.api_key or [])
     if ns.api_keys_file:
         try:
-            lines = Path(ns.api_keys_file).read_text(encoding="utf-8").splitlines()
+            specs += read_api_keys_file(ns.api_keys_file)
         except OSError as err:
             raise ServerConfigError(f"--api-keys-file {ns.api_keys_file}: {err.strerror}") from None
-        specs += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not specs and os.environ.get(API_KEY_ENV):
         specs = [os.environ[API_KEY_ENV]]
     return specs
 
 
 def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
-    keys, bindings = [], []
-    for spec in _api_key_specs(ns):
-        try:
-            key, tenant = parse_api_key(spec)
-        except TenantError as err:
-            raise ServerConfigError(str(err)) from None
-        keys.append(key)
-        if tenant is not None:
-            bindings.append((key, tenant))
+    try:
+        keys, bindings = key_bindings(_api_key_specs(ns))
+    except TenantError as err:
+        raise ServerConfigError(str(err)) from None
     return ServerConfig(
         host=ns.host,
         port=ns.port,
-        api_keys=tuple(keys),
-        api_key_tenants=tuple(bindings),
+        api_keys=keys,
+        api_key_tenants=bindings,
         trust_tenant_header=ns.trust_tenant_header,
         router_token=ns.router_token or None,
         trace_user=ns.trace_user,

@@ -27,7 +27,7 @@ from multidict import CIMultiDict
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash
 from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
-from kvpilot.engine.tenancy import tenant_from_headers
+from kvpilot.engine.tenancy import TenantPolicy, resolve_tenant
 from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.app import RouterApp
 from kvpilot.router.config import DiscoveryConfig, PollConfig, RouterConfig, ScoringWeights, UpstreamConfig
@@ -54,6 +54,7 @@ class FakeEngineBehavior:
     load: dict[str, Any] = field(default_factory=dict)  # /load fields to override
     load_delay_s: float = 0.0  # /load answers this late
     tear_stream: bool = False  # after the tokens of a stream, write half an event and drop the connection
+    tenancy: TenantPolicy = field(default_factory=TenantPolicy)  # how it derives tenants (e.g. with API keys)
 
 
 class FakeEngine:
@@ -210,7 +211,7 @@ class FakeEngine:
             return web.json_response(
                 {"error": {"message": "fake failure", "code": b.inference_status}}, status=b.inference_status
             )
-        tenant = tenant_from_headers(request.headers)
+        tenant = resolve_tenant(request.headers, b.tenancy)
         try:
             if request.path.endswith("/chat/completions"):
                 ids = chat_prompt_ids(self.tokenizer, body["messages"])

@@ -87,6 +87,22 @@ def test_the_prefill_rate_is_the_fleets_unless_per_replica_rates_are_asked_for()
     assert (fleet.per_replica_prefill_rate, mixed.per_replica_prefill_rate) == (False, True)
 
 
+def test_the_engines_keys_make_the_router_predict_tenants_from_keys(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# the engines' keys\nkey-a:alpha\n\nkey-c\n")
+    parse = build_parser().parse_args
+    config = config_from_args(
+        parse(["--replicas", "http://a:1", "--api-keys-file", str(keys), "--api-key", "k:b"])
+    )
+    policy = config.tenant_policy()
+    assert (policy.authenticated, dict(policy.key_tenants)) == (True, {"key-a": "alpha", "k": "b"})
+    assert not config_from_args(parse(["--replicas", "http://a:1"])).tenant_policy().authenticated
+    with pytest.raises(ConfigError, match="api-keys-file"):
+        config_from_args(parse(["--replicas", "http://a:1", "--api-keys-file", str(tmp_path / "missing")]))
+    with pytest.raises(ConfigError, match="malformed binding"):
+        config_from_args(parse(["--replicas", "http://a:1", "--api-key", "key:" + "\x01"]))
+
+
 def test_router_modules_do_not_import_torch():
     code = (
         "import sys, kvpilot.router.cli, kvpilot.router.app, kvpilot.router.server,"

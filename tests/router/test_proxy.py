@@ -8,6 +8,7 @@ import subprocess
 
 import pytest
 
+from kvpilot.engine.tenancy import TenantPolicy
 from kvpilot.router.endpointslices import Endpoint
 from kvpilot.router.json_body import parse_json
 from kvpilot.router.proxy import REPLICA_HEADER
@@ -324,3 +325,32 @@ async def test_security_a_trickled_body_is_timed_out_with_408(fake_engines, rout
     )
     assert status_line.startswith(b"HTTP/1.1 408") and seconds < 3
     assert engine.received == []
+
+
+async def test_security_with_the_engines_keys_the_router_predicts_the_tenant_from_the_key(
+    fake_engines, routers, http
+):
+    """Engines with API keys ignore a client's x-tenant: the tenant comes from its key. A router told the
+    same keys predicts that tenant, so a key's requests keep their affinity whatever x-tenant they claim;
+    without the keys it would salt by the claimed header and see every such request as cold."""
+    keys = TenantPolicy(authenticated=True, key_tenants={"key-b": "beta"})
+    engines = await fake_engines(2, tenancy=keys)
+    bound = await routers([e.url for e in engines], api_keys_known=True, api_key_tenants=(("key-b", "beta"),))
+    blind = await routers([e.url for e in engines])
+    system = "You are a careful assistant. " * 12
+    for router in (bound, blind):
+        for claimed in ("alpha", "gamma", "delta"):
+            async with http.post(
+                router.url + "/v1/chat/completions",
+                json=chat("hi", stream=False, system=system),
+                headers={"Authorization": "Bearer key-b", "x-tenant": claimed},
+            ) as response:
+                assert response.status == 200
+    decisions = "kvpilot_router_decisions_total"
+    assert router_sample(bound, decisions, policy="cache_aware", reason="affinity") == 2
+    assert router_sample(blind, decisions, policy="cache_aware", reason="affinity") == 0  # the control
+
+
+def router_sample(router, name: str, **labels: str) -> float:
+    value = router.router.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
