@@ -133,8 +133,9 @@ def test_misspelled_values_are_refused_at_install(value, misspelled):
 
 def test_kubectl_install_manifest_is_the_rendered_chart():
     header = (
-        "# Generated: helm template kvpilot charts/kvpilot --namespace kvpilot-system --include-crds --no-hooks "
-        "(see manifests/README.md)\n---\napiVersion: v1\nkind: Namespace\nmetadata:\n  name: kvpilot-system\n"
+        "# Generated: helm template kvpilot charts/kvpilot --namespace kvpilot-system --include-crds "
+        "--no-hooks (see manifests/README.md)\n---\n"
+        "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: kvpilot-system\n"
     )
     text = (REPO / "manifests" / "install.yaml").read_text()
     assert text == header + helm_template(hooks=False), (
