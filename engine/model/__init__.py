@@ -17,6 +17,8 @@ Forward pass:
 - ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN)
 - ``llama``          the decoder (RMSNorm, GQA attention through the attention backend, SwiGLU MLP)
 - ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)
+- ``quant_formats``  ``QuantWeight`` (GGUF blocks or int8 rows, as the kernels read them): unpacking,
+                     dequantization, int8 quantization, fusing rows
 - ``loader``         builds the model on its device from a resolved directory
 
 The tokenizer and chat template live one level up, in ``kvpilot.engine.tokenizer`` (the router shares it).

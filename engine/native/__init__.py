@@ -10,13 +10,19 @@ Package map:
                          rows, register-blocked score and value products, an online softmax (flash style)
 - ``small_gemm.c``       the GEMM of decode-sized batches (the engine: up to 256 rows) on weights packed in
                          16-column panels (a 6 x 16 register tile)
-- ``build``              compiles the sources once per host (``-O3 -march=native``) into one library in the
-                         cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
+- ``quant_gemm.c``       the GEMM on quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks, int8 rows): dot
+                         products for up to 4 rows, dequantized L1 slabs beyond; dequantization to float32
+- ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
+                         validating wrappers of ``quant_gemm.c``
+- ``build``              compiles the sources once per host (``-O3 -march=native``, plus any extra flags: tests
+                         build the portable fallbacks with ``-mno-avx2``) into one library in the cache
+                         directory, loads it with ctypes; ``NativeBuildError`` when that fails
 - ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C
 - ``reference``          the PyTorch reference each kernel is tested against
 
-Conventions of the C side: row-major float32; every "stride" counts elements between consecutive tokens,
-so q/k/v may be column slices of one fused qkv row; the KV cache is head-major inside a block ("HND":
+Conventions of the C side: row-major float32 (quantized weights: their stored bytes, ``quant_ops``);
+every "stride" counts elements between consecutive tokens, so q/k/v may be column slices of one fused qkv
+row; the KV cache is head-major inside a block ("HND":
 ``[num_blocks, num_kv_heads, block_size, head_dim]``); OpenMP splits work over tokens (or sequence × KV
 head, or weight panels) with the thread count the caller passes (torch's). Compiled with ``-ffast-math``
 (vector exp, reassociated sums) but linked without it, so flush-to-zero is never switched on for the

@@ -61,12 +61,12 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
 
 
-def _cache_key(cc: str) -> str:
+def _cache_key(cc: str, flags: tuple[str, ...]) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
     for part in (
         *(path.name.encode() + path.read_bytes() for path in SOURCES + HEADERS),
-        " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(),
+        " ".join(flags + LINK_FLAGS).encode(),
         version.encode(),
         platform.machine().encode(),
         _cpu_identity().encode(),
@@ -75,15 +75,18 @@ def _cache_key(cc: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def build_library(cache_dir: Path) -> Path:
-    """Path of the compiled library for this host, compiling it first if the cache lacks it."""
+def build_library(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Path of the compiled library for this host, compiling it first if the cache lacks it.
+
+    ``extra_flags`` follow the default flags (tests build the portable fallbacks with ``-mno-avx2``)."""
     cc = compiler()
     if cc is None:
         raise NativeBuildError(
             f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH; "
             "install gcc to use the fused C kernels)"
         )
-    target = cache_dir / "native" / f"cpu_ops-{_cache_key(cc)}.so"
+    flags = COMPILE_FLAGS + tuple(extra_flags)
+    target = cache_dir / "native" / f"cpu_ops-{_cache_key(cc, flags)}.so"
     if target.exists():
         log.info("native CPU kernels: using the library compiled earlier, %s", target)
         return target
@@ -93,7 +96,7 @@ def build_library(cache_dir: Path) -> Path:
         objects = [Path(tmp) / f"{source.stem}.o" for source in SOURCES]
         lib = Path(tmp) / "cpu_ops.so"
         commands = [
-            [cc, *COMPILE_FLAGS, "-c", str(source), "-o", str(obj)]
+            [cc, *flags, "-c", str(source), "-o", str(obj)]
             for source, obj in zip(SOURCES, objects, strict=True)
         ]
         commands.append([cc, *map(str, objects), "-o", str(lib), *LINK_FLAGS])
@@ -111,8 +114,8 @@ def build_library(cache_dir: Path) -> Path:
     return target
 
 
-def load_library(cache_dir: Path) -> ctypes.CDLL:
-    path = build_library(cache_dir)
+def load_library(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    path = build_library(cache_dir, extra_flags)
     try:
         return ctypes.CDLL(str(path))
     except OSError as err:

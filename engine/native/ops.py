@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine.native.build import load_library
+from kvpilot.engine.native.quant_ops import QuantKernels
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -115,6 +116,8 @@ class NativeOps:
         self.has_fast_linear = bool(lib.kvp_has_avx2())
         #: whether ``paged_prefill`` has its kernel (AVX2; else callers keep their own prefill attention)
         self.has_prefill_attention = self.has_fast_linear
+        #: the quantized-weight GEMM (``quant_ops``)
+        self.quant = QuantKernels(lib)
 
     @staticmethod
     def _threads() -> int:
@@ -380,5 +383,5 @@ class NativeOps:
         return out
 
 
-def load_native_ops(cache_dir: Path) -> NativeOps:
-    return NativeOps(load_library(cache_dir))
+def load_native_ops(cache_dir: Path, extra_flags: tuple[str, ...] = ()) -> NativeOps:
+    return NativeOps(load_library(cache_dir, extra_flags))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpilot.engine.model.quant_formats import QuantWeight, unpack_blocks
+
 
 def reference_add_rms_norm(
     residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -106,3 +108,15 @@ def reference_paged_prefill(
         scale,
         sliding_window,
     )
+
+
+def reference_quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``quant_gemm.c``'s math, block by block: each 32-input block contributes
+    ``d * (q . x_block) + offset * sum(x_block)``, summed over blocks (tests also hold this to
+    dequantize-then-matmul)."""
+    q, d, offset = unpack_blocks(weight)  # [N, B, 32], [N, B], [N, B]
+    blocks = q.shape[1]
+    xb = F.pad(x.float(), (0, blocks * q.shape[2] - x.shape[1])).view(x.shape[0], blocks, q.shape[2])
+    per_block = torch.einsum("mbj,nbj->mnb", xb, q)
+    y = (per_block * d).sum(-1) + xb.sum(-1) @ offset.T
+    return y if bias is None else y + bias

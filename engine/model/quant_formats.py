@@ -1,0 +1,115 @@
+"""Quantized weights on the PyTorch side: ``QuantWeight`` (the bytes the kernels read), block unpacking,
+dequantization, int8 quantization and row concatenation (docs/architecture.md#quantized-weights).
+
+Formats (``kvpilot.engine.native.quant_ops.FORMATS``): GGUF's ``Q4_0``, ``Q4_1`` and ``Q8_0`` as llama.cpp
+stores them, rows of 32-weight blocks with an fp16 scale ``d`` first (and for ``Q4_1`` an fp16 minimum
+``m``): weight ``j`` of a block is ``d * (q_j - 8)``, ``d * q_j + m`` and ``d * q_j`` (a signed byte); a Q4
+block holds weight ``j < 16`` in the low nibble of byte ``j`` and weight ``j + 16`` in its high nibble.
+``int8`` is symmetric per output row: ``w = scale[row] * q`` with ``q`` in [-127, 127].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.native.quant_ops import BLOCK, FORMATS, QuantFormat
+
+
+@dataclass
+class QuantWeight:
+    """A ``[out_features, in_features]`` weight in ``format``: ``data`` uint8 ``[out_features, row_bytes]``,
+    ``scales`` float32 ``[out_features]`` for int8 (else None)."""
+
+    format: QuantFormat
+    data: torch.Tensor
+    scales: torch.Tensor | None
+    in_features: int
+
+    def __post_init__(self) -> None:
+        expected = (self.data.shape[0], self.format.row_bytes(self.in_features))
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2 or tuple(self.data.shape) != expected:
+            raise ValueError(
+                f"{self.format.name} data must be uint8 {list(expected)}, got {tuple(self.data.shape)}"
+            )
+        if self.format.row_scales != (self.scales is not None):
+            raise ValueError(
+                f"{self.format.name} {'needs' if self.format.row_scales else 'takes no'} row scales"
+            )
+
+    @property
+    def out_features(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (0 if self.scales is None else self.scales.nbytes)
+
+    def to(self, device: torch.device) -> QuantWeight:
+        scales = None if self.scales is None else self.scales.to(device)
+        return QuantWeight(self.format, self.data.to(device), scales, self.in_features)
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The weight rows ``index`` (an embedding lookup)."""
+        scales = None if self.scales is None else self.scales[index]
+        return QuantWeight(self.format, self.data[index], scales, self.in_features)
+
+
+def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, d, offset)`` with ``w[n, 32 b + j] = d[n, b] * q[n, b, j] + offset[n, b]``: ``q`` float32
+    ``[N, blocks, 32]`` (Q4_0's already minus 8), ``d`` and ``offset`` ``[N, blocks]`` (offset: Q4_1's
+    minimum, else 0). An int8 row whose length is not a multiple
+    of 32 is zero-padded to whole blocks."""
+    fmt, data, n = weight.format, weight.data, weight.out_features
+    if fmt.row_scales:
+        blocks = -(-weight.in_features // BLOCK)
+        q = torch.zeros(n, blocks * BLOCK, device=data.device)
+        q[:, : weight.in_features] = data.view(torch.int8).float()
+        d = weight.scales.float()[:, None].expand(n, blocks)
+        return q.view(n, blocks, BLOCK), d, torch.zeros_like(d)
+    raw = data.view(n, -1, fmt.block_bytes)
+
+    def half(start: int) -> torch.Tensor:
+        return raw[..., start : start + 2].contiguous().view(torch.float16).float().squeeze(-1)
+
+    d = half(0)
+    if fmt.name == "Q8_0":
+        return raw[..., 2:].contiguous().view(torch.int8).float(), d, torch.zeros_like(d)
+    nibbles = raw[..., 4:] if fmt.name == "Q4_1" else raw[..., 2:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
+    if fmt.name == "Q4_1":
+        return q, d, half(2)
+    return q - 8.0, d, torch.zeros_like(d)  # Q4_0: d * (q - 8), as llama.cpp rounds it
+
+
+def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The ``[out_features, in_features]`` weight in ``dtype``."""
+    q, d, offset = unpack_blocks(weight)
+    w = q * d[..., None] + offset[..., None] if weight.format.name == "Q4_1" else q * d[..., None]
+    return w.reshape(weight.out_features, -1)[:, : weight.in_features].to(dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantWeight:
+    """Symmetric per-output-row int8 of a float ``[out, in]`` weight: ``scale = max |w_row| / 127``
+    (an all-zero row gets scale 1 and zeros), ``q = round(w / scale)``."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight(FORMATS["int8"], q.view(torch.uint8).contiguous(), scales.contiguous(), w.shape[1])
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """One weight whose rows are ``parts``' rows in order (a fused q/k/v or gate/up projection)."""
+    first = parts[0]
+    for part in parts[1:]:
+        if part.format != first.format or part.in_features != first.in_features:
+            raise ValueError(
+                f"cannot fuse {part.format.name} x {part.in_features} rows with {first.format.name} x "
+                f"{first.in_features} rows"
+            )
+    scales = None if first.scales is None else torch.cat([p.scales for p in parts])
+    return QuantWeight(
+        first.format, torch.cat([p.data for p in parts]).contiguous(), scales, first.in_features
+    )

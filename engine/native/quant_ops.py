@@ -1,0 +1,179 @@
+"""Tensor wrapper of the quantized GEMM (``quant_gemm.c``; its PyTorch reference:
+``reference.reference_quant_linear``).
+
+A quantized weight is ``data``: uint8 ``[out_features, row_bytes]``, each row the blocks of one output
+feature exactly as llama.cpp stores them (``Q4_0``, ``Q4_1``, ``Q8_0``: 32 weights per block, an fp16 scale
+first), or for ``int8`` ``in_features`` signed bytes per row with a float32 ``scales[out_features]``
+(docs/architecture.md#quantized-weights). ``QuantKernels.linear`` checks all of that before calling C.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+#: weights per block, in every format (an int8 row is read in chunks of this many)
+BLOCK = 32
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    name: str
+    #: quant_gemm.c's format number
+    code: int
+    #: bytes per block of 32 weights
+    block_bytes: int
+    #: True: one float32 scale per output row beside the data (int8); False: fp16 scales inside each block
+    row_scales: bool
+
+    def row_bytes(self, in_features: int) -> int:
+        if self.row_scales:
+            return in_features
+        if in_features % BLOCK:
+            raise ValueError(
+                f"{self.name} rows hold blocks of {BLOCK} weights; {in_features} inputs do not fit"
+            )
+        return in_features // BLOCK * self.block_bytes
+
+
+#: the formats the kernels run, by name (GGUF's type names; ``int8`` is kvpilot's own)
+FORMATS = {
+    f.name: f
+    for f in (
+        QuantFormat("Q4_0", 0, 18, False),
+        QuantFormat("Q4_1", 1, 20, False),
+        QuantFormat("Q8_0", 2, 34, False),
+        QuantFormat("int8", 3, BLOCK, True),
+    )
+}
+
+
+def _check_float_rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or x.dim() != 2
+        or (x.shape[1] > 1 and x.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
+            f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
+        )
+    if width is not None and x.shape[1] != width:
+        raise ValueError(f"{name} must have {width} columns, got {x.shape[1]}")
+
+
+def _check_vector(v: torch.Tensor, name: str, length: int) -> None:
+    if v.dtype != torch.float32 or v.device.type != "cpu" or not v.is_contiguous() or v.shape != (length,):
+        raise ValueError(
+            f"{name} must be a contiguous float32 CPU tensor [{length}], got {v.dtype} {tuple(v.shape)}"
+        )
+
+
+class QuantKernels:
+    """``linear`` on the loaded library (the one ``ops.NativeOps`` holds)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.kvp_quant_linear
+        self._fn.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+        )
+        self._fn.restype = ctypes.c_int
+        self._dequantize = lib.kvp_quant_dequantize
+        self._dequantize.argtypes = (
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_int,
+        )
+        self._dequantize.restype = ctypes.c_int
+        lib.kvp_quant_has_avx2.restype = ctypes.c_int
+        #: whether the AVX2/FMA kernels were compiled in (else a scalar loop: correct, several times slower)
+        self.vectorized = bool(lib.kvp_quant_has_avx2())
+
+    def linear(
+        self,
+        x: torch.Tensor,
+        data: torch.Tensor,
+        scales: torch.Tensor | None,
+        fmt: str,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``x @ W.T + bias`` for ``x`` ``[M, K]`` and the quantized ``W`` (``data``, ``scales``, format
+        ``fmt``; see the module docstring); returns a new ``[M, N]`` float32 tensor."""
+        _check_float_rows(x, "x")
+        rows, in_features = x.shape
+        form = _check_weight(data, scales, fmt, in_features)
+        out_features = data.shape[0]
+        if bias is not None:
+            _check_vector(bias, "bias", out_features)
+        out = torch.empty(rows, out_features)
+        status = self._fn(
+            x.data_ptr(),
+            x.stride(0),
+            data.data_ptr(),
+            None if scales is None else scales.data_ptr(),
+            form.code,
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            rows,
+            out_features,
+            in_features,
+            torch.get_num_threads(),
+        )
+        if status:
+            raise ValueError(f"kvp_quant_linear refused format code {form.code}")
+        return out
+
+    def dequantize(
+        self, data: torch.Tensor, scales: torch.Tensor | None, fmt: str, in_features: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The weight as float32 into ``out`` (contiguous ``[N, in_features]``); returns ``out``."""
+        form = _check_weight(data, scales, fmt, in_features)
+        if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (data.shape[0], in_features):
+            raise ValueError(f"out must be a contiguous float32 [{data.shape[0]}, {in_features}] tensor")
+        self._dequantize(
+            data.data_ptr(),
+            None if scales is None else scales.data_ptr(),
+            form.code,
+            out.data_ptr(),
+            data.shape[0],
+            in_features,
+            torch.get_num_threads(),
+        )
+        return out
+
+
+def _check_weight(data: torch.Tensor, scales: torch.Tensor | None, fmt: str, in_features: int) -> QuantFormat:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; the kernels run {sorted(FORMATS)}")
+    form = FORMATS[fmt]
+    out_features = data.shape[0] if data.dim() == 2 else 0
+    row_bytes = form.row_bytes(in_features)
+    if data.dtype != torch.uint8 or not data.is_contiguous() or data.shape != (out_features, row_bytes):
+        raise ValueError(
+            f"{fmt} data for {in_features} inputs must be contiguous uint8 [out, {row_bytes}], got "
+            f"{data.dtype} {tuple(data.shape)}"
+        )
+    if form.row_scales:
+        if scales is None:
+            raise ValueError(f"{fmt} needs one float32 scale per output row")
+        _check_vector(scales, "scales", out_features)
+    elif scales is not None:
+        raise ValueError(f"{fmt} keeps its scales inside the blocks; scales must be None")
+    return form
