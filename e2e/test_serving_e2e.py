@@ -126,7 +126,7 @@ def test_inference_service_serves_completions_from_real_processes(cluster, kubec
     pods = cluster.list("v1/pods", namespace)
     for pod in pods:
         assert_serving_pod(pod)
-    engines = {f"http://{pod['status']['podIP']}:{ENGINE_PORT}" for pod in pods}
+    engines = {pod["metadata"]["name"] for pod in pods}  # the router names replicas by pod, not address
 
     router = router_url(cluster, namespace)
     client = openai.OpenAI(base_url=f"{router}/v1", api_key="unused", max_retries=0, timeout=30)
@@ -144,7 +144,7 @@ def test_inference_service_serves_completions_from_real_processes(cluster, kubec
     pods = cluster.list("v1/pods", namespace)
     for pod in pods:
         assert_serving_pod(pod)
-    added = [pod for pod in pods if f"http://{pod['status']['podIP']}:{ENGINE_PORT}" not in engines]
+    added = [pod for pod in pods if pod["metadata"]["name"] not in engines]
     assert len(added) == 1
     # Every router found the new engine through its EndpointSlice watch (via the harness kubeconfig).
     routers = [f"http://{pod['status']['podIP']}:{ROUTER_PORT}" for pod in pods]

@@ -7,7 +7,8 @@ silently truncated answer that looks complete: an SSE stream ends as the engine 
 ``data: {"error": ...}`` event and ``data: [DONE]`` (an event the replica left half-written is dropped, so
 the error starts on an event boundary); any other body ends with a broken connection.
 
-Messages to clients name a replica by its pod where discovery knows it, never by its address.
+Messages to clients, and the ``x-kvpilot-replica`` header, name a replica by its pod where discovery knows
+it (EndpointSlices), never by its address; a replica configured by URL (``--replicas``) is named by that URL.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class UpstreamFailure(Exception):
         self.problem = problem  # what went wrong, without addresses
         self.response = response  # what the replica answered, if it answered (502/503/504)
         self.replica_url: str | None = None
+        self.replica_id = ""  # the x-kvpilot-replica value of the replica that failed
         self.replica_name = describe(None)
 
     def client_message(self) -> str:
@@ -78,13 +80,18 @@ class UpstreamFailure(Exception):
     def client_response(self) -> web.Response:
         """What the client gets when no replica answered: the last replica's own 502/503/504 as it said it,
         else a 502 naming the failure."""
-        replica = {REPLICA_HEADER: self.replica_url or ""}
+        replica = {REPLICA_HEADER: self.replica_id}
         if self.response is None:
             return error_response(502, self.client_message(), "upstream_failed", headers=replica)
         status, headers, body = self.response
         response = web.Response(status=status, body=body, headers=headers)
         response.headers.update(replica)
         return response
+
+
+def replica_id(replica: Replica) -> str:
+    """The ``x-kvpilot-replica`` value: the pod's name where discovery knows it, else the configured URL."""
+    return replica.pod or replica.url
 
 
 def describe(replica: Replica | None) -> str:
@@ -130,6 +137,7 @@ class Forwarder:
             return await self._forward(request, body, replica, dispatch, on_written, on_first_byte)
         except UpstreamFailure as failure:
             failure.replica_url, failure.replica_name = replica.url, describe(replica)
+            failure.replica_id = replica_id(replica)
             raise
 
     def forget(self, url: str) -> None:
@@ -188,7 +196,7 @@ class Forwarder:
         response = web.StreamResponse(
             status=upstream.status, reason=upstream.reason or None, headers=forward_headers(upstream.headers)
         )
-        response.headers[REPLICA_HEADER] = replica.url
+        response.headers[REPLICA_HEADER] = replica_id(replica)
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
         try:

@@ -173,9 +173,13 @@ async def test_security_a_502_names_the_replica_by_pod_never_by_address(fake_eng
     lone = await routers([unnamed.url], poll_interval_s=30.0)
     await unnamed.crash()
     await named.crash()
-    for server, name in ((router, "engine replica kvpilot-engine-6d9f-1"), (lone, "an upstream replica")):
+    for server, name, header in (
+        (router, "engine replica kvpilot-engine-6d9f-1", "kvpilot-engine-6d9f-1"),
+        (lone, "an upstream replica", unnamed.url),  # configured by URL: named by that URL
+    ):
         async with http.post(server.url + "/v1/completions", json=completion()) as response:
             raw = await response.read()
+            assert response.headers[REPLICA_HEADER] == header
             assert (response.status, json.loads(raw)) == (
                 502,
                 {
@@ -189,6 +193,14 @@ async def test_security_a_502_names_the_replica_by_pod_never_by_address(fake_eng
             )
         assert b"127.0.0.1" not in raw and str(unnamed.port).encode() not in raw
         assert str(named.port).encode() not in raw
+
+
+async def test_security_an_answer_names_its_replica_by_pod_never_by_address(fake_engines, routers, http):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    router.router.fleet.set_endpoints([Endpoint(engine.url, None, "kvpilot-engine-6d9f-2")])
+    async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
+        assert (response.status, response.headers[REPLICA_HEADER]) == (200, "kvpilot-engine-6d9f-2")
 
 
 async def test_a_client_that_leaves_cancels_the_upstream_request(fake_engines, routers, until):
