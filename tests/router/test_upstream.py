@@ -112,6 +112,17 @@ def first_chunk_then(then: Handler) -> Callable[[RawServer], Handler]:
     return make
 
 
+def gated(gate: asyncio.Event, rest: bytes) -> Handler:
+    """The rest of a chunked answer, written once ``gate`` is set; then the connection stays open."""
+
+    async def then(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        writer.write(rest)
+        await reader.read()
+
+    return then
+
+
 async def serve(make: Callable[[RawServer], Handler]) -> RawServer:
     server = RawServer(lambda r, w: handler(r, w))
     handler = make(server)
@@ -140,13 +151,7 @@ async def test_keep_alive_reuses_one_connection_for_chunked_and_sized_bodies():
 
 async def test_chunks_arrive_as_sent_and_the_write_callback_fires_before_any_answer():
     gate = asyncio.Event()
-
-    async def then(reader, writer):
-        await gate.wait()
-        writer.write(b"6\r\nsecond\r\n0\r\n\r\n")
-        await reader.read()
-
-    async with await serve(first_chunk_then(then)) as server:
+    async with await serve(first_chunk_then(gated(gate, b"6\r\nsecond\r\n0\r\n\r\n"))) as server:
         client = UpstreamClient(2.0, 5.0)
         written = []
         async with request(client, server, on_written=lambda: written.append(server.requests[:])) as response:
@@ -268,13 +273,7 @@ async def test_client_headers_pass_through_without_hop_by_hop_ones_or_a_clients_
 
 async def test_a_replica_that_leaves_keeps_its_connections_until_its_last_request_ends():
     gate = asyncio.Event()
-
-    async def then(reader, writer):
-        await gate.wait()
-        writer.write(b"0\r\n\r\n")
-        await reader.read()
-
-    async with await serve(first_chunk_then(then)) as server:
+    async with await serve(first_chunk_then(gated(gate, b"0\r\n\r\n"))) as server:
         client = UpstreamClient(2.0, 5.0)
         async with request(client, server) as response:
             assert await response.content.readany() == b"first"
