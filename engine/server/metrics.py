@@ -224,6 +224,8 @@ class ServerMetrics:
         self._rejected = counter(
             "kvpilot_requests_rejected_total", "Error responses, by error code.", ("reason",)
         )
+        for shed in ("queue_full", "queue_timeout"):  # the shedding alert's rate() needs them from 0
+            self._rejected.labels(self.model_name, shed)
         self.degraded = one(
             counter(
                 "kvpilot_requests_degraded_total",

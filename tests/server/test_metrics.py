@@ -65,6 +65,8 @@ def test_every_engine_metric_the_chart_uses_is_exposed(tiny_server, client):
         "kvpilot_e2e_request_latency_seconds_bucket",
         "kvpilot_startup_phase_seconds_sum",
         "kvpilot_startup_phase_seconds_count",
+        "kvpilot_num_preemptions_total",
+        "kvpilot_requests_rejected_total",
     }
     assert engine_names <= exposed, engine_names - exposed
 
