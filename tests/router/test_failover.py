@@ -231,7 +231,9 @@ async def test_an_engine_restart_resyncs_the_prefix_index(fake_engines, routers,
     assert sample(router, "kvpilot_router_kv_resyncs_total", replica=engine.url) == 2  # start + restart
 
 
-async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_streaming(fake_engines, routers):
+async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_streaming(
+    fake_engines, routers, until
+):
     engines = await fake_engines(3, first_byte_s=0.15, output_tokens=6, token_delay_s=0.03)
     first, second = await routers([e.url for e in engines]), await routers([e.url for e in engines])
     victim = engines[0]
@@ -253,7 +255,8 @@ async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_str
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as session:
         clients = [asyncio.create_task(client(i, session)) for i in range(40)]
-        await asyncio.sleep(0.25)
+        # kill it mid-run: once some of its requests stream and others still wait for their first byte
+        await until(lambda: bool(victim.first_bytes) and victim.waiting > 0, timeout_s=10)
         await victim.crash()
         await asyncio.gather(*clients)
     lost = {i for i, outcome in outcomes.items() if outcome != "ok"}

@@ -155,15 +155,15 @@ async def test_a_shared_prefix_follows_its_cache_and_tenants_do_not_share(fake_e
             await response.read()
     assert len(set(served)) == 1  # every alpha request went where alpha's system prompt is cached
     home = next(e for e in engines if e.url == served[0])
-    metrics = router.router.metrics
-    assert metrics.decisions.labels("cache_aware", "cold")._value.get() == 1
-    assert metrics.decisions.labels("cache_aware", "affinity")._value.get() == 5
+    decisions = "kvpilot_router_decisions_total"
+    assert router_sample(router, decisions, policy="cache_aware", reason="cold") == 1
+    assert router_sample(router, decisions, policy="cache_aware", reason="affinity") == 5
     # Another tenant's identical prompt shares no block (salted hashes): a cold decision again.
     async with http.post(
         router.url + "/v1/chat/completions", json=chat("question 0"), headers={"x-tenant": "beta"}
     ) as response:
         await response.read()
-    assert metrics.decisions.labels("cache_aware", "cold")._value.get() == 2
+    assert router_sample(router, decisions, policy="cache_aware", reason="cold") == 2
     assert home.received[0][2] == chat("question 0")
 
 
