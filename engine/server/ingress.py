@@ -4,7 +4,9 @@ JSON parsing or tokenization, in this order:
 1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);
 2. inference POSTs only while ready (503 while loading, warming up or draining, with Retry-After);
 3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread) nor take
-   longer than ``--body-read-timeout`` to arrive (408);
+   longer than ``--body-read-timeout`` to arrive (408); a client that disconnects before its body has
+   arrived is counted (``kvpilot_requests_abandoned_total``) and gets nothing, never a 400 for the part it
+   sent;
 4. the tenant (``kvpilot.engine.tenancy.resolve_tenant``: with API keys, the key's tenant unless the
    router sidecar or ``--trust-tenant-header`` vouches for ``x-tenant``) must be well-formed (400) and have
    a token in its bucket (429 with Retry-After = seconds until it has one).
@@ -30,6 +32,10 @@ INFERENCE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
+class _ClientLeft(Exception):
+    """The client disconnected before its request body had arrived."""
+
+
 class IngressGate:
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -49,6 +55,9 @@ class IngressGate:
                     raise not_ready(self.state)
                 body = await self._read_body(headers, receive)
                 tenant = self._admit_tenant(headers)
+        except _ClientLeft:
+            self.state.metrics.left_before_engine.inc()
+            return
         except APIError as err:
             self.state.metrics.rejected(err.code)
             await error_response(err)(scope, receive, send)
@@ -94,7 +103,7 @@ class IngressGate:
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                break
+                raise _ClientLeft()
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:

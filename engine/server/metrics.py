@@ -237,6 +237,13 @@ class ServerMetrics:
                 "kvpilot_backpressure_pauses_total", "Times a request was paused: its client was not reading."
             )
         )
+        self.left_before_engine = one(
+            counter(
+                "kvpilot_requests_abandoned_total",
+                "Inference requests whose client disconnected before the request reached the engine "
+                "(while its body was arriving).",
+            )
+        )
         self._startup = histogram(
             "kvpilot_startup_phase_seconds",
             "Duration of a startup phase (loading, warming_up, kernel_tuning).",

@@ -8,6 +8,7 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+from polling import wait_until
 
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 
@@ -33,3 +34,23 @@ def test_security_a_stalled_body_gets_408_and_others_are_served(start_in_process
         assert b'"code":"request_timeout"' in reply.replace(b" ", b"")
     ok = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=30)
     assert ok.status_code == 200
+
+
+def _metric(server, name: str) -> float:
+    """The sum of ``name``'s samples over all its labels."""
+    lines = httpx.get(server.url + "/metrics", timeout=10).text.splitlines()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith((name + "{", name + " ")))
+
+
+def test_a_client_that_leaves_before_its_body_arrived_is_counted_not_refused(start_in_process):
+    """A disconnect before the request reaches the engine is counted as abandoned; the partial body is not
+    parsed into a 400 that nobody reads."""
+    server = start_in_process({"num_kv_blocks": 64}, ServerConfig(warmup_buckets=(WarmupBucket(1, 8),)))
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=5) as leaving:
+        leaving.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
+    wait_until(lambda: _metric(server, "kvpilot_requests_abandoned_total") == 1, what="the abandoned count")
+    assert _metric(server, "kvpilot_requests_rejected_total") == 0  # no error response for it
