@@ -125,7 +125,8 @@ def main() -> int:
             variants[threshold] = load_native_ops(Path(tmp), (f"-DDOT_MAX_ROWS={threshold}",)).quant
     clock = "thread CPU time" if args.threads == 1 else "wall clock"
     print(
-        f"threads={args.threads} vectorized={ops.quant.vectorized} (ms of {clock} for 30 layers x 4 projections)"
+        f"threads={args.threads} vectorized={ops.quant.vectorized} "
+        f"(ms of {clock} for 30 layers x 4 projections)"
     )
     header = ["rows", "native-f32", "onednn-f32", *QUANT_FORMATS, *(f"x {f}" for f in QUANT_FORMATS)]
     header += ["Q4_1 deq+mm"]

@@ -12,6 +12,7 @@ from kvpilot.engine.config import (
     LOGPROBS_MODES,
     NATIVE_CPU_OPS,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     ConfigError,
     EngineArgs,
 )
@@ -28,6 +29,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="smollm2-135m (bundled, default), tiny-random, a .gguf path or an HF safetensors directory",
     )
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES, help="auto = float32 on CPU, bfloat16 on CUDA")
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=d.quantization,
+        help=f"weights kept quantized, one of {', '.join(QUANTIZATIONS)}: auto keeps a GGUF's blocks "
+        "(Q4_0, Q4_1, Q8_0) where the CPU kernels run them; int8 quantizes any float model at load",
+    )
     g.add_argument(
         "--max-model-len",
         type=int,

@@ -16,6 +16,15 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 NATIVE_CPU_OPS = ("auto", "on", "off")
+#: weight quantization (docs/architecture.md#quantized-weights): ``auto`` keeps a GGUF's blocks where the
+#: engine runs them; ``none``; ``gguf``; ``int8`` (weight-only, per output row, quantized at load)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+#: vLLM method names kvpilot knows but does not run (yet), with what they need
+_UNSUPPORTED_QUANTIZATIONS = {
+    "fp8": "fp8 (e4m3) weights need a CUDA GPU",
+    "awq": "AWQ int4 checkpoints are not supported yet",
+    "gptq": "GPTQ int4 checkpoints are not supported yet",
+}
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
 
@@ -39,6 +48,9 @@ class ModelConfig:
     seed: int = 0
     #: name reported in outputs and metrics; None = the ``model`` string
     served_model_name: str | None = None
+    #: weights kept quantized (``QUANTIZATIONS``): ``auto`` = a GGUF's own blocks where the kernels run
+    #: them (float32 on CPU), else float weights in ``dtype``
+    quantization: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,7 @@ class EngineArgs:
     download_dir: str | None = None
     seed: int = 0
     served_model_name: str | None = None
+    quantization: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -159,6 +172,7 @@ class EngineArgs:
 
         need(isinstance(self.model, str) and bool(self.model), "model must be a non-empty string")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self._validate_quantization()
         need(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",
@@ -227,3 +241,19 @@ class EngineArgs:
             f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
         )
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    def _validate_quantization(self) -> None:
+        method = self.quantization
+        if method in QUANTIZATIONS:
+            return
+        if method == "fp8" and self.device == "cpu":
+            raise ConfigError(
+                f"quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs); on CPU use one of "
+                f"{QUANTIZATIONS}"
+            )
+        if method in _UNSUPPORTED_QUANTIZATIONS:
+            raise ConfigError(
+                f"quantization={method!r} is not available in this kvpilot: "
+                f"{_UNSUPPORTED_QUANTIZATIONS[method]}; choices: {QUANTIZATIONS}"
+            )
+        raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")

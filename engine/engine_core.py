@@ -35,7 +35,8 @@ from kvpilot.engine.model.loader import (
     resolve_linear_backend,
     resolve_native_ops,
 )
-from kvpilot.engine.model.registry import default_cache_dir, model_fingerprint, resolve_model
+from kvpilot.engine.model.quantization import resolve_quantization
+from kvpilot.engine.model.registry import default_cache_dir, gguf_source, model_fingerprint, resolve_model
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
@@ -92,6 +93,12 @@ class LLMEngine(StepOutputs):
             self.dtype,
             Path(mc.download_dir) if mc.download_dir else default_cache_dir(),
         )
+        gguf_path = gguf_source(mc.model)
+        #: ``none``, ``gguf`` or ``int8``: what the weights are kept as
+        #: (docs/architecture.md#quantized-weights)
+        self.quantization = resolve_quantization(
+            mc.quantization, gguf_path, self.device, self.dtype, self.native_ops
+        )
         #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
         self.kv_cache_sizing = kv_cache_sizing(cc, self.device)
         if self.kv_cache_sizing in ("num_kv_blocks", "kv_cache_memory_bytes"):
@@ -108,6 +115,8 @@ class LLMEngine(StepOutputs):
             self.linear_backend,
             batch_hint=min(config.scheduler.max_num_seqs, 64),
             native=self.native_ops,
+            quantization=self.quantization,
+            gguf_path=gguf_path,
         )
         if isinstance(self.backend, TorchAttentionBackend):
             self.backend.native = self.native_ops
@@ -157,7 +166,9 @@ class LLMEngine(StepOutputs):
             swap_blocks = int(cc.swap_space * (1 << 30)) // (self.kv_bytes_per_token * cc.block_size)
             swap = HostSwapSpace(self.kv_cache, max(1, swap_blocks))
         self.kv_events = KVEventLog()
-        self.model_identity = f"{model_fingerprint(self.model_dir)}:{self.dtype}"
+        # quantized weights compute other K/V than float ones: their prefix-cache chain is another one
+        quantized = "" if self.quantization == "none" else f":{self.quantization}"
+        self.model_identity = f"{model_fingerprint(self.model_dir)}:{self.dtype}{quantized}"
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching, self.kv_events)
         self.kv = KVCacheManager(
             self.pool, cc.block_size, root_hash(self.model_identity), self.kv_cache, swap

@@ -8,6 +8,7 @@ Files (torch-free, except ``tiny``):
                      (the root of the prefix-cache block hash)
 - ``gguf_convert``   llama-architecture GGUF → config.json + float32 safetensors + generation_config.json
                      (dequantize, llama.cpp tensor names → HF names, undo the Q/K RoPE row permutation)
+- ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
 - ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for ``tiny``)
 - ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests
 
@@ -19,6 +20,10 @@ Forward pass:
 - ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)
 - ``quant_formats``  ``QuantWeight`` (GGUF blocks or int8 rows, as the kernels read them): unpacking,
                      dequantization, int8 quantization, fusing rows
+- ``quant_linear``   ``QuantLinear`` / ``QuantEmbedding``: layers on quantized weights (C kernels, sliced
+                     dequantize-and-GEMM for long prefills, PyTorch ops without the native kernels)
+- ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8) and applied to the
+                     model; weight bytes
 - ``loader``         builds the model on its device from a resolved directory
 
 The tokenizer and chat template live one level up, in ``kvpilot.engine.tokenizer`` (the router shares it).

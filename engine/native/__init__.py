@@ -14,9 +14,9 @@ Package map:
                          products for up to 4 rows, dequantized L1 slabs beyond; dequantization to float32
 - ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
                          validating wrappers of ``quant_gemm.c``
-- ``build``              compiles the sources once per host (``-O3 -march=native``, plus any extra flags: tests
-                         build the portable fallbacks with ``-mno-avx2``) into one library in the cache
-                         directory, loads it with ctypes; ``NativeBuildError`` when that fails
+- ``build``              compiles the sources once per host (``-O3 -march=native``, plus any extra flags:
+                         tests build the portable fallbacks with ``-mno-avx2``) into one library in the
+                         cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
 - ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C
 - ``reference``          the PyTorch reference each kernel is tested against
 

@@ -3,8 +3,8 @@ dequantize-then-matmul with gguf's own (llama.cpp-faithful) dequantizer.
 
 Every format (GGUF Q4_0 / Q4_1 / Q8_0 blocks made by gguf's quantizer, kvpilot's int8 rows), both
 schedules of the kernel (1-4 rows: dot products; more: dequantized slabs, K split in 512-input slices),
-outputs that are not a multiple of its 12-row slab or 3-row tile, int8 rows whose length is not a multiple of 32, strided
-input rows, with and without bias; each on the AVX2 build and on the portable (scalar) build.
+outputs that are not a multiple of its 12-row slab or 3-row tile, int8 rows whose length is not a multiple
+of 32, strided input rows, with and without bias; each on the AVX2 build and on the portable (scalar) build.
 """
 
 from __future__ import annotations

@@ -1,0 +1,84 @@
+"""The projection and embedding weights of a llama-architecture GGUF, kept in their stored blocks
+(docs/architecture.md#quantized-weights).
+
+The result maps module paths of ``LlamaForCausalLM`` (``layers.3.self_attn.qkv_proj``, ``embed_tokens``,
+``lm_head``) to ``QuantWeight``s. As the float32 conversion (``gguf_convert``) does, q/k rows get
+llama.cpp's RoPE permutation undone; a block is one row's own bytes, so moving whole rows keeps every
+block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows. A module whose tensors are
+in a format the kernels do not run (K-quants, F16, …), or whose parts differ in format, is listed in
+``dequantized`` instead: it keeps the float weights of the converted checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader, ReaderTensor
+
+from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.model.gguf_convert import unpermute_rope_rows
+from kvpilot.engine.model.quant_formats import QuantWeight, concat_rows
+from kvpilot.engine.native.quant_ops import FORMATS
+
+#: GGUF tensor types the kernels compute on
+RUNNABLE_TYPES = tuple(name for name, fmt in FORMATS.items() if not fmt.row_scales)
+
+
+@dataclass
+class GGUFWeights:
+    #: module path → its weight in GGUF blocks
+    weights: dict[str, QuantWeight] = field(default_factory=dict)
+    #: module path → the GGUF types that keep it in float (no kernel for them, or mixed parts)
+    dequantized: dict[str, str] = field(default_factory=dict)
+
+
+def module_tensors(arch: ModelArchConfig) -> dict[str, list[str]]:
+    """Module path → the GGUF tensors whose rows make its weight, in order."""
+    parts = {
+        "self_attn.qkv_proj": ["attn_q", "attn_k", "attn_v"],
+        "self_attn.o_proj": ["attn_output"],
+        "mlp.gate_up_proj": ["ffn_gate", "ffn_up"],
+        "mlp.down_proj": ["ffn_down"],
+    }
+    out = {
+        f"layers.{i}.{module}": [f"blk.{i}.{name}.weight" for name in names]
+        for i in range(arch.num_hidden_layers)
+        for module, names in parts.items()
+    }
+    out["embed_tokens"] = ["token_embd.weight"]
+    if not arch.tie_word_embeddings:
+        out["lm_head"] = ["output.weight"]
+    return out
+
+
+def read_gguf_weights(gguf_path: Path, arch: ModelArchConfig) -> GGUFWeights:
+    """The quantized weights of ``gguf_path`` for a model of ``arch`` (module docstring)."""
+    reader = GGUFReader(gguf_path, "r")
+    tensors = {t.name: t for t in reader.tensors}
+    result = GGUFWeights()
+    for module, names in module_tensors(arch).items():
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"{gguf_path} lacks {missing[0]}, which {module} needs")
+        types = [tensors[n].tensor_type.name for n in names]
+        if len(set(types)) != 1 or types[0] not in RUNNABLE_TYPES:
+            result.dequantized[module] = "+".join(dict.fromkeys(types))
+            continue
+        parts = [_blocks(tensors[n], arch) for n in names]
+        result.weights[module] = parts[0] if len(parts) == 1 else concat_rows(parts)
+    return result
+
+
+def _blocks(tensor: ReaderTensor, arch: ModelArchConfig) -> QuantWeight:
+    """One tensor's block rows (``[out_features, row_bytes]``, copied out of the file), q/k rows in HF's
+    order."""
+    data = np.asarray(tensor.data)
+    if ".attn_q." in tensor.name:
+        data = unpermute_rope_rows(data, arch.num_attention_heads)
+    elif ".attn_k." in tensor.name:
+        data = unpermute_rope_rows(data, arch.num_key_value_heads)
+    in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
+    return QuantWeight(FORMATS[tensor.tensor_type.name], torch.from_numpy(np.array(data)), None, in_features)

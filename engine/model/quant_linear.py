@@ -1,0 +1,101 @@
+"""Linear and embedding layers on quantized weights (docs/architecture.md#quantized-weights).
+
+``QuantLinear`` keeps its weight as a ``QuantWeight`` (GGUF blocks or int8 rows) in buffers and computes
+``x Wᵀ + b`` with float32 activations:
+- with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (every decode step and small mixed step of
+  a default engine) in ``quant_gemm.c``, which dequantizes in registers;
+- beyond (long prefill chunks) by dequantizing slices of output rows into a float32 scratch buffer (C
+  kernel) and multiplying each with torch's GEMM, whose AVX-512 blocking is ahead there
+  (``bench/quant_kernels.py``: ×1.5 at 256 rows on 30 SmolLM2 layers, ×0.5 at 1 row);
+- without the native kernels (or off the CPU) with PyTorch ops: the whole weight dequantized per call.
+
+``QuantEmbedding`` looks rows up in the same format and dequantizes only those; a tied LM head is a
+``QuantLinear`` over the embedding's own buffers (one copy in memory).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpilot.engine.model.quant_formats import QuantWeight, dequantize
+from kvpilot.engine.native.ops import NativeOps
+from kvpilot.engine.native.quant_ops import FORMATS
+
+#: most rows ``quant_gemm.c`` takes; larger batches dequantize slices and use torch's GEMM
+QUANT_NATIVE_MAX_ROWS = 256
+#: floats of one dequantized slice of a large-batch product (8 MiB: a few slices of L2-sized work)
+_SLICE_FLOATS = 1 << 21
+_scratch = threading.local()
+
+
+def _scratch_floats(count: int) -> torch.Tensor:
+    """This thread's reusable float32 buffer of at least ``count`` elements (one per thread: the engine's
+    model runs on one thread, and the buffer is only live inside one product)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < count:
+        buf = _scratch.buf = torch.empty(count)
+    return buf[:count]
+
+
+class _QuantWeightBuffers(nn.Module):
+    """The buffers of one ``QuantWeight``: ``qweight`` (uint8 rows) and ``scales`` (int8 only)."""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        self.format = weight.format.name
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.register_buffer("qweight", weight.data)
+        self.register_buffer("scales", weight.scales)
+
+    @property
+    def weight_q(self) -> QuantWeight:
+        return QuantWeight(FORMATS[self.format], self.qweight, self.scales, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}"
+
+
+class QuantLinear(_QuantWeightBuffers):
+    """``y = x Wᵀ + b`` on a quantized ``W``; ``bias`` (float32, loaded later) when ``has_bias``."""
+
+    def __init__(self, weight: QuantWeight, has_bias: bool, native: NativeOps | None) -> None:
+        super().__init__(weight)
+        self.register_buffer("bias", torch.zeros(self.out_features) if has_bias else None)
+        self.native = native
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.native
+        if native is None or x.device.type != "cpu" or x.dtype != torch.float32:
+            return F.linear(x, dequantize(self.weight_q, x.dtype), self.bias)
+        if x.shape[0] <= QUANT_NATIVE_MAX_ROWS:
+            return native.quant.linear(x, self.qweight, self.scales, self.format, self.bias)
+        return self._sliced(x, native)
+
+    def _sliced(self, x: torch.Tensor, native: NativeOps) -> torch.Tensor:
+        """Large batches: each slice of output rows dequantized into the scratch buffer, then one GEMM."""
+        k, n = self.in_features, self.out_features
+        step = max(16, _SLICE_FLOATS // k)
+        out = torch.empty(x.shape[0], n)
+        scratch = _scratch_floats(min(step, n) * k)
+        for start in range(0, n, step):
+            end = min(start + step, n)
+            dense = scratch[: (end - start) * k].view(end - start, k)
+            scales = None if self.scales is None else self.scales[start:end]
+            native.quant.dequantize(self.qweight[start:end], scales, self.format, k, dense)
+            torch.mm(x, dense.t(), out=out[:, start:end])
+        return out if self.bias is None else out.add_(self.bias)
+
+
+class QuantEmbedding(_QuantWeightBuffers):
+    """Token embedding rows from a quantized ``[vocab, hidden]`` table; ``as_linear`` is its tied head."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.weight_q.rows(ids))
+
+    def as_linear(self, native: NativeOps | None) -> QuantLinear:
+        """An LM head over this table's buffers (no copy)."""
+        return QuantLinear(self.weight_q, False, native)

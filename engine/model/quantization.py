@@ -1,0 +1,130 @@
+"""Which weights the engine keeps quantized (``quantization``), and putting them into the model
+(docs/architecture.md#quantized-weights).
+
+- ``none``: float weights in ``dtype`` (a GGUF is dequantized, as its conversion wrote it);
+- ``gguf``: the projections and the embedding keep the GGUF's own blocks (Q4_0, Q4_1, Q8_0); a tensor in
+  another format keeps float weights, and the log names it;
+- ``int8``: every projection, the LM head and the embedding quantized at load, per output row, from the
+  float checkpoint (any model);
+- ``auto`` (default): ``gguf`` for a GGUF model where the kernels run (float32 on CPU with the native
+  kernels), else ``none``, saying why in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvpilot.engine.model.gguf_weights import GGUFWeights
+from kvpilot.engine.model.quant_formats import quantize_int8
+from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear
+from kvpilot.engine.native.ops import NativeOps
+
+log = logging.getLogger(__name__)
+
+
+def resolve_quantization(
+    requested: str, gguf_path: Path | None, device: torch.device, dtype: torch.dtype, native: NativeOps | None
+) -> str:
+    """``none``, ``gguf`` or ``int8`` for the engine argument ``requested`` (the module docstring);
+    ``ValueError`` when an explicit choice cannot run here."""
+    if requested == "none":
+        return "none"
+    runnable = device.type == "cpu" and dtype == torch.float32
+    if requested == "auto":
+        if gguf_path is None:
+            return "none"
+        if runnable and native is not None:
+            return "gguf"
+        why = (
+            "the C kernels could not be built"
+            if runnable
+            else f"they run float32 on CPU, not {dtype} on {device}"
+        )
+        log.info("GGUF weights dequantized to %s: the quantized kernels are unavailable (%s)", dtype, why)
+        return "none"
+    if requested == "gguf" and gguf_path is None:
+        raise ValueError(
+            "quantization='gguf' needs a GGUF model (a .gguf path or smollm2-135m); "
+            "use quantization='int8' to quantize a float checkpoint"
+        )
+    if not runnable:
+        raise ValueError(
+            f"quantization={requested!r} runs float32 activations on CPU (the C kernels); got {dtype} on "
+            f"{device}: use dtype='float32' and device='cpu', or quantization='none'"
+        )
+    if native is None:
+        log.warning(
+            "quantization=%r without the native C kernels: every forward dequantizes each weight with "
+            "PyTorch ops (correct, several times slower than float32)",
+            requested,
+        )
+    return requested
+
+
+def install_gguf_weights(model: nn.Module, weights: GGUFWeights, native: NativeOps | None) -> None:
+    """Replace the model's projections and embedding by quantized layers on ``weights``' blocks, before the
+    float checkpoint is loaded (which then skips them); a tied LM head shares the embedding's blocks."""
+    for path, weight in weights.weights.items():
+        parent, name = _parent(model, path)
+        old = getattr(parent, name)
+        if isinstance(old, nn.Embedding):
+            setattr(parent, name, QuantEmbedding(weight))
+        else:
+            setattr(parent, name, QuantLinear(weight, old.bias is not None, native))
+    if weights.dequantized:
+        shown = ", ".join(f"{p} ({t})" for p, t in list(weights.dequantized.items())[:6])
+        more = len(weights.dequantized) - 6
+        log.info(
+            "GGUF tensors without a quantized kernel kept in float: %s%s",
+            shown,
+            f" and {more} more" if more > 0 else "",
+        )
+
+
+def quantize_linears_int8(model: nn.Module, native: NativeOps | None) -> int:
+    """Replace every float projection and the embedding (and an untied LM head) by int8 layers quantized
+    from their loaded weights; returns how many."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                layer = QuantLinear(quantize_int8(child.weight), child.bias is not None, native)
+                if child.bias is not None:
+                    layer.bias.copy_(child.bias.detach())
+                setattr(module, name, layer)
+                count += 1
+            elif isinstance(child, nn.Embedding):
+                setattr(module, name, QuantEmbedding(quantize_int8(child.weight)))
+                count += 1
+    return count
+
+
+def quantized_lm_head(model: nn.Module, native: NativeOps | None) -> nn.Module | None:
+    """The quantized LM head the logits use: the untied ``lm_head`` if quantized, else a head over the
+    quantized embedding when tied; None when the head's weight is float."""
+    if isinstance(getattr(model, "lm_head", None), QuantLinear):
+        return model.lm_head
+    if getattr(model, "lm_head", None) is None and isinstance(model.embed_tokens, QuantEmbedding):
+        return model.embed_tokens.as_linear(native)
+    return None
+
+
+def weights_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer, each storage counted once (shared blocks, tied heads)."""
+    seen: dict[object, int] = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_mkldnn:  # oneDNN's packed weights are opaque: count their elements
+            seen[id(tensor)] = tensor.numel() * tensor.element_size()
+            continue
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    head, _, name = path.rpartition(".")
+    return (model.get_submodule(head) if head else model), name

@@ -1,0 +1,158 @@
+"""The engine on quantized weights (``quantization``): a GGUF keeps its blocks by default, int8 quantizes a
+float model at load, and both compute what the float path computes on the same (dequantized) weights.
+
+The GGUF is a tiny llama written with llama.cpp's permutation and gguf's quantizer, its tensors in every
+runnable format (Q4_0 q/k/v, Q4_1 output and down projections, Q8_0 gate/up and the tied embedding) and
+one in F16, which has no kernel and must stay float, with the log saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from gguf_files import write_llama_gguf
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
+from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.model.quant_formats import dequantize, quantize_int8
+from kvpilot.engine.model.quant_linear import QUANT_NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
+from kvpilot.engine.model.quantization import resolve_quantization, weights_bytes
+from kvpilot.engine.model.tiny import write_tiny_llama
+
+ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 400, "max_num_batched_tokens": 320, "max_num_seqs": 6}
+TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1"}
+TYPES |= {"ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("quantized")
+    source = write_tiny_llama(root / "hf", seed=4)
+    path = root / "tiny-mixed.gguf"
+    types = {f"blk.{i}.{part}.weight": t for i in range(2) for part, t in TYPES.items()}
+    types |= {"token_embd.weight": "Q8_0", "blk.1.ffn_down.weight": "F16"}
+    write_llama_gguf(path, source, types=types)
+    return path
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(8)
+    # one prompt longer than the kernel's row limit: its prefill takes the dequantize-and-GEMM path
+    return [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 9, 30, QUANT_NATIVE_MAX_ROWS + 40)]
+
+
+def run(model: str, **kwargs):
+    return run_engine(LLM(model, **ENGINE_ARGS, **kwargs))
+
+
+def run_engine(llm: LLM):
+    """Greedy outputs of ``prompts()`` and the logits of every step."""
+    logits = []
+    execute = llm.engine.runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        logits.append(out.clone())
+        return out
+
+    llm.engine.runner.execute = recording
+    outs = llm.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    return llm, [o.outputs[0].token_ids for o in outs], logits
+
+
+def test_gguf_keeps_its_blocks_and_computes_the_float_path(tiny_gguf, caplog):
+    with caplog.at_level(logging.INFO, logger="kvpilot.engine.model"):
+        quant, quant_tokens, quant_logits = run(str(tiny_gguf))  # auto: the GGUF's blocks
+    float_llm, float_tokens, float_logits = run(str(tiny_gguf), quantization="none")
+    model = quant.engine.model
+    assert quant.engine.quantization == "gguf" and float_llm.engine.quantization == "none"
+    attn = model.layers[0].self_attn
+    assert isinstance(attn.qkv_proj, QuantLinear) and attn.qkv_proj.format == "Q4_0"
+    assert attn.o_proj.format == "Q4_1" and model.layers[0].mlp.gate_up_proj.format == "Q8_0"
+    assert isinstance(model.layers[1].mlp.down_proj, torch.nn.Module)
+    assert not isinstance(model.layers[1].mlp.down_proj, QuantLinear)  # F16: no kernel, kept float
+    assert "kept in float: layers.1.mlp.down_proj (F16)" in caplog.text
+    assert isinstance(model.embed_tokens, QuantEmbedding) and isinstance(model.packed_lm_head, QuantLinear)
+    assert model.packed_lm_head.qweight is model.embed_tokens.qweight  # the tied head shares the blocks
+    assert weights_bytes(model) < weights_bytes(float_llm.engine.model) / 2
+    assert "weights: " in caplog.text and "quantization gguf" in caplog.text
+    assert quant.engine.model_identity != float_llm.engine.model_identity  # distinct prefix-cache chains
+    assert quant_tokens == float_tokens
+    for ours, reference in zip(quant_logits, float_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_gguf_without_native_kernels_computes_the_same(tiny_gguf, caplog):
+    _, native_tokens, native_logits = run(str(tiny_gguf), quantization="gguf")
+    with caplog.at_level(logging.WARNING):
+        llm, tokens, logits = run(str(tiny_gguf), quantization="gguf", native_cpu_ops="off")
+    assert llm.engine.native_ops is None and "without the native C kernels" in caplog.text
+    assert tokens == native_tokens
+    for ours, reference in zip(logits, native_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_quantizes_a_float_model_at_load(tiny_model_dir):
+    quant, quant_tokens, quant_logits = run(str(tiny_model_dir), quantization="int8")
+    float_llm = LLM(str(tiny_model_dir), linear_backend="torch", **ENGINE_ARGS)
+    model, reference = quant.engine.model, float_llm.engine.model
+    assert float_llm.engine.quantization == "none"  # auto: a float checkpoint stays float
+    assert all(
+        isinstance(m, QuantLinear) and m.format == "int8"
+        for layer in model.layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    )
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.packed_lm_head.format == "int8"
+    assert weights_bytes(model) < weights_bytes(reference) / 2
+    # the float engine with every weight rounded as int8 stores it computes the same, up to summation order
+    with torch.no_grad():
+        for module in reference.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.weight.copy_(dequantize(quantize_int8(module.weight)))
+    _, tokens, logits = run_engine(float_llm)
+    assert quant_tokens == tokens
+    for ours, expected in zip(quant_logits, logits, strict=True):
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_quantization_is_validated_at_the_boundary(tiny_gguf, tiny_model_dir):
+    with pytest.raises(ConfigError, match=r"quantization must be one of \('auto', 'none', 'gguf', 'int8'\)"):
+        EngineArgs(quantization="q4").create_config()
+    with pytest.raises(ConfigError, match="quantization='fp8' needs a CUDA device"):
+        EngineArgs(quantization="fp8", device="cpu").create_config()
+    with pytest.raises(ConfigError, match=r"'awq' is not available .* choices"):
+        EngineArgs(quantization="awq").create_config()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    with pytest.raises(SystemExit):
+        config_from_namespace(parser, parser.parse_args(["--quantization", "fp8", "--device", "cpu"]))
+    assert config_from_namespace(parser, parser.parse_args(["-q", "int8"])).model.quantization == "int8"
+    with pytest.raises(ValueError, match="quantization='gguf' needs a GGUF model"):
+        LLM(str(tiny_model_dir), quantization="gguf")
+    with pytest.raises(ValueError, match="runs float32 activations on CPU"):
+        LLM(str(tiny_gguf), quantization="gguf", dtype="bfloat16")
+
+
+def test_auto_dequantizes_where_the_kernels_cannot_run(caplog):
+    cpu, path = torch.device("cpu"), Path("model.gguf")
+    with caplog.at_level(logging.INFO):
+        assert resolve_quantization("auto", path, cpu, torch.bfloat16, native=object()) == "none"
+        assert resolve_quantization("auto", path, cpu, torch.float32, native=None) == "none"
+    assert "run float32 on CPU, not torch.bfloat16" in caplog.text
+    assert "the C kernels could not be built" in caplog.text
+    assert resolve_quantization("auto", None, cpu, torch.float32, native=object()) == "none"
+    assert resolve_quantization("auto", path, cpu, torch.float32, native=object()) == "gguf"
+    assert resolve_quantization("none", path, cpu, torch.float32, native=object()) == "none"
+    with pytest.raises(ValueError, match=r"got torch\.float32 on cuda"):
+        resolve_quantization("int8", None, torch.device("cuda"), torch.float32, native=None)
