@@ -1,7 +1,8 @@
 """``kvpilot operator``: run the Kopf operator, render an InferenceService's children, print the CRD.
 
 - ``run``: registers the handlers, then hands over to Kopf's own ``kopf run`` command with the Kopf flags
-  passed through (namespaces, --all-namespaces, --standalone, --liveness, logging);
+  passed through (namespaces, --all-namespaces, --standalone, --liveness, logging); with
+  ``--leader-elect`` it first waits to hold the operator's Lease (``leader``) and keeps renewing it;
 - ``render -f isvc.yaml``: prints the objects the operator would apply, like ``helm template``; an invalid
   spec exits 2 with the field named;
 - ``crd``: prints the CustomResourceDefinition YAML (``crds/`` and the chart hold exactly this).
@@ -10,16 +11,24 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import socket
 import sys
+import uuid
 from collections.abc import Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
 from kvpilot.operator.api_names import DEFAULT_IMAGE
 from kvpilot.operator.config import OperatorConfig
 
+if TYPE_CHECKING:
+    from kvpilot.operator.leader import LeaseSettings
+
 EXIT_INVALID = 2
+EXIT_LOST_LEADERSHIP = 3  # the Lease was lost: exit at once, Kubernetes restarts this replica as a candidate
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +63,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--engine-probe-timeout", type=float, default=1.0, metavar="SECONDS")
     run.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    election = run.add_argument_group("leader election (one of several replicas reconciles)")
+    election.add_argument(
+        "--leader-elect", action="store_true", help="reconcile only while holding a coordination.k8s.io Lease"
+    )
+    election.add_argument("--lease-name", default="kvpilot-operator")
+    election.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE"),
+        help="namespace of the Lease (default: $POD_NAMESPACE)",
+    )
+    election.add_argument(
+        "--identity",
+        default=os.environ.get("POD_NAME") or f"{socket.gethostname()}_{uuid.uuid4().hex[:8]}",
+        help="this candidate's name in the Lease (default: $POD_NAME, else host name and a random suffix)",
+    )
+    election.add_argument("--lease-duration", type=float, default=15.0, metavar="SECONDS")
+    election.add_argument("--lease-renew-deadline", type=float, default=10.0, metavar="SECONDS")
+    election.add_argument("--lease-retry-period", type=float, default=2.0, metavar="SECONDS")
 
     render = commands.add_parser("render", help="print the objects the operator would apply")
     render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin)")
@@ -71,7 +98,7 @@ def _kopf_args(args: argparse.Namespace) -> list[str]:
         if args.all_namespaces
         else [flag for namespace in args.namespaces for flag in ("--namespace", namespace)]
     )
-    if args.standalone:
+    if args.standalone or args.leader_elect:  # the Lease elects; Kopf's peering would only pause replicas
         kopf_args.append("--standalone")
     if args.liveness:
         kopf_args += ["--liveness", args.liveness]
@@ -82,10 +109,34 @@ def _kopf_args(args: argparse.Namespace) -> list[str]:
     return [*kopf_args, "--log-format", args.log_format]
 
 
-def _run(args: argparse.Namespace) -> int:
-    import kopf.cli  # the operator's heavy imports stay out of render and crd
+def _lease_settings(args: argparse.Namespace) -> LeaseSettings:
+    from kvpilot.operator.leader import LeaseSettings
 
+    return LeaseSettings(
+        namespace=args.lease_namespace or "",
+        identity=args.identity,
+        name=args.lease_name,
+        duration_s=args.lease_duration,
+        renew_deadline_s=args.lease_renew_deadline,
+        retry_period_s=args.lease_retry_period,
+    )
+
+
+def _lose_leadership() -> None:
+    # Another replica may take the Lease as soon as it expires; a graceful Kopf shutdown (handlers
+    # finishing, watches closing) could outlast that, so this process stops at once, as client-go's
+    # leader election does; the Deployment restarts it as a candidate.
+    logging.shutdown()
+    os._exit(EXIT_LOST_LEADERSHIP)
+
+
+def _run(args: argparse.Namespace) -> int:
+    import kopf  # the operator's heavy imports stay out of render and crd
+    import kopf.cli
+
+    from kvpilot.operator import leader
     from kvpilot.operator.handlers import register
+    from kvpilot.operator.kube_api import KubeApi, load_client_configuration
 
     try:
         config = OperatorConfig(
@@ -94,11 +145,31 @@ def _run(args: argparse.Namespace) -> int:
             engine_probe_timeout_seconds=args.engine_probe_timeout,
             metrics_port=args.metrics_port,
         )
+        lease = _lease_settings(args) if args.leader_elect else None
     except ValueError as error:
         print(f"kvpilot operator run: {error}", file=sys.stderr)
         return EXIT_INVALID
     register(config)
-    kopf.cli.main(args=_kopf_args(args), prog_name="kvpilot operator run", standalone_mode=False)
+    renewer = None
+    if lease is not None:
+        # Kopf's own log set-up now, so the election's lines look like the rest (kopf run redoes it).
+        kopf.configure(
+            debug=args.debug, verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()]
+        )
+        load_client_configuration()
+        # Each request must end well within the renew deadline, or one hung call could outlast it.
+        lock = leader.LeaseLock(KubeApi(request_timeout=lease.renew_deadline_s / 3), lease)
+        with leader.standby_health(args.liveness):
+            leader.campaign(lock)
+        renewer = leader.Renewer(lock, on_lost=_lose_leadership)
+        renewer.start()
+    try:
+        kopf.cli.main(args=_kopf_args(args), prog_name="kvpilot operator run", standalone_mode=False)
+    finally:
+        if renewer is not None:
+            renewer.stopping.set()
+            renewer.join()
+            renewer.lock.release()
     return 0
 
 

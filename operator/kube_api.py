@@ -24,6 +24,7 @@ PLURALS = {
     "Deployment": "deployments",
     "Pod": "pods",
     "InferenceService": "inferenceservices",
+    "Lease": "leases",
 }
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -108,6 +109,10 @@ class KubeApi:
         ref = ObjectRef.of(obj)
         collection = ObjectRef(ref.api_version, ref.kind, ref.namespace)
         return self._call("POST", collection.path, body=obj)
+
+    def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """PUT the whole object; its metadata.resourceVersion makes the write conditional (409 if stale)."""
+        return self._call("PUT", ObjectRef.of(obj).path, body=obj)
 
     def merge_patch(self, ref: ObjectRef, patch: dict[str, Any], subresource: str = "") -> dict[str, Any]:
         path = f"{ref.path}/{subresource}" if subresource else ref.path

@@ -99,7 +99,12 @@ def test_rendered_chart_is_valid_kubernetes(values, tmp_path):
             for d in documents
             if d["kind"].endswith("Role") and d not in hooks
         ]
-        assert roles == [("ClusterRole", None), ("Role", "ml"), ("Role", "research")]
+        assert roles == [
+            ("ClusterRole", None),  # reading CRDs
+            ("Role", "kvpilot-system"),  # the leader-election Lease
+            ("Role", "ml"),
+            ("Role", "research"),
+        ]
         args = next(d for d in documents if d["kind"] == "Deployment")["spec"]["template"]["spec"][
             "containers"
         ][0]["args"]
@@ -257,6 +262,38 @@ def test_pod_monitor_labels_series_with_their_inference_service():
         assert endpoint["relabelings"] == [
             {"sourceLabels": [source], "targetLabel": "inferenceservice", "action": "replace"}
         ]
+
+
+def test_operator_replicas_elect_a_leader_on_a_lease_of_their_own():
+    documents = rendered("replicas=2", "leaderElection.leaseDurationSeconds=20")
+    deployment = one(documents, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    # a rollout's new pod campaigns before the old one stops and hands the Lease over
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert {
+        "--leader-elect",
+        "--lease-name=kvpilot",
+        "--lease-duration=20",
+        "--lease-renew-deadline=10",
+    } <= set(container["args"])
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    role = one(documents, "Role", "kvpilot-leader-election")
+    assert role["metadata"]["namespace"] == "kvpilot-system"
+    assert role["rules"] == [
+        {
+            "apiGroups": ["coordination.k8s.io"],
+            "resources": ["leases"],
+            "resourceNames": ["kvpilot"],
+            "verbs": ["get", "update"],
+        },
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["create"]},
+    ]
+    binding = one(documents, "RoleBinding", "kvpilot-leader-election")
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "kvpilot", "namespace": "kvpilot-system"}
+    ]
 
 
 HOOK_KINDS = {
