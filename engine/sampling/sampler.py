@@ -10,7 +10,9 @@
    request draws its number from its own generator, so its tokens do not depend on what else is in the batch.
 
 Fast paths: an all-greedy batch without constraints, penalties or logprobs is a single argmax; steps
-2–4 run only for the rows whose parameters use them.
+2–4 run only for the rows whose parameters use them, chosen on the host (``row_params.FilterRows``): the
+pipeline asks the device nothing until the sampled ids come back. The per-row parameters come as tensors
+(``SamplingTensors``), gathered by the engine from its persistent batch.
 
 Logprobs: ``raw_logprobs`` report the model's own distribution (log-softmax of the raw logits);
 ``processed_logprobs`` report the distribution the token was drawn from (after steps 1–4; for greedy rows
@@ -29,6 +31,7 @@ from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
+from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors
 
 
 @dataclass
@@ -68,9 +71,11 @@ class Sampler:
         *,
         want_sampled_logprob: Sequence[bool] = (),
         want_full: Sequence[bool] = (),
+        row_params: SamplingTensors | None = None,
     ) -> SamplerOutput:
         """One token per row of ``logits`` [N, V] (float32). ``want_sampled_logprob[i]`` asks for the sampled
-        token's logprob (cumulative scores of parallel samples); ``want_full[i]`` for the whole row."""
+        token's logprob (cumulative scores of parallel samples); ``want_full[i]`` for the whole row.
+        ``row_params``: the rows' parameters as tensors (built from ``states`` when not given)."""
         n = logits.shape[0]
         want_lp = [
             st.params.logprobs is not None or (want_sampled_logprob[i] if want_sampled_logprob else False)
@@ -90,34 +95,55 @@ class Sampler:
         if need_penalties:
             apply_penalties(proc, states)
 
-        tokens = proc.argmax(dim=-1)
         final = proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
         sample_rows = [i for i, g in enumerate(greedy) if not g]
+        every = len(sample_rows) == n
+        tokens = None if every else proc.argmax(dim=-1)
         if sample_rows:
-            idx = torch.tensor(sample_rows, device=logits.device)
             dev = logits.device
+            idx = None if every else torch.tensor(sample_rows, device=dev)
             pick = [states[i].params for i in sample_rows]
-            temps = torch.tensor([p.temperature for p in pick], device=dev).unsqueeze(1)
-            scaled = proc.index_select(0, idx) / temps.clamp(min=NEAR_ZERO_TEMPERATURE)
-            if min(p.temperature for p in pick) < NEAR_ZERO_TEMPERATURE:
+            if row_params is None:
+                row_params = SamplingTensors.from_params(pick, dev)
+            elif idx is not None:
+                row_params = row_params.select(idx)
+            plan = FilterRows.of(pick, logits.shape[-1], dev)
+            temps = row_params.temperature.unsqueeze(1)
+            scaled = (proc if idx is None else proc.index_select(0, idx)) / temps.clamp(
+                min=NEAR_ZERO_TEMPERATURE
+            )
+            if plan.near_zero_temperature:
                 # the T -> 0 limit: all mass on the maximal logits, split evenly between ties
                 at_max = scaled == scaled.max(dim=-1, keepdim=True).values
                 limit = torch.zeros_like(scaled).masked_fill_(~at_max, float("-inf"))
                 scaled = torch.where(temps < NEAR_ZERO_TEMPERATURE, limit, scaled)
-            apply_min_p(scaled, torch.tensor([p.min_p for p in pick], device=dev))
-            apply_top_k(scaled, torch.tensor([p.top_k for p in pick], device=dev))
-            apply_top_p(scaled, torch.tensor([p.top_p for p in pick], device=dev))
-            apply_typical_p(scaled, torch.tensor([p.typical_p for p in pick], device=dev))
+            if plan.use_min_p:
+                apply_min_p(scaled, row_params.min_p, plan.min_p_rows)
+            if plan.use_top_k:
+                apply_top_k(scaled, row_params.top_k, plan.top_k_rows, plan.top_k_max)
+            if plan.use_top_p:
+                apply_top_p(scaled, row_params.top_p, plan.top_p_rows)
+            if plan.use_typical_p:
+                apply_typical_p(scaled, row_params.typical_p, plan.typical_p_rows)
             probs = scaled.softmax(dim=-1)
             # one uniform per row (``draw.py``); a seeded row takes its own from its generator
             uniform = torch.rand(len(sample_rows), generator=self.generator, device=dev)
             for j, i in enumerate(sample_rows):
                 if states[i].generator is not None:
                     uniform[j] = torch.rand(1, generator=states[i].generator, device=dev)[0]
-            tokens.index_copy_(0, idx, inverse_cdf_draw(probs, uniform))
+            drawn = inverse_cdf_draw(probs, uniform)
+            if idx is None:
+                tokens = drawn
+            else:
+                assert tokens is not None  # argmax of every row, greedy rows kept
+                tokens.index_copy_(0, idx, drawn)
             if any(want_lp) or any(want_full):
-                final = proc.clone()
-                final.index_copy_(0, idx, scaled)
+                if idx is None:
+                    final = scaled
+                else:
+                    final = proc.clone()
+                    final.index_copy_(0, idx, scaled)
+        assert tokens is not None  # every row is greedy or sampled
         token_list = tokens.tolist()
 
         sampled_lp: list[float | None] = [None] * n
