@@ -38,6 +38,8 @@ The engine and its tick:
                          attention, the GEMM of decode steps), compiled once per host; PyTorch references
                          beside them
 - ``sampling/``          ``SamplingParams`` and the logits → token pipeline
+- ``structured/``        structured outputs: constraint parameters, grammar compile (cached, off the engine
+                         thread), per-sequence matchers, the token bitmask of the sampler's constraint stage
 
 Heavy names (``LLM``, ``SamplingParams``, …) are imported lazily so that modules the router shares
 (``kvpilot.engine.kv.block_hash``, ``kvpilot.engine.tokenizer``) load without torch.

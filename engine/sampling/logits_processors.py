@@ -1,12 +1,14 @@
 """Hard constraints and penalties, applied in the pipeline's fixed order (see ``sampler.py``):
 
-allowed_token_ids → logit_bias (±100) → bad_words → min_tokens → no_repeat_ngram_size →
-repetition_penalty → frequency/presence penalties.
+grammar (structured outputs) → allowed_token_ids → logit_bias (±100) → bad_words → min_tokens →
+no_repeat_ngram_size → repetition_penalty → frequency/presence penalties.
 
 Masks set logits to -inf (constrained decoding is a mask, docs/architecture.md#sampling-pipeline). Penalties:
 repetition is sign-aware (z/r if z > 0, z·r if z < 0) over tokens seen in prompt or output; frequency/presence
 subtract ``α_f·c_i + α_p·1[c_i > 0]`` with c_i counted over generated tokens. Rows are processed only where
-their parameter is active; penalties use batched count tensors.
+their parameter is active; penalties use batched count tensors. The grammar masks of all constrained rows
+are filled and applied in one batch (``kvpilot.engine.structured.bitmask``,
+docs/architecture.md#structured-outputs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.structured.bitmask import GrammarMasks
+from kvpilot.engine.structured.matcher import GrammarMatcher
 
 NEG_INF = float("-inf")
 
@@ -34,6 +38,8 @@ class RowState:
     #: (n-1)-gram → next tokens already generated after it, for ``no_repeat_ngram_size``
     ngram_index: dict[tuple[int, ...], set[int]] = field(default_factory=dict)
     generator: torch.Generator | None = None
+    #: the sequence's place in its grammar (structured outputs); None = unconstrained
+    grammar: GrammarMatcher | None = None
 
 
 def banned_by_bad_words(output: Sequence[int], banned: Sequence[Sequence[int]]) -> set[int]:
@@ -76,9 +82,16 @@ def _counts(rows: list[int], id_lists: list[Sequence[int]], vocab: int, device: 
     return counts[:, :vocab]
 
 
-def apply_constraints(logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
-    """Masks and biases, in order, in place on ``logits`` [N, V]."""
+def apply_constraints(
+    logits: torch.Tensor, states: Sequence[RowState], grammar_masks: GrammarMasks | None = None
+) -> torch.Tensor:
+    """Masks and biases, in order, in place on ``logits`` [N, V]. ``grammar_masks`` fills and applies the
+    rows that have a grammar (one is made when not given)."""
     vocab = logits.shape[1]
+    grammar_rows = [i for i, st in enumerate(states) if st.grammar is not None]
+    if grammar_rows:
+        masks = grammar_masks if grammar_masks is not None else GrammarMasks()
+        masks.apply(logits, grammar_rows, [st.grammar for st in states if st.grammar is not None])
     for i, st in enumerate(states):
         p = st.params
         if p.allowed_token_ids is not None:

@@ -3,11 +3,17 @@
 Which tokens the penalties count: ``repetition_penalty`` applies to every token seen (prompt and output,
 as in HF and vLLM); ``frequency_penalty`` and ``presence_penalty`` count generated tokens only (OpenAI
 semantics); ``no_repeat_ngram_size`` and ``bad_words`` look at generated tokens only.
+
+``structured_outputs`` (a ``StructuredOutputsParams``: JSON schema, regex, choice, grammar or any JSON
+object) constrains the output to a grammar; ``guided_decoding`` is vLLM's older name for it
+(docs/architecture.md#structured-outputs).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kvpilot.engine.structured.params import StructuredOutputsParams
 
 #: below this temperature a row is drawn from the T -> 0 limit (uniform over the maximal logits) instead of
 #: dividing by T, which would overflow; T = 0 exactly is the greedy branch (lowest id among ties)
@@ -75,6 +81,10 @@ class SamplingParams:
     length_penalty: float = 1.0
     #: produce text (False: token ids only)
     detokenize: bool = True
+    #: the grammar the output must follow (None = free text)
+    structured_outputs: StructuredOutputsParams | None = None
+    #: vLLM's older name for ``structured_outputs`` (either may be given, not both)
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop: object = self.stop  # typed as normalised below; a caller may pass one string (vLLM does)
@@ -83,6 +93,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.bad_words = list(self.bad_words or [])
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+                raise SamplingParamsError("structured_outputs and guided_decoding are one setting: give one")
+            self.structured_outputs = self.guided_decoding
+        self.guided_decoding = self.structured_outputs
         try:
             self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         except (TypeError, ValueError, AttributeError):
@@ -195,7 +210,16 @@ class SamplingParams:
             self.beam_width is None or (is_int(self.beam_width) and self.beam_width >= 1),
             f"beam_width must be an integer >= 1, got {self.beam_width!r}",
         )
+        need(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams",
+        )
         if self.use_beam_search:
+            need(
+                self.structured_outputs is None,
+                "structured_outputs does not combine with use_beam_search: beams may only take tokens "
+                "the grammar allows, which the beam search does not know",
+            )
             need(
                 self.effective_beam_width >= self.n,
                 f"beam_width ({self.effective_beam_width}) must be >= n ({self.n})",

@@ -1,6 +1,7 @@
 """The logits → token pipeline, batched, in one fixed and documented order:
 
-1. constraints: allowed_token_ids → logit_bias (±100) → bad_words → min_tokens → no_repeat_ngram_size
+1. constraints: grammar (structured outputs, a token bitmask) → allowed_token_ids → logit_bias (±100) →
+   bad_words → min_tokens → no_repeat_ngram_size
 2. penalties: repetition (prompt + output) → frequency / presence (output)
 3. temperature: T = 0 is a separate greedy branch (argmax of the constrained logits, ties → lowest id);
    the truncation filters do not apply to it. 0 < T < ``NEAR_ZERO_TEMPERATURE`` draws from the T → 0
@@ -32,6 +33,7 @@ from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
 from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors
+from kvpilot.engine.structured.bitmask import GrammarMasks
 
 
 @dataclass
@@ -63,6 +65,8 @@ class Sampler:
         #: draws noise for rows without their own generator
         self.generator = generator
         self.logprobs_mode = logprobs_mode
+        #: the grammar-mask stage of every step, with its cost counters
+        self.grammar_masks = GrammarMasks()
 
     def sample(
         self,
@@ -82,7 +86,9 @@ class Sampler:
             for i, st in enumerate(states)
         ]
         want_full = list(want_full) or [False] * n
-        need_constraints = any(st.params.needs_masks or st.bad_word_ids for st in states)
+        need_constraints = any(
+            st.params.needs_masks or st.bad_word_ids or st.grammar is not None for st in states
+        )
         need_penalties = any(st.params.needs_penalties for st in states)
         greedy = [st.params.is_greedy for st in states]
         if all(greedy) and not (need_constraints or need_penalties or any(want_lp) or any(want_full)):
@@ -91,7 +97,7 @@ class Sampler:
         raw_lp = logits.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" and any(want_lp) else None
         proc = logits.clone() if (need_constraints or need_penalties) else logits
         if need_constraints:
-            apply_constraints(proc, states)
+            apply_constraints(proc, states, self.grammar_masks)
         if need_penalties:
             apply_penalties(proc, states)
 

@@ -1,0 +1,102 @@
+"""``GrammarCompiler``: constraints → compiled grammars, off the engine thread and cached
+(docs/architecture.md#structured-outputs).
+
+Compiling runs on the compiler's own thread pool. ``compile`` returns a future at once: the HTTP handler
+awaits it (an invalid schema is a 400 before the request is queued) and the engine, given the same
+parameters, finds it in the cache done. The llguidance tokenizer (the model's vocabulary with its token
+trie, ~0.5 s for 49k tokens) is built on the pool when the compiler is made, so neither thread waits for
+it unless the first compile comes sooner. The cache is keyed by ``StructuredOutputsParams.key`` (kind,
+text, whitespace mode), least recently used entries beyond ``cache_size`` dropped; a failed compile is
+cached too, so a bad schema sent again fails without recompiling.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import llguidance
+
+from kvpilot.engine.structured.grammar import build_matcher, grammar_text
+from kvpilot.engine.structured.matcher import GrammarMatcher
+from kvpilot.engine.structured.params import StructuredOutputsParams
+from kvpilot.engine.tokenizer import Tokenizer
+
+DEFAULT_CACHE_SIZE = 512
+
+
+@dataclass(frozen=True)
+class CompiledGrammar:
+    kind: str
+    #: the grammar's matcher at its start, never advanced: each request's matcher is a copy (~2 µs, where
+    #: building one from the grammar text is the ~1 ms compile)
+    template: llguidance.LLMatcher
+    compile_seconds: float
+
+    def matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self.template.deep_copy(), self.kind)
+
+
+class GrammarCompiler:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        *,
+        workers: int = 1,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        on_compiled: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """``vocab_size``: the model's logits width (the mask covers every row of it; ids the tokenizer
+        does not know are never allowed). ``on_compiled(kind, seconds)`` is called after each compile."""
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-grammar")
+        self._tokenizer: Future[llguidance.LLTokenizer] = self._pool.submit(
+            llguidance.LLTokenizer,
+            tokenizer.backend.to_str(),
+            n_vocab=vocab_size,
+            eos_token=sorted(eos_token_ids),
+        )
+        self._cache: OrderedDict[tuple[str, str, bool], Future[CompiledGrammar]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._cache_size = cache_size
+        self.on_compiled = on_compiled
+        #: cache lookups answered from the cache / that started a compile
+        self.hits = 0
+        self.misses = 0
+
+    def compile(self, spec: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """The compiled grammar of ``spec``; the future raises ``GrammarError`` if it does not compile."""
+        key = spec.key
+        with self._lock:
+            future = self._cache.get(key)
+            if future is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return future
+            self.misses += 1
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher for ``spec``, waiting for its compile if it is not cached yet."""
+        return self.compile(spec).result().matcher()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compile(self, spec: StructuredOutputsParams) -> CompiledGrammar:
+        tokenizer = self._tokenizer.result()
+        start = time.perf_counter()
+        template = build_matcher(grammar_text(spec), tokenizer, spec.kind)
+        seconds = time.perf_counter() - start
+        if self.on_compiled is not None:
+            self.on_compiled(spec.kind, seconds)
+        return CompiledGrammar(spec.kind, template, seconds)

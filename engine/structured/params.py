@@ -1,0 +1,100 @@
+"""``StructuredOutputsParams``: what constrains one request's output, with vLLM's names.
+
+Exactly one of ``json`` (a JSON schema, as an object or its text), ``regex``, ``choice`` (a list of
+strings), ``grammar`` (Lark, or GBNF which llguidance converts) and ``json_object`` (any JSON object) is
+given. ``disable_any_whitespace`` makes JSON compact (no whitespace between tokens), as in vLLM.
+``GuidedDecodingParams`` is vLLM's older name for the same thing.
+
+``key`` identifies the compiled grammar: the kind and its text (a schema re-serialized with its key order
+kept, since the order of properties is the order the model writes them in). This module imports neither
+llguidance nor torch: the request boundary validates with it.
+"""
+
+from __future__ import annotations
+
+import json as _json
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsError(ValueError):
+    """The structured-output parameters are malformed; ``param`` names the field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    #: a JSON schema: an object, or its JSON text
+    json: dict[str, Any] | bool | str | None = None
+    #: a regular expression (Rust ``regex`` syntax) the whole output must match
+    regex: str | None = None
+    #: the output is exactly one of these strings
+    choice: list[str] | tuple[str, ...] | None = None
+    #: a Lark grammar (llguidance's dialect) or a GBNF grammar
+    grammar: str | None = None
+    #: any JSON object
+    json_object: bool | None = None
+    #: JSON without whitespace between tokens
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise StructuredOutputsError(
+                f"structured outputs need exactly one of {', '.join(KINDS)}; got "
+                + (", ".join(given) if given else "none"),
+                "structured_outputs",
+            )
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as err:
+                    raise StructuredOutputsError(f"json is not valid JSON: {err}", "json") from None
+            if not isinstance(schema, (dict, bool)):
+                raise StructuredOutputsError("json must be a JSON schema (an object or a boolean)", "json")
+            object.__setattr__(self, "json", schema)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise StructuredOutputsError(f"{name} must be a non-empty string", name)
+        if self.choice is not None:
+            if (
+                isinstance(self.choice, str)
+                or not self.choice
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise StructuredOutputsError("choice must be a non-empty list of non-empty strings", "choice")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        if self.json_object is not None and self.json_object is not True:
+            raise StructuredOutputsError("json_object must be true when given", "json_object")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def text(self) -> str:
+        """The constraint as text: the schema's JSON (key order kept), the regex, the choices' JSON list."""
+        kind = self.kind
+        if kind == "json":
+            return _json.dumps(self.json, ensure_ascii=False)
+        if kind == "choice":
+            return _json.dumps(list(self.choice or ()), ensure_ascii=False)
+        if kind == "json_object":
+            return '{"type": "object"}'
+        return str(getattr(self, kind))
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        return (self.kind, self.text, self.disable_any_whitespace)
+
+
+GuidedDecodingParams = StructuredOutputsParams
