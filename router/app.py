@@ -1,8 +1,5 @@
 """The router's HTTP surface (aiohttp): the proxied OpenAI endpoints, its own ``/health``, ``/ready``,
-``/metrics``, and the start/stop of discovery, pollers and client connections.
-
-aiohttp serves without an ASGI layer in between, and the proxied requests leave through aiohttp's client
-(``upstream``) on the same event loop.
+``/metrics``, and the start/stop of discovery, pollers and client connections (aiohttp's, ``upstream``).
 """
 
 from __future__ import annotations
