@@ -4,7 +4,8 @@ dequantize-then-matmul with gguf's own (llama.cpp-faithful) dequantizer.
 Every format (GGUF Q4_0 / Q4_1 / Q8_0 blocks made by gguf's quantizer, kvpilot's int8 rows), both
 schedules of the kernel (1-4 rows: dot products; more: dequantized slabs, K split in 512-input slices),
 outputs that are not a multiple of its 12-row slab or 3-row tile, int8 rows whose length is not a multiple
-of 32, strided input rows, with and without bias; each on the AVX2 build and on the portable (scalar) build.
+of 32, strided input rows, with and without bias; each on this host's build (AVX-512 where it has it), an
+AVX2-only build and the portable (scalar) build.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ from kvpilot.engine.native.quant_ops import FORMATS
 from kvpilot.engine.native.reference import reference_quant_linear
 
 GGUF_FORMATS = ("Q4_0", "Q4_1", "Q8_0")
-PORTABLE_FLAGS = ("-mno-avx2", "-mno-fma", "-mno-f16c")
+#: the builds tested: this host's (-march=native: AVX-512 where it has it), AVX2 without AVX-512, scalar
+BUILDS = {"native": (), "avx2": ("-mno-avx512f",), "portable": ("-mno-avx2", "-mno-fma", "-mno-f16c")}
 
 
-@pytest.fixture(scope="module", params=["avx2", "portable"])
+@pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request, tmp_path_factory):
-    ops = native.load_native_ops(
-        tmp_path_factory.mktemp("native"), PORTABLE_FLAGS if request.param == "portable" else ()
-    )
-    if request.param == "avx2" and not ops.quant.vectorized:
+    ops = native.load_native_ops(tmp_path_factory.mktemp("native"), BUILDS[request.param])
+    if request.param != "portable" and not ops.quant.vectorized:
         pytest.skip("this CPU or compiler has no AVX2/FMA")
-    assert ops.quant.vectorized == (request.param == "avx2")
+    assert ops.quant.vectorized == (request.param != "portable")
     return ops.quant
 
 
