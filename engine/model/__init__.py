@@ -22,6 +22,8 @@ Forward pass:
                      dequantization, int8 quantization, fusing rows
 - ``quant_linear``   ``QuantLinear`` / ``QuantEmbedding``: layers on quantized weights (C kernels, sliced
                      dequantize-and-GEMM for long prefills, PyTorch ops without the native kernels)
+- ``quant_triton``   the Triton W4A16/W8A16 GEMM on the same bytes (tested in the interpreter; not yet used
+                     by the engine, which quantizes on CPU); imported only once ``TRITON_INTERPRET`` is set
 - ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8) and applied to the
                      model; weight bytes
 - ``loader``         builds the model on its device from a resolved directory

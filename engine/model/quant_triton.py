@@ -1,0 +1,130 @@
+"""Triton GEMM on quantized weights with 16/32-bit activations (W4A16 / W8A16): ``y = x Wᵀ (+ b)`` reading
+the very bytes the CPU kernels read (docs/architecture.md#quantized-weights): GGUF Q4_0 / Q4_1 / Q8_0
+blocks, or int8 rows with per-row float32 scales.
+
+Each program computes a ``BLOCK_M x BLOCK_N`` tile of y over K in steps of ``BLOCK_K`` (a multiple of 32,
+so a step covers whole blocks): it gathers the step's quantized bytes, dequantizes them in registers into
+x's dtype (Q4: the nibble of byte ``j % 16`` chosen by ``j // 16``; the fp16 scale assembled from its two
+bytes) and accumulates ``tl.dot`` in float32. All dot dimensions are >= 16 (a tile of fewer rows is
+masked); offsets are int64, since ``rows x row_bytes`` can pass 2^31.
+
+Not yet used by the engine (``quantization`` runs on CPU); it is tested against the block-wise PyTorch
+reference in the Triton interpreter (float32 and float16 inputs) and compiles the same way on a GPU.
+Import this module only after ``TRITON_INTERPRET`` is decided, as for the attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpilot.engine.native.quant_ops import FORMATS
+
+#: tile sizes: every ``tl.dot`` dimension >= 16; BLOCK_K a multiple of the 32-weight block
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+
+@triton.jit
+def _fp16_at(data_ptr, offsets, mask):
+    """The fp16 stored little-endian at byte ``offsets``, as float32."""
+    lo = tl.load(data_ptr + offsets, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(data_ptr + offsets + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def quant_linear_kernel(
+    x_ptr,
+    data_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    row_bytes,
+    FMT: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK).to(tl.int64)
+        k_ok = ks < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w_row = cols[None, :] * row_bytes  # [1, BN]
+        if FMT == 3:  # int8 rows: one signed byte per weight, the row scale applied after the dot
+            q = tl.load(data_ptr + w_row + ks[:, None], mask=w_ok, other=0).to(tl.int8, bitcast=True)
+            w = q.to(tl.float32)
+        else:
+            block, j = ks // 32, ks % 32  # [BK]
+            start = w_row + (block * BLOCK_BYTES)[:, None]  # [BK, BN]: each weight's block
+            d = _fp16_at(data_ptr, start, w_ok)
+            if FMT == 2:  # Q8_0: d * q, q a signed byte after the 2-byte scale
+                q = tl.load(data_ptr + start + 2 + j[:, None], mask=w_ok, other=0).to(tl.int8, bitcast=True)
+                w = d * q.to(tl.float32)
+            else:
+                header = 4 if FMT == 1 else 2
+                byte = tl.load(data_ptr + start + header + (j % 16)[:, None], mask=w_ok, other=0)
+                nibble = ((byte >> ((j // 16) * 4).to(tl.uint8)[:, None]) & 0x0F).to(tl.float32)
+                if FMT == 1:  # Q4_1: d * q + m
+                    w = d * nibble + _fp16_at(data_ptr, start + 2, w_ok)
+                else:  # Q4_0: d * (q - 8)
+                    w = d * (nibble - 8.0)
+        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+    if FMT == 3:
+        acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def quant_linear(
+    x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor | None, fmt: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x @ W.T + bias`` in x's dtype (float32 or float16/bfloat16), W as ``quant_ops`` describes it."""
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown quantized format {fmt!r}; the kernels run {sorted(FORMATS)}")
+    form = FORMATS[fmt]
+    rows, in_features = x.shape
+    out_features = data.shape[0]
+    if x.stride(1) != 1 or data.dtype != torch.uint8 or not data.is_contiguous():
+        raise ValueError("x needs contiguous rows and data contiguous uint8 [out, row_bytes]")
+    if data.shape[1] != form.row_bytes(in_features):
+        raise ValueError(f"{fmt} rows of {in_features} inputs are {form.row_bytes(in_features)} bytes")
+    if form.row_scales != (scales is not None):
+        raise ValueError(f"{fmt} {'needs' if form.row_scales else 'takes no'} row scales")
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out_features, BLOCK_N))
+    quant_linear_kernel[grid](
+        x,
+        data,
+        data if scales is None else scales,
+        data if bias is None else bias,
+        y,
+        rows,
+        out_features,
+        in_features,
+        x.stride(0),
+        data.shape[1],
+        FMT=form.code,
+        BLOCK_BYTES=form.block_bytes,
+        HAS_BIAS=bias is not None,
+        BM=BLOCK_M,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+    )
+    return y
