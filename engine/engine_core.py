@@ -52,6 +52,8 @@ from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.step_outputs import StepOutputs
+from kvpilot.engine.structured.compiler import GrammarCompiler
+from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.tokenizer import Tokenizer
 
 S = RequestStatus
@@ -177,6 +179,8 @@ class LLMEngine(StepOutputs):
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
+        #: structured outputs' grammars, compiled on their own threads (docs/architecture.md#structured-outputs)
+        self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         #: live sequences by sequence id, live requests by request id
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SequenceGroup] = {}
@@ -234,6 +238,11 @@ class LLMEngine(StepOutputs):
             eos_token_ids=self.eos_token_ids,
         )
         seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
+        if params.structured_outputs is not None:
+            try:  # compiled already when the server checked the request; else compiled now, off this thread
+                seq.grammar = self.grammars.matcher(params.structured_outputs)
+            except GrammarError as err:
+                raise RequestError(f"structured_outputs: {err}") from None
         group = SequenceGroup(request_id, text, token_ids, params, self.tokenizer)
         if params.use_beam_search:
             limit = self.max_model_len - len(token_ids)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvpilot.engine.sampling.params import SamplingParams
     from kvpilot.engine.sequence_group import SequenceGroup
+    from kvpilot.engine.structured.matcher import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -142,6 +143,8 @@ class Request:
         #: token sequences ``bad_words`` bans, and the n-gram index ``no_repeat_ngram_size`` consults
         self.bad_word_ids: list[list[int]] = []
         self.ngram_index: dict[tuple[int, ...], set[int]] = {}
+        #: where the output stands in its grammar (structured outputs); None = unconstrained
+        self.grammar: GrammarMatcher | None = None
         #: the client is not draining its stream: do not schedule decode steps (BACKPRESSURED)
         self.paused = False
 
@@ -198,6 +201,7 @@ class Request:
         child.group = self.group
         child.bad_word_ids = self.bad_word_ids
         child.ngram_index = {k: set(v) for k, v in self.ngram_index.items()}
+        child.grammar = self.grammar.fork() if self.grammar is not None else None
         child.paused = self.paused
         return child
 

@@ -77,6 +77,7 @@ class StepOutputs:
                 s.bad_word_ids,
                 s.ngram_index,
                 self._generators.get(s.request_id),
+                s.grammar,
             )
             for s, _ in rows
         ]
@@ -114,6 +115,8 @@ class StepOutputs:
         self, seq: Request, token: int, now: float, logprob: float | None, top: dict[int, Logprob] | None
     ) -> None:
         seq.append_output_token(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)  # a refused token leaves the matcher in error: _stop_reason ends it
         self.stats.generation_tokens += 1
         times = seq.times
         if times.first_token is None:
@@ -143,6 +146,9 @@ class StepOutputs:
         p = seq.params
         if matched is not None:
             return FinishReason.STOP, matched
+        if seq.grammar is not None and seq.grammar.is_finished:
+            # the grammar is complete (or refused a token other constraints forced, an error)
+            return (FinishReason.STOP if seq.grammar.error is None else FinishReason.ERROR), None
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in seq.eos_token_ids:
                 return FinishReason.STOP, None

@@ -2,7 +2,10 @@
 
 - ``json`` / ``json_object``: llguidance's JSON-schema compiler, strict (``lenient: false``): a keyword it
   does not implement is refused, never ignored (bench/results/structured_outputs.md), and the refusal is a
-  ``GrammarError`` naming that keyword;
+  ``GrammarError`` naming that keyword. Between JSON tokens goes at most ``JSON_WHITESPACE`` (one space,
+  or a newline and up to 16 spaces or tabs of indentation: compact, spaced and pretty-printed JSON all
+  pass), never a free run of whitespace, which a model can otherwise emit until ``max_tokens`` (the tiny
+  test model does); ``disable_any_whitespace`` allows none;
 - ``regex``: the regex as the whole output; ``choice``: a Lark rule of the literal strings;
 - ``grammar``: Lark as is, GBNF converted to Lark (llguidance's converter).
 
@@ -20,6 +23,8 @@ import llguidance
 
 from kvpilot.engine.structured.params import StructuredOutputsParams
 
+#: the whitespace allowed between two JSON tokens
+JSON_WHITESPACE = r"(?: |\n[ \t]{0,16})?"
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 
@@ -37,7 +42,11 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     kind = spec.kind
     try:
         if kind in ("json", "json_object"):
-            options: Any = {"lenient": False, "whitespace_flexible": not spec.disable_any_whitespace}
+            options: Any = {"lenient": False}
+            if spec.disable_any_whitespace:
+                options["whitespace_flexible"] = False
+            else:
+                options["whitespace_pattern"] = JSON_WHITESPACE
             return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(spec.text)
