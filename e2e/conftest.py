@@ -74,7 +74,9 @@ def kubectl(cluster: HarnessCluster) -> Kubectl:
 
 @pytest.fixture(scope="module")
 def operator(cluster: HarnessCluster, kubectl: Kubectl) -> Iterator[subprocess.Popen[str]]:
-    """``kvpilot operator run`` as a subprocess: Kopf against the harness, status refreshed every 0.3 s."""
+    """``kvpilot operator run`` as a subprocess: Kopf against the harness. A loading engine's progress is
+    read every 0.3 s; the resync timer is 10 minutes, longer than any test, so whatever a test sees
+    repaired or updated came through a watch."""
     log_path = cluster.workdir / "operator.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -86,6 +88,8 @@ def operator(cluster: HarnessCluster, kubectl: Kubectl) -> Iterator[subprocess.P
                 "--standalone",
                 "--status-interval",
                 "0.3",
+                "--resync-interval",
+                "600",
                 "--engine-probe-timeout",
                 "0.3",
                 "--log-format",

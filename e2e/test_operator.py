@@ -36,6 +36,25 @@ def wait_phase(cluster: HarnessCluster, namespace: str, name: str, phase: str, t
     )
 
 
+def reconcile_passes(cluster: HarnessCluster, kubectl, namespace: str, passes: int) -> None:
+    """Make the operator reconcile ``smol`` ``passes`` more times, each by a watch event (an annotation on
+    its Deployment, which no reconcile reverts: the operator manages only the fields it set), and wait for
+    each pass: every one reads the router token Secret."""
+
+    def secret_reads() -> int:
+        return sum(
+            1
+            for r in cluster.api
+            if r.method.value == "GET"
+            and r.url.path.endswith(f"/namespaces/{namespace}/secrets/smol-router-token")
+        )
+
+    for number in range(passes):
+        before = secret_reads()
+        kubectl("annotate", "deployment", "smol", "-n", namespace, "--overwrite", f"e2e/touched={number}")
+        cluster.wait_for(f"reconcile pass {number + 1}", lambda before=before: secret_reads() > before)
+
+
 def test_apply_creates_owned_children_and_becomes_ready(cluster, kubectl, namespace):
     kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 2}"))
     status = wait_phase(cluster, namespace, "smol", "Ready")
@@ -109,21 +128,8 @@ def test_a_router_token_secret_is_created_once_and_referenced_by_both_containers
     for container in template["containers"]:
         assert reference in container["env"], container["name"]
 
-    # Refreshes (every 0.3 s here) never rewrite it: one stored version, the same token.
-    cluster.wait_for(
-        "a few status refreshes",
-        lambda: (
-            len(
-                [
-                    r
-                    for r in cluster.api
-                    if r.method.value == "GET"
-                    and r.url.path.endswith(f"/namespaces/{namespace}/secrets/smol-router-token")
-                ]
-            )
-            > 5
-        ),
-    )
+    # Later reconciles never rewrite it: one stored version, the same token.
+    reconcile_passes(cluster, kubectl, namespace, 3)
     assert len(cluster.history("v1/secrets", namespace, "smol-router-token")) == 1
     assert cluster.get("v1/secrets", namespace, "smol-router-token")["data"] == secret["data"]
 
@@ -246,21 +252,9 @@ def test_reconcile_is_idempotent_and_reverts_manual_edits(cluster, kubectl, name
         )
 
     before = operator_writes()
-    cluster.wait_for(
-        "a few status refreshes",
-        lambda: (
-            len(
-                [
-                    r
-                    for r in cluster.api
-                    if r.method.value == "GET"
-                    and r.url.path.endswith(f"/namespaces/{namespace}/deployments/smol")
-                ]
-            )
-            > 6
-        ),
-    )
-    assert operator_writes() == before  # reconciles without a single write to any child
+    reconcile_passes(cluster, kubectl, namespace, 3)
+    kubectl_writes = 3  # the annotations themselves
+    assert operator_writes() == before + kubectl_writes  # reconciles without a single write to any child
 
     kubectl(
         "patch",
@@ -329,3 +323,62 @@ def test_a_dependent_created_after_its_owner_is_gone_is_collected(cluster, kubec
         "kept",
         "owner",
     ]
+
+
+def test_deleted_and_edited_children_are_restored_by_the_watch_not_the_resync(cluster, kubectl, namespace):
+    """The operator here resyncs every 10 minutes (conftest.py): a child put back within seconds was put
+    back because its watch event triggered a reconcile."""
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 1}"))
+    wait_phase(cluster, namespace, "smol", "Ready")
+    for resource, kind, name in (
+        (DEPLOYMENTS, "deployment", "smol"),
+        ("v1/services", "service", "smol-engines"),
+        ("policy/v1/poddisruptionbudgets", "poddisruptionbudget", "smol"),
+    ):
+        uid = cluster.get(resource, namespace, name)["metadata"]["uid"]
+        kubectl("delete", kind, name, "-n", namespace)
+        cluster.wait_for(
+            f"{kind} {name} re-created",
+            lambda resource=resource, name=name, uid=uid: (
+                (found := cluster.get(resource, namespace, name)) and found["metadata"]["uid"] != uid
+            ),
+            timeout=10,
+        )
+    kubectl(
+        "patch",
+        "poddisruptionbudget",
+        "smol",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec": {"maxUnavailable": 0}}',
+    )
+    cluster.wait_for(
+        "the PodDisruptionBudget's maxUnavailable put back",
+        lambda: (
+            cluster.get("policy/v1/poddisruptionbudgets", namespace, "smol")["spec"]["maxUnavailable"] == 1
+        ),
+        timeout=10,
+    )
+    # and a pod change reaches the status through the pod watch
+    pod = cluster.list("v1/pods", namespace)[0]["metadata"]["name"]
+    cluster.runner.stages[pod] = "crashing"
+    wait_phase(cluster, namespace, "smol", "Degraded", timeout=10)
+
+
+def test_a_ready_service_is_left_alone_between_resyncs(cluster, kubectl, namespace):
+    """No polling: once Ready, nothing is asked of the API server about the service (it used to cost ~9
+    requests per status interval); the figure per service and minute comes from e2e/api_calls.py."""
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", "{replicas: 2}"))
+    wait_phase(cluster, namespace, "smol", "Ready")
+    quiet_s = 3.0
+    seen = {"count": -1, "since": 0.0}
+
+    def quiet() -> bool:
+        count = sum(1 for r in cluster.api if f"/namespaces/{namespace}/" in r.url.path)
+        if count != seen["count"]:
+            seen.update(count=count, since=time.monotonic())
+        return time.monotonic() - seen["since"] >= quiet_s
+
+    cluster.wait_for(f"{quiet_s:g} s without a request about {namespace}", quiet, timeout=20)

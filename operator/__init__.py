@@ -14,7 +14,8 @@ Package map (one responsibility per module):
 - Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
   create-or-patch), ``replicas`` (pod + engine ``/ready`` → stage), ``status`` (phase and conditions),
   ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series).
-- Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration), ``leader`` (leader
-  election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``manifest_yaml`` (stable YAML
+- Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration: changes, watched
+  children, resync), ``requeue`` (one reconcile at a time per service, triggers coalesced), ``leader``
+  (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``manifest_yaml`` (stable YAML
   output).
 """

@@ -27,6 +27,7 @@ class ApplyResult:
     ref: ObjectRef
     action: str  # "created", "patched" or "unchanged"
     patch: dict[str, Any] | None = None
+    live: dict[str, Any] | None = None  # the object as the API server returned it after this apply
 
 
 def with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
@@ -72,8 +73,8 @@ def apply_object(api: KubeApi, desired: dict[str, Any]) -> ApplyResult:
     live = api.get(ref)
     if live is None:
         try:
-            api.create({**annotated, **copy.deepcopy(create_only)})
-            return ApplyResult(ref, "created")
+            created = api.create({**annotated, **copy.deepcopy(create_only)})
+            return ApplyResult(ref, "created", live=created)
         except KubeApiError as error:
             # The status timer and a change handler can race to create the same child: patch instead.
             if error.status != 409:
@@ -83,9 +84,8 @@ def apply_object(api: KubeApi, desired: dict[str, Any]) -> ApplyResult:
                 raise
     patch = {**merge_patch(annotated, live, _last_applied(live)), **_missing_keys(create_only, live)}
     if not patch:
-        return ApplyResult(ref, "unchanged")
-    api.merge_patch(ref, patch)
-    return ApplyResult(ref, "patched", patch)
+        return ApplyResult(ref, "unchanged", live=live)
+    return ApplyResult(ref, "patched", patch, live=api.merge_patch(ref, patch))
 
 
 def apply_all(api: KubeApi, objects: tuple[dict[str, Any], ...]) -> list[ApplyResult]:

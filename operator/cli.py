@@ -59,7 +59,14 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="how often status is refreshed and drift reverted",
+        help="while an engine loads or warms up, how often its progress is read into the status",
+    )
+    run.add_argument(
+        "--resync-interval",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="full reconcile of every InferenceService (child changes are watched, this is the safety net)",
     )
     run.add_argument("--engine-probe-timeout", type=float, default=1.0, metavar="SECONDS")
     run.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
@@ -142,6 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         config = OperatorConfig(
             default_image=args.engine_image,
             status_interval_seconds=args.status_interval,
+            resync_interval_seconds=args.resync_interval,
             engine_probe_timeout_seconds=args.engine_probe_timeout,
             metrics_port=args.metrics_port,
         )

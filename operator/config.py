@@ -10,13 +10,18 @@ from kvpilot.operator.api_names import DEFAULT_IMAGE
 @dataclass(frozen=True)
 class OperatorConfig:
     default_image: str = DEFAULT_IMAGE  # engine/router image when spec.engine.image is not set
-    status_interval_seconds: float = 10.0  # how often status is refreshed and drift reverted
+    #: while an engine loads or warms up, how often its /ready progress is read into the status
+    status_interval_seconds: float = 10.0
+    #: the slow full pass over every InferenceService (watches cover the rest: handlers.py)
+    resync_interval_seconds: float = 300.0
     engine_probe_timeout_seconds: float = 1.0  # per /ready call to a not-yet-ready engine
     metrics_port: int | None = None  # Prometheus endpoint of the operator itself; None: off
 
     def __post_init__(self) -> None:
         if self.status_interval_seconds <= 0:
             raise ValueError("--status-interval must be positive")
+        if self.resync_interval_seconds <= 0:
+            raise ValueError("--resync-interval must be positive")
         if self.engine_probe_timeout_seconds <= 0:
             raise ValueError("--engine-probe-timeout must be positive")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:

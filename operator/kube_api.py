@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
 from kubernetes import client, config
 
 # kind -> plural for the kinds the operator reads and writes.
@@ -90,9 +91,11 @@ class KubeApi:
             response = self._client.call_api(
                 method, url, header_params=headers, body=body, _request_timeout=self._timeout
             )
+            data = response.read() or b"{}"
         except client.ApiException as error:  # transport-level failures (TLS, connection)
             raise KubeApiError(int(error.status or 0), str(error.reason), str(error.body)) from None
-        data = response.read() or b"{}"
+        except (urllib3.exceptions.HTTPError, OSError) as error:  # timeouts, refused connections
+            raise KubeApiError(0, "Unreachable", f"{method} {path}: {error}") from None
         if not 200 <= response.status < 300:
             raise _api_error(response.status, response.reason, data)
         return json.loads(data)

@@ -1,7 +1,8 @@
 """One reconciliation of one InferenceService: validate, apply the children, observe, compute status.
 
-Kopf-free on purpose: the handlers only call ``reconcile`` and hand the returned status patch to Kopf,
-so this logic is unit-testable with a fake API and reused by the status timer and the change handlers.
+Kopf-free on purpose: the handlers' queue calls ``reconcile`` and writes the returned status patch, so
+this logic is unit-testable with a fake API and the same whatever triggered it (a change, a watched
+child's event, a follow-up, the resync).
 """
 
 from __future__ import annotations
@@ -26,11 +27,17 @@ from kvpilot.operator.status import Observed, cold_start_status, conditions, dec
 log = logging.getLogger(__name__)
 
 
+#: replica stages that only the engine's /ready body tells apart: no watch event marks their progress
+ENGINE_REPORTED_STAGES = frozenset({"loading", "warmingUp"})
+
+
 @dataclass(frozen=True)
 class Reconciled:
     status_patch: dict[str, Any]  # empty when the status already says it all
     applied: tuple[ApplyResult, ...] = ()
     error: SpecError | None = None
+    #: an engine is loading or warming up: look again after the status interval (handlers.py)
+    follow_up: bool = False
 
 
 def _now() -> str:
@@ -53,9 +60,9 @@ def _rollout(deployment: dict[str, Any] | None, desired: int) -> tuple[bool, boo
 
 
 def _observe(
-    api: KubeApi, isvc: InferenceService, read_engine: EngineReader
+    api: KubeApi, isvc: InferenceService, read_engine: EngineReader, deployment: dict[str, Any] | None
 ) -> tuple[tuple[ReplicaObservation, ...], dict[str, Any] | None]:
-    deployment = api.get(ObjectRef("apps/v1", "Deployment", isvc.namespace, isvc.name))
+    """The replicas, and the Deployment as just applied (its status is the controller's; no second GET)."""
     pods = api.list(ObjectRef("v1", "Pod", isvc.namespace), f"{api_names.SELECTOR_LABEL}={isvc.name}")
     observations = (
         observe_pod(pod, read_engine) for pod in sorted(pods, key=lambda p: p["metadata"]["name"])
@@ -137,7 +144,8 @@ def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Rec
         log.info("%s %s", result.action, result.ref)
     metrics.RECONCILIATIONS.labels("applied" if changed else "unchanged").inc()
     read_engine = functools.partial(read_engine_ready, timeout=config.engine_probe_timeout_seconds)
-    replicas, deployment = _observe(api, isvc, read_engine)
+    deployment = next((r.live for r in applied if r.ref.kind == "Deployment"), None)
+    replicas, deployment = _observe(api, isvc, read_engine, deployment)
     status = _status(isvc, children.sizing, replicas, deployment, previous)
     _record_cold_starts(previous, status)
     metrics.record_status(
@@ -149,4 +157,5 @@ def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Rec
         phase=status["phase"],
     )
     # Fields of the old status that the new one lacks are removed, the rest only if they changed.
-    return Reconciled(merge_patch(status, previous, previous), applied)
+    follow_up = any(replica.stage in ENGINE_REPORTED_STAGES for replica in replicas)
+    return Reconciled(merge_patch(status, previous, previous), applied, follow_up=follow_up)

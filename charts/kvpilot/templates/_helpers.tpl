@@ -49,11 +49,16 @@ app.kubernetes.io/component: operator
 - apiGroups: [kvpilot.dev]
   resources: [inferenceservices/finalizers]
   verbs: [update]
+# Deployments, Services, PodDisruptionBudgets and pods are watched (list, watch; label-selected to the
+# operator's own) so that a change is reconciled at once; the rest waits for the slow resync.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
-  resources: [services, serviceaccounts]
+  resources: [services]
+  verbs: [get, list, watch, create, patch]
+- apiGroups: [""]
+  resources: [serviceaccounts]
   verbs: [get, create, patch]
 # The per-InferenceService router token (<name>-router-token): read and created by name, its labels and
 # owner reference patched; never listed or watched, so the operator cannot enumerate Secrets.
@@ -62,10 +67,10 @@ app.kubernetes.io/component: operator
   verbs: [get, create, patch]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list]
+  verbs: [list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, create, patch]
