@@ -8,6 +8,8 @@ States and the resources each holds:
 - BACKPRESSURED: the client is not draining its stream; holds blocks but is not scheduled.
 - PREEMPTED: blocks freed (recompute); waits in the queue to be recomputed.
 - SWAPPED: blocks copied to host memory and freed on the device.
+  Either can end FINISHED without coming back: a beam preempted while it waited for its siblings that the
+  beam search then prunes or completes.
 - FINISHED, CANCELLED, TIMED_OUT, FAILED: terminal; every one goes through one reclaim routine.
 An illegal transition is a bug and raises ``IllegalTransition``. Rejecting and degrading a request are
 admission decisions the server takes before an engine request exists (an HTTP error; ``best_of`` lowered
@@ -61,8 +63,8 @@ TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
     S.PREFILL: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
     S.DECODE: frozenset({S.DECODE, S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
     S.BACKPRESSURED: frozenset({S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
-    S.PREEMPTED: frozenset({S.RUNNABLE} | _ABORTS),
-    S.SWAPPED: frozenset({S.RUNNABLE} | _ABORTS),
+    S.PREEMPTED: frozenset({S.RUNNABLE, S.FINISHED} | _ABORTS),
+    S.SWAPPED: frozenset({S.RUNNABLE, S.FINISHED} | _ABORTS),
     **{t: frozenset() for t in TERMINAL},
 }
 

@@ -76,6 +76,10 @@ class Scheduler:
         """A forked sequence that already holds (shared) blocks joins the running set."""
         bisect.insort(self.running, req, key=Request.sort_key)
 
+    def add_preempted(self, req: Request) -> None:
+        """A forked sequence without blocks (its parent was preempted) waits to be recomputed."""
+        bisect.insort(self.waiting, req, key=Request.sort_key)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running) + len(self.swapped)
@@ -122,8 +126,11 @@ class Scheduler:
                 req.transition(S.RUNNABLE)
                 bisect.insort(self.running, req, key=Request.sort_key)
                 out.swapped_in.append(req)
-                self._take(req, n, out, scheduled_ids)
-                budget -= n
+                if n:
+                    self._take(req, n, out, scheduled_ids)
+                    budget -= n
+                else:  # a beam waiting for its siblings' distributions: resident again, nothing to compute
+                    req.transition(S.DECODE)
 
         # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
         static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)

@@ -91,7 +91,11 @@ class StepOutputs:
         beams_ready: list[SequenceGroup] = []
         for i, (seq, kind) in enumerate(rows):
             if kind == "beam":
-                if seq.group.beam.report(seq.request_id, res.full_logprobs[i]):
+                # once per group: two beams recomputed after a preemption can both complete the set
+                if (
+                    seq.group.beam.report(seq.request_id, res.full_logprobs[i])
+                    and seq.group not in beams_ready
+                ):
                     beams_ready.append(seq.group)
             else:
                 self._append(seq, res.token_ids[i], now, res.sampled_logprobs[i], res.top_logprobs[i])
@@ -100,13 +104,22 @@ class StepOutputs:
 
     def _fork(self, parent: Request, child_id: str, sample_index: int) -> Request:
         child = parent.fork(child_id)
-        self.kv.fork(parent, child)
+        resident = parent.status not in (S.PREEMPTED, S.SWAPPED)
+        if resident:
+            self.kv.fork(parent, child)
+        else:
+            # a beam preempted while it waited for its siblings: its KV is not on the device to share, so
+            # the fork recomputes it (from prefix-cache hits where the blocks survive)
+            child.status, child.num_computed_tokens = S.PREEMPTED, 0
         seed = parent.params.seed
         if seed is not None:
             gen_seed = (seed + sample_index * _SEED_STRIDE) % (1 << 63)
             self._generators[child_id] = torch.Generator(device=self.device).manual_seed(gen_seed)
         self.requests[child_id] = child
-        self.scheduler.add_running(child)
+        if resident:
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add_preempted(child)
         parent.group.new_sample(child, len(parent.group.samples))
         return child
 

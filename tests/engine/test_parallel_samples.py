@@ -121,3 +121,42 @@ def test_terminal_record_counts_only_tokens_the_client_received(llm, params, gen
         5 * params.n,
         5 * params.n,
     )
+
+
+@pytest.mark.parametrize("preemption", ["recompute", "swap"])
+@pytest.mark.parametrize("num_blocks", [24, 28])
+def test_beam_search_under_preemption_gives_the_unpreempted_beams(preemption, num_blocks):
+    """A beam that has reported its distribution and waits for its siblings is the likeliest preemption
+    victim (it is not scheduled): the selection then prunes, extends or forks it while it is preempted or
+    swapped out. Before, that crashed (a second selection of one step, an illegal swapped -> finished
+    transition). The beams must come out as with a cache large enough for no preemption."""
+    beam = SamplingParams(n=2, use_beam_search=True, beam_width=3, max_tokens=8, ignore_eos=True)
+    prompts = [list(range(40, 50 + 3 * i)) for i in range(4)]
+
+    def run(blocks: int, mode: str):
+        extra = {"swap_space": 0.01} if mode == "swap" else {}
+        small = LLM(
+            "tiny-random",
+            num_kv_blocks=blocks,
+            block_size=4,
+            max_num_seqs=16,
+            preemption_mode=mode,
+            **extra,
+            **ENGINE_DEVICE,
+        )
+        engine = small.engine
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"b{i}", prompt, beam)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [c.token_ids for c in out.outputs]
+            engine.check_invariants()
+        assert engine.pool.num_in_use == 0
+        return done, engine.stats.preemptions
+
+    expected, none = run(400, "recompute")
+    done, preemptions = run(num_blocks, preemption)
+    assert none == 0 and preemptions > 0
+    assert done == expected
