@@ -9,10 +9,12 @@ Configuration and entry points:
 - ``cli``                ``kvpilot generate``: offline generation from the command line
 - ``server/``            OpenAI-compatible HTTP server (``kvpilot serve``)
 
-Prompts and requests (``tokenizer``, ``prompt_render``, ``prompt_bound`` and ``tenancy`` are torch-free
-and shared with the router):
+Prompts and requests (``tokenizer``, ``prompt_render``, ``tool_prompt``, ``prompt_bound`` and ``tenancy``
+are torch-free and shared with the router):
 - ``tokenizer``          tokenizer + chat template
 - ``prompt_render``      request body → prompt token ids, exactly as the server and the router derive them
+- ``tool_prompt``        tools and tool messages in the prompt for templates that do not render them; the
+                         model's tool-call format
 - ``prompt_bound``       a lower bound on a text's token count without tokenizing it (refuses huge prompts)
 - ``tenancy``            a request's tenant (``x-tenant``, else an API-key digest): the prefix-cache salt
 - ``request_validation`` prompt and sampling checks against the loaded model (``RequestError``)

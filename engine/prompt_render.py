@@ -1,5 +1,6 @@
 """Prompt → token ids exactly as the engine server does it; the router imports the same functions so its
-block hashes match the engine's (no torch here)."""
+block hashes match the engine's (no torch here). Tools and tool messages go through ``tool_prompt`` first
+(rewritten into the prompt for templates that do not render them)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvpilot.engine.tokenizer import Tokenizer
+from kvpilot.engine.tool_prompt import prepare_tool_messages, renders_tools
 
 
 def completion_prompt_ids(tokenizer: Tokenizer, prompt: str | Sequence[int]) -> list[int]:
@@ -45,9 +47,14 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> str:
-    """The chat prompt text: content parts normalized, then the model's chat template."""
+    """The chat prompt text: content parts normalized, tools prepared (``tool_prompt``), then the model's
+    chat template."""
+    template = tokenizer.chat_template
+    messages = prepare_tool_messages(template, normalize_messages(messages), template_kwargs.get("tools"))
+    if not renders_tools(template):
+        template_kwargs = {k: v for k, v in template_kwargs.items() if k != "tools"}
     return tokenizer.apply_chat_template(
-        normalize_messages(messages), add_generation_prompt=add_generation_prompt, **template_kwargs
+        messages, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
 
 

@@ -198,8 +198,9 @@ def _check_messages(messages: Any) -> None:
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{index}].role must be a non-empty string")
         content = message.get("content")
-        # A list is OpenAI's content-parts form; the template decides what to do with it.
-        if not isinstance(content, (str, list)):
+        # A list is OpenAI's content-parts form; the template decides what to do with it. An assistant
+        # message that calls tools may have no content.
+        if not isinstance(content, (str, list)) and not (content is None and message.get("tool_calls")):
             raise ValueError(f"messages[{index}].content must be a string or a list of content parts")
 
 

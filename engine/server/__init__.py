@@ -15,6 +15,10 @@ Package map (request path first):
 - ``protocol``          request bodies (pydantic), strict; OpenAI fields + vLLM's extra sampling params
 - ``prompts``           body → prompt token ids, by the router's rules and shared functions
 - ``sampling_mapping``  body → ``SamplingParams``; checks against the loaded engine's limits
+- ``structured_fields`` ``response_format`` / ``structured_outputs`` / ``guided_*`` → one constraint, compiled
+                        before queueing (a 400 names an unsupported JSON-schema keyword)
+- ``tool_calls``        ``tools`` and ``tool_choice``: validation; the grammar of ``required`` and named calls
+- ``tool_parsers``      the model's tool-call text → OpenAI ``tool_calls`` and their stream deltas
 - ``completions``       ``POST /v1/completions`` and its response/stream shapes
 - ``chat``              ``POST /v1/chat/completions`` and its response/stream shapes
 - ``logprobs_format``   engine logprobs in OpenAI's completions and chat shapes

@@ -1,5 +1,6 @@
 """``POST /v1/completions``: OpenAI's legacy completions (several prompts, ``n``, ``echo``, ``logprobs``),
-streaming or not. Choice ``index`` = prompt index × n + sample index, as OpenAI and vLLM number them."""
+streaming or not, structured outputs as on chat (``structured_fields``). Choice ``index`` = prompt index ×
+n + sample index, as OpenAI and vLLM number them."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ from kvpilot.engine.server.generation import Generation, PromptResult
 from kvpilot.engine.server.logprobs_format import completion_logprobs, prompt_logprobs_json
 from kvpilot.engine.server.output_deltas import OutputChunk
 from kvpilot.engine.server.prompts import completion_prompts
-from kvpilot.engine.server.protocol import CompletionRequest, check_text
+from kvpilot.engine.server.protocol import STRUCTURED_TEXT, CompletionRequest, check_text
 from kvpilot.engine.server.responses import respond, usage
 from kvpilot.engine.server.sampling_mapping import check_against_engine, check_prompt_length, sampling_params
 from kvpilot.engine.server.state import request_context, server_state
+from kvpilot.engine.server.structured_fields import compile_structure, requested_structure
 from kvpilot.engine.tokenizer import Tokenizer
 
 router = APIRouter()
@@ -113,14 +115,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state, ctx = server_state(request), request_context(request)
     info = state.info
     state.check_model(body.model)
-    for name in ("prompt", "stop", "bad_words", "suffix", "user"):
+    for name in ("prompt", "stop", "bad_words", "suffix", "user", *STRUCTURED_TEXT):
         check_text(getattr(body, name), name)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if body.echo and body.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported", "echo")
     max_tokens = DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    structure = requested_structure(body)
+    params = sampling_params(
+        body, max_tokens=max_tokens, logprobs=body.logprobs, structured=structure[0] if structure else None
+    )
+    if structure is not None:
+        await compile_structure(info.grammars, *structure)
     prompts = await run_in_threadpool(
         completion_prompts, info.tokenizer, body.prompt, functools.partial(check_prompt_length, info=info)
     )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.prompt_bound import max_chars_per_token
+from kvpilot.engine.structured.compiler import GrammarCompiler
 from kvpilot.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch: only the engine thread imports the engine
@@ -32,6 +33,8 @@ class EngineInfo:
     root_hex: str
     #: thread-safe reads (``since``); written by the engine thread
     kv_events: KVEventLog
+    #: the engine's grammar compiler (thread-safe): handlers compile structured outputs before queueing
+    grammars: GrammarCompiler
     #: the most characters one token can stand for (None: no sound bound for this tokenizer)
     max_chars_per_token: int | None = None
 
@@ -51,6 +54,7 @@ class EngineInfo:
             kv_blocks_total=engine.pool.num_usable,
             root_hex=engine.kv.root_hash.hex(),
             kv_events=engine.kv_events,
+            grammars=engine.grammars,
             max_chars_per_token=max_chars_per_token(engine.tokenizer),
         )
 

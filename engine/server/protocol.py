@@ -1,6 +1,8 @@
 """Request bodies of ``/v1/completions`` and ``/v1/chat/completions``: OpenAI's fields plus vLLM's extra
 sampling parameters at the top level of the body, validated strictly at the boundary (a string is not a
 number, a boolean is not an integer, NaN/Infinity are refused). Unknown fields are ignored, as vLLM does.
+Structured outputs (``response_format``, ``structured_outputs``, ``guided_*``) are read by
+``structured_fields``, tools by ``tool_calls``.
 Ranges that depend on the engine (context length, vocabulary, max_logprobs) are checked after
 tokenization; ranges of the sampling parameters by ``SamplingParams`` itself, each naming its field.
 """
@@ -15,6 +17,15 @@ from kvpilot.engine.server.errors import bad_request
 
 Int64Seed = Annotated[int, Field(ge=-(1 << 63), le=(1 << 64) - 1)]
 MAX_STOP_STRINGS = 64
+#: the structured-output fields, for ``check_text``
+STRUCTURED_TEXT = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
 MAX_SAMPLES = 128
 
 
@@ -61,6 +72,14 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     #: end-user id (recorded on the request's trace span)
     user: str | None = None
+    #: OpenAI's ``{"type": "text" | "json_object" | "json_schema", ...}``
+    response_format: dict[str, Any] | None = None
+    #: vLLM's ``{"json" | "regex" | "choice" | "grammar" | "json_object": ..., ...}``
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -76,10 +95,12 @@ class CompletionRequest(SamplingFields):
 # template as sent (so the router derives the same prompt), and the template decides what it accepts.
 _MESSAGE_SCHEMA = {
     "type": "object",
-    "required": ["role", "content"],
+    "required": ["role"],
     "properties": {
         "role": {"type": "string", "enum": ["system", "user", "assistant", "tool"]},
         "content": {"anyOf": [{"type": "string"}, {"type": "array"}, {"type": "null"}]},
+        "tool_calls": {"type": "array", "items": {"type": "object"}},
+        "tool_call_id": {"type": "string"},
     },
 }
 
@@ -95,7 +116,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
 
 

@@ -9,6 +9,7 @@ from kvpilot.engine.sampling.params import SamplingParams, SamplingParamsError
 from kvpilot.engine.server.engine_info import EngineInfo
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import SamplingFields
+from kvpilot.engine.structured.params import StructuredOutputsParams
 
 # Body fields that map one-to-one onto SamplingParams (same name, same meaning).
 _SAME_NAME = (
@@ -37,8 +38,16 @@ _SAME_NAME = (
 )
 
 
-def sampling_params(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: SamplingFields,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    structured: StructuredOutputsParams | None = None,
+) -> SamplingParams:
+    """``structured``: the request's constraint (``structured_fields.requested_structure``)."""
     kwargs: dict = {name: getattr(body, name) for name in _SAME_NAME if getattr(body, name) is not None}
+    kwargs["structured_outputs"] = structured
     if body.stop is not None:
         kwargs["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
     if body.logit_bias:

@@ -54,7 +54,7 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             lark = "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice or ())
             return llguidance.LLMatcher.grammar_from_lark(lark)
         return llguidance.grammar_from("grammar", spec.text)
-    except ValueError as err:  # a schema that is not JSON, a grammar the GBNF converter cannot read
+    except Exception as err:  # a schema that is not JSON; a grammar the GBNF converter (Python) chokes on
         raise GrammarError(f"{kind}: {err}") from None
 
 

@@ -1,6 +1,7 @@
 """The server derives exactly the prompt token ids the router derives for the same body (so the router's
 block hashes are the engine's): completions prompts in all four forms, chat with add_generation_prompt,
-chat_template_kwargs and tools, on the tiny model and on SmolLM2's real chat template."""
+chat_template_kwargs, tools and tool turns (tool_calls, tool messages), on the tiny model and on SmolLM2's
+real chat template."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ MESSAGES = [
     {"role": "user", "content": "and <|im_start|> inside text?"},
 ]
 TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+CALL = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "kv"}'}}
+TOOL_TURNS = [
+    MESSAGES[1],
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "keys and values"},
+]
 BODIES = [
     (COMPLETIONS, {"prompt": "Once upon a time"}),
     (COMPLETIONS, {"prompt": "special <|im_end|> tokens <|endoftext|> in text"}),
@@ -30,6 +37,7 @@ BODIES = [
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "tools": TOOLS}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES, "tools": None}),
+    (CHAT_COMPLETIONS, {"messages": TOOL_TURNS, "tools": TOOLS}),
     (CHAT_COMPLETIONS, {"messages": MESSAGES[1:2]}),
     (
         CHAT_COMPLETIONS,

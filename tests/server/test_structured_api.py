@@ -1,0 +1,239 @@
+"""Structured outputs and tool calls on a live ``kvpilot serve`` (tiny model, subprocess), driven by the
+official ``openai`` client (docs/architecture.md#structured-outputs). Greedy, so every output is exact; each
+constraint is checked against the same request unconstrained (the negative control). The module runs its
+own server without the native C kernels: nothing here depends on them, so it never waits for their build."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.e2e
+MODEL = "tiny-random"
+MESSAGES = [{"role": "user", "content": "Give me a record."}]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 1, "maximum": 99},
+        "kind": {"enum": ["a", "bb"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,3}$"}, "maxItems": 2},
+    },
+    "required": ["id", "kind", "tags"],
+    "additionalProperties": False,
+}
+RECORD_FORMAT = {"type": "json_schema", "json_schema": {"name": "record", "schema": SCHEMA, "strict": True}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOL_G = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}}
+SHORT = [{"role": "user", "content": "a?"}]  # the tools' section fills most of the tiny model's 512 tokens
+
+
+@pytest.fixture(scope="module")
+def client(start_process) -> openai.OpenAI:
+    args = ["--model", MODEL, "--num-kv-blocks", "512", "--warmup-buckets", "1x8", "--native-cpu-ops", "off"]
+    return start_process(args).client()
+
+
+def valid(text: str | None, schema: dict = SCHEMA) -> bool:
+    try:
+        jsonschema.validate(json.loads(text or ""), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(model=MODEL, **{"temperature": 0, **kwargs})
+
+
+def test_json_schema_on_chat_validates_and_streams_the_same(client):
+    out = chat(client, messages=MESSAGES, max_tokens=300, response_format=RECORD_FORMAT)
+    (choice,) = out.choices
+    assert valid(choice.message.content), choice.message.content
+    assert choice.finish_reason == "stop"
+    chunks = list(chat(client, messages=MESSAGES, max_tokens=300, response_format=RECORD_FORMAT, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert not valid(chat(client, messages=MESSAGES, max_tokens=60).choices[0].message.content)
+
+
+def test_sampled_choices_all_validate(client):
+    out = chat(
+        client, messages=MESSAGES, max_tokens=300, response_format=RECORD_FORMAT, n=3, temperature=1.0, seed=4
+    )
+    assert len(out.choices) == 3 and all(valid(c.message.content) for c in out.choices)
+
+
+def test_json_object_on_completions(client):
+    bias = {"126": 5.0, "37": 5.0}  # '{' and '"' of the tiny vocabulary: strings and the object close soon
+    fmt = {"type": "json_object"}
+    out = client.completions.create(
+        model=MODEL,
+        prompt="x",
+        max_tokens=300,
+        temperature=0,
+        logit_bias=bias,
+        extra_body={"response_format": fmt},
+    )
+    assert isinstance(json.loads(out.choices[0].text), dict) and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("extra", "check"),
+    [
+        ({"structured_outputs": {"regex": "[0-9]{3}-[a-c]+"}}, lambda t: re.fullmatch("[0-9]{3}-[a-c]+", t)),
+        ({"guided_regex": "(yes|no)!"}, lambda t: t in ("yes!", "no!")),
+        ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
+        ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+        ({"guided_json": SCHEMA}, valid),
+        (
+            {"structured_outputs": {"grammar": 'start: "ab" | "cd" "e"*'}},
+            lambda t: re.fullmatch("ab|cde*", t),
+        ),
+    ],
+)
+def test_vllm_extras_on_completions(client, extra, check):
+    out = client.completions.create(
+        model=MODEL, prompt="The answer:", max_tokens=300, temperature=0, extra_body=extra
+    )
+    assert check(out.choices[0].text), out.choices[0].text
+    free = client.completions.create(model=MODEL, prompt="The answer:", max_tokens=12, temperature=0)
+    assert not check(free.choices[0].text)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "uniqueItems",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}},
+            "not",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "strin"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_json": {"type": "object"}, "use_beam_search": True, "n": 2}, "structured_outputs"),
+    ],
+)
+def test_bad_constraints_are_400_naming_the_field(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+    assert (exc.value.status_code, exc.value.param) == (400, param)
+
+
+def _reassemble(chunks) -> tuple[str | None, list[tuple[str, str, str]], str | None]:
+    content, calls, finish = "", [], None
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for tc in choice.delta.tool_calls or []:
+            if tc.id is not None:
+                assert tc.index == len(calls) and tc.type == "function" and tc.function.arguments == ""
+                calls.append([tc.id, tc.function.name, ""])
+            calls[tc.index][2] += tc.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content or None, [tuple(c) for c in calls], finish
+
+
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "f"}}], ids=["required", "named"]
+)
+def test_forced_tool_calls_stream_as_they_return(client, tool_choice):
+    kwargs = {"messages": SHORT, "tools": [TOOL, TOOL_G], "tool_choice": tool_choice, "max_tokens": 78}
+    out = chat(client, parallel_tool_calls=False, **kwargs)
+    (choice,) = out.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name in ("f", "g") if tool_choice == "required" else call.function.name == "f"
+    params = {"f": TOOL, "g": TOOL_G}[call.function.name]["function"]["parameters"]
+    assert valid(call.function.arguments, params), call.function.arguments
+    content, calls, finish = _reassemble(chat(client, parallel_tool_calls=False, stream=True, **kwargs))
+    assert (content, finish) == (None, "tool_calls")
+    assert [(name, args) for _, name, args in calls] == [(call.function.name, call.function.arguments)]
+    free = chat(client, messages=SHORT, tools=[TOOL, TOOL_G], tool_choice="auto", max_tokens=40)
+    assert free.choices[0].finish_reason != "tool_calls" and not free.choices[0].message.tool_calls
+
+
+def test_tool_results_in_the_conversation(client, tiny_tokenizer):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 3}'}}
+    messages = [
+        *SHORT,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "7"},
+    ]
+    out = chat(client, messages=messages, tools=[TOOL], tool_choice="none", max_tokens=2)
+    assert out.choices[0].message.tool_calls is None
+    assert out.usage.prompt_tokens < 512
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+        ({"tools": [TOOL, TOOL]}, "tools[1].function.name"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "u",
+                            "parameters": {
+                                "type": "object",
+                                "properties": {"x": {"type": "array", "uniqueItems": True}},
+                            },
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "uniqueItems",
+        ),
+    ],
+)
+def test_bad_tools_are_400(client, kwargs, param):
+    body = {"messages": SHORT, "tools": [TOOL], "max_tokens": 2, **kwargs}
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, **body)
+    assert (exc.value.status_code, exc.value.param) == (400, param)
