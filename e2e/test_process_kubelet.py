@@ -1,6 +1,6 @@
 """The process kubelet on its own: restart back-off and probe verdicts (pure), how a container becomes a
 command line, and ``ProcessPodRunner`` running small Python HTTP servers as containers (probes, restarts,
-liveness kills, SIGTERM then SIGKILL on deletion, refused pod features)."""
+liveness kills, SIGTERM then SIGKILL on deletion, init containers, refused pod features)."""
 
 from __future__ import annotations
 
@@ -453,5 +453,64 @@ async def test_pod_features_that_are_not_emulated_are_reported_not_run(tmp_path,
         assert (status["phase"], waiting["reason"]) == ("Pending", "CreateContainerConfigError")
         assert "volume 'model' (persistentVolumeClaim)" in waiting["message"]
         assert runner.containers("kubelet")[0].pids == []
+    finally:
+        await runner.close()
+
+
+# An init container: fails on its first run (its last line saying why), succeeds on the next, leaving a
+# file in the emptyDir for the pod's container.
+INIT_SCRIPT = """
+import pathlib, sys
+cache = pathlib.Path(sys.argv[1])
+marker = cache / "attempted"
+if not marker.exists():
+    marker.write_text("1")
+    print("fetching")
+    print("model fetch failed: the mirror said no", file=sys.stderr)
+    sys.exit(1)
+(cache / "model.gguf").write_text("weights")
+"""
+
+
+async def test_init_containers_run_to_success_before_the_pods_containers(tmp_path, addresses, script):
+    runner = ProcessPodRunner(tmp_path / "pods", tmp_path / "kubeconfig")
+    init_script = tmp_path / "init.py"
+    init_script.write_text(INIT_SCRIPT)
+    manifest = pod("initialized", next(addresses), script, {"app": []})
+    manifest["spec"]["volumes"] = [{"name": "cache", "emptyDir": {}}]
+    manifest["spec"]["initContainers"] = [
+        {
+            "name": "fetch",
+            "image": "unused",
+            "command": [sys.executable, str(init_script)],
+            "args": ["/cache"],
+            "volumeMounts": [{"name": "cache", "mountPath": "/cache"}],
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+        }
+    ]
+    try:
+        await runner.start(manifest)
+        seen = await observe(
+            runner, manifest, lambda s: "running" in container(s)["state"], timeout=30
+        )  # the first exit restarts at once, as for any container
+        failed = next(s for s in seen if s.get("initContainerStatuses", [{}])[0].get("lastState"))
+        (init,) = failed["initContainerStatuses"]
+        assert init["lastState"]["terminated"]["exitCode"] == 1
+        # the end of its output is the termination message; the kubelet's own log lines are not in it
+        assert (
+            init["lastState"]["terminated"]["message"] == "fetching\nmodel fetch failed: the mirror said no"
+        )
+        initialized = {"type": "Initialized", "status": "True"}
+        waiting = [s for s in seen if not any(c.items() >= initialized.items() for c in s["conditions"])]
+        assert waiting and all(
+            container(s)["state"] == {"waiting": {"reason": "PodInitializing"}} for s in waiting
+        )
+        assert all(s["phase"] == "Pending" for s in waiting)
+        done = seen[-1]
+        assert done["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+        assert done["initContainerStatuses"][0]["restartCount"] == 1
+        assert {c["type"]: c["status"] for c in done["conditions"]}["Initialized"] == "True"
+        assert (tmp_path / "pods" / "kubelet" / "initialized" / "volumes" / "cache" / "model.gguf").exists()
+        assert len(runner.containers("kubelet")) == 2  # fetch and app
     finally:
         await runner.close()

@@ -8,9 +8,13 @@ Package map (one responsibility per module):
 - The boundary: ``spec_validation`` (defaults, schema, rules → ``SpecError`` naming the field) and
   ``spec`` (frozen dataclasses the rest of the package reads).
 - Deciding: ``sizing`` (N+1 replica count), ``model_size`` (weights of the models known by name, the
-  pod memory their loading needs), ``startup`` (startup-probe budget from the model),
-  ``pod_template`` (engine + router containers, probes, placement), ``children`` (Deployment, Services,
-  PDB, router RBAC, owner references).
+  pod memory their loading needs, the scratch volume's size), ``startup`` (startup-probe budget from
+  the model), ``model_source`` (what a source names, where its files are in the pod),
+  ``model_delivery`` (model volumes, storage requests, the fetch init container), ``pod_template``
+  (engine + router containers, probes, placement), ``children`` (Deployment, Services, PDB, router RBAC,
+  owner references).
+- In the pod: ``fetch`` (``kvpilot operator fetch-model``, the init container that downloads a fetched
+  source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3 requests).
 - Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
   create-or-patch), ``replicas`` (pod + engine ``/ready`` → stage), ``status`` (phase and conditions),
   ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series).

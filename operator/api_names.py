@@ -19,6 +19,7 @@ LAST_APPLIED_ANNOTATION = f"{GROUP}/last-applied"
 
 ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"
+FETCH_CONTAINER = "fetch-model"  # the init container of a fetched model source (model_delivery.py)
 ENGINE_PORT = 8000
 ROUTER_PORT = 8080
 SERVICE_PORT = 80

@@ -5,7 +5,8 @@
   ``--leader-elect`` it first waits to hold the operator's Lease (``leader``) and keeps renewing it;
 - ``render -f isvc.yaml``: prints the objects the operator would apply, like ``helm template``; an invalid
   spec exits 2 with the field named;
-- ``crd``: prints the CustomResourceDefinition YAML (``crds/`` and the chart hold exactly this).
+- ``crd``: prints the CustomResourceDefinition YAML (``crds/`` and the chart hold exactly this);
+- ``fetch-model``: what the pods' init container runs for a fetched model source (``fetch``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import yaml
 
 from kvpilot.operator.api_names import DEFAULT_IMAGE
 from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
 
 if TYPE_CHECKING:
     from kvpilot.operator.leader import LeaseSettings
@@ -95,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--engine-image", default=DEFAULT_IMAGE)
 
     commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
+
+    fetch = commands.add_parser(
+        "fetch-model", help="download a model source into the model cache (the pods' init container)"
+    )
+    add_fetch_arguments(fetch)
     return parser
 
 
@@ -227,6 +234,10 @@ def main(
         return _run(args)
     if args.command == "render":
         return _render(args, out, err, stdin)
+    if args.command == "fetch-model":
+        from kvpilot.operator.fetch import run as fetch_model
+
+        return fetch_model(args)
     from kvpilot.operator.crd import crd_yaml
 
     out.write(crd_yaml())

@@ -15,6 +15,8 @@ from typing import Any
 
 from kubernetes.utils import parse_quantity
 
+from kvpilot.operator.model_source import SINGLE_FILE_PATTERN
+
 # Flags the operator derives from the spec; repeating one in extraArgs would silently override the spec.
 OPERATOR_OWNED_FLAGS = (
     "model",
@@ -113,6 +115,42 @@ RULES: tuple[CrossFieldRule, ...] = (
         ),
     ),
 )
+
+
+_FETCHED = r"^(https?|s3|hf)://"
+
+
+def _cel_string(pattern: str) -> str:
+    """A regular expression as a single-quoted CEL string literal (backslashes escaped)."""
+    return "'" + pattern.replace("\\", "\\\\") + "'"
+
+
+MODEL_RULES: tuple[CrossFieldRule, ...] = (
+    CrossFieldRule(
+        node=("spec", "model"),
+        field="sha256",
+        cel=f"!has(self.sha256) || self.source.matches({_cel_string(SINGLE_FILE_PATTERN)})",
+        message="model.sha256 checks one fetched file (an https://, http://, s3:// or hf://.../<file>.gguf "
+        "source); pin an hf:// repository by its revision instead (hf://<org>/<name>@<commit>)",
+        holds=lambda m: "sha256" not in m or re.match(SINGLE_FILE_PATTERN, m["source"]) is not None,
+    ),
+    CrossFieldRule(
+        node=("spec", "model"),
+        field="endpoint",
+        cel="!self.source.startsWith('s3://') || has(self.endpoint)",
+        message="an s3:// source needs model.endpoint (the S3-compatible endpoint, e.g. "
+        "https://minio.storage.svc:9000)",
+        holds=lambda m: not m["source"].startswith("s3://") or "endpoint" in m,
+    ),
+    CrossFieldRule(
+        node=("spec", "model"),
+        field="credentialsSecret",
+        cel=f"!has(self.credentialsSecret) || self.source.matches({_cel_string(_FETCHED)})",
+        message="model.credentialsSecret applies only to fetched sources (https://, http://, s3://, hf://)",
+        holds=lambda m: "credentialsSecret" not in m or re.match(_FETCHED, m["source"]) is not None,
+    ),
+)
+RULES = RULES + MODEL_RULES
 
 
 def rules_for(node: tuple[str, ...]) -> list[CrossFieldRule]:

@@ -11,6 +11,7 @@ from dataclasses import MISSING, fields
 from typing import Any
 
 from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY, rules_for
+from kvpilot.operator.model_source import DEFAULT_HF_ENDPOINT, DEFAULT_S3_REGION, SOURCE_PATTERN
 from kvpilot.router.config import POLICIES, ScoringWeights
 
 #: the router's cost-term knobs, straight from its config (one source of truth for the CRD and the router)
@@ -35,9 +36,11 @@ QUANTITY_PATTERN = (
     r"^(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"  # the number
     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"  # its suffix, if any
 )
-# Model sources the engine resolves: a bundled name, an absolute path inside the image or on a
-# mounted volume, or pvc://<claim>[/<path in the claim>] (the operator mounts the claim read-only).
-MODEL_SOURCE_PATTERN = r"^(smollm2-135m|tiny-random|/\S+|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/\S*)?)$"
+# Model sources: a bundled name, an absolute path inside the image or on a mounted volume,
+# pvc://<claim>[/<path in the claim>] (mounted read-only), or a URL the init container fetches
+# (operator/model_source.py says each form).
+MODEL_SOURCE_PATTERN = SOURCE_PATTERN
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 PHASES = ("Pending", "Loading", "WarmingUp", "Ready", "Degraded", "Failed")
@@ -120,8 +123,56 @@ def _model() -> dict[str, Any]:
                 "type": "string",
                 "pattern": MODEL_SOURCE_PATTERN,
                 "maxLength": 512,
-                "description": "smollm2-135m, tiny-random, an absolute path in the image or on a volume, "
-                "or pvc://<claim>/<path> (mounted read-only at /models/<claim>).",
+                "description": "smollm2-135m or tiny-random (bundled); an absolute path in the image or on "
+                "a volume; pvc://<claim>/<path> (mounted read-only at /models/<claim>; a claim shared by "
+                "replicas on several nodes needs the ReadOnlyMany access mode); or fetched into the pod's "
+                "model cache by an init container before the engine starts: https://.../<file>.gguf (or "
+                "http:// for an in-cluster mirror), s3://<bucket>/<key>.gguf (from model.endpoint), "
+                "hf://<org>/<name>[@<revision>] (a Hugging Face repository with config.json, "
+                "tokenizer.json and safetensors) or hf://<org>/<name>[@<revision>]/<path>.gguf, from "
+                f"model.endpoint ({DEFAULT_HF_ENDPOINT} when unset).",
+            },
+            "sha256": {
+                "type": "string",
+                "pattern": "^[0-9a-f]{64}$",
+                "description": "Lower-case hex SHA-256 of a fetched single-file source: the download is "
+                "checked before the engine starts, and a mismatch fails the replica (condition reason "
+                "ModelFetchFailed) naming both digests. Pin an hf:// repository by its revision instead.",
+            },
+            "sizeLimit": _quantity(
+                "The most a fetched source may download (all its files together; default 10Gi): a larger "
+                "one is refused before or while it streams, failing the replica (ModelFetchFailed). Also "
+                "the size of the volume the files are fetched into."
+            ),
+            "cacheSize": _quantity(
+                "Size of each replica's scratch volume (an emptyDir: weights converted from GGUF, "
+                "tokenizer and kernel caches), set as its sizeLimit and as the engine's ephemeral-storage "
+                "request (with sizeLimit for fetched sources). Default: what a bundled model's conversion "
+                "needs, else 10Gi; a GGUF converted to float32 takes about 8 times its 4-bit size."
+            ),
+            "endpoint": {
+                "type": "string",
+                "pattern": r"^https?://[^\s/]+(/\S*)?$",
+                "maxLength": 512,
+                "description": "Where s3:// and hf:// sources are fetched from: the S3-compatible endpoint "
+                f"(required for s3://, path-style requests) or the Hugging Face endpoint or mirror "
+                f"(HF_ENDPOINT-style; {DEFAULT_HF_ENDPOINT} when unset).",
+            },
+            "region": {
+                "type": "string",
+                "pattern": "^[a-z0-9-]+$",
+                "maxLength": 64,
+                "description": f"Region s3:// requests are signed for (AWS Signature V4; {DEFAULT_S3_REGION} "
+                "when unset).",
+            },
+            "credentialsSecret": {
+                "type": "string",
+                "pattern": DNS_SUBDOMAIN_PATTERN,
+                "maxLength": 253,
+                "description": "A Secret in the InferenceService's namespace with the fetch credentials, "
+                "read only by the init container: keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and "
+                "AWS_SESSION_TOKEN) for s3:// (requests are then signed), key token for https://, http:// "
+                "and hf:// (sent as Authorization: Bearer). Without it, requests are anonymous.",
             },
             "servedName": {
                 "type": "string",

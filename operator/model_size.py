@@ -1,7 +1,9 @@
-"""What the operator knows of a model's size, and the pod memory that loading it needs at the least.
+"""What the operator knows of a model's size: the pod memory that loading it needs at the least, and the
+scratch volume its conversion needs.
 
-Only the models the engine knows by name have a known size: a path or a PVC is opaque to the operator
-(it never reads the volume), so for those every function here answers None and the spec's values stand.
+Only the models the engine knows by name have a known size: a path, a PVC or a fetched file is opaque to
+the operator (it never reads them), so for those the functions here answer None or a default, and the
+spec's values stand.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ ENGINE_RUNTIME_BYTES = 256 * 1024 * 1024
 # The known models are written into the pod's model cache as float32 safetensors (GGUF conversion, the
 # seeded tiny model), in shards of at most this size (engine/model/gguf_convert.py's default).
 CONVERSION_SHARD_BYTES = 2 * 1024**3
+# The scratch volume holds, beside a known model's float32 conversion, the tokenizer the router extracts,
+# the native and Triton kernel caches and the engine's own files.
+SCRATCH_HEADROOM_BYTES = 1024**3
+DEFAULT_SCRATCH = "10Gi"  # sources of unknown size, when model.cacheSize is unset
 
 
 def engine_dtype(dtype: str, on_gpu: bool) -> str:
@@ -44,3 +50,14 @@ def memory_floor_bytes(source: str, dtype: str, on_gpu: bool, kv_cache_bytes: in
     if weights is None:
         return None
     return weights + kv_cache_bytes + ENGINE_RUNTIME_BYTES
+
+
+def scratch_quantity(source: str, cache_size: str | None) -> str:
+    """The scratch emptyDir's size: ``cache_size`` if set, a known model's conversion plus headroom, or
+    ``DEFAULT_SCRATCH``."""
+    if cache_size is not None:
+        return cache_size
+    converted = weight_bytes(source, "float32")
+    if converted is None:
+        return DEFAULT_SCRATCH
+    return f"{-(-(converted + SCRATCH_HEADROOM_BYTES) // 2**20)}Mi"

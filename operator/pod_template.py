@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvpilot.operator import api_names
-from kvpilot.operator.spec import MODELS_MOUNT, InferenceService
+from kvpilot.operator.model_delivery import FETCH_VOLUME, fetch_init_container, model_volumes, storage_request
+from kvpilot.operator.spec import FETCH_MOUNT, MODELS_MOUNT, InferenceService
 from kvpilot.operator.startup import PROBE_PERIOD_SECONDS, startup_budget
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -29,12 +30,14 @@ RUN_AS_USER = 10001  # the image's non-root user
 
 
 def _model_mounts(isvc: InferenceService) -> list[dict[str, Any]]:
-    """The writable scratch volume, and the model's PVC read-only when the model lives on one."""
+    """The writable scratch volume, and read-only the model's PVC or the fetched model cache."""
     mounts: list[dict[str, Any]] = [{"name": "tmp", "mountPath": "/tmp"}]
     if isvc.spec.model.pvc_claim:
         mounts.append(
             {"name": "model", "mountPath": f"{MODELS_MOUNT}/{isvc.spec.model.pvc_claim}", "readOnly": True}
         )
+    if isvc.spec.model.fetch is not None:
+        mounts.append({"name": FETCH_VOLUME, "mountPath": FETCH_MOUNT, "readOnly": True})
     return mounts
 
 
@@ -132,7 +135,13 @@ def _security_context() -> dict[str, Any]:
 def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
     spec = isvc.spec
     budget = startup_budget(spec.model)
-    requests: dict[str, str] = {"cpu": spec.resources.cpu, "memory": spec.resources.memory}
+    # The scratch volume (and the fetched model) count against the node's ephemeral storage: request them,
+    # so the scheduler places the pod where they fit.
+    requests: dict[str, str] = {
+        "cpu": spec.resources.cpu,
+        "memory": spec.resources.memory,
+        "ephemeral-storage": storage_request(spec.model),
+    }
     limits: dict[str, str] = {"memory": spec.resources.memory}
     if spec.resources.gpus:
         requests[GPU_RESOURCE] = str(spec.resources.gpus)
@@ -208,11 +217,7 @@ def pod_template(
 ) -> dict[str, Any]:
     spec = isvc.spec
     image = spec.engine.image or default_image
-    volumes: list[dict[str, Any]] = [{"name": "tmp", "emptyDir": {}}]
-    if spec.model.pvc_claim:
-        volumes.append(
-            {"name": "model", "persistentVolumeClaim": {"claimName": spec.model.pvc_claim, "readOnly": True}}
-        )
+    volumes = model_volumes(spec.model)
     pod_spec: dict[str, Any] = {
         "serviceAccountName": f"{isvc.name}-router",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
@@ -239,6 +244,8 @@ def pod_template(
         pod_spec["tolerations"] = tolerations
     if spec.tenancy.priority_class_name:
         pod_spec["priorityClassName"] = spec.tenancy.priority_class_name
+    if spec.model.fetch is not None:
+        pod_spec["initContainers"] = [fetch_init_container(spec.model, image, _security_context())]
     if spec.tenancy.image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec.tenancy.image_pull_secrets]
     return {"metadata": {"labels": dict(labels)}, "spec": pod_spec}

@@ -49,6 +49,10 @@ class ReplicaObservation:
     detail: str
     created_at: datetime | None
     ready_at: datetime | None
+    cause: str = ""  # why a failing replica fails, when it is known: MODEL_FETCH_FAILED
+
+
+MODEL_FETCH_FAILED = "ModelFetchFailed"
 
 
 EngineReader = Callable[[str, int], "EngineReport | None"]
@@ -105,13 +109,50 @@ def _progress_text(progress: Any) -> str:
     return ""
 
 
-def _stage(pod: dict[str, Any], read_engine: EngineReader) -> tuple[str, str]:
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _init_stage(pod: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(stage, detail, cause) while the model-fetch init container has not succeeded yet, else None."""
+    for status in pod.get("status", {}).get("initContainerStatuses", []):
+        if status.get("name") != api_names.FETCH_CONTAINER:
+            continue
+        state = status.get("state", {})
+        terminated = state.get("terminated") or {}
+        if terminated.get("exitCode") == 0:
+            return None
+        if "running" in state:
+            return "loading", "fetching the model", ""
+        failed = terminated or status.get("lastState", {}).get("terminated") or {}
+        if failed:
+            message = _last_line(failed.get("message", "")) or f"exit code {failed.get('exitCode')}"
+            return FAILING, message, MODEL_FETCH_FAILED
+        waiting = state.get("waiting", {})
+        return "pending", waiting.get("message") or waiting.get("reason") or "waiting to fetch the model", ""
+    return None
+
+
+def _stage(pod: dict[str, Any], read_engine: EngineReader) -> tuple[str, str, str]:
+    """(stage, detail, cause)."""
     status = pod.get("status", {})
     if status.get("phase") in ("Failed", "Succeeded"):
-        return FAILING, f"pod {status['phase'].lower()}"
+        # e.g. Evicted: "Usage of EmptyDir volume "tmp" exceeds the limit" (model.cacheSize too small)
+        why = ": ".join(part for part in (status.get("reason"), status.get("message")) if part)
+        return FAILING, f"pod {status['phase'].lower()}" + (f" ({why})" if why else ""), ""
     scheduled = _condition(pod, "PodScheduled")
     if scheduled.get("status") == "False":
-        return "pending", scheduled.get("message") or scheduled.get("reason") or "not scheduled"
+        return "pending", scheduled.get("message") or scheduled.get("reason") or "not scheduled", ""
+    fetching = _init_stage(pod)
+    if fetching is not None:
+        return fetching
+    return (*_container_stage(pod, status, read_engine), "")
+
+
+def _container_stage(
+    pod: dict[str, Any], status: dict[str, Any], read_engine: EngineReader
+) -> tuple[str, str]:
     ready = _condition(pod, "Ready").get("status") == "True"
     engine = _engine_status(pod)
     state = engine.get("state", {})
@@ -138,7 +179,7 @@ def observe_pod(
     metadata = pod.get("metadata", {})
     if metadata.get("deletionTimestamp"):
         return None
-    stage, detail = _stage(pod, read_engine)
+    stage, detail, cause = _stage(pod, read_engine)
     ready_condition = _condition(pod, "Ready")
     ready_at = parse_time(ready_condition.get("lastTransitionTime")) if stage == "ready" else None
     return ReplicaObservation(
@@ -147,4 +188,5 @@ def observe_pod(
         detail=detail,
         created_at=parse_time(metadata.get("creationTimestamp")),
         ready_at=ready_at,
+        cause=cause,
     )

@@ -13,10 +13,18 @@ from kubernetes.utils import parse_quantity
 
 from kvpilot.operator import api_names
 from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY
+from kvpilot.operator.model_source import (
+    DEFAULT_S3_REGION,
+    FETCH_MOUNT,
+    MODELS_MOUNT,
+    Fetch,
+    engine_path,
+    parse_fetch,
+    pvc_claim,
+)
 from kvpilot.operator.spec_validation import SpecError, validated_spec
 
-PVC_SCHEME = "pvc://"
-MODELS_MOUNT = "/models"
+DEFAULT_FETCH_SIZE_LIMIT = "10Gi"  # the most a fetched source may download, when model.sizeLimit is unset
 
 
 @dataclass(frozen=True)
@@ -25,21 +33,26 @@ class ModelSpec:
     served_name: str
     dtype: str = "auto"
     startup_timeout_seconds: int | None = None
+    sha256: str | None = None  # of a fetched single-file source
+    size_limit: str = DEFAULT_FETCH_SIZE_LIMIT  # a fetched source: the most bytes downloaded
+    cache_size: str | None = None  # the scratch volume's size; None: model_size.scratch_bytes decides
+    endpoint: str | None = None  # s3: the S3-compatible endpoint; hf: the mirror (default huggingface.co)
+    region: str = DEFAULT_S3_REGION  # s3: the region requests are signed for
+    credentials_secret: str | None = None  # a Secret in the namespace (keys: see pod_template)
 
     @property
     def pvc_claim(self) -> str | None:
-        if not self.source.startswith(PVC_SCHEME):
-            return None
-        return self.source[len(PVC_SCHEME) :].split("/", 1)[0]
+        return pvc_claim(self.source)
+
+    @property
+    def fetch(self) -> Fetch | None:
+        """The download the init container makes, or None when the pod has the model already."""
+        return parse_fetch(self.source)
 
     @property
     def engine_path(self) -> str:
-        """What the engine gets as --model: the name or path, with a PVC turned into its mount path."""
-        claim = self.pvc_claim
-        if claim is None:
-            return self.source
-        rest = self.source[len(PVC_SCHEME) + len(claim) :].strip("/")
-        return f"{MODELS_MOUNT}/{claim}/{rest}" if rest else f"{MODELS_MOUNT}/{claim}"
+        """What the engine gets as --model: the name or path, a PVC or a fetched file as its mount path."""
+        return engine_path(self.source)
 
 
 @dataclass(frozen=True)
@@ -127,6 +140,12 @@ class InferenceServiceSpec:
                 served_name=model.get("servedName", name),
                 dtype=model["dtype"],
                 startup_timeout_seconds=model.get("startupTimeoutSeconds"),
+                sha256=model.get("sha256"),
+                size_limit=model.get("sizeLimit", DEFAULT_FETCH_SIZE_LIMIT),
+                cache_size=model.get("cacheSize"),
+                endpoint=model.get("endpoint"),
+                region=model.get("region", DEFAULT_S3_REGION),
+                credentials_secret=model.get("credentialsSecret"),
             ),
             engine=EngineSpec(
                 image=engine.get("image"),
@@ -202,4 +221,4 @@ class InferenceService:
         )
 
 
-__all__ = ["InferenceService", "InferenceServiceSpec", "SpecError"]
+__all__ = ["FETCH_MOUNT", "MODELS_MOUNT", "InferenceService", "InferenceServiceSpec", "SpecError"]

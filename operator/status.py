@@ -3,7 +3,8 @@
 Rules, in order (the first that applies wins):
 - the spec is invalid → Failed;
 - ready ≥ desired → Ready (the only way to Ready: every desired replica serves, warm);
-- nothing ready and a replica is failing or the rollout exceeded its deadline → Failed;
+- nothing ready and a replica is failing or the rollout exceeded its deadline → Failed (reason
+  ModelFetchFailed when every failing replica could not fetch its model, the fetcher's message given);
 - some ready but a replica is failing, or the service was Ready for this generation and lost replicas
   → Degraded;
 - otherwise the rollout is on its way, and the slowest replica names the phase: Pending, Loading or
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from kvpilot.operator.replicas import FAILING, STAGES, ReplicaObservation
+from kvpilot.operator.replicas import FAILING, MODEL_FETCH_FAILED, STAGES, ReplicaObservation
 
 STAGE_PHASES = {"pending": "Pending", "loading": "Loading", "warmingUp": "WarmingUp"}
 COLD_START_KEEP = 5
@@ -49,6 +50,12 @@ def _failing_detail(observed: Observed) -> str:
     return "; ".join(f"{r.pod}: {r.detail}" for r in failing[:3])
 
 
+def _failing_reason(observed: Observed) -> str:
+    """ModelFetchFailed when every failing replica failed to fetch its model, else ReplicasFailing."""
+    causes = {r.cause for r in observed.replicas if r.stage == FAILING}
+    return MODEL_FETCH_FAILED if causes == {MODEL_FETCH_FAILED} else "ReplicasFailing"
+
+
 def decide_phase(observed: Observed) -> tuple[str, str, str]:
     """(phase, reason, message) for a valid spec."""
     counts = stage_counts(observed)
@@ -58,9 +65,10 @@ def decide_phase(observed: Observed) -> tuple[str, str, str]:
         return "Ready", "ReplicasReady", summary
     if ready == 0 and (counts["failing"] or observed.rollout_stalled):
         detail = _failing_detail(observed) or "rollout exceeded its progress deadline"
-        return "Failed", "ReplicasFailing", f"{summary}; {detail}"
+        reason = _failing_reason(observed) if counts["failing"] else "ReplicasFailing"
+        return "Failed", reason, f"{summary}; {detail}"
     if counts["failing"]:
-        return "Degraded", "ReplicasFailing", f"{summary}; {_failing_detail(observed)}"
+        return "Degraded", _failing_reason(observed), f"{summary}; {_failing_detail(observed)}"
     if observed.was_ready:
         return "Degraded", "ReplicasLost", summary
     slowest = next((stage for stage in STAGES[:-1] if counts[stage] > 0), "pending")

@@ -83,7 +83,7 @@ def resolve_secret_env(
     refuse."""
     resolved = copy.deepcopy(pod)
     namespace = pod["metadata"].get("namespace", "default")
-    for container in resolved["spec"].get("containers", []):
+    for container in [*resolved["spec"].get("initContainers", []), *resolved["spec"].get("containers", [])]:
         env = []
         for variable in container.get("env", []):
             ref = variable.get("valueFrom", {}).get("secretKeyRef")

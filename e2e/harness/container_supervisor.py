@@ -9,13 +9,17 @@
   readiness probe runs at once instead of waiting for its tick. A failed liveness or startup verdict
   stops the container (SIGTERM, SIGKILL after the grace period) and the restart policy brings it back.
 - **Status**: ``state``/``lastState`` (waiting, running, terminated with exit code and reason),
-  ``started``, ``ready``, ``restartCount`` and ``containerID`` (``process://<pid>``).
+  ``started``, ``ready``, ``restartCount`` and ``containerID`` (``process://<pid>``); with
+  ``terminationMessagePolicy: FallbackToLogsOnError`` a failed run's ``message`` is the end of its output.
+- **Init containers** (``init=True``): done once a run exits 0; a failed run restarts with the same
+  back-off (the pod's restartPolicy is Always).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,8 +65,10 @@ class ContainerSupervisor:
         log_path: Path,
         session: aiohttp.ClientSession,
         clock: Callable[[], float] = time.monotonic,
+        init: bool = False,
     ) -> None:
-        """``pod`` is (namespace, name); ``launch`` is the process to run, or why none can run."""
+        """``pod`` is (namespace, name); ``launch`` is the process to run, or why none can run; ``init``:
+        an init container, done once it exits 0 (it is restarted only after a failure)."""
         self.name, self.image = container["name"], container.get("image", "")
         (self.namespace, self.pod_name), self.pod_ip = pod, pod_ip
         self.pids: list[int] = []  # every process this container ever had
@@ -82,6 +88,8 @@ class ContainerSupervisor:
         self.last_state: dict[str, Any] = {}
         self._started_clock = 0.0
         self._backoff = RestartBackoff()
+        self.init, self.completed = init, False
+        self._fallback_to_logs = container.get("terminationMessagePolicy") == "FallbackToLogsOnError"
         self._stopping = False
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -146,6 +154,7 @@ class ContainerSupervisor:
         assert isinstance(self._launch, LaunchSpec)
         while True:
             banner = f"container {self.name} of pod {self.pod_name}, start {self.restart_count + 1}"
+            output_from = self._log_path.stat().st_size if self._log_path.exists() else 0
             process = await ContainerProcess.start(self._launch, self._log_path, banner)
             self.current, self._started_clock = process, self._clock()
             if process.pid is not None:
@@ -160,9 +169,14 @@ class ContainerSupervisor:
                 return
             exited: Exit = await process.wait()
             finished = self._clock()
+            if exited.code != 0 and self._fallback_to_logs and not exited.message:
+                exited = dataclasses.replace(exited, message=self._output_tail(output_from))
             self._event(f"container {self.name} exited with code {exited.code} ({exited.reason})")
             self.state = {"terminated": exited.as_state()}
             if self._stopping:
+                return
+            if self.init and exited.code == 0:
+                self.completed = True
                 return
             delay = self._backoff.delay(finished, self._clock())
             if delay > 0:
@@ -183,6 +197,20 @@ class ContainerSupervisor:
             self._backoff.restarting(finished, self._clock())
             self.last_state = {"terminated": exited.as_state()}
             self.restart_count += 1
+
+    def _output_tail(self, offset: int) -> str:
+        """``FallbackToLogsOnError``: the kubelet's termination message is the end of the container's
+        output (its last 80 lines, at most 2048 bytes); the kubelet's own lines here are not output."""
+        with self._log_path.open("rb") as log:
+            log.seek(offset)
+            lines = log.read().decode(errors="replace").splitlines()
+        output = [line for line in lines if not line.startswith("==> ")][-80:]
+        return "\n".join(output).encode()[-2048:].decode(errors="ignore")
+
+    async def finished(self) -> None:
+        """Wait until the container's lifecycle ended: an init container completed, or it was stopped."""
+        if self._lifecycle is not None:
+            await asyncio.shield(self._lifecycle)
 
     async def _probe_loop(self, verdict: ProbeVerdict) -> None:
         loop = asyncio.get_running_loop()

@@ -12,14 +12,15 @@ holding its emptyDir volumes and one log per container), the pod phase and condi
 SIGTERM to every container, SIGKILL after ``terminationGracePeriodSeconds``. What is *not* emulated:
 the image (the local ``kvpilot`` runs), resource requests and limits, security contexts, volumes other
 than emptyDir, network isolation (a process can reach any pod's address, and ``localhost`` is not the
-pod's own), init containers and lifecycle hooks (refused), and graceful deletion in the API (the harness
-removes a deleted pod at once; its processes stop afterwards).
+pod's own), lifecycle hooks (refused), and graceful deletion in the API (the harness removes a deleted pod
+at once; its processes stop afterwards). Init containers run one after the other before the pod's
+containers start, each until it exits 0 (restarted with back-off after a failure).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +40,20 @@ class RunningPod:
     supervisors: list[ContainerSupervisor]
     start_time: str
     grace_s: float
+    init: list[ContainerSupervisor] = field(default_factory=list)
+
+    @property
+    def initialized(self) -> bool:
+        return all(s.completed for s in self.init)
+
+    @property
+    def everything(self) -> list[ContainerSupervisor]:
+        return [*self.init, *self.supervisors]
 
 
 def _unsupported_pod_fields(pod: dict[str, Any]) -> str | None:
     spec = pod["spec"]
-    if spec.get("initContainers"):
-        return "initContainers are not emulated"
-    for container in spec["containers"]:
+    for container in [*spec.get("initContainers", []), *spec["containers"]]:
         if container.get("lifecycle"):
             return f"container {container['name']!r}: lifecycle hooks are not emulated"
     return None
@@ -63,11 +71,15 @@ def _condition(kind: str, true: bool, previous: dict[str, Any], reason: str = ""
 
 def pod_status(running: RunningPod, pod_ip: str, previous: dict[str, Any]) -> dict[str, Any]:
     """The pod status a kubelet reports: phase, conditions and one status per container."""
+    initialized = running.initialized
     containers = [s.status() for s in running.supervisors]
-    ready = all(s.ready for s in running.supervisors)
+    if not initialized:
+        for status in containers:
+            status["state"] = {"waiting": {"reason": "PodInitializing"}}
+    ready = initialized and all(s.ready for s in running.supervisors)
     # Pending until every container has been created once; restarts and back-off do not make it Pending.
-    phase = "Running" if all(s.ever_ran for s in running.supervisors) else "Pending"
-    return {
+    phase = "Running" if initialized and all(s.ever_ran for s in running.supervisors) else "Pending"
+    status = {
         "phase": phase,
         "podIP": pod_ip,
         "podIPs": [{"ip": pod_ip}],
@@ -75,12 +87,15 @@ def pod_status(running: RunningPod, pod_ip: str, previous: dict[str, Any]) -> di
         "startTime": running.start_time,
         "conditions": [
             _condition("PodScheduled", True, previous),
-            _condition("Initialized", True, previous),
+            _condition("Initialized", initialized, previous, "ContainersNotInitialized"),
             _condition("ContainersReady", ready, previous, "ContainersNotReady"),
             _condition("Ready", ready, previous, "ContainersNotReady"),
         ],
         "containerStatuses": containers,
     }
+    if running.init:
+        status["initContainerStatuses"] = [s.status() for s in running.init]
+    return status
 
 
 class ProcessPodRunner:
@@ -99,36 +114,51 @@ class ProcessPodRunner:
         metadata, pod_ip = pod["metadata"], pod["status"]["podIP"]
         pod_dir = self.pods_dir / metadata["namespace"] / metadata["name"]
         pod_problem = _unsupported_pod_fields(pod)
-        supervisors = []
-        for container in pod["spec"]["containers"]:
+        session = self._session
+
+        def supervise(container: dict[str, Any], init: bool) -> ContainerSupervisor:
             try:
                 if pod_problem:
                     raise UnsupportedPod(pod_problem)
                 launch = build_launch(pod, container, pod_dir, empty_dirs(pod, pod_dir), self.kubeconfig)
-                probes = [probe for kind in PROBE_FIELDS if (probe := parse_probe(kind, container))]
+                probes = [] if init else [p for kind in PROBE_FIELDS if (p := parse_probe(kind, container))]
             except UnsupportedPod as error:
                 launch, probes = error, []
-            supervisors.append(
-                ContainerSupervisor(
-                    (metadata["namespace"], metadata["name"]),
-                    pod_ip,
-                    container,
-                    launch,
-                    probes,
-                    grace_s=pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
-                    log_path=pod_dir / f"{container['name']}.log",
-                    session=self._session,
-                )
+            return ContainerSupervisor(
+                (metadata["namespace"], metadata["name"]),
+                pod_ip,
+                container,
+                launch,
+                probes,
+                grace_s=pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
+                log_path=pod_dir / f"{container['name']}.log",
+                session=session,
+                init=init,
             )
-        self._pods[metadata["uid"]] = RunningPod(
+
+        running = RunningPod(
             metadata["namespace"],
             metadata["name"],
-            supervisors,
+            [supervise(container, init=False) for container in pod["spec"]["containers"]],
             timestamp(),
             pod["spec"].get("terminationGracePeriodSeconds", DEFAULT_GRACE_S),
+            init=[supervise(container, init=True) for container in pod["spec"].get("initContainers", [])],
         )
-        self._supervisors.extend(supervisors)
-        for supervisor in supervisors:
+        self._pods[metadata["uid"]] = running
+        self._supervisors.extend(running.everything)
+        task = asyncio.get_running_loop().create_task(self._initialize_then_start(running))
+        self._stopping.add(task)  # awaited on close like a stop, so nothing outlives the runner
+        task.add_done_callback(self._stopping.discard)
+
+    @staticmethod
+    async def _initialize_then_start(running: RunningPod) -> None:
+        """Init containers one at a time, each to its successful exit; then the pod's containers."""
+        for supervisor in running.init:
+            supervisor.begin()
+            await supervisor.finished()
+            if not supervisor.completed:
+                return  # stopped (the pod went away), or it could not run at all
+        for supervisor in running.supervisors:
             supervisor.begin()
 
     def status(self, pod: dict[str, Any], previous: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +181,7 @@ class ProcessPodRunner:
 
     @staticmethod
     async def _stop_pod(running: RunningPod, grace_s: float) -> None:
-        await asyncio.gather(*(supervisor.stop(grace_s) for supervisor in running.supervisors))
+        await asyncio.gather(*(supervisor.stop(grace_s) for supervisor in running.everything))
 
     async def close(self) -> None:
         """The harness is shutting down: stop every pod (grace capped at ``shutdown_grace_s``) and wait."""

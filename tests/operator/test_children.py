@@ -236,3 +236,98 @@ def test_a_router_token_secret_is_owned_and_both_containers_read_it():
     engine, router = objects[("Deployment", "smol")]["spec"]["template"]["spec"]["containers"]
     assert [v for v in engine["env"] if v["name"] == "KVPILOT_ROUTER_TOKEN"] == [reference]
     assert [v for v in router["env"] if v["name"] == "KVPILOT_ROUTER_TOKEN"] == [reference]
+
+
+def _pod(spec: dict) -> dict:
+    return children(spec)[("Deployment", "smol")]["spec"]["template"]["spec"]
+
+
+def test_a_fetched_source_gets_an_init_container_a_sized_cache_and_read_only_mounts():
+    digest = "a" * 64
+    pod = _pod(
+        {"model": {"source": "https://mirror.ml.svc/smol/q4.gguf", "sha256": digest, "sizeLimit": "2Gi"}}
+    )
+    (fetcher,) = pod["initContainers"]
+    assert fetcher["name"] == "fetch-model" and fetcher["image"] == "img:1"
+    assert fetcher["command"] == ["kvpilot", "operator", "fetch-model"]
+    assert fetcher["args"] == [
+        "--source",
+        "https://mirror.ml.svc/smol/q4.gguf",
+        "--dest",
+        "/model-cache",
+        "--size-limit",
+        str(2 * 1024**3),
+        "--sha256",
+        digest,
+    ]
+    assert fetcher["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    assert fetcher["volumeMounts"] == [{"name": "model-cache", "mountPath": "/model-cache"}]
+    assert fetcher["securityContext"]["readOnlyRootFilesystem"] is True and "env" not in fetcher
+    assert pod["volumes"] == [
+        {"name": "tmp", "emptyDir": {"sizeLimit": "10Gi"}},
+        {"name": "model-cache", "emptyDir": {"sizeLimit": "2Gi"}},
+    ]
+    engine, router = pod["containers"]
+    for container in (engine, router):
+        assert {"name": "model-cache", "mountPath": "/model-cache", "readOnly": True} in container[
+            "volumeMounts"
+        ]
+        assert container["args"][:2] == ["--model", "/model-cache/q4.gguf"]
+    # both volumes on the node's disk: the scheduler needs to know
+    assert engine["resources"]["requests"]["ephemeral-storage"] == f"{12 * 1024}Mi"
+
+
+def test_the_scratch_volume_is_sized_from_a_known_model_or_the_spec():
+    smol = _pod({"model": {"source": "smollm2-135m"}})
+    # SmolLM2's float32 conversion (540 MB) plus 1 GiB of caches
+    assert smol["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "1539Mi"}}]
+    assert smol["containers"][0]["resources"]["requests"]["ephemeral-storage"] == "1539Mi"
+    assert "initContainers" not in smol
+    sized = _pod({"model": {"source": "/models/llama.gguf", "cacheSize": "64Gi"}})
+    assert sized["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "64Gi"}}]
+
+
+def test_fetch_credentials_reach_only_the_init_container():
+    s3 = _pod(
+        {
+            "model": {
+                "source": "s3://models/llama/q4.gguf",
+                "endpoint": "https://minio.storage.svc:9000",
+                "region": "eu-west-1",
+                "credentialsSecret": "s3-reader",
+            }
+        }
+    )
+    fetcher = s3["initContainers"][0]
+    assert fetcher["args"][-4:] == ["--endpoint", "https://minio.storage.svc:9000", "--region", "eu-west-1"]
+    assert fetcher["env"] == [
+        {
+            "name": "AWS_ACCESS_KEY_ID",
+            "valueFrom": {"secretKeyRef": {"name": "s3-reader", "key": "AWS_ACCESS_KEY_ID"}},
+        },
+        {
+            "name": "AWS_SECRET_ACCESS_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "s3-reader", "key": "AWS_SECRET_ACCESS_KEY"}},
+        },
+        {
+            "name": "AWS_SESSION_TOKEN",
+            "valueFrom": {
+                "secretKeyRef": {"name": "s3-reader", "key": "AWS_SESSION_TOKEN", "optional": True}
+            },
+        },
+    ]
+    hf = _pod(
+        {
+            "model": {
+                "source": "hf://org/name@v2",
+                "endpoint": "http://hf-mirror.ml",
+                "credentialsSecret": "hf",
+            }
+        }
+    )
+    assert hf["initContainers"][0]["env"] == [
+        {"name": "KVPILOT_FETCH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    ]
+    assert hf["containers"][0]["args"][:2] == ["--model", "/model-cache/org--name--v2"]
+    for container in hf["containers"]:
+        assert not any(e["name"] == "KVPILOT_FETCH_TOKEN" for e in container["env"])

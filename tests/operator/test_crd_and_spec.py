@@ -152,6 +152,36 @@ def test_defaults_fill_the_spec():
             "spec.router.weights",
             "Prefill",
         ),
+        # model delivery
+        ({"model": {"source": "ftp://host/m.gguf"}}, "spec.model.source", "does not match"),
+        ({"model": {"source": "https://host/m.bin"}}, "spec.model.source", "does not match"),  # not a GGUF
+        ({"model": {"source": "s3://Bucket/m.gguf", "endpoint": "http://s3"}}, "spec.model.source", "match"),
+        (
+            {"model": {"source": "https://host/m.gguf", "sha256": "ABC"}},
+            "spec.model.sha256",
+            "does not match",
+        ),
+        (
+            {"model": {"source": "hf://org/name", "sha256": "a" * 64}},
+            "spec.model.sha256",
+            "pin an hf:// repository by its revision instead",
+        ),
+        (
+            {"model": {"source": "smollm2-135m", "sha256": "a" * 64}},
+            "spec.model.sha256",
+            "checks one fetched",
+        ),
+        (
+            {"model": {"source": "s3://bucket/m.gguf"}},
+            "spec.model.endpoint",
+            "an s3:// source needs model.endpoint",
+        ),
+        (
+            {"model": {"source": "pvc://models/x", "credentialsSecret": "creds"}},
+            "spec.model.credentialsSecret",
+            "applies only to fetched sources",
+        ),
+        ({"model": {"source": "https://host/m.gguf", "sizeLimit": "-1Gi"}}, "spec.model.sizeLimit", "match"),
     ],
 )
 def test_invalid_specs_name_the_field(spec, field, message):
@@ -281,3 +311,22 @@ def test_router_weights_accept_exactly_the_router_knobs():
     jsonschema.validate({"prefill": 1.5, "tie_ms": 3}, weights)
     with pytest.raises(jsonschema.ValidationError, match="typo"):
         jsonschema.validate({"typo": 1}, weights)
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"source": "https://mirror.example/models/smol.Q4_1.gguf", "sha256": "0" * 64, "sizeLimit": "1Gi"},
+        {"source": "http://models.ml.svc:8080/m.gguf?token=x"},
+        {
+            "source": "s3://ml-models/llama/q4.gguf",
+            "endpoint": "https://minio:9000",
+            "credentialsSecret": "s3",
+        },
+        {"source": "hf://HuggingFaceTB/SmolLM2-135M-Instruct@main", "endpoint": "http://hf-mirror.ml.svc"},
+        {"source": "hf://org/name/dir/file.gguf", "sha256": "f" * 64},
+    ],
+)
+def test_fetched_sources_are_accepted(model):
+    spec = InferenceService.from_manifest(isvc({"model": model})).spec.model
+    assert spec.fetch is not None and spec.engine_path.startswith("/model-cache/")

@@ -114,3 +114,55 @@ def test_pod_stages_use_the_engine_report_when_there_is_one():
     leaving = pod({"running": {}})
     leaving["metadata"]["deletionTimestamp"] = "2026-01-01T00:02:00Z"
     assert observe_pod(leaving, reader) is None
+
+
+def _fetching_pod(init_status: dict) -> dict:
+    return {
+        "metadata": {"name": "smol-1", "creationTimestamp": "2026-01-01T00:00:00Z"},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "Initialized", "status": "False"},
+            ],
+            "initContainerStatuses": [{"name": "fetch-model", **init_status}],
+            "containerStatuses": [{"name": "engine", "state": {"waiting": {"reason": "PodInitializing"}}}],
+        },
+    }
+
+
+def test_a_replica_fetching_its_model_is_loading_and_a_failed_fetch_names_why():
+    fetching = observe_pod(_fetching_pod({"state": {"running": {}}}))
+    assert (fetching.stage, fetching.detail, fetching.cause) == ("loading", "fetching the model", "")
+    message = "downloading\nmodel fetch failed: sha256 mismatch for http://m/x.gguf: expected 00, got ff"
+    failed = observe_pod(
+        _fetching_pod(
+            {
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"exitCode": 1, "reason": "Error", "message": message}},
+            }
+        )
+    )
+    assert (failed.stage, failed.cause) == ("failing", "ModelFetchFailed")
+    assert failed.detail == "model fetch failed: sha256 mismatch for http://m/x.gguf: expected 00, got ff"
+    phase, reason, text = decide_phase(Observed(1, (failed,)))
+    assert (phase, reason) == ("Failed", "ModelFetchFailed") and failed.detail in text
+    # a fetch failure beside another kind of failure is not only a fetch problem
+    crashing = replicas("failing")[0]
+    assert decide_phase(Observed(2, (failed, crashing)))[1] == "ReplicasFailing"
+    done = _fetching_pod({"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}})
+    assert observe_pod(done).stage == "pending"  # the engine container is starting: the pod's own signals
+
+
+def test_an_evicted_pod_says_why():
+    pod = {
+        "metadata": {"name": "smol-1"},
+        "status": {
+            "phase": "Failed",
+            "reason": "Evicted",
+            "message": 'Usage of EmptyDir volume "tmp" exceeds the limit "10Gi".',
+        },
+    }
+    observed = observe_pod(pod)
+    assert observed.stage == "failing"
+    assert observed.detail == 'pod failed (Evicted: Usage of EmptyDir volume "tmp" exceeds the limit "10Gi".)'
