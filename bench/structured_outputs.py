@@ -2,6 +2,7 @@
 and xgrammar (the two vLLM and SGLang use). Decides docs/architecture.md#structured-outputs.
 
     python bench/structured_outputs.py backends     # tokenizer set-up, compile, mask cost, coverage
+    python bench/structured_outputs.py engine       # kvpilot's engine: the mask's share of a decode step
 
 ``backends`` measures, per backend:
 
@@ -15,6 +16,12 @@ and xgrammar (the two vLLM and SGLang use). Decides docs/architecture.md#structu
   only that keyword. ``enforced`` = the first is accepted and the second refused; ``refused`` = compiling
   it fails (kvpilot turns that into a 400 naming the keyword); ``ignored`` = it compiles but the breaking
   document passes (the worst outcome: a schema silently not honoured).
+
+``engine`` runs kvpilot's engine on SmolLM2 with ``--batch`` greedy requests and times ``--steps`` decode
+steps once all of them are decoding, first unconstrained, then with every request under the "nested +
+arrays + enum" schema: step time (median), and the sampler's grammar stage alone (``GrammarMasks``: the
+batched fill and the bitmask applied to the logits), per step and as a share of the constrained step.
+Only llguidance is needed for it.
 
 Both backends must be installed (``pip install --no-deps llguidance xgrammar apache-tvm-ffi``; xgrammar
 also imports transformers, a dev dependency here). Only llguidance is a kvpilot dependency.
@@ -360,14 +367,59 @@ def run_backends(args: argparse.Namespace) -> None:
         print(f"\n{n}: {enforced}/{len(results[n]['coverage'])} keywords enforced")
 
 
+def run_engine(args: argparse.Namespace) -> None:
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.engine_core import LLMEngine
+    from kvpilot.engine.sampling.params import SamplingParams
+    from kvpilot.engine.structured.params import StructuredOutputsParams
+
+    config = EngineArgs.from_kwargs(
+        model="smollm2-135m", num_kv_blocks=2048, max_num_seqs=args.batch, max_num_batched_tokens=4096
+    ).create_config()
+    engine = LLMEngine(config)
+    schema, _ = PERF_CASES["nested + arrays + enum"]
+    masks = engine.sampler.grammar_masks
+    print(f"SmolLM2-135M, {args.batch} greedy requests, {args.steps} decode steps each way, {engine.device}")
+    for label, spec in (("unconstrained", None), ("json_schema", StructuredOutputsParams(json=schema))):
+        params = SamplingParams(
+            temperature=0, max_tokens=args.steps + 8, ignore_eos=True, structured_outputs=spec
+        )
+        for i in range(args.batch):
+            engine.add_request(f"{label}-{i}", f"Describe inventory item number {i} as JSON:", params)
+        while any(not r.output_token_ids for r in engine.requests.values()):  # prefill every request
+            engine.step()
+        rows, seconds, steps = masks.rows, masks.seconds, []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            steps.append((time.perf_counter() - start) * 1e3)
+        running = len(engine.requests)
+        mask_ms = (masks.seconds - seconds) * 1e3 / args.steps
+        line = f"{label:14s} step p50 {statistics.median(steps):7.2f} ms (min {min(steps):.2f})"
+        if masks.rows > rows:
+            share = mask_ms / statistics.median(steps)
+            line += (
+                f"; grammar mask {mask_ms:.2f} ms/step ({share:.1%} of the step), {running} rows at the end"
+            )
+        print(line)
+        for request_id in list(engine.groups):
+            engine.abort_request(request_id)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     b = sub.add_parser("backends")
     b.add_argument("--repeat", type=int, default=5)
     b.add_argument("--threads", type=int, default=1, help="worker threads of the batched fill")
+    e = sub.add_parser("engine")
+    e.add_argument("--batch", type=int, default=32)
+    e.add_argument("--steps", type=int, default=16)
     args = parser.parse_args(argv)
-    run_backends(args)
+    if args.mode == "backends":
+        run_backends(args)
+    else:
+        run_engine(args)
     return 0
 
 

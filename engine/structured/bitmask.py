@@ -3,17 +3,22 @@ step 1, and docs/architecture.md#structured-outputs).
 
 A mask is int32 words, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is legal (llguidance's
 layout). ``GrammarMasks.apply`` fills the rows of every constrained sequence in one llguidance call (its
-own worker threads, the GIL released) into a host buffer (pinned on CUDA), copies it to the logits'
-device without waiting, and there turns the bits into −inf on the illegal tokens of those rows only: a
-few whole-tensor ops, no loop over the vocabulary and no read back to the host.
+own worker threads, the GIL released) into a host buffer (pinned on CUDA), turns the bits into a bool
+"illegal" mask on the logits' device and sets those tokens of those rows to −inf: whole-array ops, no
+loop over the vocabulary and no read back to the host. On the CPU the bits are unpacked by numpy's
+``unpackbits`` (the words' bytes in memory order, little-endian: byte ``t // 8``, bit ``t % 8``), ~50×
+cheaper there than tensor shifts; on a GPU the words are copied without waiting and unpacked by shifts
+on the device.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 
 import llguidance
+import numpy as np
 import torch
 
 from kvpilot.engine.structured.matcher import GrammarMatcher
@@ -26,20 +31,30 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[R, W] int32 words → [R, vocab_size] bool (True = legal), on the bitmask's device."""
+    """[R, W] int32 words → [R, vocab_size] bool (True = legal), by shifts on the bitmask's device."""
     shifts = torch.arange(WORD_BITS, dtype=torch.int32, device=bitmask.device)
     bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     return bits.flatten(1)[:, :vocab_size].bool()
 
 
+def illegal_tokens(bitmask: torch.Tensor, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, vocab_size] bool on ``device``, True where the host ``bitmask`` [R, W] forbids the token."""
+    if device.type == "cpu" and sys.byteorder == "little":
+        words = bitmask.numpy().view(np.uint8)
+        return torch.from_numpy(np.unpackbits(~words, axis=1, bitorder="little")[:, :vocab_size]).view(
+            torch.bool
+        )
+    return ~unpack_bitmask(bitmask.to(device, non_blocking=True), vocab_size)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None) -> None:
     """Set the illegal tokens of ``logits[rows]`` to −inf in place (``rows`` None: every row, in order).
-    ``bitmask`` [len(rows), W] may live on the host; it is copied to the logits' device."""
-    legal = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+    ``bitmask`` [len(rows), W] lives on the host."""
+    illegal = illegal_tokens(bitmask, logits.shape[1], logits.device)
     if rows is None:
-        logits.masked_fill_(~legal, float("-inf"))
+        logits.masked_fill_(illegal, float("-inf"))
         return
-    picked = logits.index_select(0, rows).masked_fill_(~legal, float("-inf"))
+    picked = logits.index_select(0, rows).masked_fill_(illegal, float("-inf"))
     logits.index_copy_(0, rows, picked)
 
 
@@ -64,7 +79,7 @@ class GrammarMasks:
         return bitmask
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> None:
-        """−inf on the tokens ``matchers[i]`` forbids in ``logits[rows[i]]``."""
+        """−inf on the tokens ``matchers[i]`` forbids in ``logits[rows[i]]`` (``rows`` ascending)."""
         start = time.perf_counter()
         bitmask = self.fill(matchers, logits.shape[1], pin=logits.device.type == "cuda")
         index = None if len(rows) == logits.shape[0] else torch.tensor(rows, device=logits.device)

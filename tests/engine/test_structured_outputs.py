@@ -13,7 +13,12 @@ import torch
 from kvpilot.engine.sampling.logits_processors import RowState
 from kvpilot.engine.sampling.params import SamplingParams, SamplingParamsError
 from kvpilot.engine.sampling.sampler import Sampler
-from kvpilot.engine.structured.bitmask import GrammarMasks, apply_token_bitmask_, unpack_bitmask
+from kvpilot.engine.structured.bitmask import (
+    GrammarMasks,
+    apply_token_bitmask_,
+    illegal_tokens,
+    unpack_bitmask,
+)
 from kvpilot.engine.structured.compiler import GrammarCompiler
 from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.structured.params import (
@@ -151,6 +156,17 @@ def test_bitmask_kernel_equals_the_reference(vocab: int):
     every = logits[:3].clone()
     apply_token_bitmask_(every, bitmask, None)
     assert torch.equal(every, reference_apply(logits[:3], bitmask, [0, 1, 2]))
+
+
+@pytest.mark.parametrize("vocab", [1, 33, 49152])
+def test_the_cpu_unpacking_equals_the_device_one(vocab: int):
+    """The CPU path (numpy's unpackbits over the words' bytes) and the GPU path (shifts on the device),
+    run here on the CPU, agree bit for bit."""
+    gen = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(
+        -(1 << 31), (1 << 31) - 1, (4, (vocab + 31) // 32), dtype=torch.int32, generator=gen
+    )
+    assert torch.equal(illegal_tokens(bitmask, vocab, torch.device("cpu")), ~unpack_bitmask(bitmask, vocab))
 
 
 def test_filled_masks_are_llguidance_own_allowed_sets(compiler: GrammarCompiler, tokenizer: Tokenizer):
