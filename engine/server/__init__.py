@@ -37,6 +37,7 @@ Package map (request path first):
 - ``lifecycle``         phases loading → warming_up → ready → draining (/ready) and startup timings
 - ``drain``             the SIGTERM drain sequence
 - ``metrics``           Prometheus metrics (docs/metrics.md)
+- ``structured_metrics`` structured-output metrics: requests by kind, grammar compile time, mask cost
 - ``tracing``           OpenTelemetry: a span per request with phase events; OTLP export from the env
 - ``errors``            OpenAI error objects and the app's exception handlers
 - ``ops_routes``        ``/health``, ``/ready``, ``/load``, ``/metrics``, ``/v1/models``

@@ -177,7 +177,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body, max_tokens=explicit, logprobs=logprobs, structured=structure[0] if structure else None
     )
     if structure is not None:
-        await compile_structure(info.grammars, *structure)
+        await compile_structure(info.grammars, *structure, state.metrics.structured)
     prompt = await run_in_threadpool(
         chat_prompt, info.tokenizer, body, functools.partial(check_prompt_length, info=info)
     )

@@ -127,7 +127,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         body, max_tokens=max_tokens, logprobs=body.logprobs, structured=structure[0] if structure else None
     )
     if structure is not None:
-        await compile_structure(info.grammars, *structure)
+        await compile_structure(info.grammars, *structure, state.metrics.structured)
     prompts = await run_in_threadpool(
         completion_prompts, info.tokenizer, body.prompt, functools.partial(check_prompt_length, info=info)
     )

@@ -1,5 +1,6 @@
-"""What the engine thread observes after each step: engine-stat deltas → counters, the step's schedule →
-span events and each request's ``scheduled`` flag, terminal records → per-request engine-side times.
+"""What the engine thread observes after each step: engine-stat deltas → counters (the grammar-mask cost
+among them), the step's schedule → span events and each request's ``scheduled`` flag, terminal records →
+per-request engine-side times. It also hooks grammar compile times into their histogram.
 
 The first snapshot of the engine's counters is taken after warm-up, so warm-up work never shows up in
 steady-state metrics (docs/architecture.md#readiness-and-warm-up). Terminal records are consumed and cleared
@@ -28,18 +29,23 @@ class EngineTelemetry:
             metrics.prefix_queries,
             metrics.prefix_hits,
             metrics.preemptions,
+            metrics.structured.masked_tokens,
+            metrics.structured.mask_seconds,
         )
         self._last = self._counts()
         engine.terminal_records.clear()
+        engine.grammars.on_compiled = metrics.structured.compiled  # called on the compiler's threads
 
-    def _counts(self) -> tuple[int, ...]:
-        s = self._engine.stats
+    def _counts(self) -> tuple[float, ...]:
+        s, masks = self._engine.stats, self._engine.sampler.grammar_masks
         return (
             s.prompt_tokens,
             s.generation_tokens,
             s.prefix_cache_queries,
             s.prefix_cache_hits,
             s.preemptions,
+            masks.rows,
+            masks.seconds,
         )
 
     def after_step(self, active: dict[str, ServingRequest]) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import SamplingFields
+from kvpilot.engine.server.structured_metrics import StructuredMetrics
 from kvpilot.engine.structured.compiler import GrammarCompiler
 from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.structured.params import KINDS, StructuredOutputsError, StructuredOutputsParams
@@ -58,12 +59,16 @@ def requested_structure(body: SamplingFields) -> tuple[StructuredOutputsParams, 
     return found[0] if found else None
 
 
-async def compile_structure(grammars: GrammarCompiler, spec: StructuredOutputsParams, field: str) -> None:
-    """Compile (or find cached) off the event loop and the engine thread; a 400 if it does not compile."""
+async def compile_structure(
+    grammars: GrammarCompiler, spec: StructuredOutputsParams, field: str, metrics: StructuredMetrics
+) -> None:
+    """Compile (or find cached) off the event loop and the engine thread; a 400 if it does not compile.
+    Counts the request by kind (``tool_calls`` for a forced tool call)."""
     try:
         await asyncio.wrap_future(grammars.compile(spec))
     except GrammarError as err:
         raise bad_request(f"{field}: {err}", err.keyword or field) from None
+    metrics.request("tool_calls" if field == "tools" else spec.kind)
 
 
 def _spec(field: str, **kwargs: Any) -> StructuredOutputsParams:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-random"
@@ -43,9 +45,14 @@ SHORT = [{"role": "user", "content": "a?"}]  # the tools' section fills most of 
 
 
 @pytest.fixture(scope="module")
-def client(start_process) -> openai.OpenAI:
+def server(start_process):
     args = ["--model", MODEL, "--num-kv-blocks", "512", "--warmup-buckets", "1x8", "--native-cpu-ops", "off"]
-    return start_process(args).client()
+    return start_process(args)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
 
 
 def valid(text: str | None, schema: dict = SCHEMA) -> bool:
@@ -237,3 +244,37 @@ def test_bad_tools_are_400(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(client, **body)
     assert (exc.value.status_code, exc.value.param) == (400, param)
+
+
+def test_metrics_count_kinds_compiles_and_the_mask_cost(server, client):
+    def scrape() -> dict[tuple[str, tuple], float]:
+        text = httpx.get(server.url + "/metrics").text
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        }
+
+    def value(metrics, name: str, **labels) -> float:
+        return metrics.get((name, tuple(sorted({"model_name": MODEL, **labels}.items()))), 0.0)
+
+    before = scrape()
+    out = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=8, temperature=0, extra_body={"guided_regex": "[5-9]{3}q"}
+    )
+    assert out.choices[0].finish_reason == "stop" and len(out.choices[0].text) == 4
+    after = scrape()
+    kind = {"kind": "regex"}
+    assert value(after, "kvpilot_structured_output_requests_total", **kind) == (
+        value(before, "kvpilot_structured_output_requests_total", **kind) + 1
+    )
+    assert value(after, "kvpilot_grammar_compile_seconds_count", **kind) == (
+        value(before, "kvpilot_grammar_compile_seconds_count", **kind) + 1
+    )
+    masked = value(after, "kvpilot_grammar_masked_tokens_total") - value(
+        before, "kvpilot_grammar_masked_tokens_total"
+    )
+    assert masked == 4  # one per character: after the last the grammar is complete, so no step for EOS
+    assert value(after, "kvpilot_grammar_mask_seconds_total") > value(
+        before, "kvpilot_grammar_mask_seconds_total"
+    )
