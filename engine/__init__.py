@@ -28,6 +28,9 @@ The engine and its tick:
 - ``engine_core``        ``LLMEngine``: add requests, ``step()`` (one scheduler tick), abort, invariants
 - ``scheduler``          token-budget scheduler: continuous batching, chunked prefill, preemption
 - ``model_runner``       builds the flattened batch of a tick and runs the model
+- ``input_batch``        the persistent batch: per-slot token ids and sampling parameters, each step's flat
+                         inputs built from them
+- ``staging``            host → device uploads through pinned staging buffers, non-blocking
 - ``step_outputs``       logits → tokens → outputs, and the single terminal reclaim routine
 - ``stats``              engine counters and the ``/load`` snapshot
 - ``capacity_plan``      how many KV blocks the cache gets and how long a context the engine accepts

@@ -20,9 +20,11 @@ from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.beam_search import BeamSearch
 from kvpilot.engine.capacity_plan import kv_cache_sizing, plan_max_model_len, plan_num_kv_blocks
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.input_batch import InputBatch
 from kvpilot.engine.kv.block_hash import root_hash
 from kvpilot.engine.kv.block_pool import BlockPool
-from kvpilot.engine.kv.capacity import kv_bytes_per_token
+from kvpilot.engine.kv.block_table import BlockTableTensor
+from kvpilot.engine.kv.capacity import blocks_for_tokens, kv_bytes_per_token
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.manager import KVCacheManager
@@ -172,11 +174,20 @@ class LLMEngine(StepOutputs):
         quantized = "" if self.quantization == "none" else f":{self.quantization}"
         self.model_identity = f"{model_fingerprint(self.model_dir)}:{self.dtype}{quantized}"
         self.pool = BlockPool(num_blocks, cc.enable_prefix_caching, self.kv_events)
+        # the persistent batch (docs/architecture.md#persistent-batch): a slot per sequence holding blocks
+        block_tensor = BlockTableTensor(
+            config.scheduler.max_num_seqs, blocks_for_tokens(self.max_model_len, cc.block_size), self.device
+        )
         self.kv = KVCacheManager(
-            self.pool, cc.block_size, root_hash(self.model_identity), self.kv_cache, swap
+            self.pool, cc.block_size, root_hash(self.model_identity), self.kv_cache, swap, block_tensor
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            self.device,
+            InputBatch(block_tensor, self.max_model_len, cc.block_size, self.device),
+        )
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
         #: structured outputs' grammars, compiled on their own threads (docs/architecture.md#structured-outputs)
@@ -318,7 +329,7 @@ class LLMEngine(StepOutputs):
                 self.stats.prefix_cache_queries += req.num_prompt_tokens
                 self.stats.prefix_cache_hits += req.num_cached_tokens
         if not out.is_empty:
-            batch = self.runner.build_batch(out.scheduled, [self.kv.block_table(r) for r, _ in out.scheduled])
+            batch = self.runner.build_batch(out.scheduled)
             logits = self.runner.execute(batch)
             self.scheduler.update_after_step(out)
             num_sampling = len(batch.sampling_requests)
@@ -340,6 +351,7 @@ class LLMEngine(StepOutputs):
     # ---- introspection -------------------------------------------------------------------------------
     def check_invariants(self) -> None:
         self.kv.check_invariants()
+        self.runner.input_batch.check()
         assert set(self.kv.tables) <= set(self.requests), "a released sequence still holds a block table"
         for seq in self.requests.values():
             assert not seq.is_finished, f"finished sequence {seq.request_id} is still registered"

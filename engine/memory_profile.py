@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 
 from kvpilot.engine.config import ConfigError
+from kvpilot.engine.input_batch import InputBatch
+from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.kv_cache import KVCache
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model_runner import ModelRunner
@@ -152,9 +154,11 @@ def profile_step_memory(
         device,
         layout=kv_layout,
     )
-    runner = ModelRunner(model, scratch, device)
     probe = Request("memory-profile", [0] * num_tokens, SamplingParams(max_tokens=1))
-    batch = runner.build_batch([(probe, num_tokens)], [list(range(1, num_blocks))])
+    table = BlockTableTensor(1, num_blocks - 1, device)
+    table.assign(probe.request_id, list(range(1, num_blocks)))
+    runner = ModelRunner(model, scratch, device, InputBatch(table, num_tokens, block_size, device))
+    batch = runner.build_batch([(probe, num_tokens)])
     memory.synchronize()
     before = memory.memory_allocated()
     memory.reset_peak()

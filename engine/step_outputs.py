@@ -86,6 +86,7 @@ class StepOutputs:
             states,
             want_sampled_logprob=[s.group.wants_scores for s, _ in rows],
             want_full=[kind == "beam" for _, kind in rows],
+            row_params=self.runner.input_batch.sampling_tensors([s for s, _ in rows]),
         )
         now = time.monotonic()
         beams_ready: list[SequenceGroup] = []

@@ -9,4 +9,5 @@ Package map:
 - ``capacity``    KV arithmetic: bytes per token, blocks per budget, internal fragmentation
 - ``manager``     ``KVCacheManager``: per-request block tables, prefix lookup, copy-on-write, admission
                   reservations, swap, and the invariant checker
+- ``block_table`` the block tables as one persistent int32 tensor, a row per slot, written as they change
 """

@@ -1,5 +1,6 @@
 """Per-request block tables on top of the block pool: prefix lookup, slot allocation, caching of computed
-blocks, admission reservations, swap, and the invariant checker.
+blocks, admission reservations, swap, and the invariant checker. With a ``BlockTableTensor`` every table
+change is also written there as it happens (docs/architecture.md#persistent-batch).
 
 Prefix hits are capped at ``num_tokens - 1`` so the last prompt token is always computed: the first output
 token needs its logits, and the cache holds only K/V (docs/architecture.md#prefix-cache).
@@ -11,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys
 from kvpilot.engine.kv.block_pool import BlockPool
+from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.capacity import SlotUsage, blocks_for_tokens, slot_usage
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.request import Request
@@ -24,6 +26,7 @@ class KVCacheManager:
         root_hash: bytes,
         cache: KVCache | None = None,
         swap: HostSwapSpace | None = None,
+        block_tensor: BlockTableTensor | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -31,6 +34,8 @@ class KVCacheManager:
         self.cache = cache
         self.swap = swap
         self.tables: dict[str, list[int]] = {}
+        #: the tables as one persistent tensor, kept equal to ``tables`` (None: lists only)
+        self.block_tensor = block_tensor
         #: request id → blocks of its table already registered in the prefix cache
         self._num_committed_blocks: dict[str, int] = {}
         self._swapped: dict[str, list[int]] = {}
@@ -105,20 +110,33 @@ class KVCacheManager:
         Returns False (changing nothing) when the pool cannot supply the blocks."""
         if self.blocks_to_allocate(req, num_new_tokens, hits) > self.pool.num_free:
             return False
-        table = self.tables.setdefault(req.request_id, [])
+        table = self.tables.get(req.request_id)
+        if table is None:
+            table = self._new_table(req.request_id, [])
         if self._needs_copy_on_write(req, table):
-            self._copy_on_write(table)
+            self._copy_on_write(req.request_id, table)
         if hits:
             self.pool.touch(list(hits))
-            table.extend(hits)
+            self._extend(req.request_id, table, hits)
             self._num_committed_blocks[req.request_id] = len(table)
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = blocks_for_tokens(total, self.block_size) - len(table)
         if need > 0:
-            table.extend(self.pool.allocate(need))
+            self._extend(req.request_id, table, self.pool.allocate(need))
         return True
 
-    def _copy_on_write(self, table: list[int]) -> None:
+    def _new_table(self, seq_id: str, blocks: list[int]) -> list[int]:
+        self.tables[seq_id] = blocks
+        if self.block_tensor is not None:
+            self.block_tensor.assign(seq_id, blocks)
+        return blocks
+
+    def _extend(self, seq_id: str, table: list[int], blocks: Sequence[int]) -> None:
+        table.extend(blocks)
+        if self.block_tensor is not None:
+            self.block_tensor.append(seq_id, blocks)
+
+    def _copy_on_write(self, seq_id: str, table: list[int]) -> None:
         """Give the table a private copy of its shared last block (never write a shared block:
         docs/architecture.md#kv-lifecycle)."""
         if self.cache is None:
@@ -127,13 +145,15 @@ class KVCacheManager:
         self.cache.copy_blocks([table[-1]], [private])
         self.pool.free([table[-1]])
         table[-1] = private
+        if self.block_tensor is not None:
+            self.block_tensor.replace(seq_id, len(table) - 1, private)
 
     def fork(self, parent: Request, child: Request) -> None:
         """``child`` shares every block of ``parent`` (reference counts, no copies); the shared partial last
         block is copied on the first write of either sequence."""
         table = list(self.tables.get(parent.request_id, []))
         self.pool.touch(table)
-        self.tables[child.request_id] = table
+        self._new_table(child.request_id, table)
         self._num_committed_blocks[child.request_id] = self._num_committed_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes[: child.num_tokens // self.block_size])
 
@@ -157,6 +177,8 @@ class KVCacheManager:
         """Drop the request's references, tail first so its private tail is evicted before shared heads."""
         table = self.tables.pop(req.request_id, None)
         self._num_committed_blocks.pop(req.request_id, None)
+        if table is not None and self.block_tensor is not None:
+            self.block_tensor.drop(req.request_id)
         if table:
             self.pool.free(list(reversed(table)))
 
@@ -207,7 +229,7 @@ class KVCacheManager:
         device = self.pool.allocate(len(host))
         self.swap.swap_in(host, device)
         del self._swapped[req.request_id]
-        self.tables[req.request_id] = device
+        self._new_table(req.request_id, device)
         self._num_committed_blocks[req.request_id] = 0
         return self.allocate(req, num_new_tokens)
 
@@ -230,3 +252,5 @@ class KVCacheManager:
             assert refs[b] == self.pool.ref_cnt[b], (
                 f"block {b}: ref_cnt {self.pool.ref_cnt[b]} != {refs[b]} block-table references"
             )
+        if self.block_tensor is not None:
+            self.block_tensor.check(self.tables)

@@ -9,7 +9,8 @@ larger ones are clamped to 2^24, which is off for any vocabulary this size or sm
 
 ``FilterRows`` is the host-side half, read from the parameters the host already has: the rows each filter
 applies to (None: all of them) and the largest top-k, so the filters never ask the device which rows are
-active — that question (``nonzero``) is a host sync on a GPU.
+active — that question (``nonzero``) is a host sync on a GPU. Host lists reach a GPU through
+``to_device``: a copy from pageable memory would wait for everything queued on the device first.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ COLUMNS = ("temperature", "min_p", "top_k", "top_p", "typical_p")
 _TOP_K_LIMIT = 1 << 24
 
 
+def to_device(
+    values: Sequence[int] | Sequence[Sequence[float]], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A host list as a tensor on ``device``; on a GPU copied from page-locked memory without waiting
+    (torch's pinned allocator keeps the buffer until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def param_row(p: SamplingParams) -> list[float]:
     """One row of ``SamplingTensors.values`` (``COLUMNS`` order)."""
     return [p.temperature, p.min_p, float(min(p.top_k, _TOP_K_LIMIT)), p.top_p, p.typical_p]
@@ -38,7 +50,7 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingTensors:
-        return cls(torch.tensor([param_row(p) for p in params], dtype=torch.float32, device=device))
+        return cls(to_device([param_row(p) for p in params], torch.float32, device))
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
         return SamplingTensors(self.values.index_select(0, rows))
@@ -65,7 +77,7 @@ class SamplingTensors:
 
 
 def _rows(active: list[int], total: int, device: torch.device) -> torch.Tensor | None:
-    return None if len(active) == total else torch.tensor(active, dtype=torch.long, device=device)
+    return None if len(active) == total else to_device(active, torch.long, device)
 
 
 @dataclass

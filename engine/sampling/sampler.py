@@ -32,7 +32,7 @@ from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
-from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors
+from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors, to_device
 from kvpilot.engine.structured.bitmask import GrammarMasks
 
 
@@ -107,7 +107,7 @@ class Sampler:
         tokens = None if every else proc.argmax(dim=-1)
         if sample_rows:
             dev = logits.device
-            idx = None if every else torch.tensor(sample_rows, device=dev)
+            idx = None if every else to_device(sample_rows, torch.long, dev)
             pick = [states[i].params for i in sample_rows]
             if row_params is None:
                 row_params = SamplingTensors.from_params(pick, dev)
