@@ -74,7 +74,8 @@ def operator(cluster: HarnessCluster, kubectl: Kubectl) -> Iterator[subprocess.P
 
 def inference_service(namespace: str, name: str) -> str:
     return (
-        f"apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\nmetadata: {{name: {name}, namespace: {namespace}}}\n"
+        "apiVersion: kvpilot.dev/v1alpha1\nkind: InferenceService\n"
+        f"metadata: {{name: {name}, namespace: {namespace}}}\n"
         "spec:\n  model: {source: smollm2-135m}\n  scaling: {replicas: 1, spare: 0}\n"
     )
 

@@ -190,7 +190,8 @@ class LLMEngine(StepOutputs):
         )
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
-        #: structured outputs' grammars, compiled on their own threads (docs/architecture.md#structured-outputs)
+        #: structured outputs' grammars, compiled on their own threads
+        #: (docs/architecture.md#structured-outputs)
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         #: live sequences by sequence id, live requests by request id
         self.requests: dict[str, Request] = {}

@@ -9,7 +9,8 @@ Files (torch-free, except ``tiny``):
 - ``gguf_convert``   llama-architecture GGUF → config.json + float32 safetensors + generation_config.json
                      (dequantize, llama.cpp tensor names → HF names, undo the Q/K RoPE row permutation)
 - ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
-- ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for ``tiny``)
+- ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for
+                     ``tiny``)
 - ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests
 
 Forward pass:

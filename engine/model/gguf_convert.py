@@ -133,7 +133,8 @@ def llama_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows
 
 
 def generation_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """generation_config.json: every end-of-generation id llama.cpp knows (eos, end-of-turn, end-of-message)."""
+    """generation_config.json: every end-of-generation id llama.cpp knows (eos, end-of-turn,
+    end-of-message)."""
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
         value = metadata.get(f"tokenizer.ggml.{key}")

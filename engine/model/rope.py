@@ -137,7 +137,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.max_position = max_position
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows ``[T, 1, D]`` for the tokens' positions; looked up once per step, used by every layer."""
+        """cos/sin rows ``[T, 1, D]`` for the tokens' positions; looked up once per step, used by every
+        layer."""
         return self.cos.index_select(0, positions).unsqueeze(1), self.sin.index_select(
             0, positions
         ).unsqueeze(1)

@@ -11,7 +11,8 @@ round-trips), and the rest merges learned deterministically from a small built-i
 
 Overrides are config.json keys. ``model_type="qwen2"`` gives Qwen2's q/k/v biases (written as
 ``attention_bias: true``), ``"mistral"`` honours ``sliding_window``; for Llama ``attention_bias`` adds
-q/k/v/o biases and ``mlp_bias`` MLP biases; ``tie_word_embeddings=False`` adds an ``lm_head``. The weights always match the parameter set of the HF class ``architectures`` names.
+q/k/v/o biases and ``mlp_bias`` MLP biases; ``tie_word_embeddings=False`` adds an ``lm_head``. The
+weights always match the parameter set of the HF class ``architectures`` names.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def tiny_config(**overrides: Any) -> dict[str, Any]:
     unknown = set(overrides) - set(TINY_DEFAULTS) - _EXTRA_KEYS
     if unknown:
         raise ValueError(
-            f"unknown tiny-model override(s) {sorted(unknown)}; accepted: {sorted(set(TINY_DEFAULTS) | _EXTRA_KEYS)}"
+            f"unknown tiny-model override(s) {sorted(unknown)}; "
+            f"accepted: {sorted(set(TINY_DEFAULTS) | _EXTRA_KEYS)}"
         )
     config = {**TINY_DEFAULTS, **overrides}
     if config["model_type"] not in _ARCHITECTURES:

@@ -2,8 +2,8 @@
 directory and load it with ctypes.
 
 The library is built with ``-O3 -march=native`` (AVX2/FMA where the CPU has them), so the cache key holds
-the sources and header, the flags, the compiler's version and this CPU's model and feature flags: a cache directory
-shared between different machines never hands one a library built for another. Builds are atomic (a
+the sources and header, the flags, the compiler's version and this CPU's model and feature flags: a cache
+directory shared between different machines never hands one a library built for another. Builds are atomic (a
 temporary file renamed into place), so concurrent engine processes cannot load a half-written library.
 The sources compile in parallel, one compiler per core; no torch headers are involved (the kernels take
 raw pointers). Every engine start on a fresh cache (a new pod) pays the build, so it is kept short: see

@@ -248,7 +248,8 @@ class NativeOps:
         self, x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` with the weight as ``pack_linear_weight`` made it, for decode-sized
-        batches (callers pick it by row count, ``cpu_linear.NATIVE_MAX_ROWS``, and keep oneDNN for prefill)."""
+        batches (callers pick it by row count, ``cpu_linear.NATIVE_MAX_ROWS``, and keep oneDNN for
+        prefill)."""
         rows = x.shape[0]
         xs = _rows(x, "x")
         _contiguous(packed_weight, "packed_weight", torch.float32)

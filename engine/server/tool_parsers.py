@@ -1,4 +1,5 @@
-"""The model's tool-call text → OpenAI ``tool_calls``, incrementally (docs/architecture.md#structured-outputs).
+"""The model's tool-call text → OpenAI ``tool_calls``, incrementally
+(docs/architecture.md#structured-outputs).
 
 Formats (``kvpilot.engine.tool_prompt.tool_call_format``):
 - ``hermes`` (Qwen, Hermes, and kvpilot's prompt for templates without tools): ``<tool_call>`` blocks, each

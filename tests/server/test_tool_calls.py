@@ -26,7 +26,8 @@ WEATHER = {
 }
 HERMES_TEXTS = {
     "one call": (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"x": "}"}]}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"x": "}"}]}}'
+        "\n</tool_call>",
         None,
         [("get_weather", '{"city": "Paris", "n": [1, {"x": "}"}]}')],
     ),
@@ -124,8 +125,8 @@ def test_a_template_without_tools_gets_them_in_the_hermes_convention(tokenizer: 
     system, rest = text.split("<|im_end|>", 1)
     assert system.startswith("<|im_start|>system\n# Tools") and json.dumps(WEATHER) in system
     assert (
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-        in rest
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>' in rest
     )
     assert (
         "<|im_start|>user\n<tool_response>\n-3 C\n</tool_response><|im_end|>" in rest
