@@ -1,6 +1,7 @@
-"""What a ``spec.model.source`` names, and where its files are inside the pod (docs/architecture.md#model-
-delivery). Shared by the operator (pod template, validation) and the fetcher (``fetch``), so the two
-always agree on URLs and paths; it imports nothing beyond the standard library.
+"""What a ``spec.model.source`` names, and where its files are inside the pod
+(docs/architecture.md#model-delivery). Shared by the operator (pod template, validation) and the
+fetcher (``fetch``), so the two always agree on URLs and paths; it imports nothing beyond the standard
+library.
 
 Forms:
 

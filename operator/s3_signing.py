@@ -1,7 +1,8 @@
 """AWS Signature Version 4 for the one request the fetcher makes to an S3-compatible endpoint: a GET of an
-object, path-style (``<endpoint>/<bucket>/<key>``), so no SDK is needed (docs/architecture.md#model-
-delivery). The steps are AWS's: canonical request → string to sign → HMAC chain of the date, region and
-service → ``Authorization: AWS4-HMAC-SHA256 Credential=…, SignedHeaders=…, Signature=…``.
+object, path-style (``<endpoint>/<bucket>/<key>``), so no SDK is needed
+(docs/architecture.md#model-delivery). The steps are AWS's: canonical request → string to sign → HMAC
+chain of the date, region and service →
+``Authorization: AWS4-HMAC-SHA256 Credential=…, SignedHeaders=…, Signature=…``.
 """
 
 from __future__ import annotations
