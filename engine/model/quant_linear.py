@@ -2,11 +2,11 @@
 
 ``QuantLinear`` keeps its weight as a ``QuantWeight`` (GGUF blocks or int8 rows) in buffers and computes
 ``x Wᵀ + b`` with float32 activations:
-- with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (every decode step and small mixed step of
-  a default engine) in ``quant_gemm.c``, which dequantizes in registers;
-- beyond (long prefill chunks) by dequantizing slices of output rows into a float32 scratch buffer (C
-  kernel) and multiplying each with torch's GEMM, whose AVX-512 blocking is ahead there
-  (``bench/quant_kernels.py``: ×1.5 at 256 rows on 30 SmolLM2 layers, ×0.5 at 1 row);
+- with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (decode steps of up to 64 sequences) in
+  ``quant_gemm.c``, which dequantizes in registers;
+- beyond (prefill chunks, bigger batches) by dequantizing slices of output rows into a float32 scratch
+  buffer (C kernel) and multiplying each with torch's GEMM, whose AVX-512 blocking is ahead there
+  (``bench/quant_kernels.py``: ×1.4 at 256 rows on 30 SmolLM2 layers, ×0.35 at 1 row);
 - without the native kernels (or off the CPU) with PyTorch ops: the whole weight dequantized per call.
 
 ``QuantEmbedding`` looks rows up in the same format and dequantizes only those; a tied LM head is a
@@ -25,8 +25,9 @@ from kvpilot.engine.model.quant_formats import QuantWeight, dequantize
 from kvpilot.engine.native.ops import NativeOps
 from kvpilot.engine.native.quant_ops import FORMATS
 
-#: most rows ``quant_gemm.c`` takes; larger batches dequantize slices and use torch's GEMM
-QUANT_NATIVE_MAX_ROWS = 256
+#: most rows ``quant_gemm.c`` takes; larger batches dequantize slices and use torch's GEMM (at parity at 64
+#: rows on 30 SmolLM2 layers, bench/quant_kernels.py; the GEMM ahead beyond)
+QUANT_NATIVE_MAX_ROWS = 64
 #: floats of one dequantized slice of a large-batch product (8 MiB: a few slices of L2-sized work)
 _SLICE_FLOATS = 1 << 21
 _scratch = threading.local()
