@@ -74,6 +74,8 @@ def prepare_tool_messages(
         return messages
     out: list[dict[str, Any]] = []
     for message in messages:
+        if not isinstance(message, Mapping):  # bad input is a ValueError here, never an AttributeError
+            raise ValueError(f"each message must be an object, got {type(message).__name__}")
         role, content = message.get("role"), message.get("content")
         calls = message.get("tool_calls")
         if role == "assistant" and calls:

@@ -187,6 +187,16 @@ async def test_security_fuzzed_json_bodies_never_get_a_5xx_and_every_error_is_op
         assert_openai_error(status, answered)
 
 
+@pytest.mark.parametrize(
+    "messages", [[["user", "hi"]], [{"role": "assistant", "tool_calls": ["x"]}], ["hi"]], ids=repr
+)
+async def test_security_malformed_messages_with_tools_are_routed_not_a_500(router, http, messages) -> None:
+    """Found by the fuzz test above: rewriting tools into the prompt read a list as a message."""
+    body = {"messages": messages, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    status, answered = await answer(http, "POST", router.url + CHAT_COMPLETIONS, json=body)
+    assert status < 500, answered
+
+
 @FUZZ
 @given(path=st.sampled_from([COMPLETIONS, CHAT_COMPLETIONS]), raw=st.binary(max_size=300) | nested)
 async def test_security_fuzzed_bytes_never_get_a_5xx_and_every_error_is_openai_shaped(
