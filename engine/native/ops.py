@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine.native.build import load_library
-from kvpilot.engine.native.quant_ops import QuantKernels
+from kvpilot.engine.native.quant_ops import QuantKernels, check_float_rows
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -42,18 +42,7 @@ PREFILL_HEAD_DIM_MULTIPLE = 16
 
 def _rows(x: torch.Tensor, name: str, width: int | None = None) -> int:
     """Row stride of a 2-D float32 CPU tensor whose rows are contiguous."""
-    if (
-        x.dtype != torch.float32
-        or x.device.type != "cpu"
-        or x.dim() != 2
-        or (x.shape[1] > 1 and x.stride(1) != 1)
-    ):
-        raise ValueError(
-            f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
-            f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
-        )
-    if width is not None and x.shape[1] != width:
-        raise ValueError(f"{name} must have {width} columns, got {x.shape[1]}")
+    check_float_rows(x, name, width)
     return x.stride(0)
 
 

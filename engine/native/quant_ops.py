@@ -50,7 +50,9 @@ FORMATS = {
 }
 
 
-def _check_float_rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
+def check_float_rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
+    """``x`` must be a 2-D float32 CPU tensor with contiguous rows (``width`` columns if given): what every
+    native kernel reads by row stride (``ops`` checks its inputs with it too)."""
     if (
         x.dtype != torch.float32
         or x.device.type != "cpu"
@@ -116,7 +118,7 @@ class QuantKernels:
     ) -> torch.Tensor:
         """``x @ W.T + bias`` for ``x`` ``[M, K]`` and the quantized ``W`` (``data``, ``scales``, format
         ``fmt``; see the module docstring); returns a new ``[M, N]`` float32 tensor."""
-        _check_float_rows(x, "x")
+        check_float_rows(x, "x")
         rows, in_features = x.shape
         form = _check_weight(data, scales, fmt, in_features)
         out_features = data.shape[0]
