@@ -1,0 +1,163 @@
+"""The ``status`` block of the schema: phase, conditions, counts, the sizing decision and cold starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.operator.schema_types import count, seconds
+
+PHASES = ("Pending", "Loading", "WarmingUp", "Ready", "Degraded", "Failed")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+
+
+def _condition() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "One condition, as Kubernetes conditions are written.",
+        "required": ["type", "status"],
+        "properties": {
+            "type": {
+                "type": "string",
+                "enum": list(CONDITION_TYPES),
+                "description": "Ready: phase Ready; Progressing: a rollout phase (Pending, Loading, "
+                "WarmingUp); Degraded: phase Degraded or Failed.",
+            },
+            "status": {
+                "type": "string",
+                "enum": ["True", "False", "Unknown"],
+                "description": "Whether the condition holds.",
+            },
+            "reason": {
+                "type": "string",
+                "maxLength": 1024,
+                "description": "Machine-readable cause: ReplicasReady, RolloutInProgress, ReplicasFailing, "
+                "ReplicasLost, InvalidSpec (Progressing: Idle outside a rollout).",
+            },
+            "message": {
+                "type": "string",
+                "maxLength": 32768,
+                "description": "What a person should read: ready/desired counts and failing pods, or the "
+                "invalid field.",
+            },
+            "lastTransitionTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When status last flipped.",
+            },
+            "observedGeneration": {
+                "type": "integer",
+                "format": "int64",
+                "minimum": 0,
+                "description": "metadata.generation this condition was computed for.",
+            },
+        },
+    }
+
+
+def status_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Observed state, written by the operator.",
+        "properties": {
+            "phase": {
+                "type": "string",
+                "enum": list(PHASES),
+                "description": "Ready: every desired replica serves; Pending, Loading, WarmingUp: a rollout, "
+                "named by its slowest replica; Degraded: some serve, a replica fails or was lost; Failed: "
+                "none serves and a replica fails, the rollout stalled, or the spec is invalid.",
+            },
+            "conditions": {
+                "type": "array",
+                "items": _condition(),
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+                "description": "Ready, Progressing and Degraded, one of each.",
+            },
+            "replicas": count("Engine pods that exist (any stage)."),
+            "readyReplicas": count("Replicas whose engine is loaded, warmed up and Ready."),
+            "desiredReplicas": count("Replicas the N+1 sizing asks for (serving + spare)."),
+            "observedGeneration": {
+                "type": "integer",
+                "format": "int64",
+                "minimum": 0,
+                "description": "metadata.generation of the spec this status describes.",
+            },
+            "endpoint": {
+                "type": "string",
+                "description": "In-cluster URL of the client Service (the routers); OpenAI paths under /v1.",
+            },
+            "sizing": {
+                "type": "object",
+                "description": "Inputs and result of the N+1 replica sizing.",
+                "properties": {
+                    "mode": {
+                        "type": "string",
+                        "enum": ["Replicas", "Rate"],
+                        "description": "Replicas: from scaling.replicas; Rate: from "
+                        "scaling.targetRequestsPerSecond and scaling.perReplicaGoodput.",
+                    },
+                    "replicas": count("scaling.replicas (mode Replicas)."),
+                    "targetRequestsPerSecond": {
+                        "type": "number",
+                        "description": "scaling.targetRequestsPerSecond (mode Rate).",
+                    },
+                    "perReplicaGoodput": {
+                        "type": "number",
+                        "description": "scaling.perReplicaGoodput (mode Rate).",
+                    },
+                    "headroom": {"type": "number", "description": "scaling.headroom (mode Rate)."},
+                    "spare": count("scaling.spare."),
+                    "minReplicas": count("scaling.minReplicas."),
+                    "maxReplicas": count("scaling.maxReplicas."),
+                    "serving": count("Replicas that carry the load (N)."),
+                    "unclamped": count("N + spare, before the min/max clamp."),
+                    "desiredReplicas": count("The clamped result."),
+                    "formula": {"type": "string", "description": "The arithmetic with its numbers."},
+                },
+            },
+            "engines": {
+                "type": "object",
+                "description": "Replicas by warm-up stage.",
+                "properties": {
+                    "pending": count(
+                        "Desired replicas whose engine has not started: no pod yet, not scheduled, "
+                        "or the container waiting (e.g. pulling its image)."
+                    ),
+                    "loading": count("Engines loading weights and allocating the KV cache."),
+                    "warmingUp": count("Engines running their warm-up passes (and kernel tuning on CUDA)."),
+                    "ready": count("Engines Ready to serve."),
+                    "failing": count(
+                        "Pods that will not serve without a change: crash loop, image pull or container "
+                        "config errors, a terminated engine or a failed pod."
+                    ),
+                },
+            },
+            "coldStart": {
+                "type": "object",
+                "description": "Pod creation to Ready, for recently started replicas.",
+                "properties": {
+                    "samples": count("Replicas measured since the InferenceService was created."),
+                    "lastSeconds": seconds("Cold start of the replica that turned Ready last."),
+                    "maxSeconds": seconds("Longest cold start measured."),
+                    "recent": {
+                        "type": "array",
+                        "maxItems": 5,
+                        "description": "The latest replicas to turn Ready, newest first.",
+                        "items": {
+                            "type": "object",
+                            "description": "One replica's cold start.",
+                            "properties": {
+                                "pod": {"type": "string", "description": "Pod name."},
+                                "seconds": seconds("Pod creation to Ready."),
+                                "readyAt": {
+                                    "type": "string",
+                                    "format": "date-time",
+                                    "description": "When the pod turned Ready.",
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    }
