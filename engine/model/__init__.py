@@ -18,6 +18,14 @@ Forward pass:
 - ``rope_config``    RoPE theta and scaling from either config form (``rope_scaling`` / ``rope_parameters``)
 - ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN)
 - ``llama``          the decoder (RMSNorm, GQA attention through the attention backend, SwiGLU MLP)
+- ``moe_arch``       ``MoEArch``: experts, top-k, renormalisation and sparse layers of Mixtral / Qwen2-MoE /
+                     Qwen3-MoE configs, and the dense family each one's attention reads as
+- ``moe_experts``    routing (softmax, top-k, renormalise) and the routed experts in PyTorch: the dense
+                     reference, and the sorted CPU path (one GEMM pair per non-empty expert)
+- ``moe``            ``SparseMoeBlock``: router + stacked experts (+ Qwen2-MoE's shared expert) replacing a
+                     sparse layer's MLP; expert weights from either checkpoint naming
+- ``fused_moe_triton`` the fused-MoE Triton kernel (tokens sorted and padded by expert, grouped GEMMs),
+                     used beside the Triton attention backend; imported only once ``TRITON_INTERPRET`` is set
 - ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)
 - ``quant_formats``  ``QuantWeight`` (GGUF blocks or int8 rows, as the kernels read them): unpacking,
                      dequantization, int8 quantization, fusing rows

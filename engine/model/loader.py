@@ -17,6 +17,7 @@ from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
 from kvpilot.engine.model.gguf_weights import read_gguf_weights
 from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.moe import configure_moe
 from kvpilot.engine.model.quantization import (
     install_gguf_weights,
     quantize_linears_int8,
@@ -182,6 +183,8 @@ def load_model(
             head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
             model.packed_lm_head = PackedLinear(head, batch_hint, native)
     model.native = native
+    # routed experts: the fused Triton kernel beside the Triton attention backend, else the sorted path
+    configure_moe(model, "triton" if backend.name == "triton" else "sorted", native)
     model.eval()
     log.info(
         "weights: %.1f MiB in memory (quantization %s, linear backend %s)",
