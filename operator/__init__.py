@@ -5,8 +5,8 @@ Package map (one responsibility per module):
 - API definition: ``api_names`` (group, kind, labels, ports), ``crd_schema`` (the one OpenAPI schema
   source, assembled: engine, resources, SLO, router and tenancy blocks), ``schema_types`` (patterns and
   typed-field helpers), ``schema_model`` (the model block), ``schema_scaling`` (the scaling and
-  autoscaling blocks), ``status_schema`` (the status block), ``crd_rules`` (cross-field rules as CEL for the CRD plus the same rule
-  in Python), ``crd`` (the generated CustomResourceDefinition).
+  autoscaling blocks), ``status_schema`` (the status block), ``crd_rules`` (cross-field rules as CEL
+  for the CRD plus the same rule in Python), ``crd`` (the generated CustomResourceDefinition).
 - The boundary: ``spec_validation`` (defaults, schema, rules → ``SpecError`` naming the field) and
   ``spec`` (frozen dataclasses the rest of the package reads).
 - Deciding: ``sizing`` (N+1 replica count), ``model_size`` (weights of the models known by name, the

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpilot.operator import api_names
 from kvpilot.operator.pod_template import pod_template, router_token_secret_name
-from kvpilot.operator.sizing import SizingResult, size_replicas
+from kvpilot.operator.sizing import SizingResult, size_for_spec
 from kvpilot.operator.spec import InferenceService
 from kvpilot.operator.startup import startup_budget
 
@@ -173,10 +173,14 @@ def _deployment(isvc: InferenceService, sizing: SizingResult, default_image: str
 
 
 def build_children(
-    isvc: InferenceService, default_image: str = api_names.DEFAULT_IMAGE, router_token: str | None = None
+    isvc: InferenceService,
+    default_image: str = api_names.DEFAULT_IMAGE,
+    router_token: str | None = None,
+    sizing: SizingResult | None = None,
 ) -> Children:
-    """``router_token``: the Secret's value if it has to be created (a fresh random one when None)."""
-    sizing = size_replicas(isvc.spec.scaling)
+    """``router_token``: the Secret's value if it has to be created (a fresh random one when None);
+    ``sizing``: the autoscaler's result in autoscaling.mode operator (else the spec's own sizing)."""
+    sizing = sizing if sizing is not None else size_for_spec(isvc.spec)
     token = router_token if router_token is not None else new_router_token()
     # The Secret before the Deployment: a pod whose secretKeyRef names no Secret cannot start.
     objects = [

@@ -18,6 +18,7 @@ PRINTER_COLUMNS = (
     {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
     {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Autoscaling", "type": "string", "jsonPath": ".spec.autoscaling.mode", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 )
 
@@ -62,7 +63,16 @@ def crd_manifest() -> dict[str, Any]:
                     "name": api_names.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
+                    # The scale subresource is what `kubectl scale`, an HPA and KEDA talk to
+                    # (docs/architecture.md#autoscaling); status.replicas counts the engine pods.
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
                     "additionalPrinterColumns": [dict(column) for column in PRINTER_COLUMNS],
                     "schema": {"openAPIV3Schema": openapi_schema()},
                 }

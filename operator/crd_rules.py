@@ -68,11 +68,24 @@ RULES: tuple[CrossFieldRule, ...] = (
         holds=lambda s: not ("replicas" in s and "targetRequestsPerSecond" in s),
     ),
     CrossFieldRule(
-        node=("spec", "scaling"),
-        field="perReplicaGoodput",
-        cel="has(self.targetRequestsPerSecond) == has(self.perReplicaGoodput)",
-        message="scaling.targetRequestsPerSecond and scaling.perReplicaGoodput are given together",
-        holds=lambda s: ("targetRequestsPerSecond" in s) == ("perReplicaGoodput" in s),
+        node=("spec",),
+        field="scaling.perReplicaGoodput",
+        cel="has(self.scaling.targetRequestsPerSecond) == has(self.scaling.perReplicaGoodput) || "
+        "(self.autoscaling.mode == 'operator' && has(self.scaling.perReplicaGoodput))",
+        message="scaling.targetRequestsPerSecond and scaling.perReplicaGoodput are given together "
+        "(perReplicaGoodput alone only with autoscaling.mode operator)",
+        holds=lambda s: (
+            ("targetRequestsPerSecond" in s["scaling"]) == ("perReplicaGoodput" in s["scaling"])
+            or (s["autoscaling"]["mode"] == "operator" and "perReplicaGoodput" in s["scaling"])
+        ),
+    ),
+    CrossFieldRule(
+        node=("spec",),
+        field="autoscaling.mode",
+        cel="self.autoscaling.mode != 'operator' || has(self.scaling.perReplicaGoodput)",
+        message="autoscaling.mode operator needs scaling.perReplicaGoodput: the goodput per replica "
+        "assumed until enough is measured",
+        holds=lambda s: s["autoscaling"]["mode"] != "operator" or "perReplicaGoodput" in s["scaling"],
     ),
     CrossFieldRule(
         node=("spec", "scaling"),

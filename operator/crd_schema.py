@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY
 from kvpilot.operator.schema_model import model_schema
-from kvpilot.operator.schema_scaling import scaling_schema
+from kvpilot.operator.schema_scaling import autoscaling_schema, replicas_schema, scaling_schema
 from kvpilot.operator.schema_types import (
     DNS_LABEL_PATTERN,
     QUANTITY_PATTERN,
@@ -254,7 +254,9 @@ def spec_schema() -> dict[str, Any]:
             "engine": _engine(),
             "resources": _resources(),
             "slo": _slo(),
+            "replicas": replicas_schema(),
             "scaling": scaling_schema(),
+            "autoscaling": autoscaling_schema(),
             "router": _router(),
             "tenancy": _tenancy(),
         },

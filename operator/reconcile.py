@@ -101,6 +101,8 @@ def _status(
         "desiredReplicas": sizing.desired,
         "observedGeneration": isvc.generation,
         "endpoint": f"http://{isvc.name}.{isvc.namespace}.svc.cluster.local",
+        # The scale subresource's labelSelectorPath: an HPA finds the engine pods' metrics through it.
+        "selector": f"{api_names.SELECTOR_LABEL}={isvc.name}",
         "sizing": sizing.to_status(),
         "engines": counts,
     }

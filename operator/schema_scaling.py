@@ -30,3 +30,64 @@ def scaling_schema() -> dict[str, Any]:
         },
         ("spec", "scaling"),
     )
+
+
+#: autoscaling.mode: who sets the replica count (docs/architecture.md#autoscaling)
+AUTOSCALING_MODES = ("off", "operator", "external")
+
+
+def replicas_schema() -> dict[str, Any]:
+    """``spec.replicas``: the scale subresource's spec replicas path."""
+    return integer(
+        "Total replicas (spare included) in autoscaling.mode external: the scale subresource's replicas, "
+        "as `kubectl scale`, a HorizontalPodAutoscaler or a KEDA ScaledObject set them; the operator "
+        "follows it and never changes it. Ignored in the other modes (status.sizing says the count).",
+        0,
+        1000,
+    )
+
+
+def autoscaling_schema() -> dict[str, Any]:
+    return obj(
+        "Who sets the replica count. off: the scaling block, statically. operator: the operator's "
+        "autoscaler, desired = clamp(ceil(arrival rate × (1 + headroom) / goodput) + spare, min, max) "
+        "from the engines' measured request and SLO counters, with stabilisation windows and a cooldown. "
+        "external: spec.replicas, through the scale subresource (an HPA, KEDA, kubectl scale).",
+        {
+            "mode": {
+                "type": "string",
+                "enum": list(AUTOSCALING_MODES),
+                "default": "off",
+                "description": "off (quote it in YAML: a bare off reads as false), operator or external.",
+            },
+            "prometheusUrl": {
+                "type": "string",
+                "pattern": r"^https?://[^\s/]+(/\S*)?$",
+                "maxLength": 512,
+                "description": "Read the signals from this Prometheus (its /api/v1/query) instead of "
+                "scraping the engines' /metrics; the series need the labels namespace, pod and "
+                "inferenceservice (the chart's PodMonitor adds them).",
+            },
+            "intervalSeconds": integer("How often the autoscaler measures and decides.", 1, 3600, 15),
+            "rateWindowSeconds": integer(
+                "Window of the rates (arrival, per-replica goodput), as a PromQL rate() range.", 2, 3600, 60
+            ),
+            "scaleUpStabilizationSeconds": integer(
+                "Scale up to the lowest count recommended within this window (0: at once).", 0, 3600, 0
+            ),
+            "scaleDownStabilizationSeconds": integer(
+                "Scale down only to the highest count recommended within this window.", 0, 86400, 300
+            ),
+            "cooldownSeconds": integer(
+                "No scale-down sooner than this after any scale change.", 0, 86400, 60
+            ),
+            "minGoodputSamples": integer(
+                "Saturated measurement windows before the measured per-replica goodput replaces "
+                "scaling.perReplicaGoodput.",
+                1,
+                1000,
+                3,
+            ),
+        },
+        ("spec", "autoscaling"),
+    )

@@ -3,16 +3,20 @@
 desired = clamp(ceil(target × (1 + headroom) / perReplicaGoodput) + spare, min, max), or with a fixed
 count, clamp(replicas + spare, min, max). Arithmetic is exact (fractions of the decimal inputs), so a
 target that is an exact multiple of the goodput never rounds up to one replica too many.
+
+In ``autoscaling.mode: external`` the count is ``spec.replicas`` as the scale subresource set it, unclamped
+(the HPA or KEDA object has its own bounds; clamping here would fight it); the static sizing stands in
+until something sets it. Mode ``operator`` gets its result from ``autoscaler`` instead.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
-from kvpilot.operator.spec import ScalingSpec
+from kvpilot.operator.spec import InferenceServiceSpec, ScalingSpec
 
 
 def _exact(value: float) -> Fraction:
@@ -26,11 +30,20 @@ def _number_text(value: float) -> str:
 
 @dataclass(frozen=True)
 class SizingResult:
-    mode: str  # "Replicas" or "Rate"
+    mode: str  # "Replicas", "Rate", "External" or "Autoscaler"
     scaling: ScalingSpec
     serving: int  # replicas needed to carry the load (N)
     unclamped: int  # N + spare
     desired: int  # after the min/max clamp
+    spec_replicas: int | None = None  # mode External: spec.replicas (None: not set yet)
+    formula_text: str | None = None  # a formula of its own (External, Autoscaler)
+    #: further status.sizing fields (the autoscaler's inputs and decision), in status order
+    extra: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def capacity_limited(self) -> bool:
+        """N alone exceeds maxReplicas: the clamp leaves the load short of capacity (not just of spare)."""
+        return self.serving > self.scaling.max_replicas
 
     @property
     def disruption_allowance(self) -> int:
@@ -40,6 +53,8 @@ class SizingResult:
     @property
     def formula(self) -> str:
         s = self.scaling
+        if self.formula_text is not None:
+            return self.formula_text
         if self.mode == "Rate":
             needed = (
                 f"ceil({_number_text(s.target_requests_per_second or 0)} × (1 + {_number_text(s.headroom)})"
@@ -52,7 +67,13 @@ class SizingResult:
     def to_status(self) -> dict[str, Any]:
         s = self.scaling
         status: dict[str, Any] = {"mode": self.mode}
-        if self.mode == "Rate":
+        if self.mode == "External":
+            if self.spec_replicas is not None:
+                status["specReplicas"] = self.spec_replicas
+        elif self.mode == "Autoscaler":
+            status["perReplicaGoodput"] = s.per_replica_goodput
+            status["headroom"] = s.headroom
+        elif self.mode == "Rate":
             status["targetRequestsPerSecond"] = s.target_requests_per_second
             status["perReplicaGoodput"] = s.per_replica_goodput
             status["headroom"] = s.headroom
@@ -66,9 +87,11 @@ class SizingResult:
                 "serving": self.serving,
                 "unclamped": self.unclamped,
                 "desiredReplicas": self.desired,
+                "capacityLimited": self.capacity_limited,
                 "formula": self.formula,
             }
         )
+        status.update(self.extra)
         return status
 
 
@@ -86,3 +109,23 @@ def size_replicas(scaling: ScalingSpec) -> SizingResult:
     unclamped = serving + scaling.spare
     desired = min(max(unclamped, scaling.min_replicas), scaling.max_replicas)
     return SizingResult(mode=mode, scaling=scaling, serving=serving, unclamped=unclamped, desired=desired)
+
+
+def size_for_spec(spec: InferenceServiceSpec) -> SizingResult:
+    """The count of the modes that need no measurement: off (the scaling block) and external."""
+    static = size_replicas(spec.scaling)
+    if spec.autoscaling.mode != "external":
+        return static
+    if spec.replicas is None:
+        return replace(static, mode="External", formula_text=f"spec.replicas unset: {static.formula}")
+    replicas, spare = spec.replicas, spec.scaling.spare
+    return SizingResult(
+        mode="External",
+        scaling=spec.scaling,
+        # The count includes the spare (it is the pods' count): N is what is left when the spare is off.
+        serving=max(0, replicas - spare),
+        unclamped=replicas,
+        desired=replicas,
+        spec_replicas=replicas,
+        formula_text=f"spec.replicas = {replicas} (autoscaling.mode external)",
+    )

@@ -97,6 +97,20 @@ class ScalingSpec:
 
 
 @dataclass(frozen=True)
+class AutoscalingSpec:
+    """spec.autoscaling (docs/architecture.md#autoscaling); the CRD descriptions say each field."""
+
+    mode: str = "off"  # off | operator | external
+    prometheus_url: str | None = None  # None: scrape the engines' /metrics
+    interval_seconds: int = 15
+    rate_window_seconds: int = 60
+    scale_up_stabilization_seconds: int = 0
+    scale_down_stabilization_seconds: int = 300
+    cooldown_seconds: int = 60
+    min_goodput_samples: int = 3
+
+
+@dataclass(frozen=True)
 class RouterSpec:
     policy: str = "cache_aware"
     weights: tuple[tuple[str, float], ...] = ()
@@ -117,6 +131,9 @@ class InferenceServiceSpec:
     resources: ResourcesSpec = field(default_factory=ResourcesSpec)
     slo: SLOSpec = field(default_factory=SLOSpec)
     scaling: ScalingSpec = field(default_factory=ScalingSpec)
+    autoscaling: AutoscalingSpec = field(default_factory=AutoscalingSpec)
+    #: spec.replicas, the scale subresource's count (followed in autoscaling.mode external only)
+    replicas: int | None = None
     router: RouterSpec = field(default_factory=RouterSpec)
     tenancy: TenancySpec = field(default_factory=TenancySpec)
 
@@ -134,6 +151,7 @@ class InferenceServiceSpec:
         spec = validated_spec(raw_spec)
         model, engine, res, slo = spec["model"], spec["engine"], spec["resources"], spec["slo"]
         scaling, router, tenancy = spec["scaling"], spec["router"], spec.get("tenancy", {})
+        autoscaling = spec["autoscaling"]
         return cls(
             model=ModelSpec(
                 source=model["source"],
@@ -172,6 +190,17 @@ class InferenceServiceSpec:
                 max_replicas=scaling["maxReplicas"],
                 require_host_spread=scaling["requireHostSpread"],
             ),
+            autoscaling=AutoscalingSpec(
+                mode=autoscaling["mode"],
+                prometheus_url=autoscaling.get("prometheusUrl"),
+                interval_seconds=autoscaling["intervalSeconds"],
+                rate_window_seconds=autoscaling["rateWindowSeconds"],
+                scale_up_stabilization_seconds=autoscaling["scaleUpStabilizationSeconds"],
+                scale_down_stabilization_seconds=autoscaling["scaleDownStabilizationSeconds"],
+                cooldown_seconds=autoscaling["cooldownSeconds"],
+                min_goodput_samples=autoscaling["minGoodputSamples"],
+            ),
+            replicas=spec.get("replicas"),
             router=RouterSpec(
                 policy=router["policy"],
                 weights=tuple(sorted((k, float(v)) for k, v in router.get("weights", {}).items())),

@@ -54,6 +54,83 @@ def _condition() -> dict[str, Any]:
     }
 
 
+def _number(description: str) -> dict[str, Any]:
+    return {"type": "number", "minimum": 0, "description": description}
+
+
+def _sizing() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Inputs and result of the replica sizing (docs/architecture.md#replica-sizing), and "
+        "the autoscaler's last decision with its inputs (docs/architecture.md#autoscaling).",
+        "properties": {
+            "mode": {
+                "type": "string",
+                "enum": ["Replicas", "Rate", "External", "Autoscaler"],
+                "description": "Replicas: from scaling.replicas; Rate: from scaling.targetRequestsPerSecond "
+                "and scaling.perReplicaGoodput; External: spec.replicas (autoscaling.mode external); "
+                "Autoscaler: the operator's autoscaler (autoscaling.mode operator).",
+            },
+            "replicas": count("scaling.replicas (mode Replicas)."),
+            "specReplicas": count("spec.replicas (mode External), as the scale subresource set it."),
+            "targetRequestsPerSecond": {
+                "type": "number",
+                "description": "scaling.targetRequestsPerSecond (mode Rate).",
+            },
+            "perReplicaGoodput": {
+                "type": "number",
+                "description": "scaling.perReplicaGoodput (modes Rate and Autoscaler).",
+            },
+            "headroom": {"type": "number", "description": "scaling.headroom (modes Rate and Autoscaler)."},
+            "spare": count("scaling.spare."),
+            "minReplicas": count("scaling.minReplicas."),
+            "maxReplicas": count("scaling.maxReplicas."),
+            "serving": count("Replicas that carry the load (N)."),
+            "unclamped": count("N + spare, before the min/max clamp."),
+            "desiredReplicas": count(
+                "The clamped result (mode Autoscaler: after the stabilisation windows)."
+            ),
+            "capacityLimited": {
+                "type": "boolean",
+                "description": "N alone exceeds scaling.maxReplicas: the clamp leaves the load short of "
+                "capacity (condition CapacityLimited).",
+            },
+            "formula": {"type": "string", "description": "The arithmetic with its numbers."},
+            "arrivalRate": _number("Mode Autoscaler: measured arrival rate, requests/s (λ)."),
+            "goodput": _number("Mode Autoscaler: per-replica goodput the decision used, requests/s (g)."),
+            "goodputSource": {
+                "type": "string",
+                "enum": ["Spec", "Measured"],
+                "description": "Spec: scaling.perReplicaGoodput (too few saturated windows measured yet); "
+                "Measured: the median of the engines' goodput in saturated windows.",
+            },
+            "goodputSamples": count("Saturated windows measured so far (the last ones are kept)."),
+            "signalSource": {
+                "type": "string",
+                "enum": ["Pods", "Prometheus"],
+                "description": "Where the rates came from: the engines' /metrics or "
+                "autoscaling.prometheusUrl.",
+            },
+            "measuredEngines": count("Engines whose counters the last measurement covered."),
+            "recommendation": count(
+                "The clamped count for the last measurement alone, before stabilisation."
+            ),
+            "decision": {
+                "type": "string",
+                "enum": ["ScaleUp", "ScaleDown", "Hold", "NoSignal"],
+                "description": "What the last evaluation did (NoSignal: no rate measured yet, count kept).",
+            },
+            "message": {"type": "string", "description": "Why, in words, with the windows that held it."},
+            "decidedAt": {"type": "string", "format": "date-time", "description": "Last evaluation."},
+            "lastScaleTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When the autoscaler last changed the count.",
+            },
+        },
+    }
+
+
 def status_schema() -> dict[str, Any]:
     return {
         "type": "object",
@@ -86,34 +163,11 @@ def status_schema() -> dict[str, Any]:
                 "type": "string",
                 "description": "In-cluster URL of the client Service (the routers); OpenAI paths under /v1.",
             },
-            "sizing": {
-                "type": "object",
-                "description": "Inputs and result of the N+1 replica sizing.",
-                "properties": {
-                    "mode": {
-                        "type": "string",
-                        "enum": ["Replicas", "Rate"],
-                        "description": "Replicas: from scaling.replicas; Rate: from "
-                        "scaling.targetRequestsPerSecond and scaling.perReplicaGoodput.",
-                    },
-                    "replicas": count("scaling.replicas (mode Replicas)."),
-                    "targetRequestsPerSecond": {
-                        "type": "number",
-                        "description": "scaling.targetRequestsPerSecond (mode Rate).",
-                    },
-                    "perReplicaGoodput": {
-                        "type": "number",
-                        "description": "scaling.perReplicaGoodput (mode Rate).",
-                    },
-                    "headroom": {"type": "number", "description": "scaling.headroom (mode Rate)."},
-                    "spare": count("scaling.spare."),
-                    "minReplicas": count("scaling.minReplicas."),
-                    "maxReplicas": count("scaling.maxReplicas."),
-                    "serving": count("Replicas that carry the load (N)."),
-                    "unclamped": count("N + spare, before the min/max clamp."),
-                    "desiredReplicas": count("The clamped result."),
-                    "formula": {"type": "string", "description": "The arithmetic with its numbers."},
-                },
+            "sizing": _sizing(),
+            "selector": {
+                "type": "string",
+                "description": "Label selector of the engine pods, as the scale subresource reports it "
+                "(an HPA reads pod metrics through it).",
             },
             "engines": {
                 "type": "object",

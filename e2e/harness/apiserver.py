@@ -19,6 +19,7 @@ import aiohttp.web
 import attrs
 import kmock
 from harness import custom_resources as crs
+from harness import scale as scales
 from harness.patches import (
     PatchError,
     json_patch,
@@ -89,6 +90,8 @@ class ApiServerHarness(kmock.KubernetesEmulator):
         for entry in kept:
             if "/" in entry["name"]:
                 entry.update(shortNames=[], categories=[], verbs=["get", "patch", "update"])
+            if entry["name"].endswith("/scale"):  # kubectl's scale client needs the Scale kind
+                entry.update(group="autoscaling", version="v1", kind="Scale")
         listing["resources"] = sorted(kept, key=lambda entry: entry["name"])
         listing["groupVersion"] = listing["groupVersion"].lstrip("/")  # kmock says "/v1" for the core group
         return listing
@@ -131,6 +134,8 @@ class ApiServerHarness(kmock.KubernetesEmulator):
                 await self.create(resource, namespace, request.data, strict=self._strict(request)), status=201
             )
         key: ObjectKey = (resource, namespace, request.name)
+        if request.subresource == "scale" and resource in self.custom:
+            return aiohttp.web.json_response(await self._scale(request, key, method))
         if method == "GET":
             return self._respond(request, resource, self._existing(key))
         if method in ("PUT", "PATCH"):
@@ -330,6 +335,28 @@ class ApiServerHarness(kmock.KubernetesEmulator):
             key[0],
             await self.update(key, new, subresource=request.subresource or "", strict=self._strict(request)),
         )
+
+    async def _scale(self, request: kmock.Request, key: ObjectKey, method: str) -> dict[str, Any]:
+        """The CRD's scale subresource (``harness.scale``): read or write spec.replicas as a Scale."""
+        paths = self.custom[key[0]].subresources.get("scale")
+        if paths is None:
+            raise _status(404, "NotFound", f"{key[0].plural} has no scale subresource")
+        obj = self._existing(key)
+        scale = scales.scale_of(paths, obj)
+        if method == "GET":
+            return scale
+        content_type = request.headers.get("Content-Type", "").split(";")[0]
+        try:
+            if method == "PUT":
+                new_scale = request.data or {}
+            elif content_type == "application/json-patch+json":
+                new_scale = json_patch(scale, request.data)
+            else:
+                new_scale = merge_patch(scale, request.data)
+            new = scales.with_replicas(paths, obj, new_scale)
+        except (PatchError, ValueError) as error:
+            raise _status(422, "Invalid", str(error)) from error
+        return scales.scale_of(paths, await self.update(key, new))
 
     async def update(
         self, key: ObjectKey, new: dict[str, Any], subresource: str = "", strict: bool = False

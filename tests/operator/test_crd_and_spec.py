@@ -37,12 +37,22 @@ def test_crd_names_columns_and_status_subresource():
     assert crd["metadata"]["name"] == "inferenceservices.kvpilot.dev"
     assert crd["spec"]["names"]["shortNames"] == ["kvis"]
     version = crd["spec"]["versions"][0]
-    assert (version["name"], version["subresources"]) == ("v1alpha1", {"status": {}})
+    assert version["name"] == "v1alpha1"
+    # The scale subresource: kubectl scale, an HPA and KEDA read and write spec.replicas through it.
+    assert version["subresources"] == {
+        "status": {},
+        "scale": {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        },
+    }
     assert [c["name"] for c in version["additionalPrinterColumns"]] == [
         "Model",
         "Desired",
         "Ready",
         "Phase",
+        "Autoscaling",
         "Age",
     ]
 
@@ -67,6 +77,11 @@ def test_defaults_fill_the_spec():
     assert (spec.engine.gpu_memory_utilization, spec.kv_cache_memory_bytes) == (0.9, 1 << 30)  # CPU: 1Gi
     assert (spec.scaling.replicas, spec.scaling.spare, spec.scaling.headroom) == (None, 1, 0.2)
     assert (spec.router.policy, spec.resources.gpus, spec.slo.ttft_seconds) == ("cache_aware", 0, 2.0)
+    autoscaling = spec.autoscaling
+    assert (autoscaling.mode, autoscaling.prometheus_url, autoscaling.interval_seconds) == ("off", None, 15)
+    windows = (autoscaling.scale_up_stabilization_seconds, autoscaling.scale_down_stabilization_seconds)
+    assert windows == (0, 300)
+    assert (autoscaling.cooldown_seconds, autoscaling.min_goodput_samples, spec.replicas) == (60, 3, None)
 
 
 @pytest.mark.parametrize(
@@ -101,6 +116,21 @@ def test_defaults_fill_the_spec():
             {"model": {"source": "smollm2-135m"}, "scaling": {"targetRequestsPerSecond": 3}},
             "spec.scaling.perReplicaGoodput",
             "given together",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "scaling": {"perReplicaGoodput": 3}},
+            "spec.scaling.perReplicaGoodput",
+            "perReplicaGoodput alone only with autoscaling.mode operator",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "autoscaling": {"mode": "operator"}},
+            "spec.autoscaling.mode",
+            "autoscaling.mode operator needs scaling.perReplicaGoodput",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "autoscaling": {"mode": False}},
+            "spec.autoscaling.mode",
+            "is not of type 'string'",
         ),
         (
             {"model": {"source": "smollm2-135m"}, "scaling": {"minReplicas": 5, "maxReplicas": 2}},

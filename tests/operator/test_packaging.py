@@ -150,11 +150,25 @@ def test_kubectl_install_manifest_is_the_rendered_chart():
     assert "helm.sh/hook" not in text and "kind: Job" not in text
 
 
-def test_examples_validate_and_render():
+def test_examples_validate_and_render(tmp_path):
     from kvpilot.operator.cli import main
 
     for example in sorted((REPO / "manifests" / "examples").glob("*.yaml")):
-        assert main(["render", "-f", str(example)], out=io.StringIO(), err=io.StringIO()) == 0, example
+        documents = [d for d in yaml.safe_load_all(example.read_text()) if d]
+        services = [d for d in documents if d["kind"] == "InferenceService"]
+        isvc_file = tmp_path / example.name
+        isvc_file.write_text(yaml.safe_dump_all(services))
+        assert main(["render", "-f", str(isvc_file)], out=io.StringIO(), err=io.StringIO()) == 0, example
+        # An HPA or a ScaledObject beside them targets one of them, which leaves the count to it.
+        external = {
+            d["metadata"]["name"]
+            for d in services
+            if d["spec"].get("autoscaling", {}).get("mode") == "external"
+        }
+        for scaler in (d for d in documents if d["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")):
+            target = scaler["spec"]["scaleTargetRef"]
+            assert (target["apiVersion"], target["kind"]) == ("kvpilot.dev/v1alpha1", "InferenceService")
+            assert target["name"] in external, example
 
 
 def test_alert_rules_pass_promtool_check_and_unit_tests(tmp_path):

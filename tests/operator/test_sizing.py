@@ -8,8 +8,8 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvpilot.operator.sizing import size_replicas
-from kvpilot.operator.spec import ScalingSpec
+from kvpilot.operator.sizing import size_for_spec, size_replicas
+from kvpilot.operator.spec import AutoscalingSpec, InferenceServiceSpec, ModelSpec, ScalingSpec
 
 
 def test_rate_mode_example_and_formula():
@@ -74,3 +74,43 @@ def test_more_load_never_means_fewer_replicas(rate, more, goodput):
         ).desired
 
     assert desired(rate + more) >= desired(rate)
+
+
+def _spec(mode: str, replicas: int | None, scaling: ScalingSpec) -> InferenceServiceSpec:
+    return InferenceServiceSpec(
+        model=ModelSpec(source="tiny-random", served_name="t"),
+        scaling=scaling,
+        autoscaling=AutoscalingSpec(mode=mode),
+        replicas=replicas,
+    )
+
+
+def test_external_mode_follows_spec_replicas_unclamped():
+    scaling = ScalingSpec(replicas=1, spare=1, max_replicas=4)
+    result = size_for_spec(_spec("external", 7, scaling))
+    # Unclamped: the HPA or KEDA object has its own bounds; clamping would fight it.
+    assert (result.mode, result.serving, result.unclamped, result.desired) == ("External", 6, 7, 7)
+    assert result.formula == "spec.replicas = 7 (autoscaling.mode external)"
+    assert result.to_status()["specReplicas"] == 7
+    assert result.disruption_allowance == 1
+
+
+def test_external_mode_without_spec_replicas_uses_the_static_sizing_and_other_modes_ignore_it():
+    scaling = ScalingSpec(replicas=2)
+    unset = size_for_spec(_spec("external", None, scaling))
+    assert (unset.mode, unset.desired, unset.formula) == (
+        "External",
+        3,
+        "spec.replicas unset: clamp(2 + 1, 1, 100) = 3",
+    )
+    assert "specReplicas" not in unset.to_status()
+    ignored = size_for_spec(_spec("off", 9, scaling))
+    assert (ignored.mode, ignored.desired) == ("Replicas", 3)
+
+
+def test_capacity_limited_only_when_n_itself_exceeds_max():
+    eaten_spare = size_replicas(ScalingSpec(replicas=4, spare=1, max_replicas=4))
+    assert (eaten_spare.desired, eaten_spare.capacity_limited) == (4, False)
+    short = size_replicas(ScalingSpec(replicas=5, spare=1, max_replicas=4))
+    assert (short.serving, short.desired, short.capacity_limited) == (5, 4, True)
+    assert short.to_status()["capacityLimited"] is True
