@@ -3,17 +3,40 @@
 A backend does two things per layer: write the step's new K/V into their cache slots, then attend each
 new query token over its sequence's paged context. ``prepare`` runs once per step (all layers share the
 same layout), so per-step index arithmetic is not repeated 30 times.
+
+Layers of one model may attend differently (docs/architecture.md#model-families): Gemma's alternate a
+sliding window with global attention and soft-cap their logits. Each layer passes its ``LayerAttention``
+to ``forward``/``attend``; without one, the backend's own scale and window apply.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends."""
+
+    #: multiplies q·k before the softmax
+    scale: float
+    #: a query at position i attends keys at positions j with i - sliding_window < j <= i; None = all j <= i
+    sliding_window: int | None = None
+    #: scores s become cap * tanh(s / cap) after scaling and before masking (Gemma 2); None = off
+    logit_softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {self.sliding_window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be positive, got {self.logit_softcap}")
 
 
 class AttentionBackend(ABC):
@@ -40,6 +63,8 @@ class AttentionBackend(ABC):
         self.scale = scale
         #: a query at position i attends keys at positions j with i - sliding_window < j <= i
         self.sliding_window = sliding_window
+        #: what a call without its own ``LayerAttention`` does
+        self.default_layer = LayerAttention(scale, sliding_window)
 
     def prepare(self, meta: AttentionMetadata) -> None:  # noqa: B027 - optional hook
         """Per-step precomputation shared by all layers (stores results in ``meta.extras``)."""
@@ -77,9 +102,11 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention | None = None,
     ) -> torch.Tensor:
         """Attention output ``[num_tokens, num_heads, head_dim]`` for ``query`` ``[num_tokens, num_heads,
-        head_dim]``. ``key``/``value`` are this step's new K/V (already written to the cache)."""
+        head_dim]``. ``key``/``value`` are this step's new K/V (already written to the cache); ``layer``
+        (default ``default_layer``) says how this layer attends."""
 
     def forward(
         self,
@@ -89,9 +116,10 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention | None = None,
     ) -> torch.Tensor:
         self.write_kv(key, value, key_cache, value_cache, meta)
-        return self.attend(query, key, value, key_cache, value_cache, meta)
+        return self.attend(query, key, value, key_cache, value_cache, meta, layer)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

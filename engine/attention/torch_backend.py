@@ -15,6 +15,11 @@ the query heads of one KV head) with register-blocked score and value products (
 Against SDPA per sequence (`bench/native_kernels.py`, 30 SmolLM2 layers): x1.8 on 14 new 146-token prompts,
 x1.5 on 8 of 256, parity for 32 tokens after a 1024-token cached prefix. A CPU without AVX2, or a head size
 that is not a multiple of 16, keeps SDPA for prefill.
+
+Per-layer attention (``LayerAttention``): the masks depend on the layer's window, so they are built on the
+first layer of a step that uses that window and shared by the others (Gemma: two masks per step). SDPA has
+no soft-capping; a soft-capped layer without the C kernels runs the same math unfused (scores, cap, mask,
+softmax).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvpilot.engine.attention.backend import AttentionBackend
+from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.native.ops import PREFILL_HEAD_DIM_MULTIPLE, NativeOps
 
@@ -40,8 +45,19 @@ class _DecodeBucket:
     #: int64 [B * kv_heads * blocks] rows of the (block, kv_head)-flattened cache to gather
     gather_rows: torch.Tensor
     num_blocks: int
-    #: bool [B, 1, 1, L] keys each query may attend (within its length and window)
-    mask: torch.Tensor
+    #: int64 [B] the sequences' lengths
+    lens: torch.Tensor
+    #: per window: bool [B, 1, 1, L] keys each query may attend (within its length and window)
+    masks: dict[int | None, torch.Tensor]
+
+    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
+        if window not in self.masks:
+            pos = torch.arange(self.num_blocks * block_size, device=self.lens.device)
+            valid = pos.unsqueeze(0) < self.lens.unsqueeze(1)
+            if window is not None:
+                valid &= pos.unsqueeze(0) >= (self.lens - window).unsqueeze(1)
+            self.masks[window] = valid[:, None, None, :]
+        return self.masks[window]
 
 
 @dataclass
@@ -63,6 +79,23 @@ def _window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.T
     if window is not None:
         mask &= diff < window
     return mask
+
+
+def _softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: LayerAttention
+) -> torch.Tensor:
+    """SDPA's math with Gemma 2's soft-capping, for ``q`` [..., Hq, n, D] over ``k``/``v`` [..., Hkv, L, D]
+    (GQA by repeating KV heads) and a bool ``mask`` [n, L] or broadcastable (None = causal from 0)."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * layer.scale
+    cap = float(layer.logit_softcap or 0.0)
+    scores = cap * torch.tanh(scores / cap)
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
 
 def _length_buckets(lengths: list[int]) -> list[list[int]]:
@@ -101,40 +134,41 @@ class TorchAttentionBackend(AttentionBackend):
                 num_blocks = -(-max(lens_host[i] for i in idx) // bs)
                 table = meta.block_tables.index_select(0, rows)[:, :num_blocks]
                 lens = meta.seq_lens.index_select(0, rows).long()
-                pos = torch.arange(num_blocks * bs, device=lens.device)
-                valid = pos.unsqueeze(0) < lens.unsqueeze(1)
-                if self.sliding_window is not None:
-                    valid &= pos.unsqueeze(0) >= (lens - self.sliding_window).unsqueeze(1)
-                buckets.append(
-                    _DecodeBucket(rows, self._gather_rows(table), num_blocks, valid[:, None, None, :])
-                )
+                buckets.append(_DecodeBucket(rows, self._gather_rows(table), num_blocks, lens, {}))
         meta.extras["decode_buckets"] = buckets
         meta.extras["native_prefill"] = self._native_prefill()
-        meta.extras["prefill_plans"] = [] if meta.extras["native_prefill"] else self._prefill_plans(meta)
+        #: per window, built by the first layer that attends with it
+        meta.extras["prefill_plans"] = {}
         # write positions: (block, offset) of every new token
         meta.extras["write_block"] = meta.slot_mapping // bs
         meta.extras["write_offset"] = meta.slot_mapping % bs
 
-    def _prefill_plans(self, meta: AttentionMetadata) -> list[_PrefillPlan]:
+    def _prefill_plans(self, meta: AttentionMetadata, window: int | None) -> list[_PrefillPlan]:
         """One SDPA plan per prefill/extend sequence: its token range, the gather of its cached context, the
         mask when the causal triangle alone does not say what each query sees."""
+        if meta.extras["native_prefill"]:
+            return []
+        cached: dict[int | None, list[_PrefillPlan]] = meta.extras["prefill_plans"]
+        if window in cached:
+            return cached[window]
         bs, nd = meta.block_size, meta.num_decodes
         plans: list[_PrefillPlan] = []
         starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens_host[b], meta.seq_lens_host[b]
             ctx = seq_len - q_len
-            if ctx == 0 and self.sliding_window is None:
+            if ctx == 0 and window is None:
                 plans.append(_PrefillPlan(starts[b], starts[b + 1], None, 0, None))
                 continue
             num_blocks = -(-seq_len // bs)
             q_pos = torch.arange(ctx, seq_len, device=meta.block_tables.device)
             if ctx:
-                mask = _window_mask(q_pos, num_blocks * bs, self.sliding_window)
+                mask = _window_mask(q_pos, num_blocks * bs, window)
                 rows = self._gather_rows(meta.block_tables[b : b + 1, :num_blocks])
             else:  # sliding window over new tokens only
-                mask, rows = _window_mask(q_pos, seq_len, self.sliding_window), None
+                mask, rows = _window_mask(q_pos, seq_len, window), None
             plans.append(_PrefillPlan(starts[b], starts[b + 1], rows, num_blocks, mask))
+        cached[window] = plans
         return plans
 
     def _native_prefill(self) -> bool:
@@ -162,7 +196,9 @@ class TorchAttentionBackend(AttentionBackend):
         flat = cache.view(-1, bs, d)
         return flat.index_select(0, rows).view(batch, kvh, num_blocks * bs, d)
 
-    def attend(self, query, key, value, key_cache, value_cache, meta) -> torch.Tensor:
+    def attend(self, query, key, value, key_cache, value_cache, meta, layer=None) -> torch.Tensor:
+        layer = layer or self.default_layer
+        window, scale = layer.sliding_window, layer.scale
         out = torch.empty_like(query)
         kvh, d, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         if self.native is not None and meta.num_decodes:
@@ -173,15 +209,22 @@ class TorchAttentionBackend(AttentionBackend):
                 value_cache,
                 meta.block_tables,
                 meta.seq_lens,
-                self.scale,
-                self.sliding_window,
+                scale,
+                window,
+                layer.logit_softcap,
             )
         for bucket in meta.extras["decode_buckets"]:
             n = bucket.rows.numel()
             k = self._gather(key_cache, bucket.gather_rows, n, bucket.num_blocks).to(query.dtype)
             v = self._gather(value_cache, bucket.gather_rows, n, bucket.num_blocks).to(query.dtype)
             q = query.index_select(0, bucket.rows).view(n, kvh, group, d)  # GQA group as query length
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bucket.mask, scale=self.scale)
+            mask = bucket.mask(window, meta.block_size)
+            if layer.logit_softcap is None:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            else:  # the GQA group is the query axis here: one KV head per group of rows
+                o = _softcapped_attention(
+                    q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3), mask[:, :, None], layer
+                )
             out.index_copy_(0, bucket.rows, o.reshape(n, self.num_heads, d))
         if meta.extras["native_prefill"] and meta.num_seqs > meta.num_decodes:
             nd = meta.num_decodes
@@ -192,10 +235,11 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.block_tables[nd:],
                 meta.query_start_loc[nd:],
                 meta.seq_lens[nd:],
-                self.scale,
-                self.sliding_window,
+                scale,
+                window,
+                layer.logit_softcap,
             )
-        for plan in meta.extras["prefill_plans"]:
+        for plan in self._prefill_plans(meta, window):
             s, e = plan.token_start, plan.token_end
             q = query[s:e].transpose(0, 1)  # [Hq, n, D]
             if plan.gather_rows is None:
@@ -209,13 +253,13 @@ class TorchAttentionBackend(AttentionBackend):
             # 1339 us; identical outputs); older torch fell back to the unfused math path here.
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
             gqa = group > 1
-            if plan.mask is None:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=gqa)[
+            if layer.logit_softcap is not None:
+                o = _softcapped_attention(q, k, v, plan.mask, layer)[0]
+            elif plan.mask is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)[0]
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=gqa)[
                     0
                 ]
-            else:
-                o = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=plan.mask, scale=self.scale, enable_gqa=gqa
-                )[0]
             out[s:e] = o.transpose(0, 1)
         return out

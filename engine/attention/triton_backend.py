@@ -18,7 +18,7 @@ from types import ModuleType
 
 import torch
 
-from kvpilot.engine.attention.backend import AttentionBackend
+from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 _KERNEL_PACKAGE = "kvpilot.engine.attention.kernels"
@@ -106,6 +106,9 @@ class _DecodePlan:
 class TritonAttentionBackend(AttentionBackend):
     """Decodes go to the split-KV decode kernel, prefill/extend sequences to one varlen prefill launch.
 
+    Each call's ``LayerAttention`` (window, scale, soft-cap) goes to the kernels as arguments; the split
+    count is planned once per step from the backend's own window, which only sizes the work per program.
+
     ``num_sms`` overrides the number of streaming multiprocessors the split-KV heuristic aims to fill
     (default: the GPU's; 1 on CPU, where the interpreter runs programs one after another).
     """
@@ -145,14 +148,14 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return self._num_sms
 
-    def _config(self, kernel: str, key_cache: torch.Tensor):
+    def _config(self, kernel: str, key_cache: torch.Tensor, windowed: bool):
         kernels = self.kernels(key_cache.device)
         key = kernels.warmup.shape_key(
             self.head_dim,
             self.num_heads // self.num_kv_heads,
             key_cache.shape[1],
             key_cache.dtype,
-            self.sliding_window is not None,
+            windowed,
         )
         default = kernels.tuning.DECODE_DEFAULT if kernel == "decode" else kernels.tuning.PREFILL_DEFAULT
         return self._configs.get(kernel, key, default)
@@ -209,7 +212,10 @@ class TritonAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        layer: LayerAttention | None = None,
     ) -> torch.Tensor:
+        layer = layer or self.default_layer
+        windowed = layer.sliding_window is not None
         self._check_caches(key_cache, value_cache, meta)
         expected = (meta.num_tokens, self.num_heads, self.head_dim)
         if tuple(query.shape) != expected:
@@ -232,11 +238,12 @@ class TritonAttentionBackend(AttentionBackend):
                 value_cache,
                 meta.block_tables,
                 meta.seq_lens,
-                self.scale,
-                self.sliding_window,
+                layer.scale,
+                layer.sliding_window,
                 plan.num_kv_splits,
                 plan.partials,
-                self._config("decode", key_cache),
+                self._config("decode", key_cache, windowed),
+                layer.logit_softcap,
             )
         if meta.num_seqs > decodes:
             kernels.prefill.paged_prefill(
@@ -248,9 +255,10 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.seq_lens[decodes:],
                 meta.query_start_loc[decodes:],
                 max(meta.query_lens_host[decodes:]),
-                self.scale,
-                self.sliding_window,
-                self._config("prefill", key_cache),
+                layer.scale,
+                layer.sliding_window,
+                self._config("prefill", key_cache, windowed),
+                layer.logit_softcap,
             )
         return out
 

@@ -11,13 +11,20 @@ Files (torch-free, except ``tiny``):
 - ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
 - ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for
                      ``tiny``)
-- ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests
+- ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests;
+                     ``write_tiny_tokenizer`` for tiny models of the other families
 
 Forward pass:
 - ``arch``           ``ModelArchConfig``: the hyper-parameters the forward pass reads from config.json
-- ``rope_config``    RoPE theta and scaling from either config form (``rope_scaling`` / ``rope_parameters``)
-- ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN)
-- ``llama``          the decoder (RMSNorm, GQA attention through the attention backend, SwiGLU MLP)
+- ``families``       what each dense family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3) switches on in the
+                     shared decoder: layer windows, q/k norm, Gemma norms, soft-caps, activation
+- ``rope_config``    RoPE theta and scaling from either config form (``rope_scaling`` / ``rope_parameters``),
+                     per layer type where the config nests them (Gemma 3)
+- ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN, LongRoPE)
+- ``layers``         the decoder layer (RMSNorm, GQA attention with optional q/k norm through the attention
+                     backend, SwiGLU/GeGLU MLP, Gemma's sandwich norms), PyTorch and fused-C paths
+- ``llama``          the model: embedding, per-layer-type rotary tables, the layers, final norm, LM head
+- ``weights``        HF checkpoint tensors into the model (q/k/v and gate/up fused, or already fused: Phi-3)
 - ``moe_arch``       ``MoEArch``: experts, top-k, renormalisation and sparse layers of Mixtral / Qwen2-MoE /
                      Qwen3-MoE configs, and the dense family each one's attention reads as
 - ``moe_experts``    routing (softmax, top-k, renormalise) and the routed experts in PyTorch: the dense

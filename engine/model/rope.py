@@ -10,6 +10,10 @@ how tokens are batched. Here each position p is rotated with the base for a sequ
 max(p + 1, original context): identical to HF for every token generated one at a time and for any prefix
 within the original context, and independent of batching and chunked prefill. (HF's one-shot forward of
 a prompt longer than the original context rotates all of it with the prompt length's base instead.)
+
+LongRoPE (Phi-3's ``longrope``/``su``) follows the same rule: HF switches from ``short_factor`` to
+``long_factor`` once the sequence outgrows ``original_max_position_embeddings``, so here positions below it
+use the short factors and positions from it on the long ones (docs/models.md#phi-3).
 """
 
 from __future__ import annotations
@@ -90,6 +94,25 @@ def _dynamic_freqs(head_dim: int, theta: float, s: dict[str, Any], max_position:
     return freqs
 
 
+def _longrope_freqs(
+    head_dim: int, theta: float, s: dict[str, Any], max_position: int
+) -> tuple[torch.Tensor, float]:
+    """[max_position, head_dim/2] angles: short factors below the original context, long from it on."""
+    old_ctx = int(s["original_max_position_embeddings"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    positions = torch.arange(max_position, dtype=torch.float32)
+    short = 1.0 / (torch.tensor(s["short_factor"], dtype=torch.float32) * theta**exponents)
+    long = 1.0 / (torch.tensor(s["long_factor"], dtype=torch.float32) * theta**exponents)
+    freqs = torch.outer(positions, short)
+    if max_position > old_ctx:
+        freqs[old_ctx:] = torch.outer(positions[old_ctx:], long)
+    factor = float(s.get("factor") or float(s["max_position_embeddings"]) / old_ctx)
+    magnitude = s.get("attention_factor")
+    if magnitude is None:  # HF's default: sqrt(1 + ln(factor) / ln(original context)) when extending
+        magnitude = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    return freqs, float(magnitude)
+
+
 def rope_inv_freq(
     head_dim: int, theta: float, scaling: dict[str, Any] | None, max_position: int
 ) -> tuple[torch.Tensor, float]:
@@ -113,6 +136,8 @@ def rope_angles(
     """[max_position, head_dim/2] rotation angles (float32) and the cos/sin magnitude factor."""
     if scaling and scaling["rope_type"] == "dynamic":
         return _dynamic_freqs(head_dim, theta, scaling, max_position), 1.0
+    if scaling and scaling["rope_type"] == "longrope":
+        return _longrope_freqs(head_dim, theta, scaling, max_position)
     inv_freq, magnitude = rope_inv_freq(head_dim, theta, scaling, max_position)
     return torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float()), magnitude
 

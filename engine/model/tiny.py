@@ -109,6 +109,15 @@ def write_tiny_llama(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     return path
 
 
+def write_tiny_tokenizer(
+    path: str | Path, vocab_size: int, model_max_length: int, chat_template: str = ""
+) -> None:
+    """The tiny byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json) of ``vocab_size`` tokens
+    into ``path``, for tiny models of other families built by transformers itself (tests); its chat template
+    is ``chat_template``, or the tiny model's ChatML one."""
+    _tiny_tokenizer(vocab_size, model_max_length, chat_template or TINY_CHAT_TEMPLATE).write(Path(path))
+
+
 def tiny_config(**overrides: Any) -> dict[str, Any]:
     """The config.json of the tiny model with ``overrides`` applied and checked."""
     unknown = set(overrides) - set(TINY_DEFAULTS) - _EXTRA_KEYS
@@ -203,7 +212,9 @@ def _random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor
     return weights
 
 
-def _tiny_tokenizer(vocab_size: int, model_max_length: int) -> TokenizerFiles:
+def _tiny_tokenizer(
+    vocab_size: int, model_max_length: int, chat_template: str = TINY_CHAT_TEMPLATE
+) -> TokenizerFiles:
     # ByteLevel spells byte b as bytes_to_unicode()[b]; listing them by b gives ids 3..258 in byte order.
     tokens = list(SPECIAL_TOKENS) + [symbol for _, symbol in sorted(bytes_to_unicode().items())]
     merges = _learn_merges(vocab_size - len(tokens))
@@ -217,7 +228,7 @@ def _tiny_tokenizer(vocab_size: int, model_max_length: int) -> TokenizerFiles:
     )
     config = tokenizer_config(
         tokens,
-        TINY_CHAT_TEMPLATE,
+        chat_template,
         model_max_length,
         bos_id=BOS_ID,
         eos_id=EOS_ID,

@@ -79,3 +79,18 @@ void kvp_silu_mul(const float *x, float *out, int64_t T, int64_t I, int nthreads
         for (; i < I; i++) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
     }
 }
+
+/* out[t, i] = gelu_tanh(x[t, i]) * x[t, I + i] for x [T, 2I] (GeGLU, Gemma's MLP): gelu_tanh(g) =
+ * 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), torch's approximate="tanh". */
+void kvp_gelu_tanh_mul(const float *x, float *out, int64_t T, int64_t I, int nthreads) {
+    const float k = 0.7978845608028654f; /* sqrt(2 / pi) */
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (T * I > 32768)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        for (int64_t i = 0; i < I; i++) {
+            float v = g[i];
+            o[i] = 0.5f * v * (1.0f + tanhf(k * (v + 0.044715f * v * v * v))) * u[i];
+        }
+    }
+}

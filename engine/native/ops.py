@@ -27,9 +27,10 @@ _SIGNATURES = {
     "kvp_rope_inplace": (_P, _I, _I, _I, _I, _P, _P, _P, _T),
     "kvp_write_kv": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _T),
     "kvp_silu_mul": (_P, _P, _I, _I, _T),
-    "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _T),
+    "kvp_gelu_tanh_mul": (_P, _P, _I, _I, _T),
+    "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _T),
     "kvp_linear": (_P, _I, _P, _P, _P, _I, _I, _I, _T),
-    "kvp_paged_prefill": (_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _T),
+    "kvp_paged_prefill": (_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _T),
 }
 #: output columns per panel of ``linear``'s packed weight layout (small_gemm.c's PANEL)
 LINEAR_PANEL = 16
@@ -212,12 +213,19 @@ class NativeOps:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` for the fused ``[T, 2I]`` projection (gate first), as a new ``[T, I]``."""
+        return self._gated(self._lib.kvp_silu_mul, gate_up)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``gelu(gate, approximate="tanh") * up`` (GeGLU), laid out as ``silu_mul``'s."""
+        return self._gated(self._lib.kvp_gelu_tanh_mul, gate_up)
+
+    def _gated(self, kernel, gate_up: torch.Tensor) -> torch.Tensor:
         _contiguous(gate_up, "gate_up", torch.float32)
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
         tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(tokens, inter)
-        self._lib.kvp_silu_mul(gate_up.data_ptr(), out.data_ptr(), tokens, inter, self._threads())
+        kernel(gate_up.data_ptr(), out.data_ptr(), tokens, inter, self._threads())
         return out
 
     @staticmethod
@@ -275,9 +283,11 @@ class NativeOps:
         seq_lens: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Attention of each sequence's one new query (``query`` ``[B, Hq * D]`` rows) over its paged
-        context, reading K/V blocks in place; returns ``[B, Hq, D]``."""
+        context, reading K/V blocks in place; returns ``[B, Hq, D]``. ``softcap`` soft-caps the scaled
+        scores (``cap * tanh(s / cap)``)."""
         batch = query.shape[0]
         qs, num_heads, head_dim = _paged_attention_layout(query, key_cache, value_cache, block_tables, 1)
         _, kv_heads, block_size, _ = key_cache.shape
@@ -305,6 +315,7 @@ class NativeOps:
             block_size,
             scale,
             sliding_window or 0,
+            softcap or 0.0,
             self._threads(),
         )
         return out
@@ -319,11 +330,13 @@ class NativeOps:
         seq_lens: torch.Tensor,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of prefill/extend tokens over their paged context (their own K/V already
         written): sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])`` (``query``
         ``[rows, Hq * D]``), the last of its ``seq_lens[s]`` positions, and block table row ``s``. Returns
-        ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``. Needs ``has_prefill_attention``."""
+        ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``; ``softcap`` as in ``paged_decode``. Needs
+        ``has_prefill_attention``."""
         if not self.has_prefill_attention:
             raise ValueError("paged_prefill needs AVX2; keep the PyTorch attention on this CPU")
         qs, num_heads, head_dim = _paged_attention_layout(
@@ -366,6 +379,7 @@ class NativeOps:
                 block_size,
                 scale,
                 sliding_window or 0,
+                softcap or 0.0,
                 self._threads(),
             )
             if status:

@@ -118,7 +118,7 @@ struct prefill_scratch {
 static void prefill_task(struct prefill_scratch *w, float *out, const float *q, int64_t qs, int64_t q_row0,
                          int64_t out_row0, const float *key_cache, const float *value_cache, const int32_t *table,
                          int64_t pos0, int64_t nq, int64_t kh, int64_t G, int64_t Hq, int64_t Hkv, int64_t D,
-                         int64_t block_size, float scale, int64_t window) {
+                         int64_t block_size, float scale, int64_t window, float softcap) {
     int64_t R = nq * G, p_last = pos0 + nq - 1;
     for (int64_t r = 0; r < R; r++) {
         const float *src = q + (q_row0 + r / G) * qs + (kh * G + r % G) * D;
@@ -137,6 +137,10 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
             int64_t n = j1 - c0 < KEYS ? j1 - c0 : KEYS, k0 = first + c0; /* positions k0 .. k0 + n - 1 */
             transpose_keys(kb + c0 * D, n, D, w->kt);
             rows16(R, w->q, D, w->kt, KEYS, D, w->s, KEYS, 0);
+            if (softcap > 0.0f) { /* Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask */
+                float inv = 1.0f / softcap;
+                for (int64_t i = 0; i < R * KEYS; i++) w->s[i] = softcap * tanhf(w->s[i] * inv);
+            }
             /* mask: keys past a row's position, before its window, and the padding past n */
             int whole = n == KEYS && k0 + KEYS - 1 <= pos0 && (window <= 0 || k0 > p_last - window);
             for (int64_t r = 0; r < R; r++) {
@@ -163,14 +167,14 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
 /* Prefill/extend attention for S sequences: sequence s has new tokens at query rows [query_start[s],
  * query_start[s + 1]) of q (row stride qs; heads [Hq, D]), at positions seq_lens[s] - its token count + i,
  * and block table row s (stride bts). Token at position p attends keys [p + 1 - window, p] (from 0 without
- * a window). out [query_start[S] - query_start[0], Hq, D] contiguous. D must be a multiple of 16 and at
+ * a window); softcap > 0 soft-caps the scaled scores. out [query_start[S] - query_start[0], Hq, D] contiguous. D must be a multiple of 16 and at
  * most 256, Hq / Hkv at most 64. Returns 0, or -1 when scratch memory could not be allocated (out is then
  * incomplete). Needs AVX2 (kvp_has_avx2): without it this returns -2 at once and callers keep their own
  * attention. */
 int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_cache, const float *value_cache,
                        const int32_t *block_tables, int64_t bts, const int32_t *query_start, const int32_t *seq_lens,
                        int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
-                       int nthreads) {
+                       float softcap, int nthreads) {
 #ifdef HAVE_AVX2
     int64_t G = Hq / Hkv, per_task = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
     int64_t *tile_seq = malloc(sizeof(int64_t) * 2 * (size_t)(query_start[S] - query_start[0] + 1));
@@ -198,7 +202,7 @@ int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_c
             int64_t nq = q_len - i0 < per_task ? q_len - i0 : per_task;
             prefill_task(w, out, q, qs, query_start[s] + i0, query_start[s] + i0 - query_start[0], key_cache,
                          value_cache, block_tables + s * bts, seq_lens[s] - q_len + i0, nq, kh, G, Hq, Hkv, D,
-                         block_size, scale, window);
+                         block_size, scale, window, softcap);
         }
         free(w);
     }
@@ -207,7 +211,7 @@ int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_c
 #else
     (void)out, (void)q, (void)qs, (void)key_cache, (void)value_cache, (void)block_tables, (void)bts;
     (void)query_start, (void)seq_lens, (void)S, (void)Hq, (void)Hkv, (void)D, (void)block_size, (void)scale;
-    (void)window, (void)nthreads;
+    (void)window, (void)softcap, (void)nthreads;
     return -2;
 #endif
 }

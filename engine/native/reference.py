@@ -51,6 +51,11 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def reference_gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def reference_paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -59,6 +64,7 @@ def reference_paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     _, kv_heads, block_size, head_dim = key_cache.shape
     num_heads = query.shape[1] // head_dim
@@ -74,7 +80,10 @@ def reference_paged_decode(
         group = num_heads // kv_heads
         k = keys.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
         v = values.repeat_interleave(group, dim=1).transpose(0, 1)
-        weights = torch.softmax((k @ q.unsqueeze(-1)).squeeze(-1) * scale, dim=-1)
+        scores = (k @ q.unsqueeze(-1)).squeeze(-1) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = torch.softmax(scores, dim=-1)
         out[b] = (weights.unsqueeze(1) @ v).squeeze(1)
     return out
 
@@ -88,6 +97,7 @@ def reference_paged_prefill(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Each new token as its own query of ``reference_paged_decode`` over the positions up to its own."""
     starts = query_start_loc.tolist()
@@ -107,6 +117,7 @@ def reference_paged_prefill(
         torch.tensor(lens, dtype=torch.int32),
         scale,
         sliding_window,
+        softcap,
     )
 
 

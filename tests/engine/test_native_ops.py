@@ -73,6 +73,16 @@ def test_silu_mul(kernels):
     )
 
 
+@pytest.mark.parametrize("tokens, inter", [(9, 1536), (1, 7), (40, 64)])
+def test_gelu_tanh_mul(kernels, tokens, inter):
+    gate_up = torch.randn(tokens, 2 * inter, generator=_gen(tokens)) * 4
+    out = kernels.gelu_tanh_mul(gate_up)
+    torch.testing.assert_close(out, reference.reference_gelu_tanh_mul(gate_up), atol=1e-5, rtol=1e-5)
+    # the tanh approximation, not the exact (erf) GELU: they differ by more than the tolerance
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert (out - torch.nn.functional.gelu(gate) * up).abs().max() > 1e-4
+
+
 # (lengths, Hq, Hkv, D, block_size, window): GQA groups 1-8, blocks of 4/16/32 and 128 (more than the
 # kernel's 64-key score buffer), windows that start mid-block
 DECODE_CASES = [
@@ -86,8 +96,11 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["no-softcap", "softcap"])
 @pytest.mark.parametrize("lengths, num_heads, kv_heads, head_dim, block_size, window", DECODE_CASES)
-def test_paged_decode_matches_reference(kernels, lengths, num_heads, kv_heads, head_dim, block_size, window):
+def test_paged_decode_matches_reference(
+    kernels, lengths, num_heads, kv_heads, head_dim, block_size, window, softcap
+):
     g = _gen(sum(lengths))
     blocks_per_seq = [-(-n // block_size) for n in lengths]
     num_blocks = 1 + sum(blocks_per_seq) + 2
@@ -102,9 +115,9 @@ def test_paged_decode_matches_reference(kernels, lengths, num_heads, kv_heads, h
     qkv = torch.randn(len(lengths), (num_heads + 2 * kv_heads) * head_dim, generator=g)
     query = qkv[:, : num_heads * head_dim]
     scale = head_dim**-0.5
-    out = kernels.paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window)
+    out = kernels.paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window, softcap)
     expected = reference.reference_paged_decode(
-        query, key_cache, value_cache, tables, seq_lens, scale, window
+        query, key_cache, value_cache, tables, seq_lens, scale, window, softcap
     )
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
 
@@ -218,8 +231,9 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("new, cached, num_heads, kv_heads, head_dim, block_size, window", PREFILL_CASES)
 @pytest.mark.parametrize("decodes_first", [0, 3])
+@pytest.mark.parametrize("softcap", [None, 1.5], ids=["no-softcap", "softcap"])
 def test_paged_prefill_matches_reference(
-    kernels, new, cached, num_heads, kv_heads, head_dim, block_size, window, decodes_first
+    kernels, new, cached, num_heads, kv_heads, head_dim, block_size, window, decodes_first, softcap
 ):
     g = _gen(sum(new) + sum(cached) + decodes_first)
     lengths = [c + n for c, n in zip(cached, new, strict=True)]
@@ -240,9 +254,11 @@ def test_paged_prefill_matches_reference(
     query = qkv[:, : num_heads * head_dim]
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = kernels.paged_prefill(query, key_cache, value_cache, tables, starts, seq_lens, scale, window)
+    out = kernels.paged_prefill(
+        query, key_cache, value_cache, tables, starts, seq_lens, scale, window, softcap
+    )
     expected = reference.reference_paged_prefill(
-        query, key_cache, value_cache, tables, starts, seq_lens, scale, window
+        query, key_cache, value_cache, tables, starts, seq_lens, scale, window, softcap
     )
     assert out.shape == (sum(new), num_heads, head_dim)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)

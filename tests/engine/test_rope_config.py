@@ -160,8 +160,9 @@ def test_v5_form_reads_theta_scaling_and_served_length() -> None:
     [
         (
             {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
-            "unsupported RoPE type 'longrope'",
+            r"'longrope' needs short_factor as a list of head_dim / 2",
         ),
+        ({"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 1e4}}, "unsupported RoPE type"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),
         (
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},

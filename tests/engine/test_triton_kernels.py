@@ -3,7 +3,8 @@
 Shapes are tiny (the interpreter runs every program in Python). The cases cover, between them: sequence
 lengths 1, exact block multiples and partial last blocks; GQA groups 1/3/8; head_dim 64/128/256; block
 sizes 16/32/64; key tiles smaller than, equal to and larger than a block; fp32/fp16/bf16 caches;
-sliding windows (including a window of 1); split-KV with empty splits; prefix + extend.
+sliding windows (including a window of 1); split-KV with empty splits; prefix + extend; Gemma 2's
+attention-logit soft-capping with and without a window.
 """
 
 # Before any kernel module is imported: sets TRITON_INTERPRET=1 on CPU (collection imports this first).
@@ -45,8 +46,21 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n", DECODE_CASES)
-def test_decode_matches_reference(dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n):
+# soft-capped scores (cap 1.5: random scores of about N(0, 1) are bent well off the identity)
+SOFTCAP_DECODE_CASES = [
+    (torch.float32, 64, 16, 3, 2, None, 1, 32, 1.5),
+    (torch.float16, 64, 16, 1, 2, 20, 4, 16, 1.5),
+    (torch.float32, 128, 32, 8, 1, 33, 2, 32, 1.5),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n, softcap",
+    [(*case, None) for case in DECODE_CASES] + SOFTCAP_DECODE_CASES,
+)
+def test_decode_matches_reference(
+    dtype, head_dim, block_size, group, kv_heads, window, splits, tile_n, softcap
+):
     num_heads = group * kv_heads
     batch = make_paged_batch(
         [n - 1 for n in DECODE_SEQ_LENS],
@@ -78,11 +92,31 @@ def test_decode_matches_reference(dtype, head_dim, block_size, group, kv_heads, 
         splits,
         partials,
         KernelConfig(tile_n=tile_n, num_warps=4, num_stages=2),
+        softcap,
     )
     expected = reference.reference_decode(
-        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, scale, window
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        scale,
+        window,
+        softcap,
     )
     assert_close(out, expected, dtype)
+    if softcap is not None:  # the cap really changes this output: ignoring it would fail
+        uncapped = reference.reference_paged_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            scale,
+            window,
+        )
+        assert (out.float() - uncapped).abs().max() > 10 * TOLERANCE[dtype]
 
 
 # (dtype, head_dim, block_size, query_group, num_kv_heads, sliding_window, block_m, tile_n)
@@ -99,10 +133,19 @@ PREFILL_CASES = [
 PREFILL_SEQUENCES = [(0, 23), (16, 16), (37, 5), (3, 40), (0, 1), (64, 9), (20, 1)]
 
 
+SOFTCAP_PREFILL_CASES = [
+    (torch.float32, 64, 16, 3, 2, None, 32, 16, 1.5),
+    (torch.float16, 64, 32, 8, 1, 17, 64, 16, 1.5),
+]
+
+
 @pytest.mark.parametrize(
-    "dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n", PREFILL_CASES
+    "dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n, softcap",
+    [(*case, None) for case in PREFILL_CASES] + SOFTCAP_PREFILL_CASES,
 )
-def test_prefill_matches_reference(dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n):
+def test_prefill_matches_reference(
+    dtype, head_dim, block_size, group, kv_heads, window, block_m, tile_n, softcap
+):
     contexts, new_tokens = zip(*PREFILL_SEQUENCES, strict=True)
     batch = make_paged_batch(
         list(contexts),
@@ -129,6 +172,7 @@ def test_prefill_matches_reference(dtype, head_dim, block_size, group, kv_heads,
         scale,
         window,
         KernelConfig(tile_n=tile_n, num_warps=4, num_stages=2, block_m=block_m),
+        softcap,
     )
     expected = reference.reference_prefill(
         batch.query,
@@ -139,8 +183,21 @@ def test_prefill_matches_reference(dtype, head_dim, block_size, group, kv_heads,
         batch.query_start_loc,
         scale,
         window,
+        softcap,
     )
     assert_close(out, expected, dtype)
+    if softcap is not None:  # the cap really changes this output: ignoring it would fail
+        uncapped = reference.reference_paged_attention(
+            batch.query,
+            batch.key_cache,
+            batch.value_cache,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            scale,
+            window,
+        )
+        assert (out.float() - uncapped).abs().max() > 10 * TOLERANCE[dtype]
 
 
 def test_prefill_reads_only_its_slice_of_a_step():

@@ -28,6 +28,7 @@ from kvpilot.engine.attention.kernels.tile_ops import (
     online_softmax_step,
     padded_dim,
     runs_in_interpreter,
+    soft_cap_log2,
     tile_dot,
 )
 from kvpilot.engine.attention.kernels.tuning import DECODE_DEFAULT, KernelConfig
@@ -45,6 +46,7 @@ def paged_decode_kernel(
     seq_lens_ptr,
     scale_log2,
     sliding_window,
+    softcap,
     num_kv_splits,
     stride_q_token,
     stride_q_head,
@@ -73,6 +75,7 @@ def paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -142,6 +145,8 @@ def paged_decode_kernel(
             BLOCK_SIZE,
         )
         scores = tile_dot(query, tl.trans(keys), DOT_FP32) * scale_log2
+        if HAS_SOFTCAP:
+            scores = soft_cap_log2(scores, softcap)
         scores = tl.where(token_valid[None, :], scores, float("-inf"))
         acc, row_max, row_sum = online_softmax_step(acc, row_max, row_sum, scores, values, DOT_FP32)
 
@@ -184,6 +189,7 @@ def paged_decode(
     num_kv_splits: int = 1,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig = DECODE_DEFAULT,
+    softcap: float | None = None,
 ) -> None:
     """Decode attention for ``query`` ``[num_seqs, num_heads, head_dim]`` (token ``b`` is sequence
     ``b``'s only new token) into ``out`` of the same shape.
@@ -191,7 +197,8 @@ def paged_decode(
     ``block_tables`` int32 ``[>= num_seqs, max_blocks]`` and ``seq_lens`` int32 ``[>= num_seqs]`` may be
     the whole step's tensors: only their first ``num_seqs`` rows are read. With ``num_kv_splits > 1``,
     ``partials`` is the scratch from ``split_kv.allocate_partials`` (at least ``num_seqs`` rows).
-    Shapes are validated by the caller.
+    ``softcap`` soft-caps the scaled scores (``cap * tanh(s / cap)``, Gemma 2). Shapes are validated by the
+    caller.
     """
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -222,6 +229,7 @@ def paged_decode(
         seq_lens,
         scale * math.log2(math.e),
         sliding_window or 0,
+        softcap or 0.0,
         num_kv_splits,
         *query.stride(),
         *out.stride(),
@@ -236,6 +244,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         TILE_N=config.tile_n,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         WRITE_PARTIALS=write_partials,
         DOT_FP32=dot_in_fp32(key_cache.dtype, runs_in_interpreter(paged_decode_kernel)),
         num_warps=config.num_warps,

@@ -26,6 +26,7 @@ from kvpilot.engine.attention.kernels.tile_ops import (
     online_softmax_step,
     padded_dim,
     runs_in_interpreter,
+    soft_cap_log2,
     tile_dot,
 )
 from kvpilot.engine.attention.kernels.tuning import PREFILL_DEFAULT, KernelConfig
@@ -42,6 +43,7 @@ def paged_prefill_kernel(
     query_start_loc_ptr,
     scale_log2,
     sliding_window,
+    softcap,
     stride_q_token,
     stride_q_head,
     stride_q_dim,
@@ -64,6 +66,7 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     TOKENS_PER_PROGRAM: tl.constexpr = BLOCK_M // QUERY_GROUP
@@ -139,6 +142,8 @@ def paged_prefill_kernel(
             BLOCK_SIZE,
         )
         scores = tile_dot(query, tl.trans(keys), DOT_FP32) * scale_log2
+        if HAS_SOFTCAP:
+            scores = soft_cap_log2(scores, softcap)
         visible = token_valid[None, :] & (token_pos[None, :] <= row_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (token_pos[None, :] > row_pos[:, None] - sliding_window)
@@ -169,13 +174,15 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     config: KernelConfig = PREFILL_DEFAULT,
+    softcap: float | None = None,
 ) -> None:
     """Attention for the new tokens of ``len(seq_lens)`` sequences.
 
     ``query``/``out`` ``[num_tokens, num_heads, head_dim]`` are indexed through ``query_start_loc``
     (int32 ``[num_seqs + 1]``, absolute offsets into ``query``), so a slice of the step's metadata
     (``query_start_loc[num_decodes:]``, ``seq_lens[num_decodes:]``, ``block_tables[num_decodes:]``)
-    attends only the prefill sequences. Shapes are validated by the caller.
+    attends only the prefill sequences. ``softcap`` as in ``decode.paged_decode``. Shapes are validated by
+    the caller.
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
@@ -198,6 +205,7 @@ def paged_prefill(
         query_start_loc,
         scale * math.log2(math.e),
         sliding_window or 0,
+        softcap or 0.0,
         *query.stride(),
         *out.stride(),
         *key_cache.stride(),
@@ -210,6 +218,7 @@ def paged_prefill(
         BLOCK_M=block_m,
         TILE_N=config.tile_n,
         HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
         DOT_FP32=dot_in_fp32(key_cache.dtype, runs_in_interpreter(paged_prefill_kernel)),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -33,10 +33,16 @@ def gather_sequence_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_l
 
 
 def attend_one_sequence(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int | None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention of the ``query`` ``[q_len, num_heads, head_dim]`` tokens at the last ``q_len``
-    positions of a ``seq_len``-key sequence: causal, optionally windowed, GQA by repeating KV heads."""
+    positions of a ``seq_len``-key sequence: causal, optionally windowed and soft-capped (scores
+    ``cap * tanh(s / cap)``), GQA by repeating KV heads."""
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
     group = num_heads // num_kv_heads
@@ -49,6 +55,8 @@ def attend_one_sequence(
     for head in range(num_heads):
         kv_head = head // group
         scores = (query[:, head].float() @ keys[:, kv_head].float().T) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         scores = scores.masked_fill(~visible, float("-inf"))
         out[:, head] = torch.softmax(scores, dim=-1) @ values[:, kv_head].float()
     return out
@@ -63,6 +71,7 @@ def reference_paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Output ``[num_tokens, num_heads, head_dim]`` (fp32) of every sequence's new tokens attending
     their paged context; decode is the case ``q_len == 1``."""
@@ -72,7 +81,7 @@ def reference_paged_attention(
         keys = gather_sequence_kv(key_cache, block_tables[seq], seq_len)
         values = gather_sequence_kv(value_cache, block_tables[seq], seq_len)
         begin, end = starts[seq], starts[seq + 1]
-        out[begin:end] = attend_one_sequence(query[begin:end], keys, values, scale, sliding_window)
+        out[begin:end] = attend_one_sequence(query[begin:end], keys, values, scale, sliding_window, softcap)
     return out
 
 
@@ -84,11 +93,12 @@ def reference_decode(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference for ``decode.paged_decode``: query token ``b`` is sequence ``b``'s only new token."""
     query_start_loc = torch.arange(query.shape[0] + 1)
     return reference_paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap
     )
 
 
@@ -101,8 +111,9 @@ def reference_prefill(
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference for ``prefill.paged_prefill`` (``query_start_loc`` starting at 0)."""
     return reference_paged_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window
+        query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window, softcap
     )

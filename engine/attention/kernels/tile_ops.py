@@ -104,6 +104,16 @@ def tile_dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def soft_cap_log2(scores_log2, softcap):
+    """Gemma 2's soft-capping on scores in log2 units (``s * log2(e)``): ``cap * tanh(s / cap) * log2(e)``.
+    tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates to ±1 without overflow (Triton has no portable
+    tanh); its rounding near 0 is ~1e-7 absolute, times the cap."""
+    two_x_log2 = scores_log2 * (2.0 / softcap)  # 2 s / cap, times log2(e)
+    tanh = 1.0 - 2.0 / (tl.exp2(two_x_log2) + 1.0)
+    return tanh * (softcap * 1.4426950408889634)
+
+
+@triton.jit
 def online_softmax_step(acc, row_max, row_sum, scores, values, DOT_FP32: tl.constexpr):
     """Fold one tile into the running softmax state (base-2: ``scores`` are pre-scaled by log2(e)).
 
