@@ -43,7 +43,8 @@ The engine and its tick:
                          attention, the GEMM of decode steps), compiled once per host; PyTorch references
                          beside them
 - ``sampling/``          ``SamplingParams`` and the logits → token pipeline
-- ``spec_decode/``       speculative decoding: prompt-lookup proposals and the exact accept/reject rule
+- ``spec_decode/``       speculative decoding: which sequences draft, prompt-lookup proposals, verification
+                         by the exact accept/reject rule
 - ``structured/``        structured outputs: constraint parameters, grammar compile (cached, off the engine
                          thread), per-sequence matchers, the token bitmask of the sampler's constraint stage
 

@@ -105,6 +105,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES)
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
+    g.add_argument(
+        "--speculative-config",
+        default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "disable_by_batch_size": 8}\' (default: off)',
+    )
 
 
 def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:

@@ -8,6 +8,9 @@ every field and returns an ``EngineConfig`` made of one dataclass per area.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
+
+from kvpilot.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -109,6 +112,8 @@ class EngineConfig:
     logprobs_mode: str = "raw_logprobs"
     #: most logprobs a request may ask for
     max_logprobs: int = 20
+    #: speculative decoding (docs/architecture.md#speculative-decoding); None = off
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -141,6 +146,9 @@ class EngineArgs:
     native_cpu_ops: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     max_logprobs: int = 20
+    #: a JSON object (string or dict) with vLLM's keys, e.g. ``{"method": "ngram",
+    #: "num_speculative_tokens": 4}``
+    speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -152,6 +160,10 @@ class EngineArgs:
 
     def create_config(self) -> EngineConfig:
         self._validate()
+        try:
+            speculative = parse_speculative_config(self.speculative_config)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
 
         def pick(area):
             return area(**{f.name: getattr(self, f.name) for f in fields(area)})
@@ -161,6 +173,7 @@ class EngineArgs:
             for f in fields(EngineConfig)
             if f.name not in ("model", "cache", "scheduler")
         }
+        top["speculative_config"] = speculative
         return EngineConfig(
             model=pick(ModelConfig), cache=pick(CacheConfig), scheduler=pick(SchedulerConfig), **top
         )

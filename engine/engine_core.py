@@ -52,6 +52,7 @@ from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.sampling.sampler import Sampler
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence_group import SequenceGroup
+from kvpilot.engine.spec_decode.drafting import propose_drafts
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.step_outputs import StepOutputs
 from kvpilot.engine.structured.compiler import GrammarCompiler
@@ -188,6 +189,8 @@ class LLMEngine(StepOutputs):
             self.device,
             InputBatch(block_tensor, self.max_model_len, cc.block_size, self.device),
         )
+        #: speculative decoding (docs/architecture.md#speculative-decoding); None = off
+        self.speculative = config.speculative_config
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
         #: structured outputs' grammars, compiled on their own threads
@@ -319,6 +322,8 @@ class LLMEngine(StepOutputs):
     def step(self) -> list[RequestOutput]:
         self._expire_deadlines()
         start = time.perf_counter()
+        if self.speculative is not None:
+            propose_drafts(self.scheduler.running, self.speculative, self.max_model_len)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         self.last_step_scheduled = [(r.group.request_id, r.num_computed_tokens, n) for r, n in out.scheduled]
@@ -333,11 +338,14 @@ class LLMEngine(StepOutputs):
             batch = self.runner.build_batch(out.scheduled)
             logits = self.runner.execute(batch)
             self.scheduler.update_after_step(out)
-            num_sampling = len(batch.sampling_requests)
+            # a speculating sequence's tokens are a decode's (its drafts are dropped once verified)
+            prefill = sum(
+                n for r, n in out.scheduled if (n > 1 and not r.spec_token_ids) or r.num_output_tokens == 0
+            )
+            num_rows = sum(batch.sample_row_counts)
             self._record_prompt_logprobs(batch, logits)
-            if num_sampling:
-                self._sample(batch.sampling_requests, logits[:num_sampling])
-            prefill = sum(n for r, n in out.scheduled if n > 1 or r.num_output_tokens == 0)
+            if num_rows:
+                self._sample(batch.sampling_requests, logits[:num_rows], batch.sample_row_counts)
             self.stats.prompt_tokens += prefill
             self.stats.record_step(time.perf_counter() - start, prefill, out.num_batched_tokens - prefill)
         return self._drain_outputs()

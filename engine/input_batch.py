@@ -39,11 +39,14 @@ class StepBatch:
     positions: torch.Tensor
     meta: AttentionMetadata
     #: flat-batch rows whose logits are computed: the last new token of each sequence that samples this
-    #: step, then the prompt positions of sequences that asked for prompt logprobs
+    #: step (and each of its draft tokens when it speculates), then the prompt positions of sequences that
+    #: asked for prompt logprobs
     logits_indices: torch.Tensor
     sampling_requests: list[Request]
     #: (request, first logits row, number of rows, prompt position of the first row) per prompt-logprob span
     prompt_spans: list[tuple[Request, int, int, int]]
+    #: logits rows of each sampling request, in order: 1, or 1 + its drafts when it speculates
+    sample_row_counts: list[int]
 
 
 class InputBatch:
@@ -80,8 +83,9 @@ class InputBatch:
         """The slot of ``req`` (which holds a block table), with its rows brought up to date."""
         slot = self.blocks.slot_of[req.request_id]
         num_tokens = req.num_tokens
-        if slot >= len(self.owner) or num_tokens > self.token_ids.shape[1]:
-            self._grow(max(self.blocks.capacity, len(self.owner)), max(num_tokens, self.token_ids.shape[1]))
+        width = num_tokens + len(req.spec_token_ids)
+        if slot >= len(self.owner) or width > self.token_ids.shape[1]:
+            self._grow(max(self.blocks.capacity, len(self.owner)), max(width, self.token_ids.shape[1]))
         if self.owner[slot] is not req:
             self.owner[slot] = req
             self.num_written[slot] = 0
@@ -104,16 +108,26 @@ class InputBatch:
         prompt_rows: list[int] = []
         prompt_spans: list[tuple[Request, int, int, int]] = []
         num_decodes = 0
+        row_counts: list[int] = []
         for req, n in scheduled:
-            slots.append(self.sync(req))
+            slot = self.sync(req)
+            slots.append(slot)
             c = req.num_computed_tokens
+            drafts = req.spec_token_ids
+            if drafts:
+                # scored after the last token; past ``num_written``, so the accepted ones are rewritten
+                # from the sequence's tokens at its next sync and the rejected ones never read
+                self.token_ids[slot, req.num_tokens : req.num_tokens + len(drafts)] = drafts
             starts.append(starts[-1] + n)
             seq_lens.append(c + n)
             query_lens.append(n)
             if n == 1 and len(query_lens) == num_decodes + 1:
                 num_decodes += 1
             if c + n >= req.num_tokens:
-                logits_rows.append(starts[-1] - 1)
+                # a speculating sequence is scored at its last token and after each draft
+                first = starts[-1] - 1 - len(drafts)
+                logits_rows.extend(range(first, starts[-1]))
+                row_counts.append(1 + len(drafts))
                 sampling.append(req)
             if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
                 # position p's logits score prompt token p + 1; the last prompt position samples instead
@@ -159,7 +173,7 @@ class InputBatch:
             block_size=bs,
         )
         prompt_spans = [(r, len(logits_rows) + off, cnt, p) for r, off, cnt, p in prompt_spans]
-        return StepBatch(input_ids, pos, meta, logits_idx, sampling, prompt_spans)
+        return StepBatch(input_ids, pos, meta, logits_idx, sampling, prompt_spans, row_counts)
 
     def sampling_tensors(self, seqs: list[Request]) -> SamplingTensors:
         """The sampling parameters of ``seqs`` (each holding a block table; forks included) as tensors."""

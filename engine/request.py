@@ -149,6 +149,9 @@ class Request:
         self.grammar: GrammarMatcher | None = None
         #: the client is not draining its stream: do not schedule decode steps (BACKPRESSURED)
         self.paused = False
+        #: this step's draft tokens (speculative decoding), scored after the sequence's last token and
+        #: never part of its tokens until accepted; empty when it does not speculate
+        self.spec_token_ids: list[int] = []
 
     # ---- tokens --------------------------------------------------------------------------------------
     @property

@@ -101,10 +101,17 @@ class Scheduler:
             if req.paused and req.status is S.DECODE:
                 req.transition(S.BACKPRESSURED)  # holds its blocks, gets no decode steps until drained
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # draft tokens (speculative decoding) ride on a decode; the budget and the cache may cut them
+            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if n <= 0:
                 continue
+            if req.spec_token_ids:
+                del req.spec_token_ids[n - 1 :]
             while not self.kv.allocate(req, n):
+                if req.spec_token_ids:  # drafts are optional: drop them before anything is preempted
+                    n -= len(req.spec_token_ids)
+                    req.spec_token_ids = []
+                    continue
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim, out)
                 preempted_ids.add(victim.request_id)
@@ -210,6 +217,7 @@ class Scheduler:
         self.running.remove(req)
         self.num_preemptions += 1
         req.num_preemptions += 1
+        req.spec_token_ids = []
         out.preempted.append(req)
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
@@ -218,6 +226,7 @@ class Scheduler:
             return
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.transition(S.PREEMPTED)
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
@@ -227,6 +236,8 @@ class Scheduler:
         known sequence is now computed)."""
         sampled: list[Request] = []
         for req, n in out.scheduled:
+            # draft tokens' K/V count once verification accepts them (``spec_decode``)
+            n -= len(req.spec_token_ids)
             req.num_computed_tokens += n
             self.kv.commit_computed(req, req.num_computed_tokens)
             if req.status is S.RUNNABLE:
@@ -237,6 +248,15 @@ class Scheduler:
         return sampled
 
     # ---- leaving -------------------------------------------------------------------------------------
+    def rollback_drafts(self, req: Request, num_accepted: int) -> None:
+        """After verification: ``num_accepted`` of ``req``'s drafts are its tokens now, and their K/V
+        computed; the rejected ones' slots are released (the block table shrinks to the blocks its tokens
+        need), so nothing but committed tokens is ever cached."""
+        req.spec_token_ids = []
+        req.num_computed_tokens += num_accepted
+        self.kv.commit_computed(req, req.num_computed_tokens)
+        self.kv.truncate(req, req.num_tokens)
+
     def remove(self, req: Request) -> None:
         """Take a request out of whichever queue holds it (used by the reclaim routine)."""
         for queue in (self.waiting, self.running, self.swapped):

@@ -31,6 +31,25 @@ class EngineStats:
     last_step_seconds: float = 0.0
     last_step_prefill_tokens: int = 0
     last_step_decode_tokens: int = 0
+    #: speculative decoding (vLLM's accounting): verifications of a draft, draft tokens scored, drafts
+    #: accepted, and accepted drafts by position in the draft (index 0 = the first draft token)
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    #: verifications by the tokens they emitted (accepted drafts + 1)
+    spec_acceptance_lengths: Counter = field(default_factory=Counter)
+
+    def record_verification(self, num_draft: int, num_accepted: int) -> None:
+        self.spec_num_drafts += 1
+        self.spec_draft_tokens += num_draft
+        self.spec_accepted_tokens += num_accepted
+        self.spec_acceptance_lengths[num_accepted + 1] += 1
+        per_pos = self.spec_accepted_per_position
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
 
     def record_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         self.steps += 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from kvpilot.engine.outputs import Logprob, RequestOutput, TerminalRecord
@@ -23,6 +24,7 @@ from kvpilot.engine.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.sampling.logits_processors import RowState, update_ngram_index
 from kvpilot.engine.sampling.sampler import top_logprobs_of
 from kvpilot.engine.sequence_group import SequenceGroup
+from kvpilot.engine.spec_decode.verify import verify_drafts
 
 S = RequestStatus
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a seeded request draws from seed + i·stride (mod 2^63)
@@ -46,7 +48,47 @@ class StepOutputs:
         return entries
 
     # ---- sampling ------------------------------------------------------------------------------------
-    def _sample(self, seqs: list[Request], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[Request], logits: torch.Tensor, row_counts: list[int]) -> None:
+        """``logits``: ``row_counts[i]`` consecutive rows per sequence — one, or 1 + its drafts when it
+        speculates (verified by ``_verify``)."""
+        if len(row_counts) == logits.shape[0]:
+            self._sample_rows(seqs, logits)
+            return
+        starts = np.cumsum([0, *row_counts[:-1]])
+        plain = [i for i, c in enumerate(row_counts) if c == 1]
+        if plain:
+            index = torch.from_numpy(starts[plain]).to(logits.device)
+            self._sample_rows([seqs[i] for i in plain], logits.index_select(0, index))
+        spec = [i for i, c in enumerate(row_counts) if c > 1]
+        rows = np.concatenate([np.arange(starts[i], starts[i] + row_counts[i]) for i in spec])
+        self._verify(
+            [seqs[i] for i in spec], logits.index_select(0, torch.from_numpy(rows).to(logits.device))
+        )
+
+    def _verify(self, seqs: list[Request], logits: torch.Tensor) -> None:
+        """Accept each speculating sequence's drafts by the exact rule, append what it emits, and roll its
+        KV back to its tokens (docs/architecture.md#speculative-decoding)."""
+        generators = [self._generators.get(s.request_id) for s in seqs]
+        expanded = [s for s in seqs for _ in range(1 + len(s.spec_token_ids))]
+        verified = verify_drafts(
+            self.sampler,
+            logits,
+            seqs,
+            generators,
+            self.runner.input_batch.sampling_tensors(expanded),
+            [s.params.logprobs is not None or s.group.wants_scores for s in seqs],
+        )
+        now = time.monotonic()
+        for seq, result in zip(seqs, verified, strict=True):
+            self.stats.record_verification(len(seq.spec_token_ids), result.num_accepted)
+            for token, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs, strict=True):
+                self._append(seq, token, now, lp, top)
+                if seq.is_finished:  # a stop, EOS or max_tokens cut the speculation: the rest is dropped
+                    break
+            else:
+                self.scheduler.rollback_drafts(seq, result.num_accepted)
+
+    def _sample_rows(self, seqs: list[Request], logits: torch.Tensor) -> None:
         rows: list[tuple[Request, str]] = []  # (sequence, kind: sample | beam)
         sources: list[int] = []
         for src, seq in enumerate(seqs):

@@ -73,6 +73,14 @@ class BlockTableTensor:
         """Entry ``index`` of the table now holds ``block`` (copy-on-write of a shared block)."""
         self._write(self.slot_of[seq_id], index, [block])
 
+    def truncate(self, seq_id: str, num_blocks: int) -> None:
+        """The table keeps its first ``num_blocks`` entries (rejected draft tokens' blocks are released)."""
+        slot = self.slot_of[seq_id]
+        extra = self.num_blocks[slot] - num_blocks
+        if extra > 0:
+            self._write(slot, num_blocks, [0] * extra)
+            self.num_blocks[slot] = num_blocks
+
     def drop(self, seq_id: str) -> None:
         """The table is gone: zero its row and free the slot."""
         slot = self.slot_of.pop(seq_id, None)

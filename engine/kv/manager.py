@@ -173,6 +173,19 @@ class KVCacheManager:
             self.pool.cache(table[i], req.block_hashes[i])
         self._num_committed_blocks[req.request_id] = full
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Release the blocks of ``req``'s table past those ``num_tokens`` tokens need (the slots of rejected
+        draft tokens, docs/architecture.md#speculative-decoding), tail first."""
+        table = self.tables.get(req.request_id)
+        keep = blocks_for_tokens(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        surplus = table[keep:]
+        del table[keep:]
+        if self.block_tensor is not None:
+            self.block_tensor.truncate(req.request_id, keep)
+        self.pool.free(list(reversed(surplus)))
+
     def free(self, req: Request) -> None:
         """Drop the request's references, tail first so its private tail is evicted before shared heads."""
         table = self.tables.pop(req.request_id, None)

@@ -40,6 +40,9 @@ class RowState:
     generator: torch.Generator | None = None
     #: the sequence's place in its grammar (structured outputs); None = unconstrained
     grammar: GrammarMatcher | None = None
+    #: draft tokens scored in the rows right after this one (speculative decoding): the grammar's masks
+    #: of those rows are the matcher's after each draft (the rows themselves carry no ``grammar``)
+    grammar_drafts: Sequence[int] = ()
 
 
 def banned_by_bad_words(output: Sequence[int], banned: Sequence[Sequence[int]]) -> set[int]:
@@ -91,7 +94,13 @@ def apply_constraints(
     grammar_rows = [i for i, st in enumerate(states) if st.grammar is not None]
     if grammar_rows:
         masks = grammar_masks if grammar_masks is not None else GrammarMasks()
-        masks.apply(logits, grammar_rows, [st.grammar for st in states if st.grammar is not None])
+        with_grammar = [st for st in states if st.grammar is not None]
+        masks.apply(
+            logits,
+            grammar_rows,
+            [st.grammar for st in with_grammar if st.grammar is not None],
+            [st.grammar_drafts for st in with_grammar],
+        )
     for i, st in enumerate(states):
         p = st.params
         if p.allowed_token_ids is not None:

@@ -47,6 +47,34 @@ class SamplerOutput:
     full_logprobs: dict[int, torch.Tensor]
 
 
+@dataclass
+class Distributions:
+    """Steps 1-4 applied to a batch of rows, before the draw."""
+
+    #: constrained and penalised logits of every row (greedy rows take their argmax)
+    proc: torch.Tensor
+    #: the rows that sample (temperature > 0), ascending
+    sample_rows: list[int]
+    #: ``sample_rows`` on the device; None when every row samples
+    idx: torch.Tensor | None
+    #: [len(sample_rows), V] the sampled rows' filtered z/T (its softmax is what they are drawn from)
+    scaled: torch.Tensor | None
+
+    @property
+    def every_row_samples(self) -> bool:
+        return self.scaled is not None and self.idx is None
+
+    def drawn_from(self) -> torch.Tensor:
+        """[N, V] logits of the distribution each row is drawn from (greedy rows: the constrained ones)."""
+        if self.scaled is None:
+            return self.proc
+        if self.idx is None:
+            return self.scaled
+        final = self.proc.clone()
+        final.index_copy_(0, self.idx, self.scaled)
+        return final
+
+
 def top_logprobs_of(logprobs: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
     """Top-``top_n`` entries of one log-distribution plus ``token``, each with its 1-based rank."""
     out: dict[int, Logprob] = {}
@@ -60,6 +88,12 @@ def top_logprobs_of(logprobs: torch.Tensor, token: int, top_n: int) -> dict[int,
     return out
 
 
+def _stages_needed(states: Sequence[RowState]) -> tuple[bool, bool]:
+    """Whether any row has constraints (step 1) / penalties (step 2)."""
+    constraints = any(st.params.needs_masks or st.bad_word_ids or st.grammar is not None for st in states)
+    return constraints, any(st.params.needs_penalties for st in states)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator, logprobs_mode: str = "raw_logprobs") -> None:
         #: draws noise for rows without their own generator
@@ -67,6 +101,54 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         #: the grammar-mask stage of every step, with its cost counters
         self.grammar_masks = GrammarMasks()
+
+    def uniforms(self, states: Sequence[RowState], count: int, device: torch.device) -> torch.Tensor:
+        """[len(states), count] uniform numbers: a seeded row's from its own generator (so its tokens do not
+        depend on the rest of the batch), the others' from the engine's."""
+        out = torch.rand(len(states), count, generator=self.generator, device=device)
+        for j, st in enumerate(states):
+            if st.generator is not None:
+                out[j] = torch.rand(count, generator=st.generator, device=device)
+        return out
+
+    def distributions(
+        self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None = None
+    ) -> Distributions:
+        """Steps 1-4 of the pipeline for every row of ``logits`` [N, V]: what each row is drawn from (or,
+        for greedy rows, the argmax of), without drawing. Speculative verification scores drafts with it."""
+        need_constraints, need_penalties = _stages_needed(states)
+        proc = logits.clone() if (need_constraints or need_penalties) else logits
+        if need_constraints:
+            apply_constraints(proc, states, self.grammar_masks)
+        if need_penalties:
+            apply_penalties(proc, states)
+        sample_rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
+        if not sample_rows:
+            return Distributions(proc, sample_rows, None, None)
+        dev = logits.device
+        idx = None if len(sample_rows) == len(states) else to_device(sample_rows, torch.long, dev)
+        pick = [states[i].params for i in sample_rows]
+        if row_params is None:
+            row_params = SamplingTensors.from_params(pick, dev)
+        elif idx is not None:
+            row_params = row_params.select(idx)
+        plan = FilterRows.of(pick, logits.shape[-1], dev)
+        temps = row_params.temperature.unsqueeze(1)
+        scaled = (proc if idx is None else proc.index_select(0, idx)) / temps.clamp(min=NEAR_ZERO_TEMPERATURE)
+        if plan.near_zero_temperature:
+            # the T -> 0 limit: all mass on the maximal logits, split evenly between ties
+            at_max = scaled == scaled.max(dim=-1, keepdim=True).values
+            limit = torch.zeros_like(scaled).masked_fill_(~at_max, float("-inf"))
+            scaled = torch.where(temps < NEAR_ZERO_TEMPERATURE, limit, scaled)
+        if plan.use_min_p:
+            apply_min_p(scaled, row_params.min_p, plan.min_p_rows)
+        if plan.use_top_k:
+            apply_top_k(scaled, row_params.top_k, plan.top_k_rows, plan.top_k_max)
+        if plan.use_top_p:
+            apply_top_p(scaled, row_params.top_p, plan.top_p_rows)
+        if plan.use_typical_p:
+            apply_typical_p(scaled, row_params.typical_p, plan.typical_p_rows)
+        return Distributions(proc, sample_rows, idx, scaled)
 
     def sample(
         self,
@@ -86,69 +168,27 @@ class Sampler:
             for i, st in enumerate(states)
         ]
         want_full = list(want_full) or [False] * n
-        need_constraints = any(
-            st.params.needs_masks or st.bad_word_ids or st.grammar is not None for st in states
-        )
-        need_penalties = any(st.params.needs_penalties for st in states)
+        need_constraints, need_penalties = _stages_needed(states)
         greedy = [st.params.is_greedy for st in states]
         if all(greedy) and not (need_constraints or need_penalties or any(want_lp) or any(want_full)):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n, {})
 
         raw_lp = logits.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" and any(want_lp) else None
-        proc = logits.clone() if (need_constraints or need_penalties) else logits
-        if need_constraints:
-            apply_constraints(proc, states, self.grammar_masks)
-        if need_penalties:
-            apply_penalties(proc, states)
-
-        final = proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
-        sample_rows = [i for i, g in enumerate(greedy) if not g]
-        every = len(sample_rows) == n
-        tokens = None if every else proc.argmax(dim=-1)
-        if sample_rows:
-            dev = logits.device
-            idx = None if every else to_device(sample_rows, torch.long, dev)
-            pick = [states[i].params for i in sample_rows]
-            if row_params is None:
-                row_params = SamplingTensors.from_params(pick, dev)
-            elif idx is not None:
-                row_params = row_params.select(idx)
-            plan = FilterRows.of(pick, logits.shape[-1], dev)
-            temps = row_params.temperature.unsqueeze(1)
-            scaled = (proc if idx is None else proc.index_select(0, idx)) / temps.clamp(
-                min=NEAR_ZERO_TEMPERATURE
-            )
-            if plan.near_zero_temperature:
-                # the T -> 0 limit: all mass on the maximal logits, split evenly between ties
-                at_max = scaled == scaled.max(dim=-1, keepdim=True).values
-                limit = torch.zeros_like(scaled).masked_fill_(~at_max, float("-inf"))
-                scaled = torch.where(temps < NEAR_ZERO_TEMPERATURE, limit, scaled)
-            if plan.use_min_p:
-                apply_min_p(scaled, row_params.min_p, plan.min_p_rows)
-            if plan.use_top_k:
-                apply_top_k(scaled, row_params.top_k, plan.top_k_rows, plan.top_k_max)
-            if plan.use_top_p:
-                apply_top_p(scaled, row_params.top_p, plan.top_p_rows)
-            if plan.use_typical_p:
-                apply_typical_p(scaled, row_params.typical_p, plan.typical_p_rows)
-            probs = scaled.softmax(dim=-1)
+        dist = self.distributions(logits, states, row_params)
+        final = dist.proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
+        tokens = None if dist.every_row_samples else dist.proc.argmax(dim=-1)
+        if dist.scaled is not None:
+            probs = dist.scaled.softmax(dim=-1)
             # one uniform per row (``draw.py``); a seeded row takes its own from its generator
-            uniform = torch.rand(len(sample_rows), generator=self.generator, device=dev)
-            for j, i in enumerate(sample_rows):
-                if states[i].generator is not None:
-                    uniform[j] = torch.rand(1, generator=states[i].generator, device=dev)[0]
+            uniform = self.uniforms([states[i] for i in dist.sample_rows], 1, logits.device)[:, 0]
             drawn = inverse_cdf_draw(probs, uniform)
-            if idx is None:
+            if dist.idx is None:
                 tokens = drawn
             else:
                 assert tokens is not None  # argmax of every row, greedy rows kept
-                tokens.index_copy_(0, idx, drawn)
+                tokens.index_copy_(0, dist.idx, drawn)
             if any(want_lp) or any(want_full):
-                if idx is None:
-                    final = scaled
-                else:
-                    final = proc.clone()
-                    final.index_copy_(0, idx, scaled)
+                final = dist.drawn_from()
         assert tokens is not None  # every row is greedy or sampled
         token_list = tokens.tolist()
 

@@ -38,6 +38,8 @@ Package map (request path first):
 - ``drain``             the SIGTERM drain sequence
 - ``metrics``           Prometheus metrics (docs/metrics.md)
 - ``structured_metrics`` structured-output metrics: requests by kind, grammar compile time, mask cost
+- ``spec_decode_metrics`` speculative-decoding metrics: drafts, accepted tokens by position, acceptance
+                         length
 - ``tracing``           OpenTelemetry: a span per request with phase events; OTLP export from the env
 - ``errors``            OpenAI error objects and the app's exception handlers
 - ``ops_routes``        ``/health``, ``/ready``, ``/load``, ``/metrics``, ``/v1/models``

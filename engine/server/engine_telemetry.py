@@ -33,6 +33,7 @@ class EngineTelemetry:
             metrics.structured.mask_seconds,
         )
         self._last = self._counts()
+        metrics.spec_decode.start(engine.stats)
         engine.terminal_records.clear()
         engine.grammars.on_compiled = metrics.structured.compiled  # called on the compiler's threads
 
@@ -55,6 +56,7 @@ class EngineTelemetry:
                 counter.inc(now - before)
         self._last = counts
         engine = self._engine
+        self._metrics.spec_decode.after_step(engine.stats)
         for request_id, computed_before, num_tokens in engine.last_step_scheduled:
             req = active.get(request_id)
             if req is None:

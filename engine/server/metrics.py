@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpilot.engine.server.spec_decode_metrics import SpecDecodeMetrics
 from kvpilot.engine.server.structured_metrics import StructuredMetrics
 
 # Buckets: vLLM's, extended downwards (a small model on CPU decodes in a few ms per token).
@@ -254,6 +255,8 @@ class ServerMetrics:
         )
         #: structured outputs: requests by kind, compile time, the sampler's mask cost
         self.structured = StructuredMetrics(r, m)
+        #: speculative decoding: drafts, accepted tokens, acceptance length
+        self.spec_decode = SpecDecodeMetrics(r, m)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         # Series that exist from the first scrape at 0, so rate()/increase() see them start, not appear at 1
         # (/metrics is served while the model still loads).

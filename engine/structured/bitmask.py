@@ -78,10 +78,40 @@ class GrammarMasks:
         )
         return bitmask
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[GrammarMatcher]) -> None:
-        """−inf on the tokens ``matchers[i]`` forbids in ``logits[rows[i]]`` (``rows`` ascending)."""
+    def fill_with_drafts(
+        self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]], vocab_size: int, pin: bool
+    ) -> torch.Tensor:
+        """A host bitmask with ``1 + len(drafts[i])`` rows per matcher: its legal next tokens now and after
+        each of its draft tokens (speculative decoding; llguidance advances and rolls the matcher back, so
+        it ends where it started). The drafts must be ones the grammar accepts (``validate_tokens``)."""
+        total = sum(1 + len(d) for d in drafts)
+        bitmask = torch.zeros((total, bitmask_width(vocab_size)), dtype=torch.int32, pin_memory=pin)
+        interpreters, offset = [], 0
+        for m, d in zip(matchers, drafts, strict=True):
+            interpreters.append((m.ll, offset, list(d)))
+            offset += 1 + len(d)
+        self._executor.unsafe_compute_mask_ptr_with_draft_token(
+            interpreters, bitmask.data_ptr(), bitmask.shape[1] * bitmask.element_size(), total
+        )
+        return bitmask
+
+    def apply(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        matchers: Sequence[GrammarMatcher],
+        drafts: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """−inf on the tokens ``matchers[i]`` forbids in ``logits[rows[i]]`` (``rows`` ascending). With
+        ``drafts``, row ``rows[i] + j`` gets the mask after the first ``j`` of ``drafts[i]`` (a draft's
+        verification rows are consecutive)."""
         start = time.perf_counter()
-        bitmask = self.fill(matchers, logits.shape[1], pin=logits.device.type == "cuda")
+        pin = logits.device.type == "cuda"
+        if any(drafts):
+            bitmask = self.fill_with_drafts(matchers, drafts, logits.shape[1], pin)
+            rows = [r + j for r, d in zip(rows, drafts, strict=True) for j in range(1 + len(d))]
+        else:
+            bitmask = self.fill(matchers, logits.shape[1], pin=pin)
         index = None if len(rows) == logits.shape[0] else torch.tensor(rows, device=logits.device)
         apply_token_bitmask_(logits, bitmask, index)
         self.rows += len(rows)

@@ -23,6 +23,10 @@ class GrammarMatcher:
         """Advance by ``token``; False if the grammar forbids it (the matcher is then in error)."""
         return self.ll.consume_token(token)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar accepts from here (the matcher does not move)."""
+        return self.ll.validate_tokens(tokens)
+
     @property
     def is_finished(self) -> bool:
         """The grammar is complete and admits no further token (EOS included)."""

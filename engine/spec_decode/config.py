@@ -1,0 +1,83 @@
+"""``speculative_config``: vLLM's engine argument, a JSON object (``--speculative-config '{...}'``), validated
+into a typed ``SpeculativeConfig`` (docs/architecture.md#speculative-decoding).
+
+Accepted keys (vLLM's names): ``method`` (``ngram``; ``draft_model`` is refused with a message until it is
+built), ``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``, ``disable_by_batch_size``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.engine.spec_decode.ngram_proposer import NgramConfig
+
+METHODS = ("ngram",)
+_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "disable_by_batch_size",
+)
+#: on this 2-core CPU a verification row costs about what a decode row does once the step is compute-bound:
+#: bench/results/spec_decode.md measures where speculation stops paying (the default switch-off)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    #: the proposer: ``ngram`` (prompt lookup)
+    method: str
+    #: the prompt-lookup parameters (``num_speculative_tokens``, ``prompt_lookup_min``/``max``)
+    ngram: NgramConfig
+    #: speculation is off for a step whose batch has more decoding sequences than this (the step is then
+    #: compute-bound: verifying drafts costs more than the tokens they save)
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.ngram.num_speculative_tokens
+
+
+def parse_speculative_config(
+    value: str | dict[str, Any] | SpeculativeConfig | None,
+) -> SpeculativeConfig | None:
+    """A JSON string or dict → ``SpeculativeConfig`` (None stays None). Raises ``ValueError`` naming the
+    bad key or value."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"speculative_config is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown}; accepted: {list(_KEYS)}")
+    method = value.get("method", "ngram")
+    if method == "draft_model":
+        raise ValueError("speculative_config: method 'draft_model' is not available yet; use 'ngram'")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config: method must be one of {METHODS}, got {method!r}")
+    if "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    ints = {}
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        if key in value:
+            v = value[key]
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"speculative_config: {key} must be an integer, got {v!r}")
+            ints[key] = v
+    if ints["num_speculative_tokens"] > 16:
+        raise ValueError("speculative_config: num_speculative_tokens must be <= 16")
+    lookup_max = ints.get("prompt_lookup_max", max(4, ints.get("prompt_lookup_min", 1)))
+    lookup_min = ints.get("prompt_lookup_min", min(1, lookup_max))
+    ngram = NgramConfig(ints["num_speculative_tokens"], lookup_min, lookup_max)
+    disable = ints.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    if disable < 1:
+        raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {disable}")
+    return SpeculativeConfig(method, ngram, disable)

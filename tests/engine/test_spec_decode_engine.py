@@ -1,0 +1,247 @@
+"""Speculative decoding through the engine (docs/architecture.md#speculative-decoding), on the tiny model:
+greedy outputs identical with and without speculation (penalties, logprobs, stops, max_tokens, grammars,
+parallel samples, preemption), the sampled distribution unchanged (a two-sample chi-square test with a wrong
+rule as its negative control), and no leaked blocks under random cancels and preemption. Every test also
+checks that drafts were proposed and accepted, so speculation really ran."""
+
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter
+
+import pytest
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.spec_decode import verify
+from kvpilot.engine.structured.params import StructuredOutputsParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+
+
+def repetitive_prompts(seed: int, count: int, period: int = 8, repeats: int = 5) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(period)] * repeats for _ in range(count)]
+
+
+def run(llm: LLM, prompts, params: SamplingParams | list[SamplingParams]):
+    """Step the engine by hand, checking its invariants after every step; outputs in prompt order."""
+    engine = llm.engine
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
+        engine.add_request(f"r{i}", p, sp)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_invariants()
+    assert engine.pool.num_in_use == 0
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config=SPEC)
+
+
+def accepted_since(llm: LLM, before: int) -> int:
+    return llm.engine.stats.spec_accepted_tokens - before
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.4, min_tokens=25),
+    ],
+    ids=["plain", "repetition-penalty", "frequency-penalty"],
+)
+def test_greedy_tokens_are_identical_with_speculation(plain: LLM, spec: LLM, params: SamplingParams):
+    prompts = repetitive_prompts(1, 6)
+    before = spec.engine.stats.spec_accepted_tokens
+    want = [o.outputs[0].token_ids for o in run(plain, prompts, params)]
+    got = [o.outputs[0].token_ids for o in run(spec, prompts, params)]
+    assert got == want
+    assert all(len(t) == params.max_tokens for t in got)  # max_tokens cuts mid-speculation exactly
+    assert accepted_since(spec, before) > 0
+
+
+def test_logprobs_of_emitted_tokens_match_the_plain_engine(plain: LLM, spec: LLM):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    prompts = repetitive_prompts(2, 3)
+    before = spec.engine.stats.spec_accepted_tokens
+    want, got = run(plain, prompts, params), run(spec, prompts, params)
+    assert accepted_since(spec, before) > 0
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, strict=True):
+            assert lw.keys() == lg.keys()
+            for tok in lw:
+                assert lg[tok].logprob == pytest.approx(lw[tok].logprob, abs=1e-5)
+                assert lg[tok].rank == lw[tok].rank
+
+
+def test_a_stop_token_inside_the_accepted_drafts_ends_the_request_there(plain: LLM, spec: LLM):
+    prompts = repetitive_prompts(3, 4)
+    free = run(plain, prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    stops = [o.outputs[0].token_ids[12] for o in free]  # a token each output reaches mid-way
+    params = [SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[t]) for t in stops]
+    want, got = run(plain, prompts, params), run(spec, prompts, params)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].finish_reason == w.outputs[0].finish_reason == "stop"
+
+
+def test_parallel_samples_and_preemption_under_speculation(tiny_model_dir, plain: LLM):
+    # 40 blocks of 16 tokens for 6 requests of ~90 tokens each and their samples: preemption is certain
+    small = LLM(str(tiny_model_dir), num_kv_blocks=40, speculative_config=SPEC)
+    prompts = repetitive_prompts(4, 6, repeats=6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    want = [[c.token_ids for c in o.outputs] for o in run(plain, prompts, params)]
+    got = [[c.token_ids for c in o.outputs] for o in run(small, prompts, params)]
+    assert got == want
+    assert small.engine.stats.preemptions > 0
+    assert small.engine.stats.spec_accepted_tokens > 0
+
+
+def test_random_cancels_during_speculation_leak_nothing(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=48, speculative_config=SPEC)
+    engine, rng = llm.engine, random.Random(5)
+    prompts = repetitive_prompts(6, 16)
+    for i, p in enumerate(prompts):
+        temperature = 0.0 if i % 2 else 0.8
+        engine.add_request(
+            f"c{i}", p, SamplingParams(temperature=temperature, max_tokens=48, ignore_eos=True)
+        )
+    live = {f"c{i}" for i in range(len(prompts))}
+    while engine.has_unfinished_requests():
+        if rng.random() < 0.15:
+            victim = rng.choice(sorted(live))
+            engine.abort_request(victim)
+        for out in engine.step():
+            if out.finished:
+                live.discard(out.request_id)
+        live &= set(engine.groups)
+        engine.check_invariants()
+    assert engine.pool.num_in_use == 0
+    ids = [r.request_id for r in engine.terminal_records]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(len(prompts)))  # exactly one record each
+    assert engine.stats.spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("text", "regex"), [("abab abab abab abab", "(abab ){3,6}"), ("1,2,3,1,2,3,1,2,3,", "(1,2,3,){2,6}")]
+)
+def test_structured_outputs_with_speculation_match_the_plain_engine(plain: LLM, spec: LLM, text, regex):
+    # the prompt repeats what the grammar allows, so prompt lookup proposes tokens the grammar accepts
+    prompt = spec.engine.tokenizer.encode(text)
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    before = spec.engine.stats.spec_accepted_tokens
+    (want,), (got,) = run(plain, [prompt], params), run(spec, [prompt], params)
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].finish_reason == "stop"
+    assert re.fullmatch(regex, got.outputs[0].text)
+    assert accepted_since(spec, before) > 0
+
+
+def pair_counts(llm: LLM, prompt: list[int], n: int) -> Counter:
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    return Counter(tuple(o.outputs[0].token_ids[1:]) for o in run(llm, [prompt] * n, params))
+
+
+def two_sample_chi_square(a: Counter, b: Counter) -> tuple[float, int]:
+    """Two samples of equal size: statistic and degrees of freedom, cells seen fewer than 10 times in
+    both samples together pooled into one (so no cell is too sparse for the approximation)."""
+    pooled_a = pooled_b = 0
+    stat, cells = 0.0, 0
+    for c in set(a) | set(b):
+        if a[c] + b[c] < 10:
+            pooled_a, pooled_b = pooled_a + a[c], pooled_b + b[c]
+            continue
+        stat, cells = stat + (a[c] - b[c]) ** 2 / (a[c] + b[c]), cells + 1
+    if pooled_a + pooled_b:
+        stat, cells = stat + (pooled_a - pooled_b) ** 2 / (pooled_a + pooled_b), cells + 1
+    return stat, cells - 1
+
+
+def chi_square_critical(dof: int, z: float = 3.090) -> float:
+    """The p = 0.001 quantile (z of the normal's) by Wilson-Hilferty, within 1% for dof >= 3."""
+    return dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def _accept_every_draft(target_probs, drafts, num_draft, draft_probs, uniforms, final_uniforms):
+    """A wrong rule: every draft is accepted, whatever the target thinks of it."""
+    import torch
+
+    from kvpilot.engine.spec_decode.rejection import _emit
+
+    last = target_probs[torch.arange(len(drafts)), num_draft].argmax(dim=-1)
+    return _emit(drafts, num_draft, last), num_draft + 1
+
+
+@pytest.fixture(scope="module")
+def lookup_prompt(plain: LLM) -> list[int]:
+    """A prompt whose continuation is predicted by its own earlier text: a seed, the model's greedy
+    continuation of it, then the seed again — prompt lookup then proposes the continuation, which is
+    likely under the model (so drafts are accepted often, rejected sometimes)."""
+    seed = repetitive_prompts(8, 1, period=6, repeats=1)[0]
+    greedy = run(plain, [seed], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    return seed + greedy[0].outputs[0].token_ids + seed
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["exact-rule", "wrong-rule-negative-control"])
+def test_sampled_tokens_keep_the_targets_distribution(
+    tiny_model_dir, plain: LLM, lookup_prompt, monkeypatch, wrong
+):
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config=SPEC, seed=11)
+    if wrong:
+        monkeypatch.setattr(verify, "accept_sampled", _accept_every_draft)
+    a = pair_counts(plain, lookup_prompt, 1200)
+    b = pair_counts(spec, lookup_prompt, 1200)
+    stat, dof = two_sample_chi_square(a, b)
+    assert spec.engine.stats.spec_draft_tokens > 0
+    assert dof >= 3, (a, b)
+    if wrong:
+        assert stat > chi_square_critical(dof), (stat, dof, a, b)
+    else:
+        assert 0 < spec.engine.stats.spec_accepted_tokens < spec.engine.stats.spec_draft_tokens
+        assert stat < chi_square_critical(dof), (stat, dof, a, b)
+
+
+def test_speculation_switches_off_above_its_batch_size(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config={**SPEC, "disable_by_batch_size": 3})
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    run(llm, repetitive_prompts(9, 4), params)  # four decoding at once: above the switch-off
+    assert llm.engine.stats.spec_draft_tokens == 0
+    run(llm, repetitive_prompts(9, 3), params)
+    assert llm.engine.stats.spec_draft_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ('{"method": "ngram"}', "num_speculative_tokens is required"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "draft_model"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
+        ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
+        (
+            '{"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+            "prompt_lookup_min",
+        ),
+        ('{"num_speculative_tokens": 2, "typo": 1}', "unknown key"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_speculative_config_is_a_clear_error(value: str, message: str):
+    with pytest.raises(ConfigError, match=message):
+        EngineArgs(model="tiny-random", speculative_config=value).create_config()
