@@ -5,6 +5,9 @@ KEDA writes it) and the operator's own autoscaler in mode operator, fed by the p
 from __future__ import annotations
 
 import json
+import re
+import sys
+import time
 
 import pytest
 from harness.cluster import HarnessCluster
@@ -84,3 +87,79 @@ def test_kubectl_scale_in_external_mode_is_followed_and_not_fought(cluster, kube
     replica_counts = [d["spec"]["replicas"] for d in cluster.history(DEPLOYMENTS, namespace, "smol")]
     # Every Deployment version follows spec.replicas as it was set: 2, then 3, then 1, never back.
     assert [n for i, n in enumerate(replica_counts) if i == 0 or n != replica_counts[i - 1]] == [2, 3, 1]
+
+
+def exposition(finished: float, attained: float, waiting: float = 0.0) -> str:
+    return (
+        "# TYPE kvpilot_requests_finished_total counter\n"
+        f'kvpilot_requests_finished_total{{model_name="smol",finished_reason="stop"}} {finished}\n'
+        "# TYPE kvpilot_slo_attained_requests_total counter\n"
+        f'kvpilot_slo_attained_requests_total{{model_name="smol"}} {attained}\n'
+        "# TYPE kvpilot_num_requests_waiting gauge\n"
+        f'kvpilot_num_requests_waiting{{model_name="smol"}} {waiting}\n'
+    )
+
+
+class Load:
+    """The fake engines' counters: the whole arrival rate lands on one pod (``pod``, which the test picks
+    among those alive), so the total is the rate the test sets whatever the replica count."""
+
+    def __init__(self) -> None:
+        self.rate, self.total, self.since, self.pod = 0.0, 0.0, time.monotonic(), ""
+
+    def set(self, rate: float) -> float:
+        now = time.monotonic()
+        self.total += self.rate * (now - self.since)
+        self.rate, self.since = rate, now
+        return now
+
+    def metrics(self, pod: dict) -> str:
+        if pod["metadata"]["name"] != self.pod:
+            return exposition(0, 0)
+        served = self.total + self.rate * (time.monotonic() - self.since)
+        return exposition(served, served)
+
+
+def test_operator_autoscaler_follows_a_load_step_up_and_back_down(cluster, kubectl, namespace):
+    load = Load()
+    cluster.runner.metrics = load.metrics
+    spec = (
+        "  scaling: {perReplicaGoodput: 2, headroom: 0, spare: 1, minReplicas: 1, maxReplicas: 5}\n"
+        "  autoscaling: {mode: operator, intervalSeconds: 1, rateWindowSeconds: 2,\n"
+        "    scaleDownStabilizationSeconds: 3, cooldownSeconds: 0}\n"
+    )
+    try:
+        kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", spec))
+        # No load: N 0 + spare 1 once the down window has passed.
+        quiet = wait_ready(cluster, namespace, "smol", 1)
+        assert (quiet["sizing"]["mode"], quiet["sizing"]["arrivalRate"]) == ("Autoscaler", 0.0)
+        assert quiet["sizing"]["formula"] == "clamp(ceil(0 × (1 + 0) / 2) + 1, 1, 5) = 1"
+
+        (alive,) = cluster.list("v1/pods", namespace)
+        load.pod = alive["metadata"]["name"]
+        step = load.set(6.0)  # 6 req/s at 2 per replica: N 3, + spare 1 = 4
+        cluster.wait_for(
+            "desired 4", lambda: status_of(cluster, namespace, "smol").get("desiredReplicas") == 4, timeout=30
+        )
+        decided = time.monotonic() - step
+        busy = wait_ready(cluster, namespace, "smol", 4, timeout=30)
+        ready = time.monotonic() - step
+        # The rate window may still hold a moment before the step: any λ in (4, 6] gives N = 3.
+        assert 4 < busy["sizing"]["arrivalRate"] <= 6.3, busy["sizing"]
+        assert re.fullmatch(
+            r"clamp\(ceil\([0-9.]+ × \(1 \+ 0\) / 2\) \+ 1, 1, 5\) = 4", busy["sizing"]["formula"]
+        )
+        assert (busy["sizing"]["serving"], busy["sizing"]["unclamped"]) == (3, 4)
+        assert busy["sizing"]["goodputSource"] == "Spec"  # never saturated: the spec's goodput stands
+        sys.stderr.write(f"\nload step -> desired 4: {decided:.1f} s, -> 4 Ready: {ready:.1f} s\n")
+
+        load.set(0.0)
+        back = wait_ready(cluster, namespace, "smol", 1, timeout=30)
+        assert back["sizing"]["decision"] in ("ScaleDown", "Hold")
+        events = json.loads(kubectl("get", "events", "-n", namespace, "-o", "json").stdout)["items"]
+        reasons = [e["reason"] for e in events if e["involvedObject"]["name"] == "smol"]
+        assert "ScaledUp" in reasons and "ScaledDown" in reasons
+        up = next(e for e in events if e["reason"] == "ScaledUp" and "-> 4" in e["message"])
+        assert up["involvedObject"]["kind"] == "InferenceService" and up["type"] == "Normal"
+    finally:
+        cluster.runner.metrics = None

@@ -9,7 +9,10 @@ Package map (one responsibility per module):
   for the CRD plus the same rule in Python), ``crd`` (the generated CustomResourceDefinition).
 - The boundary: ``spec_validation`` (defaults, schema, rules → ``SpecError`` naming the field) and
   ``spec`` (frozen dataclasses the rest of the package reads).
-- Deciding: ``sizing`` (N+1 replica count), ``model_size`` (weights of the models known by name, the
+- Deciding: ``sizing`` (N+1 replica count; the external mode's spec.replicas), ``autoscale_decision``
+  (the autoscaler's pure decision: windows, cooldown), ``signals`` (engine counters from /metrics or
+  Prometheus → per-engine rates), ``autoscaler`` (per-service state, goodput estimate, decision →
+  sizing, Events), ``model_size`` (weights of the models known by name, the
   pod memory their loading needs, the scratch volume's size), ``startup`` (startup-probe budget from
   the model), ``model_source`` (what a source names, where its files are in the pod),
   ``model_delivery`` (model volumes, storage requests, the fetch init container), ``pod_template``
@@ -19,7 +22,8 @@ Package map (one responsibility per module):
   source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3 requests).
 - Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
   create-or-patch), ``replicas`` (pod + engine ``/ready`` → stage), ``status`` (phase and conditions),
-  ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series).
+  ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series), ``events`` (Kubernetes
+  Events about an InferenceService).
 - Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration: changes, watched
   children, resync), ``requeue`` (one reconcile at a time per service, triggers coalesced), ``leader``
   (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``manifest_yaml`` (stable YAML

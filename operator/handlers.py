@@ -9,6 +9,7 @@ reads the InferenceService afresh, so whatever asked for it, the pass sees the c
   edited child is put back, and a pod or rollout change reaches the status, at once;
 - a follow-up after ``status_interval_seconds`` while an engine is loading or warming up: its progress
   is in its ``/ready`` body, which no watch sees;
+- in autoscaling.mode operator, the autoscaler's next evaluation (``autoscaling.intervalSeconds``);
 - a slow resync timer (``resync_interval_seconds``) for what is not watched: the router's
   ServiceAccount, Role and RoleBinding and the token Secret (never listed or watched: the operator must
   not be able to enumerate Secrets; a pod waiting for a missing one shows up in the pod watch anyway).
@@ -27,6 +28,7 @@ from typing import Any
 import kopf
 
 from kvpilot.operator import api_names, metrics
+from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.kube_api import KubeApi, KubeApiError, ObjectRef, load_client_configuration
 from kvpilot.operator.reconcile import reconcile
@@ -67,18 +69,22 @@ def _configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
 
 
-def _reconcile_pass(api: KubeApi, key: Key, config: OperatorConfig) -> bool:
-    """One reconcile of the InferenceService as it is now; True when a follow-up is due."""
+def _reconcile_pass(api: KubeApi, key: Key, config: OperatorConfig, autoscaler: Autoscaler) -> float | None:
+    """One reconcile of the InferenceService as it is now; the seconds until a follow-up is due, if one is."""
     ref = ObjectRef(api_names.API_VERSION, api_names.KIND, *key)
     body = api.get(ref)
     if body is None or body.get("metadata", {}).get("deletionTimestamp"):
-        return False  # gone or going: garbage collection takes the children; never re-create them now
-    result = reconcile(api, body, config)
+        return None  # gone or going: garbage collection takes the children; never re-create them now
+    result = reconcile(api, body, config, autoscaler)
     if result.error is not None:
         log.warning("%s/%s: invalid spec: %s", *key, result.error)
     if result.status_patch:
         api.merge_patch(ref, {"status": result.status_patch}, subresource="status")
-    return result.follow_up
+    # The autoscaler's next evaluation and an engine's progress both need a pass that no watch triggers.
+    delays = [config.status_interval_seconds] if result.follow_up else []
+    if result.autoscale_in is not None:
+        delays.append(result.autoscale_in)
+    return min(delays) if delays else None
 
 
 def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = None) -> kopf.OperatorRegistry:
@@ -89,14 +95,16 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
     async def reconcile_key(key: Key) -> None:
         try:
             # Blocking API calls run in a thread, so Kopf's loop (watches, timers) keeps going meanwhile.
-            follow_up = await asyncio.to_thread(_reconcile_pass, state["api"], key, config)
+            follow_up = await asyncio.to_thread(
+                _reconcile_pass, state["api"], key, config, state["autoscaler"]
+            )
         except KubeApiError as error:
             metrics.RECONCILIATIONS.labels("error").inc()
             log.warning("%s/%s: %s; retrying in %ss", *key, error, RETRY_DELAY_SECONDS)
             state["queue"].trigger(key, RETRY_DELAY_SECONDS)
             return
-        if follow_up:
-            state["queue"].trigger(key, config.status_interval_seconds)
+        if follow_up is not None:
+            state["queue"].trigger(key, follow_up)
 
     def queue() -> Requeue:
         return state["queue"]
@@ -107,6 +115,7 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
         load_client_configuration()
         state["api"] = KubeApi()
         state["queue"] = Requeue(reconcile_key, retry_delay=RETRY_DELAY_SECONDS)
+        state["autoscaler"] = Autoscaler()
         if config.metrics_port is not None:
             metrics.serve(config.metrics_port)
 
@@ -145,5 +154,6 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
         if namespace is not None:
             metrics.forget(namespace, name)
             queue().forget((namespace, name))
+            state["autoscaler"].forget((namespace, name))
 
     return registry

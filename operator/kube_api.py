@@ -26,6 +26,7 @@ PLURALS = {
     "Pod": "pods",
     "InferenceService": "inferenceservices",
     "Lease": "leases",
+    "Event": "events",
 }
 MERGE_PATCH = "application/merge-patch+json"
 

@@ -27,6 +27,13 @@ SPARE = Gauge(
     LABELS,
     registry=REGISTRY,
 )
+SERVING = Gauge(
+    "kvpilot_operator_inferenceservice_serving_replicas",
+    "Replicas needed to carry the load within the SLO (N), before the spare and the maxReplicas clamp: "
+    "what the capacity alert compares the ready replicas with.",
+    LABELS,
+    registry=REGISTRY,
+)
 READY = Gauge(
     "kvpilot_operator_inferenceservice_ready_replicas",
     "Replicas whose engine is loaded, warmed up and Ready.",
@@ -53,8 +60,48 @@ COLD_START = Histogram(
 )
 
 
-def record_status(namespace: str, name: str, *, desired: int, spare: int, ready: int, phase: str) -> None:
+ARRIVAL_RATE = Gauge(
+    "kvpilot_operator_autoscaler_arrival_rate",
+    "Arrival rate the autoscaler measured (requests/s, all engines of the InferenceService).",
+    LABELS,
+    registry=REGISTRY,
+)
+GOODPUT = Gauge(
+    "kvpilot_operator_autoscaler_goodput_per_replica",
+    "Per-replica goodput under the SLO the autoscaler used (requests/s; measured or the spec's).",
+    LABELS,
+    registry=REGISTRY,
+)
+RECOMMENDED = Gauge(
+    "kvpilot_operator_autoscaler_recommended_replicas",
+    "The autoscaler's clamped recommendation for the last measurement, before the stabilisation windows.",
+    LABELS,
+    registry=REGISTRY,
+)
+SCALE_EVENTS = Counter(
+    "kvpilot_operator_autoscaler_scale_events_total",
+    "Replica count changes the autoscaler made, by reason (ScaledUp, ScaledDown).",
+    (*LABELS, "reason"),
+    registry=REGISTRY,
+)
+SCALE_REASONS = ("ScaledUp", "ScaledDown")
+_AUTOSCALER_GAUGES = (ARRIVAL_RATE, GOODPUT, RECOMMENDED)
+
+
+def record_autoscaler(
+    namespace: str, name: str, arrival: float | None, goodput: float, recommended: int
+) -> None:
+    if arrival is not None:
+        ARRIVAL_RATE.labels(namespace, name).set(arrival)
+    GOODPUT.labels(namespace, name).set(goodput)
+    RECOMMENDED.labels(namespace, name).set(recommended)
+
+
+def record_status(
+    namespace: str, name: str, *, desired: int, spare: int, serving: int, ready: int, phase: str
+) -> None:
     DESIRED.labels(namespace, name).set(desired)
+    SERVING.labels(namespace, name).set(serving)
     SPARE.labels(namespace, name).set(spare)
     READY.labels(namespace, name).set(ready)
     for candidate in PHASES:
@@ -62,12 +109,15 @@ def record_status(namespace: str, name: str, *, desired: int, spare: int, ready:
 
 
 def forget(namespace: str, name: str) -> None:
-    for gauge in (DESIRED, SPARE, READY):
+    for gauge in (DESIRED, SPARE, SERVING, READY, *_AUTOSCALER_GAUGES):
         with contextlib.suppress(KeyError):
             gauge.remove(namespace, name)
     for candidate in PHASES:
         with contextlib.suppress(KeyError):
             PHASE.remove(namespace, name, candidate)
+    for reason in SCALE_REASONS:
+        with contextlib.suppress(KeyError):
+            SCALE_EVENTS.remove(namespace, name, reason)
 
 
 def serve(port: int) -> None:

@@ -15,11 +15,19 @@ from typing import Any
 
 from kvpilot.operator import api_names, metrics
 from kvpilot.operator.apply import ApplyResult, apply_all
+from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.children import build_children
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.diffing import merge_patch
+from kvpilot.operator.events import post_event
 from kvpilot.operator.kube_api import KubeApi, ObjectRef
-from kvpilot.operator.replicas import EngineReader, ReplicaObservation, observe_pod, read_engine_ready
+from kvpilot.operator.replicas import (
+    EngineReader,
+    ReplicaObservation,
+    observe_pod,
+    read_engine_ready,
+    ready_engine_address,
+)
 from kvpilot.operator.sizing import SizingResult
 from kvpilot.operator.spec import InferenceService, SpecError
 from kvpilot.operator.status import Observed, cold_start_status, conditions, decide_phase, stage_counts
@@ -38,6 +46,8 @@ class Reconciled:
     error: SpecError | None = None
     #: an engine is loading or warming up: look again after the status interval (handlers.py)
     follow_up: bool = False
+    #: autoscaling.mode operator: seconds until the autoscaler's next evaluation is due
+    autoscale_in: float | None = None
 
 
 def _now() -> str:
@@ -130,7 +140,26 @@ def _record_cold_starts(previous: dict[str, Any], status: dict[str, Any]) -> Non
             metrics.COLD_START.observe(entry["seconds"])
 
 
-def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Reconciled:
+def _autoscale(
+    api: KubeApi, isvc: InferenceService, autoscaler: Autoscaler | None, previous: dict[str, Any]
+) -> tuple[SizingResult | None, float | None]:
+    """The autoscaler's count in autoscaling.mode operator (else None: the spec's own sizing)."""
+    if isvc.spec.autoscaling.mode != "operator" or autoscaler is None:
+        return None, None
+    pods = api.list(ObjectRef("v1", "Pod", isvc.namespace), f"{api_names.SELECTOR_LABEL}={isvc.name}")
+    engines = {
+        pod["metadata"]["name"]: address for pod in pods if (address := ready_engine_address(pod)) is not None
+    }
+    evaluation = autoscaler.evaluate(isvc, engines, previous)
+    for event in evaluation.events:
+        log.info("%s/%s: %s: %s", isvc.namespace, isvc.name, event.reason, event.message)
+        post_event(api, isvc, event.type, event.reason, event.message)
+    return evaluation.sizing, evaluation.next_in
+
+
+def reconcile(
+    api: KubeApi, body: dict[str, Any], config: OperatorConfig, autoscaler: Autoscaler | None = None
+) -> Reconciled:
     previous = body.get("status") or {}
     generation = int(body.get("metadata", {}).get("generation", 0))
     try:
@@ -139,7 +168,8 @@ def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Rec
         metrics.RECONCILIATIONS.labels("invalid").inc()
         status = _invalid_status(error, generation, previous)
         return Reconciled(merge_patch(status, previous, previous), error=error)
-    children = build_children(isvc, config.default_image)
+    autoscaled, autoscale_in = _autoscale(api, isvc, autoscaler, previous)
+    children = build_children(isvc, config.default_image, sizing=autoscaled)
     applied = tuple(apply_all(api, children.objects))
     changed = [result for result in applied if result.action != "unchanged"]
     for result in changed:
@@ -155,9 +185,12 @@ def reconcile(api: KubeApi, body: dict[str, Any], config: OperatorConfig) -> Rec
         isvc.name,
         desired=children.sizing.desired,
         spare=max(0, children.sizing.desired - children.sizing.serving),
+        serving=children.sizing.serving,
         ready=status["readyReplicas"],
         phase=status["phase"],
     )
     # Fields of the old status that the new one lacks are removed, the rest only if they changed.
     follow_up = any(replica.stage in ENGINE_REPORTED_STAGES for replica in replicas)
-    return Reconciled(merge_patch(status, previous, previous), applied, follow_up=follow_up)
+    return Reconciled(
+        merge_patch(status, previous, previous), applied, follow_up=follow_up, autoscale_in=autoscale_in
+    )

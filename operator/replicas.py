@@ -103,6 +103,14 @@ def _engine_port(pod: dict[str, Any]) -> int:
     return api_names.ENGINE_PORT
 
 
+def ready_engine_address(pod: dict[str, Any]) -> tuple[str, int] | None:
+    """(pod IP, engine port) of a Ready pod that is not on its way out, else None."""
+    if pod.get("metadata", {}).get("deletionTimestamp") or _condition(pod, "Ready").get("status") != "True":
+        return None
+    ip = pod.get("status", {}).get("podIP")
+    return (ip, _engine_port(pod)) if ip else None
+
+
 def _progress_text(progress: Any) -> str:
     if isinstance(progress, int | float) and not isinstance(progress, bool):
         return f" ({progress:.0%})" if progress <= 1 else f" ({progress:g}%)"

@@ -3,12 +3,15 @@
 The test sets each pod's stage (pending, loading, warmingUp, ready, crashing) and the runner reports the
 pod status a kubelet would write for it; an HTTP endpoint on the pod's loopback address answers ``/ready``
 with the engine's body (``{"phase": ..., "progress": ...}``), so the operator reads warm-up progress
-exactly as from a real engine. ``process_runner.ProcessPodRunner`` is the one that runs real processes.
+exactly as from a real engine, and ``/metrics`` with what the test's ``metrics`` function writes for the
+pod (the engine's exposition format; the autoscaler's input). ``process_runner.ProcessPodRunner`` is the
+one that runs real processes.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp.web
@@ -68,6 +71,8 @@ class FakePodRunner:
         self.stages: dict[str, str] = {}  # pod name -> stage
         self.namespace_stages: dict[str, str] = {}  # namespace -> stage, for pods without their own
         self._sites: dict[str, aiohttp.web.AppRunner] = {}
+        #: pod -> the text its engine's /metrics answers (None: 404, as a pod without one)
+        self.metrics: Callable[[dict[str, Any]], str] | None = None
 
     def stage(self, pod: dict[str, Any]) -> str:
         namespace_stage = self.namespace_stages.get(pod["metadata"].get("namespace", ""), self.default_stage)
@@ -85,8 +90,14 @@ class FakePodRunner:
                 {"phase": phase, "progress": progress}, status=200 if phase == "ready" else 503
             )
 
+        async def engine_metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            if self.metrics is None:
+                raise aiohttp.web.HTTPNotFound()
+            return aiohttp.web.Response(text=self.metrics(pod), content_type="text/plain")
+
         app = aiohttp.web.Application()
         app.router.add_get("/ready", ready)
+        app.router.add_get("/metrics", engine_metrics)
         runner = aiohttp.web.AppRunner(app, access_log=None)
         await runner.setup()
         try:

@@ -99,7 +99,7 @@ def scrape_config(job: str, target: str, endpoint: dict, override_honor_labels: 
 
 @pytest.fixture(scope="module")
 def operator_metrics():
-    metrics.record_status("ml", "smol", desired=3, spare=1, ready=2, phase="Degraded")
+    metrics.record_status("ml", "smol", desired=3, spare=1, serving=2, ready=2, phase="Degraded")
     metrics.RECONCILIATIONS.labels("applied").inc()
     server, thread = start_http_server(0, addr="127.0.0.1", registry=metrics.REGISTRY)
     yield f"127.0.0.1:{server.server_address[1]}"
