@@ -192,3 +192,16 @@ def test_moe_family_on_the_triton_backend_matches_hf(moe_models, family, monkeyp
     assert calls  # the routed experts ran in the fused Triton kernel
     assert tokens == hf_tokens
     assert max(abs(a - b) for a, b in zip(lps, hf_lps, strict=True)) < 1e-4
+
+
+def test_sparse_layers_follow_hf_rules_and_bad_top_k_is_refused():
+    base = {**COMMON, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4}
+    qwen = {**base, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2}
+    arch = ModelArchConfig.from_dict({**qwen, "moe_intermediate_size": 16, "decoder_sparse_step": 2})
+    assert arch.moe is not None and arch.moe.sparse_layers == (False, True, False, True)
+    arch = ModelArchConfig.from_dict({**qwen, "moe_intermediate_size": 16, "mlp_only_layers": [0, 3]})
+    assert arch.moe is not None and arch.moe.sparse_layers == (False, True, True, False)
+    assert not arch.moe.renormalize  # HF's default norm_topk_prob is False
+    mixtral = {**base, "model_type": "mixtral", "num_local_experts": 4}
+    with pytest.raises(ValueError, match=r"num_experts_per_tok \(5\) must be in 1..num_experts \(4\)"):
+        ModelArchConfig.from_dict({**mixtral, "num_experts_per_tok": 5})
