@@ -36,7 +36,9 @@ def align_block_size(
     flat = ids.reshape(-1)
     assignments = flat.numel()
     max_padded = triton.cdiv(assignments + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add, not bincount: bincount's output size depends on the data, a host sync on a GPU
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
