@@ -8,6 +8,8 @@ Package map (request path first):
 - ``cli``               flags (vLLM engine flags + server flags) → configs → ``runner.serve``
 - ``config``            ``ServerConfig``: the server's options, validated at the boundary
 - ``runner``            uvicorn with drain-on-SIGTERM; exit status
+- ``http_protocol``     uvicorn's HTTP protocol: connection bounds, a JSON 400 for unparsable requests
+- ``connection``        per-connection byte bounds (SO_SNDBUF, write buffer), stall timeout; the router's too
 - ``app``               builds the shared state and the FastAPI app
 - ``state``             ``ServerState`` (what handlers share) and ``RequestContext`` (arrival, tenant)
 - ``ingress``           ingress gate: API key, readiness, body size, tenant token bucket — before parsing

@@ -122,6 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="chunks buffered per request before a slow client's request is paused",
     )
     s.add_argument(
+        "--stream-buffer-bytes",
+        type=int,
+        default=d.stream_buffer_bytes,
+        help="bytes of a stream held for a client that does not read (queue, write and socket buffers)",
+    )
+    s.add_argument(
+        "--write-stall-timeout",
+        type=float,
+        default=d.write_stall_timeout_s,
+        help="close a connection whose client accepts no bytes for this long (0 = never)",
+    )
+    s.add_argument(
         "--backpressure-timeout",
         type=float,
         default=d.backpressure_timeout_s,
@@ -184,6 +196,8 @@ def server_config_from_namespace(ns: argparse.Namespace) -> ServerConfig:
         warmup_buckets=parse_warmup_buckets(ns.warmup_buckets),
         stream_buffer_chunks=ns.stream_buffer_chunks,
         backpressure_timeout_s=ns.backpressure_timeout,
+        stream_buffer_bytes=ns.stream_buffer_bytes,
+        write_stall_timeout_s=ns.write_stall_timeout,
         retry_after_s=ns.retry_after,
         loop_stall_timeout_s=ns.loop_stall_timeout,
         timeout_keep_alive_s=ns.timeout_keep_alive,

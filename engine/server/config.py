@@ -7,6 +7,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from kvpilot.engine.server.connection import MIN_BUDGET_BYTES, ConnectionLimits
 from kvpilot.engine.tenancy import TenantPolicy
 
 
@@ -86,9 +87,17 @@ class ServerConfig:
     #: output chunks buffered per request before the request is backpressured (not scheduled) until the
     #: client drains half of them
     stream_buffer_chunks: int = 16
+    #: bytes of one stream the server holds for a client that does not read: half in its chunk queue
+    #: (each chunk counted at an upper bound of the JSON it becomes), a quarter in the connection's write
+    #: buffer, a quarter in the kernel's send buffer (SO_SNDBUF); plus the chunk and the write in progress
+    stream_buffer_bytes: int = 64 << 10
     #: a request paused this long for a client that does not read is cancelled, freeing its KV blocks and
     #: batch slot for clients that do (0 = wait for the client forever)
     backpressure_timeout_s: float = 120.0
+    #: a connection whose client accepts no bytes for this long is closed (TCP_USER_TIMEOUT), cancelling
+    #: its request if it still runs; longer than the backpressure timeout, so a client that reads again
+    #: late still gets the error event saying why its request was cancelled (0 = never)
+    write_stall_timeout_s: float = 180.0
     #: ``Retry-After`` seconds on 429 queue-full and 503 responses
     retry_after_s: int = 1
     #: ``/health`` fails when one engine-loop iteration has run longer than this (a hung device)
@@ -159,6 +168,14 @@ class ServerConfig:
             f"--stream-buffer-chunks must be >= 2, got {self.stream_buffer_chunks}",
         )
         need(
+            self.stream_buffer_bytes >= MIN_BUDGET_BYTES,
+            f"--stream-buffer-bytes must be >= {MIN_BUDGET_BYTES}, got {self.stream_buffer_bytes}",
+        )
+        need(
+            finite(self.write_stall_timeout_s) and self.write_stall_timeout_s >= 0,
+            f"--write-stall-timeout must be >= 0 seconds (0 = never), got {self.write_stall_timeout_s}",
+        )
+        need(
             finite(self.backpressure_timeout_s) and self.backpressure_timeout_s >= 0,
             f"--backpressure-timeout must be >= 0 seconds (0 = no limit), got {self.backpressure_timeout_s}",
         )
@@ -184,6 +201,16 @@ class ServerConfig:
     @property
     def effective_tenant_burst(self) -> float:
         return self.tenant_burst if self.tenant_burst is not None else max(1.0, self.tenant_rate_limit)
+
+    @property
+    def connection_limits(self) -> ConnectionLimits:
+        """Each accepted connection's share of ``stream_buffer_bytes`` and its stall timeout."""
+        return ConnectionLimits.for_budget(self.stream_buffer_bytes, self.write_stall_timeout_s)
+
+    @property
+    def stream_queue_bytes(self) -> int:
+        """The chunk queue's share of ``stream_buffer_bytes``."""
+        return self.stream_buffer_bytes - self.connection_limits.held_bytes
 
     @property
     def stream_resume_depth(self) -> int:

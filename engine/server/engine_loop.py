@@ -33,6 +33,7 @@ from kvpilot.engine.server.engine_telemetry import EngineTelemetry
 from kvpilot.engine.server.errors import APIError
 from kvpilot.engine.server.lifecycle import Lifecycle, Phase
 from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.server.output_deltas import max_json_bytes
 from kvpilot.engine.server.serving_request import ServingRequest
 from kvpilot.engine.server.warmup import effective_buckets, run_warmup
 from kvpilot.engine.stats import load_snapshot
@@ -218,7 +219,7 @@ class EngineLoop:
             if req is None:
                 continue  # aborted by the server a moment ago; its client was already answered
             chunk = req.deltas.update(out)
-            if chunk is not None and req.stream.put(chunk):
+            if chunk is not None and req.stream.put(chunk, max_json_bytes(chunk)):
                 engine.set_backpressure(req.request_id, True)
                 req.paused_since = time.monotonic()
                 self._metrics.backpressure_pauses.inc()

@@ -73,7 +73,11 @@ class Generation:
         for i, prompt in enumerate(prompts):
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             stream = RequestStream(
-                loop, cfg.stream_buffer_chunks, cfg.stream_resume_depth, partial(state.loop.resume, rid)
+                loop,
+                cfg.stream_buffer_chunks,
+                cfg.stream_resume_depth,
+                partial(state.loop.resume, rid),
+                cfg.stream_queue_bytes,
             )
             span = RequestSpan(
                 state.tracer,

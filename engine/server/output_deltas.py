@@ -6,6 +6,10 @@ stop string, an incomplete UTF-8 character) wait for the next chunk that carries
 sample's end. So every chunk the handler takes is one *emit* of the tokens it carries (the latency
 definitions' t_emit), and a chunk without text is only ever a sample's final one (or any chunk when the
 request asked for token ids without text, ``detokenize=False``).
+
+``max_json_bytes`` bounds what a chunk becomes on the wire, for the stream's byte budget: per sample one
+SSE event, its envelope (id, model — a served name up to 256 characters —, choice keys, usage) and its
+strings at JSON's worst case, 6 bytes a character (``\\u00XX``; UTF-8 needs at most 4).
 """
 
 from __future__ import annotations
@@ -36,6 +40,30 @@ class OutputChunk:
     num_cached_tokens: int
     #: the prompt's logprobs (``prompt_logprobs``), on the first chunk only
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+#: one event's envelope, a token id (``,4294967295``), a logprob entry's keys and numbers in either shape
+EVENT_BYTES, TOKEN_ID_BYTES, LOGPROB_BYTES = 768, 12, 96
+#: a logprob entry's token text, JSON-escaped (6) and as chat's ``bytes`` list (4 per UTF-8 byte, <= 4 each)
+LOGPROB_CHAR_BYTES = 6 + 16
+
+
+def _logprob_bytes(entry: dict[int, Logprob] | None) -> int:
+    if entry is None:
+        return TOKEN_ID_BYTES
+    return sum(LOGPROB_BYTES + LOGPROB_CHAR_BYTES * len(lp.decoded_token or "") for lp in entry.values())
+
+
+def max_json_bytes(chunk: OutputChunk) -> int:
+    """An upper bound of the bytes the handler writes for ``chunk`` (see the module docstring)."""
+    total = 0
+    for d in chunk.samples:
+        total += EVENT_BYTES + 6 * len(d.text) + TOKEN_ID_BYTES * len(d.token_ids)
+        if d.logprobs is not None:
+            total += sum(_logprob_bytes(entry) for entry in d.logprobs)
+        if chunk.prompt_logprobs is not None:  # repeated on every sample's event
+            total += sum(_logprob_bytes(entry) for entry in chunk.prompt_logprobs)
+    return total or EVENT_BYTES
 
 
 class DeltaTracker:

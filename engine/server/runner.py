@@ -19,6 +19,7 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.server.app import build_state, create_app
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.drain import drain
+from kvpilot.engine.server.http_protocol import http_protocol
 from kvpilot.engine.server.state import ServerState
 from kvpilot.engine.server.tracing import tracer_provider_from_env
 
@@ -89,6 +90,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         # uvicorn annotates int but only hands it to loop.call_later: fractional seconds work as given
         timeout_keep_alive=config.timeout_keep_alive_s,  # type: ignore[arg-type]
         server_header=False,
+        http=http_protocol(config.connection_limits),
     )
     server = DrainingServer(uv_config, state, config.drain_grace_s)
     holder.append(server)

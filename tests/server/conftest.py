@@ -23,6 +23,7 @@ from live_server import ServerProcess, free_port, wait_ready
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.server.app import build_state, create_app
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
+from kvpilot.engine.server.http_protocol import http_protocol
 from kvpilot.engine.tokenizer import Tokenizer
 
 API_KEY = "sk-kvpilot-test"
@@ -44,7 +45,12 @@ class InProcessServer:
         self.state = build_state(engine_config, self.config, **build_kwargs)
         self.server = uvicorn.Server(
             uvicorn.Config(
-                create_app(self.state), host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+                create_app(self.state),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                http=http_protocol(self.config.connection_limits),
             )
         )
         self._thread = threading.Thread(target=self.server.run, daemon=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
+from raw_http import MALFORMED, error_of, exchange
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-random"
@@ -144,3 +145,14 @@ def test_rejections_are_counted_by_reason(tiny_server):
 def test_a_wrong_type_names_the_field_not_the_union_member(tiny_server):
     r = tiny_server.post("/v1/completions", {"prompt": 5})
     assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED)
+def test_security_a_request_uvicorn_cannot_parse_gets_an_openai_json_400(tiny_server, request_bytes):
+    """uvicorn's own answer is a plain-text 400; the server's protocol class writes the same JSON error as
+    every other (and closes the connection)."""
+    status, headers, body = exchange(tiny_server.url, request_bytes)  # read until the server closes
+    assert (status, headers["content-type"], headers["connection"]) == (400, "application/json", "close")
+    error = error_of(body)
+    assert (error["code"], error["type"]) == ("invalid_http_request", "invalid_request_error")
+    assert int(headers["content-length"]) == len(body)
