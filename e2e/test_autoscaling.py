@@ -163,3 +163,39 @@ def test_operator_autoscaler_follows_a_load_step_up_and_back_down(cluster, kubec
         assert up["involvedObject"]["kind"] == "InferenceService" and up["type"] == "Normal"
     finally:
         cluster.runner.metrics = None
+
+
+def condition(status: dict, kind: str) -> tuple[str, str, str]:
+    found = next(c for c in status["conditions"] if c["type"] == kind)
+    return found["status"], found["reason"], found["message"]
+
+
+def test_capacity_limited_no_spare_and_scaled_to_zero(cluster, kubectl, namespace):
+    # N = 6 above maxReplicas 4, no spare: all 4 desired Ready, yet capacity-limited against N.
+    kubectl(
+        "apply",
+        "-f",
+        "-",
+        stdin=manifest(namespace, "big", "  scaling: {replicas: 6, spare: 0, maxReplicas: 4}\n"),
+    )
+    status = wait_ready(cluster, namespace, "big", 4)
+    assert (status["sizing"]["serving"], status["sizing"]["capacityLimited"]) == (6, True)
+    assert condition(status, "CapacityLimited") == (
+        "True",
+        "MaxReplicasReached",
+        "6 replicas needed to carry the load, scaling.maxReplicas is 4",
+    )
+    assert condition(status, "SpareAvailable")[:2] == ("False", "NoSpare")
+    # A budget of 0 would block every drain: one at a time.
+    assert cluster.get("policy/v1/poddisruptionbudgets", namespace, "big")["spec"]["maxUnavailable"] == 1
+
+    # Nothing desired (target 0, minReplicas 0, no spare): Idle, not "Ready 0/0".
+    zero = "  scaling: {targetRequestsPerSecond: 0, perReplicaGoodput: 1, spare: 0, minReplicas: 0}\n"
+    kubectl("apply", "-f", "-", stdin=manifest(namespace, "idle", zero))
+    idle = cluster.wait_for(
+        "phase Idle", lambda: (s := status_of(cluster, namespace, "idle")).get("phase") == "Idle" and s
+    )
+    assert (idle["desiredReplicas"], idle["readyReplicas"]) == (0, 0)
+    assert condition(idle, "Ready") == ("False", "ScaledToZero", "scaled to zero: no replica serves")
+    table = kubectl("get", "kvis", "idle", "-n", namespace).stdout
+    assert re.search(r"idle\s+smollm2-135m\s+0\s+0\s+Idle", table), table

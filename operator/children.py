@@ -143,8 +143,10 @@ def _disruption_budget(isvc: InferenceService, sizing: SizingResult) -> dict[str
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(isvc, isvc.name),
+        # At least 1: with no spare left (spare 0, or clamped away) a budget of 0 would block every node
+        # drain forever; one at a time lets drains proceed, and condition SpareAvailable=False says so.
         "spec": {
-            "maxUnavailable": sizing.disruption_allowance,
+            "maxUnavailable": max(1, sizing.disruption_allowance),
             "selector": {"matchLabels": selector_labels(isvc)},
         },
     }

@@ -30,7 +30,15 @@ from kvpilot.operator.replicas import (
 )
 from kvpilot.operator.sizing import SizingResult
 from kvpilot.operator.spec import InferenceService, SpecError
-from kvpilot.operator.status import Observed, cold_start_status, conditions, decide_phase, stage_counts
+from kvpilot.operator.status import (
+    CapacityView,
+    Observed,
+    capacity_conditions,
+    cold_start_status,
+    conditions,
+    decide_phase,
+    stage_counts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,11 +109,18 @@ def _status(
     )
     phase, reason, message = decide_phase(observed)
     counts = stage_counts(observed)
+    before, now = previous.get("conditions", []), _now()
+    capacity = CapacityView(
+        serving=sizing.serving,
+        desired=sizing.desired,
+        max_replicas=isvc.spec.scaling.max_replicas,
+        spare=isvc.spec.scaling.spare,
+        allowance=sizing.disruption_allowance,
+    )
     status: dict[str, Any] = {
         "phase": phase,
-        "conditions": conditions(
-            phase, reason, message, isvc.generation, previous.get("conditions", []), _now()
-        ),
+        "conditions": conditions(phase, reason, message, isvc.generation, before, now)
+        + capacity_conditions(capacity, isvc.generation, before, now),
         "replicas": len(replicas),
         "readyReplicas": counts["ready"],
         "desiredReplicas": sizing.desired,

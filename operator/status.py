@@ -2,6 +2,8 @@
 
 Rules, in order (the first that applies wins):
 - the spec is invalid → Failed;
+- nothing is desired (minReplicas 0, no load, no spare) → Idle (Ready False, reason ScaledToZero), never
+  "Ready 0/0": no replica serves;
 - ready ≥ desired → Ready (the only way to Ready: every desired replica serves, warm);
 - nothing ready and a replica is failing or the rollout exceeded its deadline → Failed (reason
   ModelFetchFailed when every failing replica could not fetch its model, the fetcher's message given);
@@ -61,6 +63,13 @@ def decide_phase(observed: Observed) -> tuple[str, str, str]:
     counts = stage_counts(observed)
     ready, desired = counts["ready"], observed.desired
     summary = f"{ready}/{desired} replicas ready"
+    if desired == 0:
+        left = len(observed.replicas)
+        return (
+            "Idle",
+            "ScaledToZero",
+            "scaled to zero: no replica serves" + (f" ({left} still stopping)" if left else ""),
+        )
     if ready >= desired and observed.rollout_complete:
         return "Ready", "ReplicasReady", summary
     if ready == 0 and (counts["failing"] or observed.rollout_stalled):
@@ -97,6 +106,60 @@ def _condition(
         "lastTransitionTime": since or now,
         "observedGeneration": generation,
     }
+
+
+@dataclass(frozen=True)
+class CapacityView:
+    """What the sizing says about capacity, for the CapacityLimited and SpareAvailable conditions."""
+
+    serving: int  # N
+    desired: int
+    max_replicas: int
+    spare: int  # scaling.spare
+    allowance: int  # spare replicas left after the clamp (the PodDisruptionBudget's, before its floor of 1)
+
+
+def capacity_conditions(
+    view: CapacityView, generation: int, previous: list[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """CapacityLimited: N itself exceeds maxReplicas. SpareAvailable: a replica may go (drain, failure,
+    rollout) without dropping below N; with none, the PodDisruptionBudget still allows one at a time, so a
+    node drain takes a serving replica down instead of blocking forever (docs/architecture.md#status)."""
+    limited = view.serving > view.max_replicas
+    limited_message = (
+        f"{view.serving} replicas needed to carry the load, scaling.maxReplicas is {view.max_replicas}"
+        if limited
+        else f"{view.serving} replicas needed, within scaling.maxReplicas {view.max_replicas}"
+    )
+    if view.allowance > 0:
+        spare = (True, "SpareReplicas", f"{view.allowance} spare above the {view.serving} serving")
+    elif view.desired == 0:
+        spare = (False, "ScaledToZero", "no replica runs")
+    elif view.spare == 0:
+        spare = (
+            False,
+            "NoSpare",
+            "scaling.spare is 0: a drain, a failure or a rollout takes a serving replica down (the "
+            "PodDisruptionBudget allows one at a time so that drains can proceed)",
+        )
+    else:
+        spare = (
+            False,
+            "SpareClamped",
+            f"scaling.maxReplicas {view.max_replicas} leaves no spare above the {view.serving} serving",
+        )
+    return [
+        _condition(
+            "CapacityLimited",
+            limited,
+            "MaxReplicasReached" if limited else "WithinMaxReplicas",
+            limited_message,
+            generation,
+            previous,
+            now,
+        ),
+        _condition("SpareAvailable", spare[0], spare[1], spare[2], generation, previous, now),
+    ]
 
 
 def conditions(

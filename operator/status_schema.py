@@ -6,8 +6,8 @@ from typing import Any
 
 from kvpilot.operator.schema_types import count, seconds
 
-PHASES = ("Pending", "Loading", "WarmingUp", "Ready", "Degraded", "Failed")
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+PHASES = ("Pending", "Loading", "WarmingUp", "Ready", "Degraded", "Failed", "Idle")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "CapacityLimited", "SpareAvailable")
 
 
 def _condition() -> dict[str, Any]:
@@ -20,7 +20,9 @@ def _condition() -> dict[str, Any]:
                 "type": "string",
                 "enum": list(CONDITION_TYPES),
                 "description": "Ready: phase Ready; Progressing: a rollout phase (Pending, Loading, "
-                "WarmingUp); Degraded: phase Degraded or Failed.",
+                "WarmingUp); Degraded: phase Degraded or Failed; CapacityLimited: the replicas the load "
+                "needs (N) exceed scaling.maxReplicas; SpareAvailable: a replica may go (drain, failure, "
+                "rollout) without dropping below N.",
             },
             "status": {
                 "type": "string",
@@ -31,7 +33,9 @@ def _condition() -> dict[str, Any]:
                 "type": "string",
                 "maxLength": 1024,
                 "description": "Machine-readable cause: ReplicasReady, RolloutInProgress, ReplicasFailing, "
-                "ReplicasLost, InvalidSpec (Progressing: Idle outside a rollout).",
+                "ReplicasLost, ScaledToZero, InvalidSpec (Progressing: Idle outside a rollout); "
+                "CapacityLimited: MaxReplicasReached or WithinMaxReplicas; SpareAvailable: SpareReplicas, "
+                "NoSpare, SpareClamped or ScaledToZero.",
             },
             "message": {
                 "type": "string",
@@ -141,14 +145,16 @@ def status_schema() -> dict[str, Any]:
                 "enum": list(PHASES),
                 "description": "Ready: every desired replica serves; Pending, Loading, WarmingUp: a rollout, "
                 "named by its slowest replica; Degraded: some serve, a replica fails or was lost; Failed: "
-                "none serves and a replica fails, the rollout stalled, or the spec is invalid.",
+                "none serves and a replica fails, the rollout stalled, or the spec is invalid; Idle: "
+                "scaled to zero (no replica desired, none serves).",
             },
             "conditions": {
                 "type": "array",
                 "items": _condition(),
                 "x-kubernetes-list-type": "map",
                 "x-kubernetes-list-map-keys": ["type"],
-                "description": "Ready, Progressing and Degraded, one of each.",
+                "description": "Ready, Progressing and Degraded, one of each; CapacityLimited and "
+                "SpareAvailable once the spec is valid.",
             },
             "replicas": count("Engine pods that exist (any stage)."),
             "readyReplicas": count("Replicas whose engine is loaded, warmed up and Ready."),

@@ -7,7 +7,14 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from kvpilot.operator.replicas import EngineReport, ReplicaObservation, observe_pod
-from kvpilot.operator.status import Observed, cold_start_status, conditions, decide_phase
+from kvpilot.operator.status import (
+    CapacityView,
+    Observed,
+    capacity_conditions,
+    cold_start_status,
+    conditions,
+    decide_phase,
+)
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 
@@ -166,3 +173,48 @@ def test_an_evicted_pod_says_why():
     observed = observe_pod(pod)
     assert observed.stage == "failing"
     assert observed.detail == 'pod failed (Evicted: Usage of EmptyDir volume "tmp" exceeds the limit "10Gi".)'
+
+
+def test_zero_desired_is_idle_not_ready_zero_of_zero():
+    assert decide_phase(Observed(0, ())) == ("Idle", "ScaledToZero", "scaled to zero: no replica serves")
+    assert decide_phase(Observed(0, replicas("ready"))) == (
+        "Idle",
+        "ScaledToZero",
+        "scaled to zero: no replica serves (1 still stopping)",
+    )
+    ready = conditions("Idle", "ScaledToZero", "m", 1, [], "t")[0]
+    assert (ready["type"], ready["status"], ready["reason"]) == ("Ready", "False", "ScaledToZero")
+
+
+def _capacity(**view) -> list[tuple[str, str, str, str]]:
+    found = capacity_conditions(CapacityView(**view), 3, [], "t")
+    return [(c["type"], c["status"], c["reason"], c["message"]) for c in found]
+
+
+def test_capacity_limited_is_against_n_and_spare_available_says_why_not():
+    assert _capacity(serving=6, desired=4, max_replicas=4, spare=1, allowance=0) == [
+        (
+            "CapacityLimited",
+            "True",
+            "MaxReplicasReached",
+            "6 replicas needed to carry the load, scaling.maxReplicas is 4",
+        ),
+        (
+            "SpareAvailable",
+            "False",
+            "SpareClamped",
+            "scaling.maxReplicas 4 leaves no spare above the 6 serving",
+        ),
+    ]
+    assert _capacity(serving=2, desired=3, max_replicas=4, spare=1, allowance=1) == [
+        ("CapacityLimited", "False", "WithinMaxReplicas", "2 replicas needed, within scaling.maxReplicas 4"),
+        ("SpareAvailable", "True", "SpareReplicas", "1 spare above the 2 serving"),
+    ]
+    no_spare = _capacity(serving=2, desired=2, max_replicas=4, spare=0, allowance=0)[1]
+    assert no_spare[:3] == ("SpareAvailable", "False", "NoSpare")
+    assert "the PodDisruptionBudget allows one at a time" in no_spare[3]
+    assert _capacity(serving=0, desired=0, max_replicas=4, spare=0, allowance=0)[1][:3] == (
+        "SpareAvailable",
+        "False",
+        "ScaledToZero",
+    )
