@@ -87,8 +87,9 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], str]] = {
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
-        # generation crosses the original context at position 16: the long factors take over there
-        {"rope_parameters": PHI3_ROPE, "original_max_position_embeddings": 16, "sliding_window": 24},
+        # prompts stay inside the original context (HF's one-shot prefill of a longer prompt would rotate
+        # it all with the long factors, docs/models.md#phi-3); generation crosses it at position 24
+        {"rope_parameters": PHI3_ROPE, "original_max_position_embeddings": 24, "sliding_window": 24},
         PHI3_TEMPLATE,
     ),
     "gemma2": (
