@@ -8,6 +8,7 @@ Package map:
 - ``config``            typed, validated configuration (policy, weights, polling, timeouts, discovery)
 - ``cli``               ``kvpilot router`` flags → config → server
 - ``server``            runs the app on a port (in-process or until SIGTERM); loads the shared tokenizer
+- ``connections``       client connections: stream byte bounds, stall timeout, JSON for unparsable requests
 - ``app``               HTTP surface: proxied endpoints, ``/health``, ``/ready``, ``/metrics``; retry loop
 - ``proxy``             forwards one request to one replica, streaming, retryable until the first byte
 - ``upstream``          aiohttp client of the proxied requests: a keep-alive session per replica
@@ -29,5 +30,5 @@ Package map:
 - ``metrics``           ``kvpilot_router_*`` Prometheus metrics
 
 Nothing here imports torch: the router shares only the engine's torch-free modules (tokenizer, prompt
-rendering, tenancy, block hash, model registry).
+rendering, tenancy, block hash, model registry, the server's connection bounds).
 """

@@ -87,7 +87,9 @@ class RouterApp:
 
     async def _start(self, app: web.Application) -> None:
         upstream = self.config.upstream
-        self.upstream = UpstreamClient(upstream.connect_timeout_s, upstream.request_timeout_s)
+        self.upstream = UpstreamClient(
+            upstream.connect_timeout_s, upstream.request_timeout_s, upstream.upstream_read_bytes
+        )
         poll_session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=self.config.poll.timeout_s),

@@ -120,6 +120,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="a client request body slower than this gets 408",
     )
     parser.add_argument(
+        "--stream-buffer-bytes",
+        type=int,
+        default=upstream.stream_buffer_bytes,
+        metavar="N",
+        help="bytes of a stream held for a client that does not read (socket and read buffers)",
+    )
+    parser.add_argument(
+        "--write-stall-timeout",
+        type=float,
+        default=upstream.write_stall_timeout_s,
+        metavar="S",
+        help="close a client connection that accepts no bytes for this long (0 = never)",
+    )
+    parser.add_argument(
         "--request-timeout",
         type=float,
         default=upstream.request_timeout_s,
@@ -192,6 +206,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             request_timeout_s=args.request_timeout,
             max_body_bytes=args.max_body_bytes,
             body_read_timeout_s=args.body_read_timeout,
+            stream_buffer_bytes=args.stream_buffer_bytes,
+            write_stall_timeout_s=args.write_stall_timeout,
         ),
         prefill_rate_prior=args.prefill_rate_prior,
         per_replica_prefill_rate=args.per_replica_prefill_rate,

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, fields
 from urllib.parse import urlsplit
 
+from kvpilot.engine.server.connection import MIN_BUDGET_BYTES, ConnectionLimits
 from kvpilot.engine.tenancy import TenantPolicy
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -108,6 +109,16 @@ class UpstreamConfig:
     #: seconds a client's whole request body may take to arrive (408 after), as the engine's
     #: ``--body-read-timeout``: a slow sender cannot hold a connection and its buffer forever
     body_read_timeout_s: float = 30.0
+    #: bytes of one stream the router holds for a client that does not read: a quarter in the client
+    #: connection's write buffer, a quarter in its kernel send buffer (SO_SNDBUF), a quarter in the
+    #: upstream response's read buffer, a quarter in the upstream socket's receive buffer (SO_RCVBUF);
+    #: beyond it the engine's own buffers fill and it pauses the request (``kvpilot serve
+    #: --stream-buffer-bytes``)
+    stream_buffer_bytes: int = 64 << 10
+    #: a client connection that accepts no bytes for this long is closed (TCP_USER_TIMEOUT) and its
+    #: upstream request with it; shorter than the engine's ``--write-stall-timeout`` (180 s), so the
+    #: router, not the engine, ends such a stream and the replica is never taken for a failed one
+    write_stall_timeout_s: float = 150.0
 
     def __post_init__(self) -> None:
         _check_positive("--connect-timeout", self.connect_timeout_s)
@@ -115,6 +126,25 @@ class UpstreamConfig:
         _check_positive("--body-read-timeout", self.body_read_timeout_s)
         if self.max_body_bytes <= 0:
             raise ConfigError(f"--max-body-bytes must be positive, got {self.max_body_bytes}")
+        if self.stream_buffer_bytes < MIN_BUDGET_BYTES:
+            raise ConfigError(
+                f"--stream-buffer-bytes must be >= {MIN_BUDGET_BYTES}, got {self.stream_buffer_bytes}"
+            )
+        if not (math.isfinite(self.write_stall_timeout_s) and self.write_stall_timeout_s >= 0):
+            raise ConfigError(
+                f"--write-stall-timeout must be >= 0 seconds (0 = never), got {self.write_stall_timeout_s}"
+            )
+
+    @property
+    def client_limits(self) -> ConnectionLimits:
+        """Each client connection's share of ``stream_buffer_bytes`` and its stall timeout."""
+        return ConnectionLimits.for_budget(self.stream_buffer_bytes, self.write_stall_timeout_s)
+
+    @property
+    def upstream_read_bytes(self) -> int:
+        """aiohttp's read buffer size for upstream responses (it stops reading at twice this) and the
+        SO_RCVBUF of upstream sockets (the kernel doubles it): an eighth of the budget each."""
+        return self.stream_buffer_bytes // 8
 
 
 @dataclass(frozen=True)

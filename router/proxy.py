@@ -225,6 +225,9 @@ class Forwarder:
                 chunk, held = held + chunk, b""
             if chunk:
                 await response.write(chunk)
+                # aiohttp waits for a paused transport only every 64 KiB written: wait at once, so the
+                # client connection holds no more than its share of the stream budget
+                await request.writer.drain()
             if on_first_byte is not None:
                 on_first_byte()
                 on_first_byte = None

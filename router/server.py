@@ -12,6 +12,7 @@ from aiohttp import web
 from kvpilot.engine.model.registry import resolve_tokenizer
 from kvpilot.engine.tokenizer import Tokenizer
 from kvpilot.router.app import RouterApp
+from kvpilot.router.connections import RouterRunner
 from kvpilot.router.request_profile import RequestProfiler
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
@@ -32,8 +33,12 @@ class RouterServer:
         self._port = port
         # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream
         # request, so the engine stops generating for nobody.
-        self._runner = web.AppRunner(
-            router.build(), handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        self._runner = RouterRunner(
+            router.build(),
+            router.config.upstream.client_limits,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=5.0,
         )
         self.port: int | None = None
 

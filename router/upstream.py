@@ -9,12 +9,18 @@ Content-Length.
 
 A replica that leaves the fleet keeps its session until its last request ends (a draining pod finishes
 its streams); then the session and its connections close.
+
+With ``read_bytes`` a response is read through a bounded buffer (aiohttp stops reading at twice
+``read_bytes``) from a socket whose receive buffer is ``read_bytes`` (the kernel doubles it): the upstream
+half of the router's per-stream byte budget, so a client that stops reading soon stops the router reading
+and the engine pauses the request (docs/architecture.md#backpressure-and-cancellation).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from types import SimpleNamespace
@@ -30,7 +36,10 @@ _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
 
 class UpstreamClient:
-    def __init__(self, connect_timeout_s: float, request_timeout_s: float) -> None:
+    def __init__(
+        self, connect_timeout_s: float, request_timeout_s: float, read_bytes: int | None = None
+    ) -> None:
+        self._read_bytes = read_bytes
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
         self._trace = aiohttp.TraceConfig()
         self._trace.on_request_headers_sent.append(_written)
@@ -109,13 +118,24 @@ class UpstreamClient:
     def _session(self, url: str) -> aiohttp.ClientSession:
         session = self._sessions.get(url)
         if session is None:
+            read = {}
+            if self._read_bytes is not None:
+                read = {"read_bufsize": self._read_bytes}
             session = self._sessions[url] = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
+                connector=aiohttp.TCPConnector(limit=0, socket_factory=self._socket),
                 timeout=self._timeout,
+                **read,
                 auto_decompress=False,
                 trace_configs=[self._trace],
             )
         return session
+
+    def _socket(self, addr_info: tuple) -> socket.socket:
+        family, type_, proto = addr_info[:3]
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        if self._read_bytes is not None:  # before connecting: the window scale is agreed on in the SYN
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._read_bytes)
+        return sock
 
 
 async def _written(session: aiohttp.ClientSession, context: Any, params: Any) -> None:

@@ -336,6 +336,7 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
         request_timeout_s: float = 20.0,
         max_body_bytes: int = 1 << 20,
         body_read_timeout_s: float = 30.0,
+        write_stall_timeout_s: float = 150.0,
         **tenancy: Any,
     ) -> RouterServer:
         config = RouterConfig(
@@ -348,6 +349,7 @@ async def routers(tiny_profiler: RequestProfiler) -> AsyncIterator[Callable[...,
                 request_timeout_s=request_timeout_s,
                 max_body_bytes=max_body_bytes,
                 body_read_timeout_s=body_read_timeout_s,
+                write_stall_timeout_s=write_stall_timeout_s,
             ),
         )
         server = await RouterServer(RouterApp(config, tiny_profiler)).start()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from raw_http import MALFORMED, error_of, exchange_async
 
 from kvpilot.router.proxy import REPLICA_HEADER
 from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS
@@ -233,3 +234,14 @@ async def test_security_fuzzed_methods_and_paths_never_get_a_5xx_and_every_error
     status, answered = await answer(http, method, router.url + path, data=b"{}")
     if status >= 400:
         assert_openai_error(status, answered)
+
+
+@pytest.mark.parametrize("request_bytes", MALFORMED)
+async def test_security_a_request_aiohttp_cannot_parse_gets_an_openai_json_400(router, request_bytes) -> None:
+    """aiohttp answers these before any middleware, in plain text; the router's connection class answers
+    with the JSON error every other router error has (and closes the connection)."""
+    status, headers, body = await exchange_async(router.url, request_bytes)  # read until it closes
+    assert (status, headers["content-type"].split(";")[0]) == (400, "application/json")
+    error = error_of(body)
+    assert (error["code"], error["type"]) == ("invalid_http_request", "invalid_request_error")
+    assert router.engine.received == []
