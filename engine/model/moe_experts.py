@@ -98,4 +98,4 @@ def sorted_moe(
     out.mul_(weights.reshape(-1)[order, None].to(out.dtype))
     # back to (token, slot) order, then each token's k outputs summed
     unsorted = torch.empty_like(out).index_copy_(0, order, out)
-    return unsorted.view(tokens, top_k, -1).sum(1)
+    return unsorted.view(tokens, top_k, x.shape[1]).sum(1)

@@ -65,12 +65,16 @@ def test_fused_moe_kernel_matches_reference(experts, top_k, dtype):
 
 
 @pytest.mark.triton
-def test_fused_moe_kernel_single_token_decode():
-    x, w13, w2, weights, ids, _ = make_case(64, 8, tokens=1)
+@pytest.mark.parametrize("tokens", [0, 1])
+def test_fused_and_sorted_moe_on_one_decode_token_and_on_none(tokens):
+    x, w13, w2, weights, ids, _ = make_case(64, 8, tokens=tokens)
+    expected = reference_moe(x, w13, w2, weights, ids)
     got = fused_moe_triton.fused_moe(
         x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)
     )
-    torch.testing.assert_close(got.cpu(), reference_moe(x, w13, w2, weights, ids), atol=2e-5, rtol=0)
+    assert got.shape == expected.shape == (tokens, HIDDEN)
+    torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=0)
+    torch.testing.assert_close(sorted_moe(x, w13, w2, weights, ids), expected, atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("experts, top_k", CASES)
