@@ -7,7 +7,8 @@ belong to one expert; ``block_experts[b]`` names it. An expert no token chose ge
 device ops with a worst-case size (``T*k + E*(BLOCK_M-1)`` rows): no host sync, and programs past the
 real padded length (read from a device scalar) return at once.
 
-``moe_gemm_kernel``: program (m, n) computes a ``BLOCK_M x BLOCK_N`` tile for one block of sorted rows
+``moe_gemm_kernel``: program (m, n) computes a ``BLOCK_M x BLOCK_N`` tile (``tile_sizes``: 16-row blocks
+for decode-sized calls, 64 x 64 tiles once experts average more than 16 rows) for one block of sorted rows
 against that block's expert: rows of A are gathered by sorted id (``id // TOP_K`` for the first GEMM,
 whose A is the token's hidden state; ``id`` itself for the second), the tile is written to the
 assignment's own row of C, sentinel rows masked. The second GEMM multiplies in the routing weight.
@@ -24,8 +25,17 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-#: tile sizes: every ``tl.dot`` dimension >= 16
+#: tile sizes of a decode-sized call: every ``tl.dot`` dimension >= 16
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+#: tiles once experts average more rows than a 16-row block: more reuse of each weight tile loaded
+LARGE_TILES = (64, 64, 32)
+
+
+def tile_sizes(assignments: int, num_experts: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) for ``assignments`` rows over ``num_experts``: 16-row blocks while the
+    average expert has at most 16 rows (a bigger block would be mostly padding), 64 x 64 tiles beyond
+    (vLLM's untuned defaults make the same switch). Chosen from shapes only, so no host sync."""
+    return (BLOCK_M, BLOCK_N, BLOCK_K) if assignments <= BLOCK_M * num_experts else LARGE_TILES
 
 
 def align_block_size(
@@ -99,10 +109,10 @@ def moe_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-def _gemm(a, b, c, weights, align, num_valid: int, top_k: int, mul_weight: bool) -> None:
+def _gemm(a, b, c, weights, align, tiles, num_valid: int, top_k: int, mul_weight: bool) -> None:
     sorted_ids, block_experts, num_padded = align
     n_out, k_in = b.shape[1], b.shape[2]
-    grid = (block_experts.numel(), triton.cdiv(n_out, BLOCK_N))
+    grid = (block_experts.numel(), triton.cdiv(n_out, tiles[1]))
     moe_gemm_kernel[grid](
         a,
         b,
@@ -120,16 +130,22 @@ def _gemm(a, b, c, weights, align, num_valid: int, top_k: int, mul_weight: bool)
         c.stride(0),
         TOP_K=top_k,
         MUL_WEIGHT=mul_weight,
-        BM=BLOCK_M,
-        BN=BLOCK_N,
-        BK=BLOCK_K,
+        BM=tiles[0],
+        BN=tiles[1],
+        BK=tiles[2],
     )
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    tiles: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The routed experts' output ``[T, H]`` in x's dtype (``moe_experts`` describes the operands)."""
+    """The routed experts' output ``[T, H]`` in x's dtype (``moe_experts`` describes the operands);
+    ``tiles`` overrides ``tile_sizes``."""
     tokens, top_k = ids.shape
     experts, two_inter, hidden = w13.shape
     if x.shape[1] != hidden or tuple(w2.shape) != (experts, hidden, two_inter // 2):
@@ -138,12 +154,15 @@ def fused_moe(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs contiguous rows")
     assignments = tokens * top_k
-    align = align_block_size(ids, experts, BLOCK_M)
+    tiles = tiles or tile_sizes(assignments, experts)
+    if min(tiles) < 16:
+        raise ValueError(f"tile sizes {tiles}: every tl.dot dimension must be >= 16")
+    align = align_block_size(ids, experts, tiles[0])
     flat_weights = weights.reshape(-1).float().contiguous()
     gate_up = torch.empty(assignments, two_inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, gate_up, flat_weights, align, assignments, top_k, mul_weight=False)
+    _gemm(x, w13, gate_up, flat_weights, align, tiles, assignments, top_k, mul_weight=False)
     inter = two_inter // 2
     act = (F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
     down = torch.empty(assignments, hidden, dtype=x.dtype, device=x.device)
-    _gemm(act, w2, down, flat_weights, align, assignments, 1, mul_weight=True)
+    _gemm(act, w2, down, flat_weights, align, tiles, assignments, 1, mul_weight=True)
     return down.view(tokens, top_k, hidden).sum(1)

@@ -48,6 +48,9 @@ def test_the_cases_are_uneven_and_have_empty_experts():
         if empty:
             assert (counts == 0).sum() >= empty
     assert any(make_case(e, k)[-1] for e, k in CASES)
+    # both tile configurations run: 16-row blocks for most cases, 64 x 64 tiles for 8 experts x top-8
+    chosen = {fused_moe_triton.tile_sizes(TOKENS * k, e) for e, k in CASES}
+    assert chosen == {(16, 32, 32), fused_moe_triton.LARGE_TILES}
 
 
 @pytest.mark.triton
@@ -62,6 +65,18 @@ def test_fused_moe_kernel_matches_reference(experts, top_k, dtype):
     )
     assert got.dtype == dtype and got.shape == (TOKENS, HIDDEN)
     torch.testing.assert_close(got.float().cpu(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.triton
+def test_fused_moe_kernel_with_large_tiles_over_sparse_experts():
+    # 64-row blocks over 64 experts, a quarter of them empty: mostly padding rows, all masked
+    x, w13, w2, weights, ids, _ = make_case(64, 2)
+    got = fused_moe_triton.fused_moe(
+        x.to(DEVICE), w13.to(DEVICE), w2.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE), tiles=(64, 64, 32)
+    )
+    torch.testing.assert_close(got.cpu(), reference_moe(x, w13, w2, weights, ids), atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="must be >= 16"):
+        fused_moe_triton.fused_moe(x, w13, w2, weights, ids, tiles=(8, 32, 32))
 
 
 @pytest.mark.triton
