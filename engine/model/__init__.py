@@ -6,8 +6,9 @@ Files (torch-free, except ``tiny``):
 - ``registry``       model spec (``smollm2-135m``, ``tiny-random``, a ``.gguf`` path, an HF directory) →
                      local HF-format directory, converted/written once into the cache; ``model_fingerprint``
                      (the root of the prefix-cache block hash)
-- ``gguf_convert``   llama-architecture GGUF → config.json + float32 safetensors + generation_config.json
-                     (dequantize, llama.cpp tensor names → HF names, undo the Q/K RoPE row permutation)
+- ``gguf_convert``   llama/qwen2/qwen3 GGUF → config.json + float32 safetensors + generation_config.json
+                     (dequantize, llama.cpp tensor names → HF names, undo llama's Q/K RoPE row permutation)
+- ``gguf_config``    config.json / generation_config.json from a GGUF's metadata, per architecture
 - ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
 - ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for
                      ``tiny``)

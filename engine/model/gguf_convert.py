@@ -1,14 +1,15 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model directory (float32 safetensors).
+"""Convert a GGUF file (``llama``, ``qwen2`` or ``qwen3`` architecture) into a Hugging Face model
+directory (float32 safetensors).
 
-The result is what ``transformers.LlamaForCausalLM.from_pretrained`` reads: config.json,
-model.safetensors (or shards plus an index), generation_config.json, tokenizer.json and
-tokenizer_config.json (with the GGUF's chat template).
+The result is what transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
+``from_pretrained`` reads: config.json (``gguf_config``), model.safetensors (or shards plus an index),
+generation_config.json, tokenizer.json and tokenizer_config.json (with the GGUF's chat template).
 
 Two things llama.cpp changed on the way in are undone here:
 - tensor names (``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj``, …);
-- the row order of q_proj/k_proj: llama.cpp's convert_hf_to_gguf.py interleaves each head's two rotary
-  halves (``w.reshape(n_head, 2, d//2, ...).swapaxes(1, 2)``) because its RoPE rotates adjacent pairs while
-  HF rotates halves. :func:`unpermute_rope_rows` applies the inverse.
+- for ``llama`` only, the row order of q_proj/k_proj: llama.cpp's convert_hf_to_gguf.py interleaves each
+  head's two rotary halves (``w.reshape(n_head, 2, d//2, ...).swapaxes(1, 2)``) because its RoPE rotates
+  adjacent pairs while HF rotates halves. :func:`unpermute_rope_rows` applies the inverse.
 
 Quantized tensors (Q4_1, Q8_0, …) are dequantized with ``gguf.quants.dequantize``; their values are exactly
 representable in float32, so nothing is lost relative to the GGUF.
@@ -28,7 +29,10 @@ from gguf.quants import dequantize
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from kvpilot.engine.model.gguf_config import PERMUTED_ROPE_ARCHS, generation_config, hf_config, llama_config
 from kvpilot.engine.model.gguf_tokenizer import tokenizer_files_from_gguf
+
+__all__ = ["convert_gguf", "convert_gguf_tokenizer", "hf_tensor_name", "llama_config", "unpermute_rope_rows"]
 
 # Part of the conversion cache key: bump whenever the files this module writes would change.
 CONVERTER_VERSION = 1
@@ -45,14 +49,17 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",  # qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
+_QK_NORMS = ("attn_q_norm", "attn_k_norm")
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
 def hf_tensor_name(gguf_name: str) -> str:
-    """The HF Llama parameter name for a llama.cpp tensor name."""
+    """The HF parameter name for a llama.cpp tensor name."""
     layer = _LAYER_NAME.match(gguf_name)
     if layer and layer.group(2) in _LAYER_TENSORS:
         return f"model.layers.{layer.group(1)}.{_LAYER_TENSORS[layer.group(2)]}.{layer.group(3)}"
@@ -80,76 +87,6 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
 
 
-def llama_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
-    """config.json for the model a llama-architecture GGUF describes."""
-    arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; only 'llama' can be converted")
-
-    def required(key: str) -> Any:
-        if f"llama.{key}" not in metadata:
-            raise ValueError(f"GGUF metadata lacks llama.{key}, which config.json needs")
-        return metadata[f"llama.{key}"]
-
-    hidden = int(required("embedding_length"))
-    heads = int(required("attention.head_count"))
-    kv_heads = int(metadata.get("llama.attention.head_count_kv", heads))
-    head_dim = int(metadata.get("llama.attention.key_length", hidden // heads))
-    if int(metadata.get("llama.attention.value_length", head_dim)) != head_dim:
-        raise ValueError("GGUF has different key and value head sizes; Llama needs them equal")
-    if int(metadata.get("llama.rope.dimension_count", head_dim)) != head_dim:
-        raise ValueError("GGUF applies RoPE to part of each head only; Llama rotates the whole head")
-    if heads % kv_heads:
-        raise ValueError(f"GGUF head_count {heads} is not a multiple of head_count_kv {kv_heads}")
-    vocab = int(metadata.get("llama.vocab_size", vocab_rows))
-    if vocab != vocab_rows:
-        raise ValueError(f"GGUF llama.vocab_size={vocab} but token_embd has {vocab_rows} rows")
-    context = int(required("context_length"))
-    bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": int(required("feed_forward_length")),
-        "num_hidden_layers": int(required("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_value(metadata.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(metadata),
-        "max_position_embeddings": context,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "torch_dtype": "float32",
-    }
-
-
-def generation_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
-    """generation_config.json: every end-of-generation id llama.cpp knows (eos, end-of-turn,
-    end-of-message)."""
-    eos_ids: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = metadata.get(f"tokenizer.ggml.{key}")
-        if value is not None and int(value) not in eos_ids:
-            eos_ids.append(int(value))
-    config: dict[str, Any] = {}
-    if metadata.get("tokenizer.ggml.bos_token_id") is not None:
-        config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
-    if eos_ids:
-        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
-    if metadata.get("tokenizer.ggml.padding_token_id") is not None:
-        config["pad_token_id"] = int(metadata["tokenizer.ggml.padding_token_id"])
-    return config
-
-
 def _open_gguf(gguf_path: Path) -> GGUFReader:
     try:
         return GGUFReader(gguf_path, "r")
@@ -163,7 +100,7 @@ def _write_metadata_files(reader: GGUFReader, gguf_path: Path, out_dir: Path) ->
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{gguf_path} has no token_embd.weight tensor")
-    config = llama_config(metadata, set(tensors), vocab_rows=int(tensors["token_embd.weight"].shape[-1]))
+    config = hf_config(metadata, set(tensors), vocab_rows=int(tensors["token_embd.weight"].shape[-1]))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
     tokenizer_files_from_gguf(metadata, model_max_length=config["max_position_embeddings"]).write(out_dir)
@@ -218,9 +155,10 @@ def _write_weights(
 def _float32_hf_tensor(tensor: ReaderTensor, config: Mapping[str, Any]) -> np.ndarray:
     # dequantize() also widens F16/BF16 and passes F32 through; it returns the HF (row-major) shape.
     weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-    if ".attn_q." in tensor.name:
+    permuted = config["model_type"] in PERMUTED_ROPE_ARCHS
+    if permuted and ".attn_q." in tensor.name:
         weight = unpermute_rope_rows(weight, config["num_attention_heads"])
-    elif ".attn_k." in tensor.name:
+    elif permuted and ".attn_k." in tensor.name:
         weight = unpermute_rope_rows(weight, config["num_key_value_heads"])
     return np.ascontiguousarray(weight)
 
@@ -242,40 +180,13 @@ def _plan_shards(tensors: list[ReaderTensor], max_shard_bytes: int) -> Iterator[
 def _check_complete(tensor_names: set[str], config: Mapping[str, Any]) -> None:
     expected = {"token_embd.weight", "output_norm.weight"}
     for layer in range(config["num_hidden_layers"]):
-        expected.update(f"blk.{layer}.{part}.weight" for part in _LAYER_TENSORS)
+        parts = [p for p in _LAYER_TENSORS if p not in _QK_NORMS or config["model_type"] == "qwen3"]
+        expected.update(f"blk.{layer}.{part}.weight" for part in parts)
     missing = sorted(expected - tensor_names)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-        raise ValueError(f"GGUF is missing tensors a Llama model needs: {shown}")
-
-
-def _rope_scaling(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
-    kind = metadata.get("llama.rope.scaling.type")
-    factor = metadata.get("llama.rope.scaling.factor", metadata.get("llama.rope.scale_linear"))
-    if kind is None and factor is not None:
-        kind = "linear"  # older files only carry rope.scale_linear
-    if kind in (None, "none"):
-        return None
-    if factor is None:
-        raise ValueError(f"GGUF RoPE scaling {kind!r} has no llama.rope.scaling.factor")
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": _float32_value(factor)}
-    if kind == "yarn":
-        original = metadata.get("llama.rope.scaling.original_context_length")
-        if original is None:
-            raise ValueError("GGUF YaRN RoPE scaling lacks llama.rope.scaling.original_context_length")
-        return {
-            "rope_type": "yarn",
-            "factor": _float32_value(factor),
-            "original_max_position_embeddings": int(original),
-        }
-    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: linear, yarn")
-
-
-def _float32_value(value: float) -> float:
-    # GGUF stores float32; its shortest decimal form (1e-05, not 9.999999747378752e-06) is what HF configs
-    # hold, and it rounds back to the same float32, so the model computes identically.
-    return float(str(np.float32(value)))
+        family = "a Llama" if config["model_type"] == "llama" else f"a {config['model_type']}"
+        raise ValueError(f"GGUF is missing tensors {family} model needs: {shown}")
 
 
 def _write_json(path: Path, document: Mapping[str, Any]) -> None:

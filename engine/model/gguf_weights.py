@@ -1,12 +1,12 @@
-"""The projection and embedding weights of a llama-architecture GGUF, kept in their stored blocks
-(docs/architecture.md#quantized-weights).
+"""The projection and embedding weights of a GGUF (``gguf_config.GGUF_ARCHITECTURES``), kept in their
+stored blocks (docs/architecture.md#quantized-weights).
 
 The result maps module paths of ``LlamaForCausalLM`` (``layers.3.self_attn.qkv_proj``, ``embed_tokens``,
-``lm_head``) to ``QuantWeight``s. As the float32 conversion (``gguf_convert``) does, q/k rows get
-llama.cpp's RoPE permutation undone; a block is one row's own bytes, so moving whole rows keeps every
-block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows. A module whose tensors are
-in a format the kernels do not run (K-quants, F16, …), or whose parts differ in format, is listed in
-``dequantized`` instead: it keeps the float weights of the converted checkpoint.
+``lm_head``) to ``QuantWeight``s. As the float32 conversion (``gguf_convert``) does, q/k rows of a
+``llama`` file get llama.cpp's RoPE permutation undone; a block is one row's own bytes, so moving whole
+rows keeps every block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows. A module
+whose tensors are in a format the kernels do not run (K-quants, F16, …), or whose parts differ in format,
+is listed in ``dequantized`` instead: it keeps the float weights of the converted checkpoint.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from gguf import GGUFReader, ReaderTensor
 
 from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.model.gguf_config import PERMUTED_ROPE_ARCHS
 from kvpilot.engine.model.gguf_convert import unpermute_rope_rows
 from kvpilot.engine.model.quant_formats import QuantWeight, concat_rows
 from kvpilot.engine.native.quant_ops import FORMATS
@@ -76,9 +77,10 @@ def _blocks(tensor: ReaderTensor, arch: ModelArchConfig) -> QuantWeight:
     """One tensor's block rows (``[out_features, row_bytes]``, copied out of the file), q/k rows in HF's
     order."""
     data = np.asarray(tensor.data)
-    if ".attn_q." in tensor.name:
+    permuted = arch.model_type in PERMUTED_ROPE_ARCHS
+    if permuted and ".attn_q." in tensor.name:
         data = unpermute_rope_rows(data, arch.num_attention_heads)
-    elif ".attn_k." in tensor.name:
+    elif permuted and ".attn_k." in tensor.name:
         data = unpermute_rope_rows(data, arch.num_key_value_heads)
     in_features = int(tensor.shape[0])  # GGUF lists dimensions innermost first
     return QuantWeight(FORMATS[tensor.tensor_type.name], torch.from_numpy(np.array(data)), None, in_features)

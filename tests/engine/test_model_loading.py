@@ -166,7 +166,10 @@ def test_llama_config_reads_rope_scaling_and_rejects_what_it_cannot_convert() ->
         "original_max_position_embeddings": 128,
     }
     errors = [
-        ({**base, "general.architecture": "qwen2"}, "architecture 'qwen2' is not supported"),
+        (
+            {**base, "general.architecture": "gemma2"},
+            "architecture 'gemma2' is not supported; supported: llama",
+        ),
         (
             {**base, "llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0},
             "'longrope' is not supported",

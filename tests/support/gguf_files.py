@@ -22,6 +22,8 @@ _LLAMA_CPP_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -53,16 +55,18 @@ def write_llama_gguf(
     quantized: tuple[str, ...] = (),
     skip: tuple[str, ...] = (),
     types: Mapping[str, str] | None = None,
+    arch: str = "llama",
 ) -> None:
-    """A llama GGUF of an HF directory, written the way llama.cpp's converter writes one: tensors named in
-    ``quantized`` as Q8_0, those in ``types`` as the GGUF type named there (``Q4_0``, ``F16``, …)."""
+    """A GGUF of an HF directory, written the way llama.cpp's converter writes one: tensors named in
+    ``quantized`` as Q8_0, those in ``types`` as the GGUF type named there (``Q4_0``, ``F16``, …). ``arch``
+    ``qwen2``/``qwen3`` prefixes the metadata so and keeps q/k rows unpermuted (llama.cpp's Qwen2Model)."""
     types = {**dict.fromkeys(quantized, "Q8_0"), **(types or {})}
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = json.loads((model_dir / "tokenizer.json").read_text())
     settings = json.loads((model_dir / "tokenizer_config.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_block_count(config["num_hidden_layers"])
@@ -70,7 +74,8 @@ def write_llama_gguf(
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_rope_dimension_count(config["head_dim"])
-    writer.add_rope_freq_base(config["rope_theta"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_tokenizer_model("gpt2")
@@ -88,9 +93,9 @@ def write_llama_gguf(
         name = gguf_name(hf)
         if name in skip:
             continue
-        if ".attn_q." in name:
+        if arch == "llama" and ".attn_q." in name:
             array = llama_cpp_permute(array, config["num_attention_heads"])
-        elif ".attn_k." in name:
+        elif arch == "llama" and ".attn_k." in name:
             array = llama_cpp_permute(array, config["num_key_value_heads"])
         if types.get(name) == "F16":
             writer.add_tensor(name, array.astype(np.float16))

@@ -1,0 +1,125 @@
+"""config.json and generation_config.json from a GGUF's metadata (no torch needed).
+
+Architectures whose llama.cpp tensor names and metadata keys are the standard ones convert:
+``llama``, ``qwen2`` (q/k/v biases) and ``qwen3`` (``attn_q_norm`` / ``attn_k_norm``). Metadata keys are
+prefixed with the architecture (``qwen3.embedding_length``). llama.cpp permutes Q/K rows only for
+``llama`` (its RoPE rotates adjacent pairs there; Qwen's GGUFs keep HF's rotate-half layout,
+``PERMUTED_ROPE_ARCHS``). docs/models.md#gguf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+#: architectures whose q/k rows llama.cpp's converter interleaved (undone on the way in)
+PERMUTED_ROPE_ARCHS = ("llama",)
+
+
+def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
+    """config.json for the model a GGUF of one of ``GGUF_ARCHITECTURES`` describes."""
+    arch = metadata.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+
+    def required(key: str) -> Any:
+        if f"{arch}.{key}" not in metadata:
+            raise ValueError(f"GGUF metadata lacks {arch}.{key}, which config.json needs")
+        return metadata[f"{arch}.{key}"]
+
+    hidden = int(required("embedding_length"))
+    heads = int(required("attention.head_count"))
+    kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", heads))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+    if int(metadata.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise ValueError("GGUF has different key and value head sizes; the decoder needs them equal")
+    if int(metadata.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+        raise ValueError("GGUF applies RoPE to part of each head only; the decoder rotates the whole head")
+    if heads % kv_heads:
+        raise ValueError(f"GGUF head_count {heads} is not a multiple of head_count_kv {kv_heads}")
+    vocab = int(metadata.get(f"{arch}.vocab_size", vocab_rows))
+    if vocab != vocab_rows:
+        raise ValueError(f"GGUF {arch}.vocab_size={vocab} but token_embd has {vocab_rows} rows")
+    context = int(required("context_length"))
+    bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
+    return {
+        "architectures": [GGUF_ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": int(required("feed_forward_length")),
+        "num_hidden_layers": int(required("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_value(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(metadata, arch),
+        "max_position_embeddings": context,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+
+
+def llama_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
+    """``hf_config`` (the name the llama-only converter had)."""
+    return hf_config(metadata, tensor_names, vocab_rows)
+
+
+def generation_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """generation_config.json: every end-of-generation id llama.cpp knows (eos, end-of-turn,
+    end-of-message)."""
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if value is not None and int(value) not in eos_ids:
+            eos_ids.append(int(value))
+    config: dict[str, Any] = {}
+    if metadata.get("tokenizer.ggml.bos_token_id") is not None:
+        config["bos_token_id"] = int(metadata["tokenizer.ggml.bos_token_id"])
+    if eos_ids:
+        config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
+    if metadata.get("tokenizer.ggml.padding_token_id") is not None:
+        config["pad_token_id"] = int(metadata["tokenizer.ggml.padding_token_id"])
+    return config
+
+
+def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | None:
+    kind = metadata.get(f"{arch}.rope.scaling.type")
+    factor = metadata.get(f"{arch}.rope.scaling.factor", metadata.get(f"{arch}.rope.scale_linear"))
+    if kind is None and factor is not None:
+        kind = "linear"  # older files only carry rope.scale_linear
+    if kind in (None, "none"):
+        return None
+    if factor is None:
+        raise ValueError(f"GGUF RoPE scaling {kind!r} has no {arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": _float32_value(factor)}
+    if kind == "yarn":
+        original = metadata.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError(f"GGUF YaRN RoPE scaling lacks {arch}.rope.scaling.original_context_length")
+        return {
+            "rope_type": "yarn",
+            "factor": _float32_value(factor),
+            "original_max_position_embeddings": int(original),
+        }
+    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: linear, yarn")
+
+
+def _float32_value(value: float) -> float:
+    # GGUF stores float32; its shortest decimal form (1e-05, not 9.999999747378752e-06) is what HF configs
+    # hold, and it rounds back to the same float32, so the model computes identically.
+    return float(str(np.float32(value)))
