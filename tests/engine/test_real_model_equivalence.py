@@ -1,6 +1,6 @@
 """SmolLM2-135M (the bundled default model): greedy outputs token-identical to HF transformers'
 LlamaForCausalLM loaded from the same converted weights. The first test runs in the default suite; the
-chunked-prefill and preemption variants are marked slow."""
+chunked-prefill, preemption and speculative-decoding variants are marked slow."""
 
 from __future__ import annotations
 
@@ -99,3 +99,31 @@ def test_smollm2_greedy_matches_hf_under_preemption(chat_prompts, hf_reference, 
     outs = llm.generate(chat_prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == hf_reference
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf_with_ngram_speculation(
+    hf_smollm2, smollm2_dir, chat_prompts, hf_reference
+):
+    """Prompt-lookup speculation (docs/architecture.md#speculative-decoding) changes no greedy token: the
+    chat questions, and a copy-heavy task where most drafts are accepted."""
+    from kvpilot.engine.tokenizer import Tokenizer
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM("smollm2-135m", kv_cache_memory_bytes=64 << 20, speculative_config=spec)
+    passage = "The keeper climbed the stairs at dusk, trimmed the wick and polished the lens until it shone."
+    tok = Tokenizer.from_dir(smollm2_dir)
+    copy = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": f"Repeat exactly: {passage}"}]),
+        add_special_tokens=False,
+    )
+    outs = llm.generate(
+        [*chat_prompts, copy],
+        [GREEDY] * len(chat_prompts) + [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)],
+    )
+    assert [o.outputs[0].token_ids for o in outs[:-1]] == hf_reference
+    assert outs[-1].outputs[0].token_ids == hf_greedy_batch(hf_smollm2, [copy], 32)[0]
+    stats = llm.engine.stats
+    assert stats.spec_accepted_tokens >= 16, (stats.spec_accepted_tokens, stats.spec_draft_tokens)
+    llm.engine.check_invariants()
+    assert llm.engine.pool.num_in_use == 0
