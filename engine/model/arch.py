@@ -117,7 +117,7 @@ class ModelArchConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         traits = family_traits(*dense_view(cfg, model_type), layers)  # an MoE family: its dense base's
-        per_type = _rope_per_layer_type(cfg, traits.layer_types)
+        per_type = _rope_per_layer_type(cfg, model_type, traits.layer_types)
         rope_theta, rope_scaling, max_positions = (
             per_type.get("full_attention") or per_type["sliding_attention"]
         )
@@ -138,7 +138,7 @@ class ModelArchConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=traits.tie_word_embeddings,
             qkv_bias=traits.qkv_bias,
             o_bias=traits.o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -167,9 +167,12 @@ class ModelArchConfig:
 
 
 def _rope_per_layer_type(
-    cfg: dict[str, Any], layer_types: tuple[str, ...]
+    cfg: dict[str, Any], model_type: str, layer_types: tuple[str, ...]
 ) -> dict[str, tuple[float, dict[str, Any] | None, int]]:
     """``rope_settings`` for each layer type the model has; one reading when its layers all rotate alike."""
+    if model_type == "gemma3_text" and "rope_parameters" not in cfg:
+        # Gemma3TextConfig's default bases: global 1e6, local 1e4
+        cfg = {"rope_theta": 1e6, "rope_local_base_freq": 1e4, **cfg}
     params = cfg.get("rope_parameters")
     nested = isinstance(params, dict) and any(isinstance(v, dict) for v in params.values())
     if not nested and "rope_local_base_freq" not in cfg:

@@ -41,6 +41,7 @@ class FamilyTraits:
     attn_logit_softcap: float | None
     final_logit_softcap: float | None
     fused_checkpoint: bool
+    tie_word_embeddings: bool
 
 
 def family_traits(cfg: dict[str, Any], model_type: str, num_layers: int) -> FamilyTraits:
@@ -62,15 +63,17 @@ def family_traits(cfg: dict[str, Any], model_type: str, num_layers: int) -> Fami
         qk_norm=model_type in ("qwen3", "gemma3_text"),
         gemma_norms=gemma,
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or 256) if gemma else None,
-        attn_logit_softcap=_positive(cfg, "attn_logit_softcapping") if gemma else None,
-        final_logit_softcap=_positive(cfg, "final_logit_softcapping") if gemma else None,
+        attn_logit_softcap=_positive(cfg, "attn_logit_softcapping", model_type) if gemma else None,
+        final_logit_softcap=_positive(cfg, "final_logit_softcapping", model_type) if gemma else None,
         fused_checkpoint=model_type == "phi3",
+        # HF's default when config.json leaves it out: Gemma ties, the others do not
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
     )
 
 
 def _windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, tuple[str, ...]]:
     """(window size, per-layer type) as HF's config classes default them."""
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096 if model_type in GEMMA_TYPES else None)
     if model_type == "llama" or (model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window")):
         window = None  # Llama has none; Qwen configs carry a window size but leave it off by default
     window = int(window) if window else None
@@ -96,8 +99,12 @@ def _windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int
     return window, types
 
 
-def _positive(cfg: dict[str, Any], key: str) -> float | None:
-    value = cfg.get(key)
+#: transformers' defaults for soft-caps a config.json leaves out (Gemma2Config; Gemma 3 has none)
+_SOFTCAP_DEFAULTS = {"gemma2": {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}}
+
+
+def _positive(cfg: dict[str, Any], key: str, model_type: str) -> float | None:
+    value = cfg.get(key, _SOFTCAP_DEFAULTS.get(model_type, {}).get(key))
     if value is None:
         return None
     if float(value) <= 0:

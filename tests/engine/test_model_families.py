@@ -204,3 +204,44 @@ def test_unsupported_architectures_list_the_supported_ones() -> None:
                 "sliding_window": 4,
             }
         )
+
+
+@pytest.mark.parametrize(
+    "config_class", ["LlamaConfig", "Qwen3Config", "Phi3Config", "Gemma2Config", "Gemma3TextConfig"]
+)
+def test_keys_a_config_leaves_out_take_transformers_defaults(config_class: str) -> None:
+    """A config.json with only the shape gives the architecture transformers' own config class fills in
+    (Gemma: tied embeddings, a 4096-token window, Gemma 2's soft-caps, Gemma 3's two RoPE bases)."""
+    import transformers
+
+    shape = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+    }
+    full = getattr(transformers, config_class)(**shape).to_dict()
+    ours, theirs = (ModelArchConfig.from_dict(c) for c in ({**shape, "model_type": full["model_type"]}, full))
+    for field in FAMILY_FIELDS:
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+#: the fields the family switches set (``families.FamilyTraits``), and RoPE
+FAMILY_FIELDS = (
+    "tie_word_embeddings",
+    "layer_windows",
+    "attn_logit_softcap",
+    "final_logit_softcap",
+    "hidden_act",
+    "qk_norm",
+    "gemma_norms",
+    "query_pre_attn_scalar",
+    "qkv_bias",
+    "o_bias",
+    "rope_theta",
+    "rope_scaling",
+    "local_rope",
+)
