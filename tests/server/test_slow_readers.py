@@ -2,9 +2,9 @@
 stream's chunk queue, the connection's write buffer and the kernel's send buffer together stay within
 ``--stream-buffer-bytes`` (plus the chunk in progress) — then loses its request after
 ``--backpressure-timeout`` (KV blocks freed; an error event if it reads again), and a client that never
-reads again loses its connection after ``--write-stall-timeout`` (docs/architecture.md#backpressure-and-
-cancellation). The client reads part of a long stream fast first, so the kernel would have grown its send
-buffer (to MBs on loopback) were it not fixed."""
+reads again loses its connection after ``--write-stall-timeout``
+(docs/architecture.md#backpressure-and-cancellation). The client reads part of a long stream fast first,
+so the kernel would have grown its send buffer (to MBs on loopback) were it not fixed."""
 
 from __future__ import annotations
 
