@@ -31,6 +31,7 @@ from multidict import CIMultiDict
 
 #: what a failed connection raises before any response byte (the proxy retries such requests elsewhere)
 UpstreamError = aiohttp.ClientError
+AIOHTTP_READ_BUFSIZE = 1 << 16  # aiohttp's own default, without ``read_bytes``
 # Headers aiohttp would add itself: a proxied request carries the client's or none.
 _NO_AUTO_HEADERS = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -118,13 +119,10 @@ class UpstreamClient:
     def _session(self, url: str) -> aiohttp.ClientSession:
         session = self._sessions.get(url)
         if session is None:
-            read = {}
-            if self._read_bytes is not None:
-                read = {"read_bufsize": self._read_bytes}
             session = self._sessions[url] = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, socket_factory=self._socket),
                 timeout=self._timeout,
-                **read,
+                read_bufsize=self._read_bytes or AIOHTTP_READ_BUFSIZE,
                 auto_decompress=False,
                 trace_configs=[self._trace],
             )
