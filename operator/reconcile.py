@@ -159,7 +159,10 @@ def _autoscale(
     api: KubeApi, isvc: InferenceService, autoscaler: Autoscaler | None, previous: dict[str, Any]
 ) -> tuple[SizingResult | None, float | None]:
     """The autoscaler's count in autoscaling.mode operator (else None: the spec's own sizing)."""
-    if isvc.spec.autoscaling.mode != "operator" or autoscaler is None:
+    if autoscaler is None:
+        return None, None
+    if isvc.spec.autoscaling.mode != "operator":
+        autoscaler.forget((isvc.namespace, isvc.name))  # back in this mode later: windows start afresh
         return None, None
     pods = api.list(ObjectRef("v1", "Pod", isvc.namespace), f"{api_names.SELECTOR_LABEL}={isvc.name}")
     engines = {

@@ -446,9 +446,13 @@ def test_dashboard_queries_use_only_contract_metrics():
         "kvpilot_operator_inferenceservice_desired_replicas",
         "kvpilot_operator_inferenceservice_ready_replicas",
         "kvpilot_operator_replica_cold_start_seconds",
+        "kvpilot_operator_autoscaler_arrival_rate",
+        "kvpilot_operator_autoscaler_goodput_per_replica",
+        "kvpilot_operator_autoscaler_recommended_replicas",
+        "kvpilot_operator_inferenceservice_serving_replicas",
     }
     assert used == contract
-    assert len(dashboard["panels"]) == 12
+    assert len(dashboard["panels"]) == 13
 
 
 def test_dockerfile_is_hadolint_clean():
