@@ -49,17 +49,11 @@ static inline void weighted_rows_add(float *a, const float *p, const float *vb, 
     }
 }
 
-/* s[j] = cap * tanh(s[j] / cap): Gemma 2's attention-logit soft-capping (docs/models.md#gemma-2). */
-static inline void softcap_scores(float *s, int64_t n, float cap) {
-    float inv = 1.0f / cap;
-    for (int64_t j = 0; j < n; j++) s[j] = cap * tanhf(s[j] * inv);
-}
-
 /* Paged decode attention: sequence b's single query (row b of q, stride qs; heads [Hq, D]) attends
  * keys [start, seq_lens[b]) of its blocks (block_tables row b, stride bts), start = len - window when a
  * window is set. GQA: query head h reads KV head h / (Hq / Hkv). Online softmax per block of keys;
  * out [B, Hq, D] contiguous. One task per (sequence, KV head): its group's queries share each K/V row.
- * softcap > 0 soft-caps the scaled scores (softcap_scores). */
+ * softcap > 0 soft-caps the scaled scores (vec.h's softcap_rows). */
 void kvp_paged_decode(float *out, const float *q, int64_t qs, const float *key_cache, const float *value_cache,
                       const int32_t *block_tables, int64_t bts, const int32_t *seq_lens, int64_t B, int64_t Hq,
                       int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window, float softcap,
@@ -105,7 +99,7 @@ void kvp_paged_decode(float *out, const float *q, int64_t qs, const float *key_c
                                 __builtin_prefetch(next_v + 64 * line);
                             }
                         key_scores(qh + g * D, kb + c0 * D, n, D, scale, s[g]);
-                        if (softcap > 0.0f) softcap_scores(s[g], n, softcap);
+                        if (softcap > 0.0f) softcap_rows(s[g], n, softcap);
                         float mx = m[g];
                         for (int64_t j = 0; j < n; j++) mx = s[g][j] > mx ? s[g][j] : mx;
                         float corr = exp_approx(m[g] - mx);

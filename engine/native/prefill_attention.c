@@ -137,10 +137,8 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
             int64_t n = j1 - c0 < KEYS ? j1 - c0 : KEYS, k0 = first + c0; /* positions k0 .. k0 + n - 1 */
             transpose_keys(kb + c0 * D, n, D, w->kt);
             rows16(R, w->q, D, w->kt, KEYS, D, w->s, KEYS, 0);
-            if (softcap > 0.0f) { /* Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask */
-                float inv = 1.0f / softcap;
-                for (int64_t i = 0; i < R * KEYS; i++) w->s[i] = softcap * tanhf(w->s[i] * inv);
-            }
+            /* Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask */
+            if (softcap > 0.0f) softcap_rows(w->s, R * KEYS, softcap);
             /* mask: keys past a row's position, before its window, and the padding past n */
             int whole = n == KEYS && k0 + KEYS - 1 <= pos0 && (window <= 0 || k0 > p_last - window);
             for (int64_t r = 0; r < R; r++) {
@@ -167,8 +165,8 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
 /* Prefill/extend attention for S sequences: sequence s has new tokens at query rows [query_start[s],
  * query_start[s + 1]) of q (row stride qs; heads [Hq, D]), at positions seq_lens[s] - its token count + i,
  * and block table row s (stride bts). Token at position p attends keys [p + 1 - window, p] (from 0 without
- * a window); softcap > 0 soft-caps the scaled scores. out [query_start[S] - query_start[0], Hq, D] contiguous. D must be a multiple of 16 and at
- * most 256, Hq / Hkv at most 64. Returns 0, or -1 when scratch memory could not be allocated (out is then
+ * a window); softcap > 0 soft-caps the scaled scores. out [query_start[S] - query_start[0], Hq, D]
+ * contiguous. D must be a multiple of 16 and at most 256, Hq / Hkv at most 64. Returns 0, or -1 when scratch memory could not be allocated (out is then
  * incomplete). Needs AVX2 (kvp_has_avx2): without it this returns -2 at once and callers keep their own
  * attention. */
 int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_cache, const float *value_cache,
