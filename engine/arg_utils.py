@@ -108,8 +108,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--speculative-config",
         default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "disable_by_batch_size": 8}\' (default: off)',
+        help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": '
+        '"PATH", "num_speculative_tokens": 3}\'; "disable_by_batch_size" (default 8) switches it off for '
+        "larger batches (default: off)",
     )
 
 

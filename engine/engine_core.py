@@ -52,7 +52,8 @@ from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.sampling.sampler import Sampler
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence_group import SequenceGroup
-from kvpilot.engine.spec_decode.drafting import propose_drafts
+from kvpilot.engine.spec_decode.draft_model import DraftModel
+from kvpilot.engine.spec_decode.drafting import DraftContext, propose_drafts
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.step_outputs import StepOutputs
 from kvpilot.engine.structured.compiler import GrammarCompiler
@@ -128,6 +129,12 @@ class LLMEngine(StepOutputs):
         self.kv_bytes_per_token = kv_bytes_per_token(
             arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
         )
+        #: speculative decoding (docs/architecture.md#speculative-decoding); None = off
+        self.speculative = spec = config.speculative_config
+        self.draft_model = None
+        if spec is not None and spec.method == "draft_model":
+            assert spec.model is not None  # the config requires it for this method
+            self.draft_model = DraftModel(self, spec.model)
         profiled_budget = None
         if device_memory is not None and baseline is not None:
             sc = config.scheduler
@@ -145,7 +152,9 @@ class LLMEngine(StepOutputs):
                 utilization=cc.gpu_memory_utilization,
             )
             self.kv_cache_sizing = "gpu_memory_utilization"
-        num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token, profiled_budget)
+        # a draft model's cache lives over the same blocks: a block costs both models' K/V
+        draft_bytes = self.draft_model.kv_bytes_per_token if self.draft_model is not None else 0
+        num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token + draft_bytes, profiled_budget)
         log.info(
             "KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)",
             num_blocks,
@@ -166,6 +175,8 @@ class LLMEngine(StepOutputs):
             self.device,
             layout=self.backend.kv_cache_layout,
         )
+        if self.draft_model is not None:
+            self.draft_model.allocate_cache(num_blocks, cc.block_size, self.backend.kv_cache_layout)
         swap = None
         if cc.swap_space > 0:
             swap_blocks = int(cc.swap_space * (1 << 30)) // (self.kv_bytes_per_token * cc.block_size)
@@ -189,8 +200,6 @@ class LLMEngine(StepOutputs):
             self.device,
             InputBatch(block_tensor, self.max_model_len, cc.block_size, self.device),
         )
-        #: speculative decoding (docs/architecture.md#speculative-decoding); None = off
-        self.speculative = config.speculative_config
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
         #: structured outputs' grammars, compiled on their own threads
@@ -323,7 +332,10 @@ class LLMEngine(StepOutputs):
         self._expire_deadlines()
         start = time.perf_counter()
         if self.speculative is not None:
-            propose_drafts(self.scheduler.running, self.speculative, self.max_model_len)
+            draft = None
+            if self.draft_model is not None:
+                draft = DraftContext(self.draft_model, self.kv, self._generators, self.sampler.generator)
+            propose_drafts(self.scheduler.running, self.speculative, self.max_model_len, draft)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         self.last_step_scheduled = [(r.group.request_id, r.num_computed_tokens, n) for r, n in out.scheduled]
@@ -337,6 +349,8 @@ class LLMEngine(StepOutputs):
         if not out.is_empty:
             batch = self.runner.build_batch(out.scheduled)
             logits = self.runner.execute(batch)
+            if self.draft_model is not None:
+                self.draft_model.observe(batch)  # its cache follows the target's, slot for slot
             self.scheduler.update_after_step(out)
             # a speculating sequence's tokens are a decode's (its drafts are dropped once verified)
             prefill = sum(

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from kvpilot.engine.sampling.params import SamplingParams
     from kvpilot.engine.sequence_group import SequenceGroup
     from kvpilot.engine.structured.matcher import GrammarMatcher
@@ -152,6 +154,9 @@ class Request:
         #: this step's draft tokens (speculative decoding), scored after the sequence's last token and
         #: never part of its tokens until accepted; empty when it does not speculate
         self.spec_token_ids: list[int] = []
+        #: the draft model's distributions the drafts were sampled from ([len(drafts), V]); None = a
+        #: deterministic proposal (prompt lookup, or a greedy sequence)
+        self.spec_draft_probs: torch.Tensor | None = None
 
     # ---- tokens --------------------------------------------------------------------------------------
     @property

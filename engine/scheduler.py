@@ -105,12 +105,13 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if n <= 0:
                 continue
-            if req.spec_token_ids:
+            if len(req.spec_token_ids) >= n:  # the budget cuts the draft (and what was allocated for it)
                 del req.spec_token_ids[n - 1 :]
+                self.kv.truncate(req, req.num_computed_tokens + n)
             while not self.kv.allocate(req, n):
                 if req.spec_token_ids:  # drafts are optional: drop them before anything is preempted
                     n -= len(req.spec_token_ids)
-                    req.spec_token_ids = []
+                    req.spec_token_ids, req.spec_draft_probs = [], None
                     continue
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim, out)
@@ -217,7 +218,7 @@ class Scheduler:
         self.running.remove(req)
         self.num_preemptions += 1
         req.num_preemptions += 1
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         out.preempted.append(req)
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
@@ -226,7 +227,6 @@ class Scheduler:
             return
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
         req.transition(S.PREEMPTED)
         bisect.insort(self.waiting, req, key=Request.sort_key)
 
@@ -252,7 +252,7 @@ class Scheduler:
         """After verification: ``num_accepted`` of ``req``'s drafts are its tokens now, and their K/V
         computed; the rejected ones' slots are released (the block table shrinks to the blocks its tokens
         need), so nothing but committed tokens is ever cached."""
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_computed_tokens += num_accepted
         self.kv.commit_computed(req, req.num_computed_tokens)
         self.kv.truncate(req, req.num_tokens)

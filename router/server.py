@@ -36,6 +36,7 @@ class RouterServer:
         self._runner = RouterRunner(
             router.build(),
             router.config.upstream.client_limits,
+            router.config.upstream.body_read_timeout_s,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=5.0,

@@ -18,8 +18,10 @@ them to drain.
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 from dataclasses import dataclass
+from http import HTTPStatus
 
 #: the smallest byte budget a connection can be given: the kernel's own floor for SO_SNDBUF is ~4.5 KiB
 MIN_BUDGET_BYTES = 16 << 10
@@ -59,3 +61,14 @@ class ConnectionLimits:
                 sock.setsockopt(socket.IPPROTO_TCP, user_timeout, max(1, round(self.stall_timeout_s * 1000)))
         if isinstance(transport, asyncio.WriteTransport):
             transport.set_write_buffer_limits(high=self.write_buffer_bytes, low=self.write_buffer_bytes // 4)
+
+
+def raw_json_response(status: int, body: dict) -> bytes:
+    """A whole HTTP/1.1 response with a JSON body and ``connection: close``, for a protocol handler to write
+    itself when no application will (a request it could not parse, a head that never arrived)."""
+    payload = json.dumps(body, separators=(",", ":")).encode()
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + payload

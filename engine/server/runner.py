@@ -90,7 +90,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
         # uvicorn annotates int but only hands it to loop.call_later: fractional seconds work as given
         timeout_keep_alive=config.timeout_keep_alive_s,  # type: ignore[arg-type]
         server_header=False,
-        http=http_protocol(config.connection_limits),
+        http=http_protocol(config.connection_limits, config.body_read_timeout_s),
     )
     server = DrainingServer(uv_config, state, config.drain_grace_s)
     holder.append(server)

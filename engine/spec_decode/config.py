@@ -1,8 +1,9 @@
 """``speculative_config``: vLLM's engine argument, a JSON object (``--speculative-config '{...}'``), validated
 into a typed ``SpeculativeConfig`` (docs/architecture.md#speculative-decoding).
 
-Accepted keys (vLLM's names): ``method`` (``ngram``; ``draft_model`` is refused with a message until it is
-built), ``num_speculative_tokens``, ``prompt_lookup_min``, ``prompt_lookup_max``, ``disable_by_batch_size``.
+Accepted keys (vLLM's names): ``method`` (``ngram`` or ``draft_model``), ``num_speculative_tokens``,
+``prompt_lookup_min`` and ``prompt_lookup_max`` (``ngram``), ``model`` (``draft_model``: a model name or path
+with the target's tokenizer), ``disable_by_batch_size``.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from typing import Any
 
 from kvpilot.engine.spec_decode.ngram_proposer import NgramConfig
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 _KEYS = (
     "method",
     "num_speculative_tokens",
     "prompt_lookup_min",
     "prompt_lookup_max",
+    "model",
     "disable_by_batch_size",
 )
 #: on this 2-core CPU a verification row costs about what a decode row does once the step is compute-bound:
@@ -28,13 +30,15 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    #: the proposer: ``ngram`` (prompt lookup)
+    #: the proposer: ``ngram`` (prompt lookup) or ``draft_model``
     method: str
-    #: the prompt-lookup parameters (``num_speculative_tokens``, ``prompt_lookup_min``/``max``)
+    #: ``num_speculative_tokens`` and, for ``ngram``, the prompt-lookup window
     ngram: NgramConfig
     #: speculation is off for a step whose batch has more decoding sequences than this (the step is then
     #: compute-bound: verifying drafts costs more than the tokens they save)
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    #: ``draft_model``: the draft's model name or path (same tokenizer as the target)
+    model: str | None = None
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -59,8 +63,6 @@ def parse_speculative_config(
     if unknown:
         raise ValueError(f"speculative_config: unknown key(s) {unknown}; accepted: {list(_KEYS)}")
     method = value.get("method", "ngram")
-    if method == "draft_model":
-        raise ValueError("speculative_config: method 'draft_model' is not available yet; use 'ngram'")
     if method not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {METHODS}, got {method!r}")
     if "num_speculative_tokens" not in value:
@@ -80,4 +82,9 @@ def parse_speculative_config(
     disable = ints.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
     if disable < 1:
         raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {disable}")
-    return SpeculativeConfig(method, ngram, disable)
+    model = value.get("model")
+    if method == "draft_model" and (not isinstance(model, str) or not model):
+        raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft's name or path")
+    if method == "ngram" and model is not None:
+        raise ValueError("speculative_config: 'model' belongs to method 'draft_model', not 'ngram'")
+    return SpeculativeConfig(method, ngram, disable, model)

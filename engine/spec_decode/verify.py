@@ -112,7 +112,7 @@ def verify_drafts(
             probs,
             drafts_dev.index_select(0, si),
             nd_dev.index_select(0, si),
-            None,
+            _draft_probs([seqs[i] for i in s.tolist()], k, probs.shape[-1], dev),
             uniforms[:, :k],
             uniforms[:, k],
         )
@@ -134,6 +134,21 @@ def verify_drafts(
                     tops[j] = top_logprobs_of(lp_row, tok, top_n)
         results.append(VerifiedDraft(emitted, lps, tops))
     return results
+
+
+def _draft_probs(seqs: Sequence[Request], k: int, vocab: int, dev: torch.device) -> torch.Tensor | None:
+    """[S, k, V] the distributions the drafts were drawn from (a deterministic proposal: one-hot), or
+    None when every proposal is deterministic (the rule's one-hot case, without the tensor)."""
+    if all(s.spec_draft_probs is None for s in seqs):
+        return None
+    q = torch.zeros((len(seqs), k, vocab), device=dev)
+    for j, seq in enumerate(seqs):
+        d = len(seq.spec_token_ids)
+        if seq.spec_draft_probs is not None:
+            q[j, :d] = seq.spec_draft_probs[:d]
+        else:
+            q[j, torch.arange(d), torch.tensor(seq.spec_token_ids)] = 1.0
+    return q
 
 
 def _logprob_rows(sampler: Sampler, logits: torch.Tensor, dist: Distributions) -> torch.Tensor:

@@ -18,6 +18,7 @@ from kvpilot.engine.spec_decode import verify
 from kvpilot.engine.structured.params import StructuredOutputsParams
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
 
 
 def repetitive_prompts(seed: int, count: int, period: int = 8, repeats: int = 5) -> list[list[int]]:
@@ -199,11 +200,16 @@ def lookup_prompt(plain: LLM) -> list[int]:
     return seed + greedy[0].outputs[0].token_ids + seed
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("wrong", [False, True], ids=["exact-rule", "wrong-rule-negative-control"])
 def test_sampled_tokens_keep_the_targets_distribution(
-    tiny_model_dir, plain: LLM, lookup_prompt, monkeypatch, wrong
+    tiny_model_dir, plain: LLM, lookup_prompt, monkeypatch, wrong, method
 ):
-    spec = LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config=SPEC, seed=11)
+    # draft_model: the target itself drafts, from softmax(z / T) without the target's top-k, so its q is
+    # neither one-hot nor the target's p: drafts outside the top 3 are always rejected, others accepted
+    # with min(1, p/q) and rejections drawn from norm(max(0, p - q))
+    config = SPEC if method == "ngram" else {**DRAFT, "model": str(tiny_model_dir)}
+    spec = LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config=config, seed=11)
     if wrong:
         monkeypatch.setattr(verify, "accept_sampled", _accept_every_draft)
     a = pair_counts(plain, lookup_prompt, 1200)
@@ -216,6 +222,37 @@ def test_sampled_tokens_keep_the_targets_distribution(
     else:
         assert 0 < spec.engine.stats.spec_accepted_tokens < spec.engine.stats.spec_draft_tokens
         assert stat < chi_square_critical(dof), (stat, dof, a, b)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    """A tiny model with the target's tokenizer and other weights: its drafts are mostly rejected."""
+    from kvpilot.engine.model.tiny import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("draft"), seed=7))
+
+
+@pytest.mark.parametrize("which", ["same-weights", "other-weights"])
+def test_greedy_tokens_are_identical_with_a_draft_model(tiny_model_dir, plain: LLM, other_draft, which):
+    draft = str(tiny_model_dir) if which == "same-weights" else other_draft
+    llm = LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config={**DRAFT, "model": draft})
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    prompts = repetitive_prompts(10, 5)
+    want = [o.outputs[0].token_ids for o in run(plain, prompts, params)]
+    assert [o.outputs[0].token_ids for o in run(llm, prompts, params)] == want
+    stats = llm.engine.stats
+    if which == "same-weights":  # the draft's cache mirrors the target's: it proposes the target's tokens
+        assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 0
+    else:
+        assert stats.spec_accepted_tokens < stats.spec_draft_tokens / 4
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
+    from kvpilot.engine.model.tiny import write_tiny_llama
+
+    draft = write_tiny_llama(tmp_path / "d", seed=1, vocab_size=384)
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        LLM(str(tiny_model_dir), num_kv_blocks=64, speculative_config={**DRAFT, "model": str(draft)})
 
 
 def test_speculation_switches_off_above_its_batch_size(tiny_model_dir):
@@ -231,7 +268,8 @@ def test_speculation_switches_off_above_its_batch_size(tiny_model_dir):
     ("value", "message"),
     [
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
-        ('{"method": "draft_model", "num_speculative_tokens": 2}', "draft_model"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+        ('{"num_speculative_tokens": 2, "model": "tiny-random"}', "belongs to method 'draft_model'"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of"),
         ('{"num_speculative_tokens": 0}', "num_speculative_tokens must be >= 1"),
         (

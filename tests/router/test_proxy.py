@@ -354,3 +354,15 @@ async def test_security_with_the_engines_keys_the_router_predicts_the_tenant_fro
 def router_sample(router, name: str, **labels: str) -> float:
     value = router.router.metrics.registry.get_sample_value(name, labels)
     return 0.0 if value is None else value
+
+
+async def test_security_a_trickled_request_head_is_timed_out_with_408(fake_engines, routers):
+    """A head that starts and stops arriving gets 408 after the body-read timeout too (slowloris on the
+    head: aiohttp alone would hold it for its keep-alive timeout, an hour)."""
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], body_read_timeout_s=0.3)
+    status_line, seconds = await raw_status_line(
+        router.url, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl"
+    )
+    assert status_line.startswith(b"HTTP/1.1 408") and seconds < 3
+    assert engine.received == []

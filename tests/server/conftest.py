@@ -50,7 +50,7 @@ class InProcessServer:
                 port=self.port,
                 log_level="warning",
                 lifespan="on",
-                http=http_protocol(self.config.connection_limits),
+                http=http_protocol(self.config.connection_limits, self.config.body_read_timeout_s),
             )
         )
         self._thread = threading.Thread(target=self.server.run, daemon=True)

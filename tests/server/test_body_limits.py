@@ -8,6 +8,7 @@ import time
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 from polling import wait_until
 
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
@@ -54,3 +55,26 @@ def test_a_client_that_leaves_before_its_body_arrived_is_counted_not_refused(sta
         )
     wait_until(lambda: _metric(server, "kvpilot_requests_abandoned_total") == 1, what="the abandoned count")
     assert _metric(server, "kvpilot_requests_rejected_total") == 0  # no error response for it
+
+
+def test_security_a_stalled_request_head_gets_408_too(start_in_process):
+    """A head (request line, headers) that starts and stops arriving is timed out as a body is: uvicorn
+    itself times out only idle connections, and one trickling a head never is."""
+    server = start_in_process(
+        {"num_kv_blocks": 64}, ServerConfig(body_read_timeout_s=0.3, warmup_buckets=(WarmupBucket(1, 8),))
+    )
+    address = urlsplit(server.url)
+    with socket.create_connection((address.hostname, address.port), timeout=5) as stalled:
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: appl")
+        start = time.monotonic()
+        reply = b""
+        while chunk := stalled.recv(4096):  # the server closes after its answer
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - start < 3
+    assert b'"code":"request_timeout"' in reply and b"request head" in reply
+    # a keep-alive connection that sends nothing is idle, not stalled: it is not answered
+    with (
+        socket.create_connection((address.hostname, address.port), timeout=1) as idle,
+        pytest.raises(TimeoutError),
+    ):
+        idle.recv(1)

@@ -1,0 +1,159 @@
+"""The ``draft_model`` proposer (docs/architecture.md#speculative-decoding): a smaller model with the target's
+tokenizer drafts ``k`` tokens per speculating sequence, one batched decode forward per draft position.
+
+Its paged KV cache is its own tensors laid out over the target's blocks: the same block tables and slots,
+so the KV manager, prefix cache and preemption need nothing new. The draft runs over every flat batch the
+target computes (``observe``), so its cache holds what the target's does at the same slots; the positions a
+proposal writes ahead are rewritten by the verification step's ``observe``. Where the draft's cache can be
+stale — a block copied on write, a swap-in — only its proposals suffer, never the output: the target
+checks every draft.
+
+A sampled sequence draws its drafts from ``q = softmax(draft logits / T)`` (from its own generator when
+seeded) and keeps ``q`` for the exact rule; a greedy one takes the draft's argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from kvpilot.engine.attention.backend import select_backend
+from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.input_batch import StepBatch
+from kvpilot.engine.kv.block_table import BlockTableTensor
+from kvpilot.engine.kv.capacity import kv_bytes_per_token
+from kvpilot.engine.kv.kv_cache import KVCache
+from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.model.loader import load_model
+from kvpilot.engine.model.quantization import resolve_quantization
+from kvpilot.engine.model.registry import gguf_source, resolve_model
+from kvpilot.engine.request import Request
+from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine_core import LLMEngine
+
+
+class DraftModel:
+    def __init__(self, engine: LLMEngine, model: str) -> None:
+        mc = engine.config.model
+        self.device, self.dtype = engine.device, engine.dtype
+        self.model_dir = resolve_model(model, cache_dir=mc.download_dir)
+        self.arch = arch = ModelArchConfig.from_dir(self.model_dir)
+        if arch.vocab_size != engine.arch.vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model {model!r} has a vocabulary of {arch.vocab_size} "
+                f"tokens, the target {engine.arch.vocab_size}: a draft must share the target's tokenizer"
+            )
+        self.backend = select_backend(
+            engine.config.attention_backend,
+            self.device,
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            scale=arch.head_dim**-0.5,
+            sliding_window=arch.sliding_window,
+        )
+        gguf_path = gguf_source(model)
+        self.model = load_model(
+            self.model_dir,
+            self.dtype,
+            self.device,
+            self.backend,
+            engine.linear_backend,
+            batch_hint=min(engine.config.scheduler.max_num_seqs, 64),
+            native=engine.native_ops,
+            quantization=resolve_quantization("auto", gguf_path, self.device, self.dtype, engine.native_ops),
+            gguf_path=gguf_path,
+        )
+        if isinstance(self.backend, TorchAttentionBackend):
+            self.backend.native = engine.native_ops
+        #: what the draft's cache costs per token (the engine sizes its blocks for both caches)
+        self.kv_bytes_per_token = kv_bytes_per_token(
+            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
+        )
+        self.cache: KVCache | None = None
+
+    def allocate_cache(self, num_blocks: int, block_size: int, layout: str) -> None:
+        arch = self.arch
+        self.cache = KVCache(
+            arch.num_hidden_layers,
+            num_blocks,
+            block_size,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            self.dtype,
+            self.device,
+            layout=layout,
+        )
+
+    def observe(self, batch: StepBatch) -> None:
+        """Run the draft over the target's flat batch, writing its K/V at the same slots."""
+        assert self.cache is not None
+        with torch.inference_mode():
+            self.model(batch.input_ids, batch.positions, self.cache.layers, replace(batch.meta, extras={}))
+
+    def propose(
+        self,
+        seqs: list[Request],
+        limits: list[int],
+        tables: BlockTableTensor,
+        generators: list[torch.Generator | None],
+        generator: torch.Generator,
+    ) -> None:
+        """Set ``spec_token_ids`` (and ``spec_draft_probs`` for sampled sequences) of each of ``seqs``,
+        whose block tables already cover ``limits[i]`` tokens past their last one. ``tables``: the KV
+        manager's ``BlockTableTensor``."""
+        assert self.cache is not None
+        k = max(limits)
+        batch = len(seqs)
+        dev, bs = self.device, self.cache.block_size
+        slots = np.asarray([tables.slot_of[s.request_id] for s in seqs], dtype=np.int64)
+        start = np.asarray([s.num_tokens - 1 for s in seqs], dtype=np.int64)
+        tables.commit()
+        host = tables.host.numpy()
+        width = int(max(tables.num_blocks[s] for s in slots))
+        block_tables = tables.device_table[:, :width].index_select(0, torch.from_numpy(slots).to(dev))
+        temps = torch.tensor([s.params.temperature for s in seqs], device=dev).clamp(
+            min=NEAR_ZERO_TEMPERATURE
+        )
+        sampled = [not s.params.is_greedy for s in seqs]
+        tokens = torch.tensor([s.all_token_ids[-1] for s in seqs], dtype=torch.long, device=dev)
+        drafts, probs = [], []
+        with torch.inference_mode():
+            for j in range(k):
+                pos = start + j
+                slot_mapping = host[slots, pos // bs].astype(np.int64) * bs + pos % bs
+                meta = AttentionMetadata(
+                    slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+                    query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+                    seq_lens=torch.from_numpy((pos + 1).astype(np.int32)).to(dev),
+                    block_tables=block_tables,
+                    num_decodes=batch,
+                    query_lens_host=[1] * batch,
+                    seq_lens_host=(pos + 1).tolist(),
+                    block_size=bs,
+                )
+                hidden = self.model(tokens, torch.from_numpy(pos).to(dev), self.cache.layers, meta)
+                logits = self.model.compute_logits(hidden).float()
+                q = (logits / temps.unsqueeze(1)).softmax(dim=-1)
+                tokens = logits.argmax(dim=-1)
+                if any(sampled):
+                    u = torch.rand(batch, generator=generator, device=dev)
+                    for i, gen in enumerate(generators):
+                        if gen is not None and sampled[i]:
+                            u[i] = torch.rand(1, generator=gen, device=dev)[0]
+                    drawn = torch.searchsorted(q.cumsum(dim=-1), u.unsqueeze(1)).squeeze(1)
+                    drawn = drawn.clamp(max=q.shape[1] - 1)
+                    tokens = torch.where(torch.tensor(sampled, device=dev), drawn, tokens)
+                drafts.append(tokens)
+                probs.append(q)
+        ids = torch.stack(drafts, dim=1).tolist()
+        q_all = torch.stack(probs, dim=1)  # [B, k, V]
+        for i, seq in enumerate(seqs):
+            seq.spec_token_ids = ids[i][: limits[i]]
+            seq.spec_draft_probs = q_all[i, : limits[i]] if sampled[i] else None
