@@ -8,7 +8,7 @@ so one model class serves all of them. docs/models.md lists what each family nee
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,9 @@ from kvpilot.engine.model.families import DENSE_MODEL_TYPES, family_traits
 from kvpilot.engine.model.moe_arch import MOE_MODEL_TYPES, MoEArch, dense_view, moe_settings
 from kvpilot.engine.model.rope_config import rope_settings
 
-SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES)
+#: vision-language checkpoints whose text model is served (``text_config``; the vision tower is not loaded)
+MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
+SUPPORTED_MODEL_TYPES = (*DENSE_MODEL_TYPES, *MOE_MODEL_TYPES, *MULTIMODAL_TEXT_TYPES)
 
 RopeSpec = tuple[float, dict[str, Any] | None]
 
@@ -69,6 +71,9 @@ class ModelArchConfig:
     fused_checkpoint: bool = False
     #: routed experts (Mixtral, Qwen-MoE; docs/architecture.md#mixture-of-experts), None = dense
     moe: MoEArch | None = None
+    #: the text model of a vision-language checkpoint (``gemma3``): its weights sit under
+    #: ``language_model.``, the vision tower's are not loaded and images are not accepted
+    text_only: bool = False
 
     @property
     def num_query_groups(self) -> int:
@@ -105,6 +110,13 @@ class ModelArchConfig:
                 f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)} "
                 "(docs/models.md)"
             )
+        if model_type in MULTIMODAL_TEXT_TYPES:
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ValueError(f"a {model_type!r} config needs its language model's text_config")
+            shared = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg}
+            inner = cls.from_dict({**shared, **text, "model_type": MULTIMODAL_TEXT_TYPES[model_type]})
+            return replace(inner, model_type=model_type, text_only=True)
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:

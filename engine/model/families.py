@@ -86,7 +86,11 @@ def _windows(cfg: dict[str, Any], model_type: str, num_layers: int) -> tuple[int
         first = int(cfg.get("max_window_layers") or 0)
         types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(num_layers))
     elif model_type in GEMMA_TYPES:
-        pattern = 2 if model_type == "gemma2" else int(cfg.get("sliding_window_pattern") or 6)
+        pattern = (
+            2
+            if model_type == "gemma2"
+            else int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        )
         types = tuple(
             "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
         )

@@ -2,7 +2,9 @@
 
 Every parameter must be covered and every checkpoint tensor used. Phi-3 checkpoints store the fused
 ``qkv_proj`` / ``gate_up_proj`` already (in the same q, k, v and gate, up order); the other families store
-them apart. A projection or embedding already replaced by a quantized layer
+them apart. The text model of a vision-language checkpoint (``arch.text_only``: Gemma 3) is read from under
+``language_model.`` (either nesting transformers writes); its vision tower and projector are skipped. A
+projection or embedding already replaced by a quantized layer
 (``quantization.install_gguf_weights``) holds its weight: its tensors are checked present but never read
 (their biases still load).
 """
@@ -51,10 +53,51 @@ class _Loader:
         self.put(module.bias, value, label)
 
 
+#: name prefixes of a vision-language checkpoint's text model (transformers 4.5x, and 5's nesting)
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."))
+_TEXT_HEADS = ("language_model.lm_head.", "lm_head.")
+_VISION_PARTS = ("vision_tower.", "multi_modal_projector.")
+
+
+class _TextModelTensors(Mapping[str, torch.Tensor]):
+    """The text model's tensors of a vision-language checkpoint, under the dense model's names."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        self._tensors = tensors
+        self._names: dict[str, str] = {}
+        for name in tensors:
+            if any(part in name for part in _VISION_PARTS):
+                continue  # the vision tower: not served
+            self._names[_text_name(name)] = name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[self._names[name]]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _text_name(name: str) -> str:
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    if name.startswith(_TEXT_HEADS[0]):
+        return _TEXT_HEADS[1] + name[len(_TEXT_HEADS[0]) :]
+    return name
+
+
 def load_hf_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Fill ``model`` (a ``llama.LlamaForCausalLM``) from ``tensors``; raises ``ValueError`` naming the first
     missing, misshapen or unused tensor."""
     arch = model.arch
+    if arch.text_only:
+        tensors = _TextModelTensors(tensors)
     w = _Loader(tensors)
     w.weight(model.embed_tokens, ["model.embed_tokens.weight"], "model.embed_tokens.weight")
     w.norm(model.norm, "model.norm.weight")

@@ -245,3 +245,20 @@ FAMILY_FIELDS = (
     "rope_scaling",
     "local_rope",
 )
+
+
+def test_gemma3_vision_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """``Gemma3ForConditionalGeneration`` (``model_type: gemma3``, a SigLIP tower beside the text model):
+    the text model loads from under ``language_model.``, the tower is skipped, and text prompts give HF's
+    greedy tokens and logprobs."""
+    directory = build_family("gemma3-vision", tmp_path / "gemma3-vision")
+    saved = json.loads((directory / "config.json").read_text())
+    assert saved["model_type"] == "gemma3" and "vision_config" in saved
+    arch = ModelArchConfig.from_dir(directory)
+    assert arch.text_only and arch.layer_windows == (8, 8, None) and arch.local_rope == (10000.0, None)
+    tokens, logprobs = hf_reference(load_hf(directory), LONG, STEPS)
+    llm = LLM(str(directory), **ENGINE_ARGS)
+    out = llm.generate([LONG], GREEDY)[0].outputs[0]
+    assert out.token_ids == tokens
+    ours = [step[t].logprob for t, step in zip(out.token_ids, out.logprobs, strict=True)]
+    assert max(abs(a - b) for a, b in zip(ours, logprobs, strict=True)) < 1e-4

@@ -122,12 +122,39 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], str]] = {
 }
 
 
+#: Gemma 3's vision-language checkpoint: the text model of ``gemma3`` under a tiny SigLIP tower
+GEMMA3_VISION = {
+    "vision_config": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    },
+    "mm_tokens_per_image": 4,
+    "image_token_index": 300,
+    "boi_token_index": 301,
+    "eoi_token_index": 302,
+}
+
+
 def build_family(name: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """``name`` of ``FAMILIES``, or ``gemma3-vision`` (``Gemma3ForConditionalGeneration`` around the
+    ``gemma3`` text model)."""
+    if name == "gemma3-vision":
+        _, _, family, template = FAMILIES["gemma3"]
+        text = transformers.Gemma3TextConfig(**{**_BASE, **family, **overrides}).to_dict()
+        config = transformers.Gemma3Config(text_config=text, **GEMMA3_VISION)
+        return _save(transformers.Gemma3ForConditionalGeneration, config, path, seed, True, template)
     config_class, model_class, family, template = FAMILIES[name]
     config = getattr(transformers, config_class)(**{**_BASE, **family, **overrides})
+    return _save(getattr(transformers, model_class), config, path, seed, name.startswith("gemma"), template)
+
+
+def _save(model_class: Any, config: Any, path: Path, seed: int, gemma: bool, template: str) -> Path:
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config).eval()
-    gemma = name.startswith("gemma")
+    model = model_class(config).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
