@@ -20,13 +20,13 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 NATIVE_CPU_OPS = ("auto", "on", "off")
 #: weight quantization (docs/architecture.md#quantized-weights): ``auto`` keeps a GGUF's blocks where the
-#: engine runs them; ``none``; ``gguf``; ``int8`` (weight-only, per output row, quantized at load)
-QUANTIZATIONS = ("auto", "none", "gguf", "int8")
+#: engine runs them and an fp8 checkpoint's e4m3 weights on CUDA; ``none``; ``gguf``; ``int8`` (weight-only,
+#: per output row, quantized at load); ``fp8`` (e4m3 weights on CUDA)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 #: vLLM method names kvpilot knows but does not run (yet), with what they need
 _UNSUPPORTED_QUANTIZATIONS = {
-    "fp8": "fp8 (e4m3) weights need a CUDA GPU",
-    "awq": "AWQ int4 checkpoints are not supported yet",
-    "gptq": "GPTQ int4 checkpoints are not supported yet",
+    "awq": "AWQ int4 checkpoints are not supported yet (fp8 checkpoints and GGUF files are)",
+    "gptq": "GPTQ int4 checkpoints are not supported yet (fp8 checkpoints and GGUF files are)",
 }
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
@@ -257,13 +257,13 @@ class EngineArgs:
 
     def _validate_quantization(self) -> None:
         method = self.quantization
-        if method in QUANTIZATIONS:
-            return
         if method == "fp8" and self.device == "cpu":
             raise ConfigError(
-                f"quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs); on CPU use one of "
-                f"{QUANTIZATIONS}"
+                "quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs); on CPU use 'auto' (an fp8 "
+                "checkpoint loads dequantized), 'none', 'gguf' or 'int8'"
             )
+        if method in QUANTIZATIONS:
+            return
         if method in _UNSUPPORTED_QUANTIZATIONS:
             raise ConfigError(
                 f"quantization={method!r} is not available in this kvpilot: "

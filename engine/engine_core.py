@@ -100,10 +100,10 @@ class LLMEngine(StepOutputs):
             Path(mc.download_dir) if mc.download_dir else default_cache_dir(),
         )
         gguf_path = gguf_source(mc.model)
-        #: ``none``, ``gguf`` or ``int8``: what the weights are kept as
+        #: ``none``, ``gguf``, ``int8`` or ``fp8``: what the weights are kept as
         #: (docs/architecture.md#quantized-weights)
         self.quantization = resolve_quantization(
-            mc.quantization, gguf_path, self.device, self.dtype, self.native_ops
+            mc.quantization, gguf_path, self.device, self.dtype, self.native_ops, self.model_dir
         )
         #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
         self.kv_cache_sizing = kv_cache_sizing(cc, self.device)

@@ -41,7 +41,11 @@ Forward pass:
                      dequantize-and-GEMM for long prefills, PyTorch ops without the native kernels)
 - ``quant_triton``   the Triton W4A16/W8A16 GEMM on the same bytes (tested in the interpreter; not yet used
                      by the engine, which quantizes on CPU); imported only once ``TRITON_INTERPRET`` is set
-- ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8) and applied to the
+- ``fp8_linear``     ``Fp8Weight`` (e4m3 + per-row/block scales), fp8 quantization and dequantization,
+                     ``Fp8Linear`` (W8A16: e4m3 kept, dequantized per call)
+- ``fp8_checkpoint`` HF checkpoints' ``quantization_config``: fp8 (vLLM ``fp8``, compressed-tensors float8)
+                     read dequantized or into ``Fp8Linear``; AWQ/GPTQ/int4 refused by name
+- ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8/fp8) and applied to the
                      model; weight bytes
 - ``loader``         builds the model on its device from a resolved directory
 

@@ -15,6 +15,12 @@ from torch import nn
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
+from kvpilot.engine.model.fp8_checkpoint import (
+    Fp8Checkpoint,
+    install_fp8_weights,
+    quantize_linears_fp8,
+    read_checkpoint_quantization,
+)
 from kvpilot.engine.model.gguf_weights import read_gguf_weights
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.moe import configure_moe
@@ -162,13 +168,20 @@ def load_model(
     if quantization == "gguf":
         # before the float weights load, so the float copies of these tensors are never read
         install_gguf_weights(model, read_gguf_weights(gguf_path, arch), native)
+    fp8_quant = read_checkpoint_quantization(model_dir)
     checkpoint = SafetensorsCheckpoint(model_dir)
+    # an fp8 checkpoint's e4m3 weights read dequantized, except those Fp8Linear layers keep as stored
+    tensors = checkpoint if fp8_quant is None else Fp8Checkpoint(checkpoint, fp8_quant)
     try:
-        model.load_hf_weights(checkpoint)
+        if quantization == "fp8" and isinstance(tensors, Fp8Checkpoint):
+            install_fp8_weights(model, tensors, device, dtype)
+        model.load_hf_weights(tensors)
     finally:
         checkpoint.close()
     if quantization == "int8":
         quantize_linears_int8(model, native)
+    elif quantization == "fp8" and fp8_quant is None:
+        quantize_linears_fp8(model)
     model.to(device)  # the RoPE tables, built on the CPU
     head = quantized_lm_head(model, native)
     if head is not None:

@@ -6,8 +6,13 @@
   another format keeps float weights, and the log names it;
 - ``int8``: every projection, the LM head and the embedding quantized at load, per output row, from the
   float checkpoint (any model);
+- ``fp8`` (CUDA): the decoder's projections as e4m3 with scales (``fp8_linear``): an fp8 checkpoint's own
+  bytes, or a float checkpoint quantized per row at load;
 - ``auto`` (default): ``gguf`` for a GGUF model where the kernels run (float32 on CPU with the native
-  kernels), else ``none``, saying why in the log.
+  kernels), ``fp8`` for an fp8 checkpoint on CUDA, else ``none``, saying why in the log (an fp8 checkpoint
+  is then dequantized to ``dtype`` at load).
+
+A checkpoint quantized otherwise (AWQ, GPTQ, …) is refused by ``fp8_checkpoint.read_checkpoint_quantization``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kvpilot.engine.model.fp8_checkpoint import read_checkpoint_quantization
 from kvpilot.engine.model.gguf_weights import GGUFWeights
 from kvpilot.engine.model.quant_formats import quantize_int8
 from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear
@@ -27,10 +33,23 @@ log = logging.getLogger(__name__)
 
 
 def resolve_quantization(
-    requested: str, gguf_path: Path | None, device: torch.device, dtype: torch.dtype, native: NativeOps | None
+    requested: str,
+    gguf_path: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    native: NativeOps | None,
+    model_dir: Path | None = None,
 ) -> str:
-    """``none``, ``gguf`` or ``int8`` for the engine argument ``requested`` (the module docstring);
-    ``ValueError`` when an explicit choice cannot run here."""
+    """``none``, ``gguf``, ``int8`` or ``fp8`` for the engine argument ``requested`` and the model in
+    ``model_dir`` (the module docstring); ``ValueError`` when an explicit choice cannot run here, or the
+    checkpoint's own quantization cannot be loaded."""
+    checkpoint = read_checkpoint_quantization(model_dir) if model_dir is not None else None
+    if checkpoint is not None:
+        return _resolve_for_fp8_checkpoint(requested, checkpoint.describe(), device, dtype)
+    if requested == "fp8":
+        if device.type != "cuda":
+            raise ValueError(f"quantization='fp8' keeps e4m3 weights on CUDA; the device is {device}")
+        return "fp8"
     if requested == "none":
         return "none"
     runnable = device.type == "cpu" and dtype == torch.float32
@@ -63,6 +82,29 @@ def resolve_quantization(
             requested,
         )
     return requested
+
+
+def _resolve_for_fp8_checkpoint(
+    requested: str, described: str, device: torch.device, dtype: torch.dtype
+) -> str:
+    """An fp8 checkpoint keeps its e4m3 bytes on CUDA (``fp8``), else loads dequantized (``none``)."""
+    if requested in ("gguf", "int8"):
+        raise ValueError(
+            f"quantization={requested!r}: the checkpoint is already quantized ({described}); use "
+            "quantization='auto' (e4m3 kept on CUDA, dequantized elsewhere) or 'none'"
+        )
+    if requested == "fp8" and device.type != "cuda":
+        raise ValueError(
+            f"quantization='fp8' keeps e4m3 weights on CUDA; on {device} use 'auto' or 'none' to load this "
+            f"checkpoint ({described}) dequantized to {dtype}"
+        )
+    if requested != "none" and device.type == "cuda":
+        return "fp8"
+    why = (
+        "quantization='none'" if requested == "none" else f"e4m3 weights are kept on CUDA only, not {device}"
+    )
+    log.info("fp8 checkpoint (%s) dequantized to %s at load: %s", described, dtype, why)
+    return "none"
 
 
 def install_gguf_weights(model: nn.Module, weights: GGUFWeights, native: NativeOps | None) -> None:

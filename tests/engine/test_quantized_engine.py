@@ -127,7 +127,9 @@ def test_int8_quantizes_a_float_model_at_load(tiny_model_dir):
 
 
 def test_quantization_is_validated_at_the_boundary(tiny_gguf, tiny_model_dir):
-    with pytest.raises(ConfigError, match=r"quantization must be one of \('auto', 'none', 'gguf', 'int8'\)"):
+    with pytest.raises(
+        ConfigError, match=r"quantization must be one of \('auto', 'none', 'gguf', 'int8', 'fp8'\)"
+    ):
         EngineArgs(quantization="q4").create_config()
     with pytest.raises(ConfigError, match="quantization='fp8' needs a CUDA device"):
         EngineArgs(quantization="fp8", device="cpu").create_config()
