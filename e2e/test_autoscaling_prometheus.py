@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from harness.cluster import HarnessCluster
-from test_autoscaling import Load, manifest, status_of, wait_ready
+from test_autoscaling import Load, manifest, wait_ready
 
 pytestmark = pytest.mark.e2e
 PROMETHEUS = shutil.which("prometheus")
@@ -110,8 +110,8 @@ def test_autoscaler_reads_a_load_step_from_prometheus(cluster, kubectl, namespac
     publisher.start()
     spec = (
         "  scaling: {perReplicaGoodput: 2, headroom: 0, spare: 1, minReplicas: 1, maxReplicas: 5}\n"
-        f"  autoscaling: {{mode: operator, prometheusUrl: '{url}', intervalSeconds: 1, rateWindowSeconds: 4,\n"
-        "    scaleDownStabilizationSeconds: 3, cooldownSeconds: 0}\n"
+        f"  autoscaling: {{mode: operator, prometheusUrl: '{url}', intervalSeconds: 1,\n"
+        "    rateWindowSeconds: 4, scaleDownStabilizationSeconds: 3, cooldownSeconds: 0}\n"
     )
     try:
         kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol", spec))

@@ -17,9 +17,12 @@ Package map (one responsibility per module):
   the model), ``model_source`` (what a source names, where its files are in the pod),
   ``model_delivery`` (model volumes, storage requests, the fetch init container), ``pod_template``
   (engine + router containers, probes, placement), ``children`` (Deployment, Services, PDB, router RBAC,
-  owner references).
-- In the pod: ``fetch`` (``kvpilot operator fetch-model``, the init container that downloads a fetched
-  source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3 requests).
+  owner references), ``activator_children`` (scale to zero: the activator's Deployment, the Service's
+  target).
+- In the pod: ``activator`` (``kvpilot operator activator``: holds requests of a service at zero
+  replicas until one is Ready), ``fetch`` (``kvpilot operator fetch-model``, the init container that
+  downloads a fetched source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3
+  requests).
 - Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
   create-or-patch), ``replicas`` (pod + engine ``/ready`` → stage), ``status`` (phase and conditions),
   ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series), ``events`` (Kubernetes

@@ -38,6 +38,7 @@ from kvpilot.operator.signals import (
     EngineSample,
     SampleWindow,
     prometheus_rates,
+    read_activator_metrics,
     read_engine_metrics,
 )
 from kvpilot.operator.sizing import SizingResult, size_replicas
@@ -51,6 +52,7 @@ REUSE_FRACTION = 0.8
 Key = tuple[str, str]
 MetricsReader = Callable[[str, int], "EngineSample | None"]
 PrometheusReader = Callable[[str, str, str, int], "list[EngineRates] | None"]
+ActivatorReader = Callable[[str, int], "tuple[float, float] | None"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ class _State:
     goodput_samples: deque[float] = field(default_factory=lambda: deque(maxlen=GOODPUT_SAMPLES_KEPT))
     last: SizingResult | None = None
     capacity_limited: bool = False
+    last_demand_at: float | None = None  # an arrival measured or a request held by the activator
+    activator_held_total: float | None = None
 
 
 def _iso(moment: float) -> str:
@@ -102,8 +106,10 @@ class Autoscaler:
         clock: Callable[[], float] = time.time,
         read_metrics: MetricsReader = read_engine_metrics,
         read_prometheus: PrometheusReader = prometheus_rates,
+        read_activator: ActivatorReader = read_activator_metrics,
     ) -> None:
         self._clock, self._read_metrics, self._read_prometheus = clock, read_metrics, read_prometheus
+        self._read_activator = read_activator
         self._states: dict[Key, _State] = {}
 
     def forget(self, key: Key) -> None:
@@ -134,10 +140,24 @@ class Autoscaler:
         state.window.add(now, {pod: sample for pod, sample in samples.items() if sample is not None})
         return "Pods", state.window.rates()
 
+    def _woken(self, state: _State, activator: tuple[str, int] | None) -> bool:
+        """Whether the activator holds requests now, or held one since the last evaluation."""
+        sample = self._read_activator(*activator) if activator is not None else None
+        if sample is None:
+            return False
+        held, held_total = sample
+        before, state.activator_held_total = state.activator_held_total, held_total
+        return held > 0 or (before is not None and held_total > before)
+
     def evaluate(
-        self, isvc: InferenceService, engines: dict[str, tuple[str, int]], previous: dict[str, Any]
+        self,
+        isvc: InferenceService,
+        engines: dict[str, tuple[str, int]],
+        previous: dict[str, Any],
+        activator: tuple[str, int] | None = None,
     ) -> Evaluation:
-        """``engines``: the Ready engine pods' (IP, port) by pod name; ``previous``: the current status."""
+        """``engines``: the Ready engine pods' (IP, port) by pod name; ``previous``: the current status;
+        ``activator``: the Ready activator's address, for a service that scales to zero."""
         autoscaling, scaling = isvc.spec.autoscaling, isvc.spec.scaling
         state, now = self._state(isvc, previous), self._clock()
         interval = float(autoscaling.interval_seconds)
@@ -159,10 +179,21 @@ class Autoscaler:
         goodput = statistics.median(state.goodput_samples) if measured else spec_goodput
         if state.current is None:
             state.current = size_replicas(scaling).desired
+        woken = self._woken(state, activator)
+        if woken or (arrival is not None and arrival > 0) or state.last_demand_at is None:
+            state.last_demand_at = now
+        min_replicas, spare = scaling.min_replicas, scaling.spare
+        if isvc.spec.scales_to_zero:
+            # Zero only after idleTimeoutSeconds without an arrival (then without spare either); until
+            # then at least one replica stays, and a held request brings one back at once.
+            idle = (
+                not woken and not arrival and now - state.last_demand_at >= autoscaling.idle_timeout_seconds
+            )
+            min_replicas, spare = (0, 0) if idle else (1, spare)
         policy = Policy(
             headroom=scaling.headroom,
-            spare=scaling.spare,
-            min_replicas=scaling.min_replicas,
+            spare=spare,
+            min_replicas=min_replicas,
             max_replicas=scaling.max_replicas,
             up_window_seconds=autoscaling.scale_up_stabilization_seconds,
             down_window_seconds=autoscaling.scale_down_stabilization_seconds,

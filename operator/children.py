@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.operator import api_names
+from kvpilot.operator.activator_children import activator_deployment, activator_selector
 from kvpilot.operator.pod_template import pod_template, router_token_secret_name
 from kvpilot.operator.sizing import SizingResult, size_for_spec
 from kvpilot.operator.spec import InferenceService
@@ -100,7 +101,7 @@ def _router_token(isvc: InferenceService, token: str) -> dict[str, Any]:
     }
 
 
-def _services(isvc: InferenceService) -> list[dict[str, Any]]:
+def _services(isvc: InferenceService, to_activator: bool) -> list[dict[str, Any]]:
     selector = selector_labels(isvc)
     engines = {
         "apiVersion": "v1",
@@ -122,9 +123,10 @@ def _services(isvc: InferenceService) -> list[dict[str, Any]]:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(isvc, isvc.name),
+        # Scaled to zero (no Ready replica), clients reach the activator instead of the replicas' routers.
         "spec": {
             "type": "ClusterIP",
-            "selector": selector,
+            "selector": activator_selector(isvc) if to_activator else selector,
             "ports": [
                 {
                     "name": "http",
@@ -179,17 +181,24 @@ def build_children(
     default_image: str = api_names.DEFAULT_IMAGE,
     router_token: str | None = None,
     sizing: SizingResult | None = None,
+    ready_replicas: int | None = None,
 ) -> Children:
     """``router_token``: the Secret's value if it has to be created (a fresh random one when None);
-    ``sizing``: the autoscaler's result in autoscaling.mode operator (else the spec's own sizing)."""
+    ``sizing``: the autoscaler's result in autoscaling.mode operator (else the spec's own sizing);
+    ``ready_replicas``: Ready engine pods now, for a service that scales to zero (None: unknown, as in
+    ``render``: the client Service points at the replicas)."""
     sizing = sizing if sizing is not None else size_for_spec(isvc.spec)
     token = router_token if router_token is not None else new_router_token()
     # The Secret before the Deployment: a pod whose secretKeyRef names no Secret cannot start.
     objects = [
         *_router_access(isvc),
         _router_token(isvc, token),
-        *_services(isvc),
+        *_services(isvc, isvc.spec.scales_to_zero and ready_replicas == 0),
         _disruption_budget(isvc, sizing),
         _deployment(isvc, sizing, default_image),
     ]
+    if isvc.spec.scales_to_zero:
+        objects.append(
+            activator_deployment(isvc, _metadata(isvc, isvc.name), common_labels(isvc), default_image)
+        )
     return Children(sizing=sizing, objects=tuple(objects))

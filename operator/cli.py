@@ -6,7 +6,8 @@
 - ``render -f isvc.yaml``: prints the objects the operator would apply, like ``helm template``; an invalid
   spec exits 2 with the field named;
 - ``crd``: prints the CustomResourceDefinition YAML (``crds/`` and the chart hold exactly this);
-- ``fetch-model``: what the pods' init container runs for a fetched model source (``fetch``).
+- ``fetch-model``: what the pods' init container runs for a fetched model source (``fetch``);
+- ``activator``: the always-on Deployment of a service that scales to zero (``activator``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
+from kvpilot.operator.activator import add_arguments as add_activator_arguments
 from kvpilot.operator.api_names import DEFAULT_IMAGE
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
@@ -97,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--engine-image", default=DEFAULT_IMAGE)
 
     commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
+
+    activator = commands.add_parser(
+        "activator", help="hold requests of a service scaled to zero until a replica is Ready"
+    )
+    add_activator_arguments(activator)
 
     fetch = commands.add_parser(
         "fetch-model", help="download a model source into the model cache (the pods' init container)"
@@ -234,6 +241,10 @@ def main(
         return _run(args)
     if args.command == "render":
         return _render(args, out, err, stdin)
+    if args.command == "activator":
+        from kvpilot.operator.activator import run as run_activator
+
+        return run_activator(args)
     if args.command == "fetch-model":
         from kvpilot.operator.fetch import run as fetch_model
 

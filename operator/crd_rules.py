@@ -81,16 +81,6 @@ RULES: tuple[CrossFieldRule, ...] = (
     ),
     CrossFieldRule(
         node=("spec",),
-        field="scaling.minReplicas",
-        cel="self.autoscaling.mode != 'operator' || self.scaling.minReplicas + self.scaling.spare >= 1",
-        message="autoscaling.mode operator measures the engines, so it cannot wake a service at 0 "
-        "replicas: keep scaling.minReplicas or scaling.spare at least 1",
-        holds=lambda s: (
-            s["autoscaling"]["mode"] != "operator" or s["scaling"]["minReplicas"] + s["scaling"]["spare"] >= 1
-        ),
-    ),
-    CrossFieldRule(
-        node=("spec",),
         field="autoscaling.mode",
         cel="self.autoscaling.mode != 'operator' || has(self.scaling.perReplicaGoodput)",
         message="autoscaling.mode operator needs scaling.perReplicaGoodput: the goodput per replica "

@@ -27,6 +27,7 @@ PLURALS = {
     "InferenceService": "inferenceservices",
     "Lease": "leases",
     "Event": "events",
+    "EndpointSlice": "endpointslices",
 }
 MERGE_PATCH = "application/merge-patch+json"
 

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from kvpilot.operator import api_names, metrics
+from kvpilot.operator.activator_children import activator_selector
 from kvpilot.operator.apply import ApplyResult, apply_all
 from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.children import build_children
@@ -157,22 +158,29 @@ def _record_cold_starts(previous: dict[str, Any], status: dict[str, Any]) -> Non
 
 def _autoscale(
     api: KubeApi, isvc: InferenceService, autoscaler: Autoscaler | None, previous: dict[str, Any]
-) -> tuple[SizingResult | None, float | None]:
-    """The autoscaler's count in autoscaling.mode operator (else None: the spec's own sizing)."""
+) -> tuple[SizingResult | None, float | None, int | None]:
+    """In autoscaling.mode operator, the autoscaler's count, when its next evaluation is due and the Ready
+    replicas now (else None: the spec's own sizing)."""
     if autoscaler is None:
-        return None, None
+        return None, None, None
     if isvc.spec.autoscaling.mode != "operator":
         autoscaler.forget((isvc.namespace, isvc.name))  # back in this mode later: windows start afresh
-        return None, None
+        return None, None, None
     pods = api.list(ObjectRef("v1", "Pod", isvc.namespace), f"{api_names.SELECTOR_LABEL}={isvc.name}")
     engines = {
         pod["metadata"]["name"]: address for pod in pods if (address := ready_engine_address(pod)) is not None
     }
-    evaluation = autoscaler.evaluate(isvc, engines, previous)
+    activator = None
+    if isvc.spec.scales_to_zero:
+        selector = ",".join(f"{k}={v}" for k, v in activator_selector(isvc).items())
+        for pod in api.list(ObjectRef("v1", "Pod", isvc.namespace), selector):
+            if (address := ready_engine_address(pod)) is not None:
+                activator = (address[0], api_names.ROUTER_PORT)
+    evaluation = autoscaler.evaluate(isvc, engines, previous, activator)
     for event in evaluation.events:
         log.info("%s/%s: %s: %s", isvc.namespace, isvc.name, event.reason, event.message)
         post_event(api, isvc, event.type, event.reason, event.message)
-    return evaluation.sizing, evaluation.next_in
+    return evaluation.sizing, evaluation.next_in, len(engines)
 
 
 def reconcile(
@@ -186,15 +194,17 @@ def reconcile(
         metrics.RECONCILIATIONS.labels("invalid").inc()
         status = _invalid_status(error, generation, previous)
         return Reconciled(merge_patch(status, previous, previous), error=error)
-    autoscaled, autoscale_in = _autoscale(api, isvc, autoscaler, previous)
-    children = build_children(isvc, config.default_image, sizing=autoscaled)
+    autoscaled, autoscale_in, ready_now = _autoscale(api, isvc, autoscaler, previous)
+    children = build_children(isvc, config.default_image, sizing=autoscaled, ready_replicas=ready_now)
     applied = tuple(apply_all(api, children.objects))
     changed = [result for result in applied if result.action != "unchanged"]
     for result in changed:
         log.info("%s %s", result.action, result.ref)
     metrics.RECONCILIATIONS.labels("applied" if changed else "unchanged").inc()
     read_engine = functools.partial(read_engine_ready, timeout=config.engine_probe_timeout_seconds)
-    deployment = next((r.live for r in applied if r.ref.kind == "Deployment"), None)
+    deployment = next(
+        (r.live for r in applied if r.ref.kind == "Deployment" and r.ref.name == isvc.name), None
+    )
     replicas, deployment = _observe(api, isvc, read_engine, deployment)
     status = _status(isvc, children.sizing, replicas, deployment, previous)
     _record_cold_starts(previous, status)

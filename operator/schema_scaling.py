@@ -81,6 +81,20 @@ def autoscaling_schema() -> dict[str, Any]:
             "cooldownSeconds": integer(
                 "No scale-down sooner than this after any scale change.", 0, 86400, 60
             ),
+            "idleTimeoutSeconds": integer(
+                "With scaling.minReplicas 0: scale to zero after no request arrived for this long; the "
+                "activator then holds requests and wakes the service (docs/architecture.md#scale-to-zero).",
+                1,
+                86400,
+                300,
+            ),
+            "activatorHoldSeconds": integer(
+                "At zero, how long the activator holds a request for a replica to turn Ready before it "
+                "answers 503 with Retry-After (longer than a cold start).",
+                1,
+                3600,
+                300,
+            ),
             "minGoodputSamples": integer(
                 "Saturated measurement windows before the measured per-replica goodput replaces "
                 "scaling.perReplicaGoodput.",

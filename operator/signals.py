@@ -182,3 +182,23 @@ def prometheus_rates(
         for pod in sorted(values["finished"])
         if pod
     ]
+
+
+def parse_activator_metrics(text: str) -> tuple[float, float]:
+    """(held now, held since start) from the activator's /metrics (``operator/activator.py``)."""
+    held = held_total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvpilot_activator_held_requests":
+                held = sample.value
+            elif sample.name == "kvpilot_activator_held_total":
+                held_total = sample.value
+    return held, held_total
+
+
+def read_activator_metrics(host: str, port: int, timeout: float = 1.0) -> tuple[float, float] | None:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=timeout) as response:
+            return parse_activator_metrics(response.read().decode())
+    except (OSError, ValueError):
+        return None

@@ -108,6 +108,8 @@ class AutoscalingSpec:
     scale_down_stabilization_seconds: int = 300
     cooldown_seconds: int = 60
     min_goodput_samples: int = 3
+    idle_timeout_seconds: int = 300  # minReplicas 0: no arrivals this long -> zero replicas
+    activator_hold_seconds: int = 300  # at zero, how long the activator holds a request
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,12 @@ class InferenceServiceSpec:
     replicas: int | None = None
     router: RouterSpec = field(default_factory=RouterSpec)
     tenancy: TenancySpec = field(default_factory=TenancySpec)
+
+    @property
+    def scales_to_zero(self) -> bool:
+        """autoscaling.mode operator with scaling.minReplicas 0: idle means zero replicas, and the
+        activator answers the client Service meanwhile (docs/architecture.md#scale-to-zero)."""
+        return self.autoscaling.mode == "operator" and self.scaling.min_replicas == 0
 
     @property
     def kv_cache_memory_bytes(self) -> int | None:
@@ -199,6 +207,8 @@ class InferenceServiceSpec:
                 scale_down_stabilization_seconds=autoscaling["scaleDownStabilizationSeconds"],
                 cooldown_seconds=autoscaling["cooldownSeconds"],
                 min_goodput_samples=autoscaling["minGoodputSamples"],
+                idle_timeout_seconds=autoscaling["idleTimeoutSeconds"],
+                activator_hold_seconds=autoscaling["activatorHoldSeconds"],
             ),
             replicas=spec.get("replicas"),
             router=RouterSpec(

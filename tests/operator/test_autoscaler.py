@@ -203,3 +203,52 @@ def test_prometheus_source_is_used_when_configured():
         3.0,
         3,
     )
+
+
+def test_idle_scales_to_zero_and_a_held_request_wakes_it_at_once():
+    engines = Engines()
+    held = {"now": 0.0, "total": 0.0}
+    scaler = Autoscaler(
+        clock=lambda: engines.now,
+        read_metrics=engines.read,
+        read_activator=lambda h, p: (held["now"], held["total"]),
+    )
+    service = isvc(idleTimeoutSeconds=25, scaleDownStabilizationSeconds=10)
+    assert service.spec.scales_to_zero is False  # minReplicas 1 in this spec
+    zero = InferenceService.from_manifest(
+        {
+            "apiVersion": "kvpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "smol", "namespace": "ml", "uid": "u1", "generation": 1},
+            "spec": {
+                "model": {"source": "tiny-random"},
+                "scaling": {"perReplicaGoodput": 2, "spare": 1, "minReplicas": 0, "maxReplicas": 4},
+                "autoscaling": {
+                    "mode": "operator",
+                    "intervalSeconds": 10,
+                    "rateWindowSeconds": 10,
+                    "scaleDownStabilizationSeconds": 10,
+                    "cooldownSeconds": 0,
+                    "idleTimeoutSeconds": 25,
+                },
+            },
+        }
+    )
+    assert zero.spec.scales_to_zero
+    pods, activator = {"p1": ("10.0.0.1", 8000)}, ("10.0.0.9", 8080)
+    counts = []
+    for _ in range(6):  # no load at all
+        engines.advance(10, {"10.0.0.1": (0, 0, 0)})
+        counts.append(scaler.evaluate(zero, pods, {}, activator).sizing.desired)
+    # t=10: NoSignal keeps 2 (1 + spare); t=20: N 0 + spare 1 = 1 (the spare stays until idle);
+    # idle from the evaluation at t=40 (25 s after the first look at t=10): 0 is recommended, and taken
+    # at t=50, once the 10 s down window holds nothing higher
+    assert counts == [2, 1, 1, 1, 0, 0]
+    at_zero = scaler.evaluate(zero, {}, {}, activator)  # reused: no new evaluation within the interval
+    assert at_zero.sizing.desired == 0
+    engines.advance(10, {})
+    assert scaler.evaluate(zero, {}, {}, activator).sizing.desired == 0  # still idle
+    held.update(now=20.0, total=20.0)  # 20 requests arrive at the activator
+    engines.advance(10, {})
+    woken = scaler.evaluate(zero, {}, {}, activator)
+    assert (woken.sizing.desired, [e.reason for e in woken.events]) == (1, ["ScaledUp"])

@@ -332,3 +332,48 @@ def test_fetch_credentials_reach_only_the_init_container():
     assert hf["containers"][0]["args"][:2] == ["--model", "/model-cache/org--name--v2"]
     for container in hf["containers"]:
         assert not any(e["name"] == "KVPILOT_FETCH_TOKEN" for e in container["env"])
+
+
+def test_scale_to_zero_adds_the_activator_and_points_the_service_at_it_while_no_replica_is_ready():
+    spec = {
+        "model": {"source": "smollm2-135m"},
+        "scaling": {"perReplicaGoodput": 2, "minReplicas": 0, "spare": 0},
+        "autoscaling": {"mode": "operator", "activatorHoldSeconds": 120},
+    }
+    isvc = InferenceService.from_manifest(
+        {
+            "apiVersion": "kvpilot.dev/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1"},
+            "spec": spec,
+        }
+    )
+    at_zero = {(o["kind"], o["metadata"]["name"]): o for o in build_children(isvc, ready_replicas=0).objects}
+    serving = {(o["kind"], o["metadata"]["name"]): o for o in build_children(isvc, ready_replicas=1).objects}
+    assert at_zero[("Service", "smol")]["spec"]["selector"] == {"kvpilot.dev/activator": "smol"}
+    assert serving[("Service", "smol")]["spec"]["selector"] == {"kvpilot.dev/inferenceservice": "smol"}
+    activator = at_zero[("Deployment", "smol-activator")]["spec"]
+    assert activator["replicas"] == 1
+    labels = activator["template"]["metadata"]["labels"]
+    # never counted as a replica, never behind the engines' Service or the PodDisruptionBudget
+    assert "kvpilot.dev/inferenceservice" not in labels and labels["kvpilot.dev/activator"] == "smol"
+    pod = activator["template"]["spec"]
+    assert pod["serviceAccountName"] == "smol-router"
+    (container,) = pod["containers"]
+    assert container["command"] == ["kvpilot", "operator", "activator"]
+    assert container["args"] == [
+        "--namespace",
+        "ml",
+        "--name",
+        "smol",
+        "--port",
+        "8080",
+        "--queue-size",
+        "256",
+        "--hold-timeout",
+        "120",
+    ]
+    assert container["ports"] == [{"name": "http-router", "containerPort": 8080, "protocol": "TCP"}]
+    # without scale to zero: no activator
+    plain = children({"model": {"source": "smollm2-135m"}})
+    assert ("Deployment", "smol-activator") not in plain

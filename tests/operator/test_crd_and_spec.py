@@ -128,15 +128,6 @@ def test_defaults_fill_the_spec():
             "autoscaling.mode operator needs scaling.perReplicaGoodput",
         ),
         (
-            {
-                "model": {"source": "smollm2-135m"},
-                "scaling": {"perReplicaGoodput": 2, "minReplicas": 0, "spare": 0},
-                "autoscaling": {"mode": "operator"},
-            },
-            "spec.scaling.minReplicas",
-            "cannot wake a service at 0 replicas",
-        ),
-        (
             {"model": {"source": "smollm2-135m"}, "autoscaling": {"mode": False}},
             "spec.autoscaling.mode",
             "is not of type 'string'",

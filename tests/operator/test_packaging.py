@@ -450,9 +450,11 @@ def test_dashboard_queries_use_only_contract_metrics():
         "kvpilot_operator_autoscaler_goodput_per_replica",
         "kvpilot_operator_autoscaler_recommended_replicas",
         "kvpilot_operator_inferenceservice_serving_replicas",
+        "kvpilot_activator_cold_start_ttft_seconds",
+        "kvpilot_activator_held_requests",
     }
     assert used == contract
-    assert len(dashboard["panels"]) == 13
+    assert len(dashboard["panels"]) == 14
 
 
 def test_dockerfile_is_hadolint_clean():

@@ -1,0 +1,242 @@
+"""``kvpilot operator activator``: what answers an InferenceService scaled to zero
+(docs/architecture.md#scale-to-zero).
+
+While no replica is Ready, the client Service ``<name>`` selects this small always-on Deployment instead
+of the engine pods. A request that finds no Ready replica is *held* in a bounded queue
+(``--queue-size``; past it, or past ``--hold-timeout``, it gets an OpenAI-style 503 with ``Retry-After``);
+the operator's autoscaler reads ``kvpilot_activator_held_requests`` and ``_held_total`` from this
+process's ``/metrics`` and scales from zero at once; when a replica's router is Ready (the EndpointSlices
+of ``<name>-engines``, polled with the routers' ServiceAccount), every held request is forwarded to it and
+its answer streamed back. Held requests' time to first byte is ``kvpilot_activator_cold_start_ttft_seconds``,
+reported apart from the engines' steady-state TTFT. Once the Service selects the replicas again, no new
+request comes here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+import aiohttp.web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvpilot.operator import api_names
+
+log = logging.getLogger(__name__)
+HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
+Upstreams = Callable[[], Awaitable[list[str]]]  # the Ready routers' base URLs
+
+
+@dataclass(frozen=True)
+class ActivatorConfig:
+    namespace: str
+    name: str  # the InferenceService
+    queue_size: int = 256  # held requests at most; more get 503 queue_full
+    hold_timeout_seconds: float = 300.0  # a held request waits this long for a replica, then 503
+    poll_seconds: float = 0.5  # how often the Ready replicas are looked up
+    retry_after_seconds: int = 10
+
+
+class ActivatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvpilot_activator_requests", "Requests the activator received.", registry=self.registry
+        )
+        self.held = Gauge(
+            "kvpilot_activator_held_requests", "Requests waiting for a Ready replica.", registry=self.registry
+        )
+        self.held_total = Counter(
+            "kvpilot_activator_held", "Requests that had to wait for a replica.", registry=self.registry
+        )
+        self.rejected = Counter(
+            "kvpilot_activator_rejected",
+            "Held requests answered 503, by reason (queue_full, hold_timeout).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.cold_start_ttft = Histogram(
+            "kvpilot_activator_cold_start_ttft_seconds",
+            "Arrival to first response byte of requests held through a scale from zero.",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        for reason in ("queue_full", "hold_timeout"):
+            self.rejected.labels(reason)
+
+
+def _unavailable(message: str, code: str, retry_after: int) -> aiohttp.web.Response:
+    return aiohttp.web.json_response(
+        {"error": {"message": message, "type": "server_error", "param": None, "code": code}},
+        status=503,
+        headers={"Retry-After": str(retry_after)},
+    )
+
+
+class Activator:
+    def __init__(self, config: ActivatorConfig, upstreams: Upstreams) -> None:
+        self.config, self._upstreams = config, upstreams
+        self.metrics = ActivatorMetrics()
+        self._ready: list[str] = []
+        self._available = asyncio.Event()
+        self._held = 0
+        self._turn = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._poller: asyncio.Task[None] | None = None
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                self._ready = await self._upstreams()
+            except Exception as error:  # a failed lookup keeps the last answer; the next poll retries
+                log.warning("looking up the ready replicas failed: %s", error)
+            if self._ready:
+                self._available.set()
+            else:
+                self._available.clear()
+            await asyncio.sleep(self.config.poll_seconds)
+
+    async def _wait_for_replica(self) -> aiohttp.web.Response | None:
+        """None once a replica is Ready; a 503 past the queue's size or the hold timeout."""
+        config = self.config
+        if self._held >= config.queue_size:
+            self.metrics.rejected.labels("queue_full").inc()
+            return _unavailable(
+                f"{config.name} is scaling from zero and {config.queue_size} requests already wait",
+                "queue_full",
+                config.retry_after_seconds,
+            )
+        self._held += 1
+        self.metrics.held.set(self._held)
+        self.metrics.held_total.inc()
+        try:
+            await asyncio.wait_for(self._available.wait(), config.hold_timeout_seconds)
+        except asyncio.TimeoutError:
+            self.metrics.rejected.labels("hold_timeout").inc()
+            return _unavailable(
+                f"{config.name} has no ready replica after {config.hold_timeout_seconds:g} s",
+                "hold_timeout",
+                config.retry_after_seconds,
+            )
+        finally:
+            self._held -= 1
+            self.metrics.held.set(self._held)
+        return None
+
+    async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        arrived = time.monotonic()
+        self.metrics.requests.inc()
+        body = await request.read()
+        held = not self._available.is_set()
+        if held:
+            refusal = await self._wait_for_replica()
+            if refusal is not None:
+                return refusal
+        self._turn += 1
+        upstream = self._ready[self._turn % len(self._ready)]
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        async with self._session.request(
+            request.method, f"{upstream}{request.rel_url}", data=body, headers=headers
+        ) as answer:
+            response = aiohttp.web.StreamResponse(
+                status=answer.status,
+                headers={k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS},
+            )
+            await response.prepare(request)
+            first = True
+            async for chunk in answer.content.iter_any():
+                if first and held:
+                    self.metrics.cold_start_ttft.observe(time.monotonic() - arrived)
+                first = False
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def start(self, app: aiohttp.web.Application) -> None:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._poller = asyncio.create_task(self._poll())
+
+    async def stop(self, app: aiohttp.web.Application) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+        if self._session is not None:
+            await self._session.close()
+
+    def app(self) -> aiohttp.web.Application:
+        app = aiohttp.web.Application()
+
+        async def ok(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            return aiohttp.web.json_response({"status": "ok"})
+
+        async def metrics(_: aiohttp.web.Request) -> aiohttp.web.Response:
+            return aiohttp.web.Response(
+                body=generate_latest(self.metrics.registry), content_type="text/plain"
+            )
+
+        app.router.add_get("/health", ok)
+        app.router.add_get("/ready", ok)
+        app.router.add_get("/metrics", metrics)
+        app.router.add_route("*", "/v1/{tail:.*}", self.handle)
+        app.on_startup.append(self.start)
+        app.on_cleanup.append(self.stop)
+        return app
+
+
+def endpoint_slice_upstreams(namespace: str, name: str) -> Upstreams:
+    """The Ready replicas' routers from the EndpointSlices of ``<name>-engines`` (router port 8080)."""
+    from kvpilot.operator.kube_api import KubeApi, ObjectRef, load_client_configuration
+
+    load_client_configuration()
+    api = KubeApi()
+    ref = ObjectRef("discovery.k8s.io/v1", "EndpointSlice", namespace)
+    selector = f"kubernetes.io/service-name={name}-engines"
+
+    def lookup() -> list[str]:
+        found = []
+        for slice_ in api.list(ref, selector):
+            for endpoint in slice_.get("endpoints") or []:
+                # The engines' Service publishes not-ready addresses, so `ready` is always true there;
+                # `serving` is the pod's readiness (its router's, which needs its engine's).
+                conditions = endpoint.get("conditions") or {}
+                if conditions.get("serving", conditions.get("ready")):
+                    found += [f"http://{a}:{api_names.ROUTER_PORT}" for a in endpoint.get("addresses", [])]
+        return sorted(found)
+
+    async def upstreams() -> list[str]:
+        return await asyncio.to_thread(lookup)
+
+    return upstreams
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--name", required=True, help="the InferenceService")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=api_names.ROUTER_PORT)
+    parser.add_argument("--queue-size", type=int, default=256)
+    parser.add_argument("--hold-timeout", type=float, default=300.0, metavar="SECONDS")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ActivatorConfig(
+        namespace=args.namespace,
+        name=args.name,
+        queue_size=args.queue_size,
+        hold_timeout_seconds=args.hold_timeout,
+    )
+    activator = Activator(config, endpoint_slice_upstreams(args.namespace, args.name))
+    aiohttp.web.run_app(activator.app(), host=args.host, port=args.port, print=None)
+    return 0
+
+
+__all__ = ["Activator", "ActivatorConfig", "add_arguments", "run"]

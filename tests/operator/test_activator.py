@@ -1,0 +1,109 @@
+"""The activator of a service scaled to zero: held requests are released to the first Ready replica and
+answered in full; past the queue or the hold timeout they get a 503 with Retry-After; /metrics says what
+the autoscaler reads (held now, held in all)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import aiohttp
+import aiohttp.web
+
+from kvpilot.operator.activator import Activator, ActivatorConfig
+from kvpilot.operator.signals import parse_activator_metrics
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+async def _serve(app: aiohttp.web.Application, port: int) -> aiohttp.web.AppRunner:
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def _router_app() -> aiohttp.web.Application:
+    """A replica's router: echoes the request's path and body, streamed in two chunks."""
+
+    async def complete(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        body = await request.json()
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        await response.write(b'{"path": "' + request.path.encode() + b'", ')
+        await response.write(f'"prompt": "{body["prompt"]}"}}'.encode())
+        await response.write_eof()
+        return response
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/v1/completions", complete)
+    return app
+
+
+async def _scenario() -> dict:
+    upstream_port, activator_port = _port(), _port()
+    ready: list[str] = []
+
+    async def upstreams() -> list[str]:
+        return list(ready)
+
+    config = ActivatorConfig(
+        namespace="ml", name="smol", queue_size=3, hold_timeout_seconds=1.5, poll_seconds=0.05
+    )
+    activator = Activator(config, upstreams)
+    runner = await _serve(activator.app(), activator_port)
+    router = await _serve(_router_app(), upstream_port)
+    base = f"http://127.0.0.1:{activator_port}"
+    results: dict = {}
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def complete(prompt: str) -> tuple[int, str, str | None]:
+                async with client.post(f"{base}/v1/completions", json={"prompt": prompt}) as response:
+                    return response.status, await response.text(), response.headers.get("Retry-After")
+
+            # Four arrive at zero replicas: three are held, the fourth is past the queue.
+            held = [asyncio.create_task(complete(f"p{i}")) for i in range(3)]
+            await asyncio.sleep(0.3)
+            results["full"] = await complete("p3")
+            async with client.get(f"{base}/metrics") as response:
+                results["metrics_held"] = parse_activator_metrics(await response.text())
+            ready.append(f"http://127.0.0.1:{upstream_port}")  # a replica turns Ready
+            results["released"] = await asyncio.gather(*held)
+            results["direct"] = await complete("p4")  # a replica is there: straight through
+            ready.clear()
+            await asyncio.sleep(0.2)
+            results["timeout"] = await complete("p5")  # nobody comes back within 1.5 s
+            async with client.get(f"{base}/metrics") as response:
+                text = await response.text()
+            results["metrics_after"] = parse_activator_metrics(text)
+            results["ttft_count"] = next(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("kvpilot_activator_cold_start_ttft_seconds_count")
+            )
+    finally:
+        await runner.cleanup()
+        await router.cleanup()
+    return results
+
+
+def test_held_requests_are_released_to_the_first_ready_replica_or_refused_with_retry_after():
+    results = asyncio.run(_scenario())
+    status, body, retry = results["full"]
+    assert (status, retry) == (503, "10")
+    assert '"code": "queue_full"' in body
+    assert results["metrics_held"] == (3.0, 3.0)
+    assert results["released"] == [
+        (200, f'{{"path": "/v1/completions", "prompt": "p{i}"}}', None) for i in range(3)
+    ]
+    assert results["direct"] == (200, '{"path": "/v1/completions", "prompt": "p4"}', None)
+    status, body, retry = results["timeout"]
+    assert (status, retry) == (503, "10") and '"code": "hold_timeout"' in body
+    # held in all: the three released and the one that timed out (the refused one was never held)
+    assert results["metrics_after"] == (0.0, 4.0)
+    assert results["ttft_count"] == 3.0  # cold-start TTFT of the three released, apart from the rest
