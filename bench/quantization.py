@@ -106,10 +106,11 @@ def decode_step_seconds(llm: LLM, batch: int, steps: int, seed: int, clock) -> f
     """Mean seconds of one decode-only step of ``batch`` sequences (prefill excluded)."""
     engine = llm.engine
     rng = random.Random(seed)
+    vocab = min(49000, engine.arch.vocab_size)  # SmolLM2's ids below 49000; a tiny model's below its vocab
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     ids = [f"decode-{seed}-{i}" for i in range(batch)]
     for rid in ids:
-        engine.add_request(rid, [rng.randrange(3, 49000) for _ in range(64)], params)
+        engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(64)], params)
     while any(engine.requests[r].num_output_tokens == 0 for r in ids):
         engine.step()
     engine.step()  # one untimed decode step
@@ -123,7 +124,7 @@ def decode_step_seconds(llm: LLM, batch: int, steps: int, seed: int, clock) -> f
     return elapsed / steps
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -134,13 +135,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV cache")
     parser.add_argument("--output-json", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.methods[0] != "none":
         parser.error("the first method is the reference: none")
     engines = {
-        m: LLM(args.model, quantization=m, kv_cache_memory_bytes=512 << 20, max_num_seqs=max(args.batches))
+        m: LLM(
+            args.model,
+            quantization=m,
+            kv_cache_memory_bytes=args.kv_cache_mib << 20,
+            max_num_seqs=max(args.batches),
+        )
         for m in args.methods
     }
     report: dict = {"model": args.model, "threads": args.threads, "methods": {}}

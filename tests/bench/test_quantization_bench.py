@@ -1,0 +1,39 @@
+"""``bench/quantization.py`` runs end to end on a tiny GGUF (Q8_0 and Q4_1 blocks): agreement of each
+method with ``none``, perplexity, decode speed and its JSON report (a smoke test of the script, not a
+measurement)."""
+
+from __future__ import annotations
+
+import json
+
+from bench_scripts import bench_script
+from gguf_files import write_llama_gguf
+
+from kvpilot.engine.model.tiny import write_tiny_llama
+
+
+def test_quantization_bench_reports_every_method(tmp_path, capsys):
+    source = write_tiny_llama(tmp_path / "hf", seed=2)
+    gguf = tmp_path / "tiny.gguf"
+    parts = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    write_llama_gguf(gguf, source, types={f"blk.{i}.{p}.weight": "Q8_0" for i in range(2) for p in parts})
+    out = tmp_path / "quant.json"
+    argv = ["--model", str(gguf), "--tokens", "6", "--batches", "1", "3", "--steps", "2", "--rounds", "1"]
+    assert bench_script("quantization").main([*argv, "--kv-cache-mib", "8", "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    methods = report["methods"]
+    assert list(methods) == ["none", "gguf", "int8"]
+    assert methods["gguf"]["weights_mib"] < methods["none"]["weights_mib"]
+    for method in ("gguf", "int8"):
+        entry = methods[method]
+        prompts = entry["prompts"]
+        assert entry["teacher_forced_positions"] == 6 * prompts
+        assert 0 <= entry["teacher_forced_agree"] <= entry["teacher_forced_positions"]
+        assert 0 <= entry["free_running_mean_first_divergence"] <= 6
+        assert entry["perplexity"] > 1
+    for entry in methods.values():
+        assert set(entry["decode"]) == {"1", "3"}
+        assert all(cell["tok_s"] > 0 for cell in entry["decode"].values())
+    assert methods["none"]["decode"]["1"]["x_none"] == 1.0
+    printed = capsys.readouterr().out
+    assert "gguf: teacher-forced argmax agreement" in printed and "decode, best of 1 rounds" in printed
