@@ -193,7 +193,9 @@ def build_children(
     objects = [
         *_router_access(isvc),
         _router_token(isvc, token),
-        *_services(isvc, isvc.spec.scales_to_zero and ready_replicas == 0),
+        # To the activator while no replica is Ready, and already when going to zero: the Service must
+        # never be left with no endpoint at all.
+        *_services(isvc, isvc.spec.scales_to_zero and (ready_replicas == 0 or sizing.desired == 0)),
         _disruption_budget(isvc, sizing),
         _deployment(isvc, sizing, default_image),
     ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvpilot.operator.children import build_children
 from kvpilot.operator.spec import InferenceService
 
@@ -352,6 +354,14 @@ def test_scale_to_zero_adds_the_activator_and_points_the_service_at_it_while_no_
     serving = {(o["kind"], o["metadata"]["name"]): o for o in build_children(isvc, ready_replicas=1).objects}
     assert at_zero[("Service", "smol")]["spec"]["selector"] == {"kvpilot.dev/activator": "smol"}
     assert serving[("Service", "smol")]["spec"]["selector"] == {"kvpilot.dev/inferenceservice": "smol"}
+    # going to zero, with the last replica still Ready: the activator takes over first
+    zero = replace(build_children(isvc).sizing, desired=0, serving=0, unclamped=0)
+    leaving = {
+        (o["kind"], o["metadata"]["name"]): o
+        for o in build_children(isvc, sizing=zero, ready_replicas=1).objects
+    }
+    assert leaving[("Service", "smol")]["spec"]["selector"] == {"kvpilot.dev/activator": "smol"}
+    assert leaving[("Deployment", "smol")]["spec"]["replicas"] == 0
     activator = at_zero[("Deployment", "smol-activator")]["spec"]
     assert activator["replicas"] == 1
     labels = activator["template"]["metadata"]["labels"]
