@@ -100,6 +100,9 @@ def load_snapshot(engine) -> dict:
         "max_model_len": engine.max_model_len,
         "kv_cache_bytes": engine.kv_cache.total_bytes,
         "kv_cache_sizing": engine.kv_cache_sizing,
+        # what the weights are kept as and the activations' dtype (docs/architecture.md#quantized-weights)
+        "quantization": engine.quantization,
+        "dtype": str(engine.dtype).removeprefix("torch."),
         "max_num_seqs": engine.config.scheduler.max_num_seqs,
         "max_num_batched_tokens": engine.config.scheduler.max_num_batched_tokens,
         "prefill_tokens_per_second": engine.stats.prefill_tokens_per_second,

@@ -84,6 +84,8 @@ def placeholder_load(config: EngineConfig) -> dict:
         "max_model_len": 0,
         "kv_cache_bytes": 0,
         "kv_cache_sizing": "",
+        "quantization": "",
+        "dtype": "",
         "max_num_seqs": sc.max_num_seqs,
         "max_num_batched_tokens": sc.max_num_batched_tokens,
         "prefill_tokens_per_second": 0.0,

@@ -349,6 +349,14 @@ class _LoadGauges(Collector):
                 1,
             )
         yield info
+        model_info = GaugeMetricFamily(
+            "kvpilot_model_config_info",
+            "Model weights configuration (value 1): quantization kept and activation dtype.",
+            labels=["model_name", "quantization", "dtype"],
+        )
+        if snap.get("quantization"):
+            model_info.add_metric([m, snap["quantization"], snap.get("dtype", "")], 1)
+        yield model_info
         phase = GaugeMetricFamily(
             "kvpilot_server_phase", "1 for the server's current phase.", labels=["model_name", "phase"]
         )

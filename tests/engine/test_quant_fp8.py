@@ -18,12 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from prometheus_client import generate_latest
 from safetensors.torch import load_file, save_file
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.fp8_linear import Fp8Linear, Fp8Weight, dequantize_fp8, quantize_fp8
 from kvpilot.engine.model.quantization import resolve_quantization, weights_bytes
 from kvpilot.engine.model.tiny import write_tiny_llama
+from kvpilot.engine.server.metrics import ServerMetrics
+from kvpilot.engine.stats import load_snapshot
 
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 200, "max_num_batched_tokens": 128, "max_num_seqs": 4}
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -217,6 +220,13 @@ def test_cuda_path_keeps_e4m3_layers(checkpoints, monkeypatch):
     assert tokens == twin_tokens
     for ours, twin in zip(logprobs, twin_logprobs, strict=True):
         torch.testing.assert_close(ours, twin, atol=1e-5, rtol=0)
+    # /load and the model-config info metric say what the weights are kept as
+    snap = load_snapshot(llm.engine)
+    assert (snap["quantization"], snap["dtype"]) == ("fp8", "float32")
+    metrics = ServerMetrics("tiny")
+    metrics.attach_gauges(lambda: snap, lambda: "ready")
+    exposed = generate_latest(metrics.registry).decode()
+    assert 'kvpilot_model_config_info{dtype="float32",model_name="tiny",quantization="fp8"} 1.0' in exposed
 
 
 def test_fp8_quantizes_a_float_checkpoint_per_row(checkpoints, monkeypatch):

@@ -31,6 +31,8 @@ LOAD_FIELDS = {
     "max_model_len": int,
     "kv_cache_bytes": int,
     "kv_cache_sizing": str,
+    "quantization": str,
+    "dtype": str,
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "prefill_tokens_per_second": float,

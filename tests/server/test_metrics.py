@@ -140,4 +140,6 @@ def test_gauges_follow_the_load_snapshot(tiny_server):
         == 1
     )
     assert samples[f'kvpilot_server_phase{{{M},phase="ready"}}'] == 1
+    assert (load["quantization"], load["dtype"]) == ("none", "float32")  # a float checkpoint on CPU
+    assert samples[f'kvpilot_model_config_info{{dtype="float32",{M},quantization="none"}}'] == 1
     assert samples[f'kvpilot_slo_objective_seconds{{{M},objective="ttft"}}'] == 60
