@@ -87,11 +87,18 @@ def tokens_in(event: Event) -> int:
     return sum(len((c.get("logprobs") or {}).get("tokens", ())) for c in event.data["choices"])
 
 
-def produced_through(events: list[Event], tokens: int) -> int:
-    """Raw bytes of the response up to the end of the event that carries its ``tokens``-th token."""
-    seen = 0
+def produced_through(events: list[Event], tokens: int, held_back: int = 0) -> int:
+    """Raw bytes of the response up to the end of the event that carries its ``tokens``-th token. Up to
+    ``held_back`` of them may never have been sent — generated, their text held back (an incomplete UTF-8
+    character) when the request was cancelled — and take no bytes."""
+    seen, last = 0, 0
     for event in events:
-        seen += tokens_in(event)
+        carried = tokens_in(event)
+        seen += carried
+        if carried:
+            last = event.end
         if seen >= tokens:
             return event.end
+    if tokens - seen <= held_back:
+        return last
     raise AssertionError(f"the stream carries {seen} tokens, fewer than {tokens}")
