@@ -73,7 +73,7 @@ def wait_idle_at_the_activator(cluster: HarnessCluster, namespace: str) -> str:
         status = status_of(cluster, namespace)
         pods = cluster.list("v1/pods", namespace)
         replicas = [p for p in pods if "kvpilot.dev/inferenceservice" in p["metadata"]["labels"]]
-        if status.get("phase") != "Idle" or replicas:
+        if status.get("phase") != "Idle" or status.get("readyReplicas") != 0 or replicas:
             return None
         endpoint = client_endpoint(cluster, namespace)
         return endpoint[1] if endpoint and endpoint[0].startswith(f"{NAME}-activator") else None
