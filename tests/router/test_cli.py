@@ -54,6 +54,11 @@ def test_help_lists_the_contract_flags(capsys):
         (["--replicas", "http://a:1", "--port", "70000"], "--port must be 0..65535"),
         (["--replicas", "http://a:1", "--model", "/no/such/model"], "cannot resolve model '/no/such/model'"),
         (["--endpointslices", "svc-engines"], "--endpointslices needs --namespace"),
+        (
+            ["--replicas", "http://a:1", "--stream-buffer-bytes", "1000"],
+            "--stream-buffer-bytes must be >= 16384",
+        ),
+        (["--replicas", "http://a:1", "--write-stall-timeout", "-1"], "--write-stall-timeout must be >= 0"),
     ],
 )
 def test_invalid_flags_end_in_one_line_and_status_2(capsys, argv, message):

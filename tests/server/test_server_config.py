@@ -61,6 +61,8 @@ def test_flags_map_onto_the_config(monkeypatch):
         (["--slo-tpot", "0"], "--slo-tpot must be > 0"),
         (["--tenant-burst", "0.5"], "--tenant-burst must be >= 1"),
         (["--stream-buffer-chunks", "1"], "--stream-buffer-chunks must be >= 2"),
+        (["--stream-buffer-bytes", "1000"], "--stream-buffer-bytes must be >= 16384"),
+        (["--write-stall-timeout", "nan"], "--write-stall-timeout must be >= 0"),
         (["--timeout-keep-alive", "0"], "--timeout-keep-alive must be > 0"),
         (["--warmup-buckets", "x"], "--warmup-buckets: 'x' is not BATCHxTOKENS"),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
