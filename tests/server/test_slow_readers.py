@@ -53,7 +53,7 @@ def _serve(start_in_process, **config):
 
 
 def test_security_a_stalled_reader_holds_at_most_the_byte_budget_then_loses_its_request(start_in_process):
-    server = _serve(start_in_process, backpressure_timeout_s=1.5)
+    server = _serve(start_in_process, backpressure_timeout_s=2.5)  # room to see the pause
     client = StalledReader(server.url, "/v1/completions", REQUEST)
     try:
         client.read(100_000)  # fast at first: the kernel would grow an unset send buffer meanwhile
