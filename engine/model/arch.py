@@ -14,7 +14,7 @@ from typing import Any
 
 from kvpilot.engine.model.families import DENSE_MODEL_TYPES, family_traits
 from kvpilot.engine.model.moe_arch import MOE_MODEL_TYPES, MoEArch, dense_view, moe_settings
-from kvpilot.engine.model.rope_config import rope_settings
+from kvpilot.engine.model.rope_config import rope_settings, rotary_dim
 
 #: vision-language checkpoints whose text model is served (``text_config``; the vision tower is not loaded)
 MULTIMODAL_TEXT_TYPES = {"gemma3": "gemma3_text"}
@@ -74,6 +74,8 @@ class ModelArchConfig:
     #: the text model of a vision-language checkpoint (``gemma3``): its weights sit under
     #: ``language_model.``, the vision tower's are not loaded and images are not accepted
     text_only: bool = False
+    #: dims of each head RoPE rotates (``head_dim`` x ``partial_rotary_factor``; Phi-4-mini 3/4), 0 = all
+    partial_rotary_dim: int = 0
 
     @property
     def num_query_groups(self) -> int:
@@ -84,6 +86,11 @@ class ModelArchConfig:
         """The window every layer shares (Mistral, Phi-3), None when some layer attends globally."""
         windows = set(self.layer_windows)
         return windows.pop() if len(windows) == 1 else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head RoPE rotates (the first ones; the rest pass through)."""
+        return self.partial_rotary_dim or self.head_dim
 
     @property
     def attention_scale(self) -> float:
@@ -168,6 +175,7 @@ class ModelArchConfig:
             local_rope=local_rope,
             fused_checkpoint=traits.fused_checkpoint,
             moe=moe_settings(cfg, model_type, layers),
+            partial_rotary_dim=0 if rotary_dim(cfg, head_dim) == head_dim else rotary_dim(cfg, head_dim),
         )
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:

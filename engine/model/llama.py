@@ -54,7 +54,7 @@ class LlamaForCausalLM(nn.Module):
                 specs.append(layer.self_attn.rope_spec)
         with torch.device("cpu"):
             self.rotaries = nn.ModuleList(
-                RotaryEmbedding(arch.head_dim, arch.max_position_embeddings, theta, scaling, dtype)
+                RotaryEmbedding(arch.rotary_dim, arch.max_position_embeddings, theta, scaling, dtype)
                 for theta, scaling in specs
             )
         #: per layer, its index into ``rotaries``

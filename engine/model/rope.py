@@ -172,8 +172,16 @@ class RotaryEmbedding(torch.nn.Module):
     def rotate(
         q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with the step's ``tables``."""
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """Rotate ``q`` [T, Hq, D] and ``k`` [T, Hkv, D] with the step's ``tables``; tables narrower than D
+        rotate each head's first dims only (partial rotary, as HF's Phi3)."""
+        rot = cos.shape[-1]
+        if rot == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q_rot, k_rot = q[..., :rot], k[..., :rot]
+        return (
+            torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., rot:]), dim=-1),
+            torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., rot:]), dim=-1),
+        )
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

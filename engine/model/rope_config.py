@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+#: families whose attention rotates only the first ``partial_rotary_factor`` of each head (HF's Phi3)
+PARTIAL_ROTARY_TYPES = ("phi3",)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # keys of a ``rope_parameters`` dict that are no scaling parameter
 _BASE_KEYS = ("rope_theta", "rope_type", "type")
@@ -52,9 +54,12 @@ def rope_settings(
         raw = cfg.get("rope_scaling") or {}
         scaling = {k: v for k, v in raw.items() if k not in _BASE_KEYS}
         kind = raw.get("rope_type", raw.get("type", "default")) if raw else "default"
-    partial = scaling.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} (RoPE on part of each head) is not supported")
+    partial = float(scaling.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0 and cfg.get("model_type") not in PARTIAL_ROTARY_TYPES:
+        raise ValueError(
+            f"partial_rotary_factor {partial} (RoPE on part of each head) is supported for "
+            f"{', '.join(PARTIAL_ROTARY_TYPES)} only"
+        )
     if kind == "su" or (kind == "yarn" and cfg.get("model_type") == "phi3"):
         kind = "longrope"  # Phi-3's names for LongRoPE (transformers' Phi3Config maps them the same way)
     if kind not in SUPPORTED_ROPE_TYPES:
@@ -71,7 +76,7 @@ def rope_settings(
             "original_max_position_embeddings", cfg.get("original_max_position_embeddings", max_pos)
         )
     if kind == "longrope":
-        _check_longrope(scaling, cfg, max_pos)
+        _check_longrope(scaling, cfg, max_pos, partial)
     served = max_pos
     if kind in ("dynamic", "yarn"):
         factor = scaling.get("factor") or max_pos / float(scaling["original_max_position_embeddings"])
@@ -79,15 +84,24 @@ def rope_settings(
     return float(theta), scaling, served
 
 
-def _check_longrope(scaling: dict[str, Any], cfg: dict[str, Any], max_pos: int) -> None:
+def rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
+    """The dims of each head RoPE rotates: ``head_dim`` times ``partial_rotary_factor`` (HF's rounding)."""
+    params = cfg.get("rope_parameters")
+    flat = isinstance(params, dict) and not any(isinstance(v, dict) for v in params.values())
+    partial = (params.get("partial_rotary_factor") if flat else None) or cfg.get("partial_rotary_factor")
+    return int(head_dim * float(partial or 1.0))
+
+
+def _check_longrope(scaling: dict[str, Any], cfg: dict[str, Any], max_pos: int, partial: float) -> None:
     """LongRoPE needs one short and one long factor per rotated frequency pair; the magnitude factor
     defaults as HF computes it, from ``max_position_embeddings / original_max_position_embeddings``."""
     heads = int(cfg.get("num_attention_heads") or 1)
     head_dim = int(cfg.get("head_dim") or int(cfg.get("hidden_size", 2 * heads)) // heads)
+    pairs = int(head_dim * partial) // 2
     for key in ("short_factor", "long_factor"):
         factors = scaling.get(key)
-        if not isinstance(factors, list) or len(factors) != head_dim // 2:
+        if not isinstance(factors, list) or len(factors) != pairs:
             raise ValueError(
-                f"RoPE type 'longrope' needs {key} as a list of head_dim / 2 = {head_dim // 2} numbers"
+                f"RoPE type 'longrope' needs {key} as a list of rotated dims / 2 = {pairs} numbers"
             )
     scaling.setdefault("max_position_embeddings", max_pos)

@@ -21,17 +21,19 @@ void kvp_add_rms_norm(float *residual, int64_t rs, const float *delta, int64_t d
     }
 }
 
-/* Rotate-half RoPE in place on the first num_heads heads of each row of x (stride xs):
- * x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, with cos/sin rows [max_pos, D] (the halves repeat). */
-void kvp_rope_inplace(float *x, int64_t xs, int64_t T, int64_t num_heads, int64_t D, const int64_t *positions,
-                      const float *cos_table, const float *sin_table, int nthreads) {
+/* Rotate-half RoPE in place on the first num_heads heads (head_stride floats apart) of each row of x
+ * (stride xs): x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin over each head's first D dims, with cos/sin
+ * rows [max_pos, D] (the halves repeat). D < head_stride is partial rotary (Phi-4-mini): the rest of a
+ * head passes through. */
+void kvp_rope_inplace(float *x, int64_t xs, int64_t T, int64_t num_heads, int64_t D, int64_t head_stride,
+                      const int64_t *positions, const float *cos_table, const float *sin_table, int nthreads) {
     int64_t half = D / 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 4)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos_table + positions[t] * D;
         const float *s = sin_table + positions[t] * D;
         for (int64_t h = 0; h < num_heads; h++) {
-            float *x1 = x + t * xs + h * D, *x2 = x1 + half;
+            float *x1 = x + t * xs + h * head_stride, *x2 = x1 + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
                 float a = x1[i], b = x2[i];

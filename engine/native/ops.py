@@ -24,7 +24,7 @@ _F = ctypes.c_float
 _T = ctypes.c_int
 _SIGNATURES = {
     "kvp_add_rms_norm": (_P, _I, _P, _I, _P, _P, _I, _I, _F, _T),
-    "kvp_rope_inplace": (_P, _I, _I, _I, _I, _P, _P, _P, _T),
+    "kvp_rope_inplace": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _T),
     "kvp_write_kv": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _T),
     "kvp_silu_mul": (_P, _P, _I, _I, _T),
     "kvp_gelu_tanh_mul": (_P, _P, _I, _I, _T),
@@ -147,15 +147,20 @@ class NativeOps:
         cos: torch.Tensor,
         sin: torch.Tensor,
     ) -> None:
-        """Rotate the first ``num_heads`` heads of every row of ``x`` in place (rotate-half RoPE)."""
+        """Rotate the first ``num_heads`` heads of every row of ``x`` in place (rotate-half RoPE) over their
+        first ``cos.shape[1]`` dims (all ``head_dim`` of them, or fewer: partial rotary)."""
         xs = _rows(x, "x")
-        if x.shape[1] < num_heads * head_dim or head_dim % 2:
-            raise ValueError(f"x rows ({x.shape[1]}) must hold {num_heads} heads of even size {head_dim}")
+        rotary = cos.shape[1] if cos.dim() == 2 else 0
+        if x.shape[1] < num_heads * head_dim or rotary % 2 or not 0 < rotary <= head_dim:
+            raise ValueError(
+                f"x rows ({x.shape[1]}) must hold {num_heads} heads of {head_dim}, each rotated over an even "
+                f"number of dims up to {head_dim} (the tables' width, {rotary})"
+            )
         _contiguous(positions, "positions", torch.int64)
         for table, name in ((cos, "cos"), (sin, "sin")):
             _contiguous(table, name, torch.float32)
-            if table.dim() != 2 or table.shape[1] != head_dim:
-                raise ValueError(f"{name} table must be [max_position, {head_dim}], got {tuple(table.shape)}")
+            if table.dim() != 2 or table.shape[1] != rotary:
+                raise ValueError(f"{name} table must be [max_position, {rotary}], got {tuple(table.shape)}")
         if positions.numel() != x.shape[0]:
             raise ValueError(f"{positions.numel()} positions for {x.shape[0]} rows")
         if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < cos.shape[0]:
@@ -165,6 +170,7 @@ class NativeOps:
             xs,
             x.shape[0],
             num_heads,
+            rotary,
             head_dim,
             positions.data_ptr(),
             cos.data_ptr(),

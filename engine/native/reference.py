@@ -25,9 +25,11 @@ def reference_rope_(
     cos: torch.Tensor,
     sin: torch.Tensor,
 ) -> None:
-    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)
+    """Rotate-half RoPE over each head's first ``cos.shape[1]`` dims (partial rotary: the rest pass)."""
+    rotary = cos.shape[1]
+    heads = x[:, : num_heads * head_dim].view(x.shape[0], num_heads, head_dim)[..., :rotary]
     c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-    half = head_dim // 2
+    half = rotary // 2
     rotated = torch.cat((-heads[..., half:], heads[..., :half]), dim=-1)
     heads.copy_(heads * c + rotated * s)
 

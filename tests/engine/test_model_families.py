@@ -47,6 +47,10 @@ CONTROLS = {
     "llama3": {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
     "qwen3": {"use_sliding_window": False},
     "phi3": {"rope_parameters": {**FAMILIES["phi3"][2]["rope_parameters"], "long_factor": [1.0] * 8}},
+    "phi3-partial": {
+        "rope_parameters": {**FAMILIES["phi3"][2]["rope_parameters"], "partial_rotary_factor": 1.0},
+        "original_max_position_embeddings": 24,
+    },
     "gemma2": {"attn_logit_softcapping": None, "final_logit_softcapping": None},
     "gemma3": {
         "rope_parameters": {
@@ -130,6 +134,7 @@ def test_arch_reads_each_familys_features(models) -> None:
     assert arch["qwen3"].qk_norm and arch["qwen3"].layer_windows == (None, None, 8, 8)
     assert arch["phi3"].fused_checkpoint and arch["phi3"].rope_scaling["rope_type"] == "longrope"
     assert arch["phi3"].layer_windows == (24,) * 4 and arch["phi3"].sliding_window == 24
+    assert (arch["phi3"].rotary_dim, arch["phi3-partial"].rotary_dim) == (16, 12)
     gemma2 = arch["gemma2"]
     assert (gemma2.layer_windows, gemma2.sliding_window) == ((8, None, 8, None), None)
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.attention_scale) == (

@@ -36,19 +36,24 @@ def test_add_rms_norm(kernels, tokens, hidden, with_delta):
     assert torch.equal(base[:, hidden:], base[:, hidden:].clone())
 
 
-@pytest.mark.parametrize("heads, head_dim", [(9, 64), (4, 16), (2, 128)])
-def test_rope_rotates_only_the_given_heads(kernels, heads, head_dim):
+# (heads, head_dim, rotated dims per head): whole heads, and partial rotary (Phi-4-mini: 3/4 of a head)
+@pytest.mark.parametrize("heads, head_dim, rotary", [(9, 64, 64), (4, 16, 16), (2, 128, 128), (5, 32, 24)])
+def test_rope_rotates_only_the_given_heads(kernels, heads, head_dim, rotary):
     g = _gen(heads * head_dim)
     tokens, extra = 6, 2 * head_dim  # the row also holds two heads that must stay untouched
     x = torch.randn(tokens, heads * head_dim + extra, generator=g)
     positions = torch.tensor([0, 5, 1, 99, 3, 3])
-    angles = torch.randn(100, head_dim // 2, generator=g)
+    angles = torch.randn(100, rotary // 2, generator=g)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     expected = x.clone()
     reference.reference_rope_(expected, heads, head_dim, positions, cos, sin)
     kernels.rope_(x, heads, head_dim, positions, cos, sin)
     torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-6)
     assert torch.equal(x[:, heads * head_dim :], expected[:, heads * head_dim :])
+    if rotary < head_dim:  # each head's unrotated tail is left as it was
+        tails = x[:, : heads * head_dim].view(tokens, heads, head_dim)[..., rotary:]
+        before = expected[:, : heads * head_dim].view(tokens, heads, head_dim)[..., rotary:]
+        assert torch.equal(tails, before)
 
 
 def test_write_kv_scatters_into_hnd_blocks_and_skips_padding(kernels):

@@ -160,7 +160,7 @@ def test_v5_form_reads_theta_scaling_and_served_length() -> None:
     [
         (
             {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
-            r"'longrope' needs short_factor as a list of head_dim / 2",
+            r"'longrope' needs short_factor as a list of rotated dims / 2",
         ),
         ({"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 1e4}}, "unsupported RoPE type"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "per layer type"),

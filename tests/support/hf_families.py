@@ -92,6 +92,21 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], str]] = {
         {"rope_parameters": PHI3_ROPE, "original_max_position_embeddings": 24, "sliding_window": 24},
         PHI3_TEMPLATE,
     ),
+    # Phi-4-mini's layout: RoPE (LongRoPE) on the first 3/4 of each head only, 6 frequency pairs of 16 dims
+    "phi3-partial": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {
+            "rope_parameters": {
+                **PHI3_ROPE,
+                "partial_rotary_factor": 0.75,
+                "short_factor": PHI3_ROPE["short_factor"][:6],
+                "long_factor": PHI3_ROPE["long_factor"][:6],
+            },
+            "original_max_position_embeddings": 24,
+        },
+        PHI3_TEMPLATE,
+    ),
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
