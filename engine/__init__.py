@@ -26,6 +26,8 @@ are torch-free and shared with the router):
 
 The engine and its tick:
 - ``engine_core``        ``LLMEngine``: add requests, ``step()`` (one scheduler tick), abort, invariants
+- ``engine_setup``       start-up: a served model (weights, backend, quantization; target and draft) and the
+                         paged KV cache sized for it
 - ``scheduler``          token-budget scheduler: continuous batching, chunked prefill, preemption
 - ``model_runner``       builds the flattened batch of a tick and runs the model
 - ``input_batch``        the persistent batch: per-slot token ids and sampling parameters, each step's flat

@@ -15,30 +15,19 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.engine.attention.backend import select_backend
-from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.beam_search import BeamSearch
-from kvpilot.engine.capacity_plan import kv_cache_sizing, plan_max_model_len, plan_num_kv_blocks
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.engine_setup import build_paged_kv, load_served_model, memory_baseline
 from kvpilot.engine.input_batch import InputBatch
-from kvpilot.engine.kv.block_hash import root_hash
-from kvpilot.engine.kv.block_pool import BlockPool
-from kvpilot.engine.kv.block_table import BlockTableTensor
-from kvpilot.engine.kv.capacity import blocks_for_tokens, kv_bytes_per_token
 from kvpilot.engine.kv.events import KVEventLog
-from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
-from kvpilot.engine.kv.manager import KVCacheManager
-from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_budget, take_baseline
-from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.memory_profile import DeviceMemory
 from kvpilot.engine.model.loader import (
-    load_model,
     resolve_device,
     resolve_dtype,
     resolve_linear_backend,
     resolve_native_ops,
 )
-from kvpilot.engine.model.quantization import resolve_quantization
-from kvpilot.engine.model.registry import default_cache_dir, gguf_source, model_fingerprint, resolve_model
+from kvpilot.engine.model.registry import default_cache_dir
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
@@ -73,25 +62,7 @@ class LLMEngine(StepOutputs):
         mc, cc = config.model, config.cache
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.device)
-        self.model_dir = resolve_model(mc.model, cache_dir=mc.download_dir)
-        self.arch = arch = ModelArchConfig.from_dir(self.model_dir)
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.served_model_name = mc.served_model_name or mc.model
-        self.backend = select_backend(
-            config.attention_backend,
-            self.device,
-            num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
-            head_dim=arch.head_dim,
-            scale=arch.head_dim**-0.5,
-            sliding_window=arch.sliding_window,
-        )
-        if self.device.type == "cuda" and self.backend.name == "triton":
-            # before the weights load and the first forward: an image without a C compiler (or Python.h,
-            # libcuda) fails start-up in seconds, with a message naming what is missing
-            from kvpilot.engine.attention.gpu_preflight import check_triton_launch
-
-            check_triton_launch(self.device)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         self.native_ops = resolve_native_ops(
             config.native_cpu_ops,
@@ -99,106 +70,47 @@ class LLMEngine(StepOutputs):
             self.dtype,
             Path(mc.download_dir) if mc.download_dir else default_cache_dir(),
         )
-        gguf_path = gguf_source(mc.model)
+        memory = memory_baseline(config, self.device, device_memory)  # before any weights load
+        target = load_served_model(
+            mc.model, config, self.device, self.dtype, self.linear_backend, self.native_ops, mc.quantization
+        )
+        self.model_dir, self.arch, self.backend, self.model = (
+            target.model_dir,
+            target.arch,
+            target.backend,
+            target.model,
+        )
+        arch = self.arch
         #: ``none``, ``gguf``, ``int8`` or ``fp8``: what the weights are kept as
         #: (docs/architecture.md#quantized-weights)
-        self.quantization = resolve_quantization(
-            mc.quantization, gguf_path, self.device, self.dtype, self.native_ops, self.model_dir
-        )
-        #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
-        self.kv_cache_sizing = kv_cache_sizing(cc, self.device)
-        if self.kv_cache_sizing in ("num_kv_blocks", "kv_cache_memory_bytes"):
-            device_memory = None  # a fixed size: nothing to profile
-        elif device_memory is None and self.kv_cache_sizing == "gpu_memory_utilization":
-            device_memory = CudaMemory(self.device)
-        # taken before the weights load: what other processes use
-        baseline = take_baseline(device_memory) if device_memory is not None else None
-        self.model = load_model(
-            self.model_dir,
-            self.dtype,
-            self.device,
-            self.backend,
-            self.linear_backend,
-            batch_hint=min(config.scheduler.max_num_seqs, 64),
-            native=self.native_ops,
-            quantization=self.quantization,
-            gguf_path=gguf_path,
-        )
-        if isinstance(self.backend, TorchAttentionBackend):
-            self.backend.native = self.native_ops
-        self.kv_bytes_per_token = kv_bytes_per_token(
-            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
-        )
+        self.quantization = target.quantization
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.kv_bytes_per_token = target.kv_bytes_per_token
         #: speculative decoding (docs/architecture.md#speculative-decoding); None = off
         self.speculative = spec = config.speculative_config
         self.draft_model = None
         if spec is not None and spec.method == "draft_model":
             assert spec.model is not None  # the config requires it for this method
             self.draft_model = DraftModel(self, spec.model)
-        profiled_budget = None
-        if device_memory is not None and baseline is not None:
-            sc = config.scheduler
-            profiled_budget = profiled_kv_budget(
-                self.model,
-                device_memory,
-                baseline,
-                device=self.device,
-                dtype=self.dtype,
-                block_size=cc.block_size,
-                max_num_batched_tokens=sc.max_num_batched_tokens,
-                max_num_seqs=sc.max_num_seqs,
-                max_model_len=mc.max_model_len or arch.max_position_embeddings,
-                kv_layout=self.backend.kv_cache_layout,
-                utilization=cc.gpu_memory_utilization,
-            )
-            self.kv_cache_sizing = "gpu_memory_utilization"
+        self.kv_events = KVEventLog()
         # a draft model's cache lives over the same blocks: a block costs both models' K/V
         draft_bytes = self.draft_model.kv_bytes_per_token if self.draft_model is not None else 0
-        num_blocks = plan_num_kv_blocks(cc, self.kv_bytes_per_token + draft_bytes, profiled_budget)
-        log.info(
-            "KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)",
-            num_blocks,
-            cc.block_size,
-            num_blocks * cc.block_size * self.kv_bytes_per_token / (1 << 30),
-            self.kv_cache_sizing,
-        )
-        self.max_model_len = plan_max_model_len(
-            mc.max_model_len, arch.max_position_embeddings, (num_blocks - 1) * cc.block_size
-        )
-        self.kv_cache = KVCache(
-            arch.num_hidden_layers,
-            num_blocks,
-            cc.block_size,
-            arch.num_key_value_heads,
-            arch.head_dim,
-            self.dtype,
-            self.device,
-            layout=self.backend.kv_cache_layout,
-        )
+        paged = build_paged_kv(config, target, self.device, memory, self.kv_events, draft_bytes)
+        self.kv_cache, self.pool, self.kv = paged.kv_cache, paged.pool, paged.kv
+        self.max_model_len = paged.max_model_len
+        #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
+        self.kv_cache_sizing = paged.sizing
+        self.model_identity = target.identity()
         if self.draft_model is not None:
-            self.draft_model.allocate_cache(num_blocks, cc.block_size, self.backend.kv_cache_layout)
-        swap = None
-        if cc.swap_space > 0:
-            swap_blocks = int(cc.swap_space * (1 << 30)) // (self.kv_bytes_per_token * cc.block_size)
-            swap = HostSwapSpace(self.kv_cache, max(1, swap_blocks))
-        self.kv_events = KVEventLog()
-        # quantized weights compute other K/V than float ones: their prefix-cache chain is another one
-        quantized = "" if self.quantization == "none" else f":{self.quantization}"
-        self.model_identity = f"{model_fingerprint(self.model_dir)}:{self.dtype}{quantized}"
-        self.pool = BlockPool(num_blocks, cc.enable_prefix_caching, self.kv_events)
-        # the persistent batch (docs/architecture.md#persistent-batch): a slot per sequence holding blocks
-        block_tensor = BlockTableTensor(
-            config.scheduler.max_num_seqs, blocks_for_tokens(self.max_model_len, cc.block_size), self.device
-        )
-        self.kv = KVCacheManager(
-            self.pool, cc.block_size, root_hash(self.model_identity), self.kv_cache, swap, block_tensor
-        )
+            self.draft_model.allocate_cache(
+                self.kv_cache.num_blocks, cc.block_size, self.backend.kv_cache_layout
+            )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             self.device,
-            InputBatch(block_tensor, self.max_model_len, cc.block_size, self.device),
+            InputBatch(paged.block_tensor, self.max_model_len, cc.block_size, self.device),
         )
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids

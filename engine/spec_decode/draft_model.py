@@ -20,17 +20,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from kvpilot.engine.attention.backend import select_backend
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.engine_setup import load_served_model
 from kvpilot.engine.input_batch import StepBatch
 from kvpilot.engine.kv.block_table import BlockTableTensor
-from kvpilot.engine.kv.capacity import kv_bytes_per_token
 from kvpilot.engine.kv.kv_cache import KVCache
-from kvpilot.engine.model.arch import ModelArchConfig
-from kvpilot.engine.model.loader import load_model
-from kvpilot.engine.model.quantization import resolve_quantization
-from kvpilot.engine.model.registry import gguf_source, resolve_model
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
 
@@ -40,42 +34,29 @@ if TYPE_CHECKING:
 
 class DraftModel:
     def __init__(self, engine: LLMEngine, model: str) -> None:
-        mc = engine.config.model
+        served = load_served_model(
+            model,
+            engine.config,
+            engine.device,
+            engine.dtype,
+            engine.linear_backend,
+            engine.native_ops,
+            "auto",
+        )
         self.device, self.dtype = engine.device, engine.dtype
-        self.model_dir = resolve_model(model, cache_dir=mc.download_dir)
-        self.arch = arch = ModelArchConfig.from_dir(self.model_dir)
-        if arch.vocab_size != engine.arch.vocab_size:
+        self.model_dir, self.arch, self.backend, self.model = (
+            served.model_dir,
+            served.arch,
+            served.backend,
+            served.model,
+        )
+        if self.arch.vocab_size != engine.arch.vocab_size:
             raise ValueError(
-                f"speculative_config: the draft model {model!r} has a vocabulary of {arch.vocab_size} "
+                f"speculative_config: the draft model {model!r} has a vocabulary of {self.arch.vocab_size} "
                 f"tokens, the target {engine.arch.vocab_size}: a draft must share the target's tokenizer"
             )
-        self.backend = select_backend(
-            engine.config.attention_backend,
-            self.device,
-            num_heads=arch.num_attention_heads,
-            num_kv_heads=arch.num_key_value_heads,
-            head_dim=arch.head_dim,
-            scale=arch.head_dim**-0.5,
-            sliding_window=arch.sliding_window,
-        )
-        gguf_path = gguf_source(model)
-        self.model = load_model(
-            self.model_dir,
-            self.dtype,
-            self.device,
-            self.backend,
-            engine.linear_backend,
-            batch_hint=min(engine.config.scheduler.max_num_seqs, 64),
-            native=engine.native_ops,
-            quantization=resolve_quantization("auto", gguf_path, self.device, self.dtype, engine.native_ops),
-            gguf_path=gguf_path,
-        )
-        if isinstance(self.backend, TorchAttentionBackend):
-            self.backend.native = engine.native_ops
         #: what the draft's cache costs per token (the engine sizes its blocks for both caches)
-        self.kv_bytes_per_token = kv_bytes_per_token(
-            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
-        )
+        self.kv_bytes_per_token = served.kv_bytes_per_token
         self.cache: KVCache | None = None
 
     def allocate_cache(self, num_blocks: int, block_size: int, layout: str) -> None:

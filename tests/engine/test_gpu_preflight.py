@@ -179,7 +179,7 @@ class _StopBeforeLoading(Exception):
 def fake_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
     """LLMEngine on a pretend CUDA device (no CUDA call happens before the weights load, which is
     replaced by ``_StopBeforeLoading``); returns the devices the Triton check ran for."""
-    from kvpilot.engine import engine_core
+    from kvpilot.engine import engine_setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -189,7 +189,7 @@ def fake_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
     def load_model(*args, **kwargs):
         raise _StopBeforeLoading
 
-    monkeypatch.setattr(engine_core, "load_model", load_model)
+    monkeypatch.setattr(engine_setup, "load_model", load_model)
     checks: list[torch.device] = []
     monkeypatch.setattr(gpu_preflight, "check_triton_launch", checks.append)
     return checks

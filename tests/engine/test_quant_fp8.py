@@ -209,7 +209,7 @@ def test_cuda_path_keeps_e4m3_layers(checkpoints, monkeypatch):
     """What ``quantization`` resolves to on CUDA, forced here on CPU: the projections hold the checkpoint's
     e4m3 bytes (fused q/k/v and gate/up with their own scales) and compute the dequantized model."""
     _, twin_tokens, twin_logprobs = run(checkpoints["fp8-block-dequantized"])
-    monkeypatch.setattr("kvpilot.engine.engine_core.resolve_quantization", lambda *a, **k: "fp8")
+    monkeypatch.setattr("kvpilot.engine.engine_setup.resolve_quantization", lambda *a, **k: "fp8")
     llm, tokens, logprobs = run(checkpoints["fp8-block"])
     model = llm.engine.model
     qkv = model.layers[0].self_attn.qkv_proj
@@ -231,7 +231,7 @@ def test_cuda_path_keeps_e4m3_layers(checkpoints, monkeypatch):
 
 def test_fp8_quantizes_a_float_checkpoint_per_row(checkpoints, monkeypatch):
     reference = LLM(str(checkpoints["float"]), linear_backend="torch", **ENGINE_ARGS)
-    monkeypatch.setattr("kvpilot.engine.engine_core.resolve_quantization", lambda *a, **k: "fp8")
+    monkeypatch.setattr("kvpilot.engine.engine_setup.resolve_quantization", lambda *a, **k: "fp8")
     llm, tokens, logprobs = run(checkpoints["float"])
     layers = [m for m in llm.engine.model.layers.modules() if isinstance(m, Fp8Linear)]
     assert len(layers) == 4 * 2 and all(m.scales.shape[1] == 1 for m in layers)

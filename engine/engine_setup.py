@@ -1,0 +1,195 @@
+"""How an engine is put together at start-up: a served model (weights, attention backend, quantization)
+and the paged KV cache sized for it (docs/architecture.md#kv-lifecycle). The target model and a
+speculative draft model load the same way."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvpilot.engine.attention.backend import AttentionBackend, select_backend
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.capacity_plan import kv_cache_sizing, plan_max_model_len, plan_num_kv_blocks
+from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.kv.block_hash import root_hash
+from kvpilot.engine.kv.block_pool import BlockPool
+from kvpilot.engine.kv.block_table import BlockTableTensor
+from kvpilot.engine.kv.capacity import blocks_for_tokens, kv_bytes_per_token
+from kvpilot.engine.kv.events import KVEventLog
+from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
+from kvpilot.engine.kv.manager import KVCacheManager
+from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_budget, take_baseline
+from kvpilot.engine.model.arch import ModelArchConfig
+from kvpilot.engine.model.llama import LlamaForCausalLM
+from kvpilot.engine.model.loader import load_model
+from kvpilot.engine.model.quantization import resolve_quantization
+from kvpilot.engine.model.registry import gguf_source, model_fingerprint, resolve_model
+from kvpilot.engine.native.ops import NativeOps
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServedModel:
+    """One loaded model and what its forward runs on."""
+
+    model_dir: Path
+    arch: ModelArchConfig
+    backend: AttentionBackend
+    #: ``none``, ``gguf``, ``int8`` or ``fp8``: what the weights are kept as
+    #: (docs/architecture.md#quantized-weights)
+    quantization: str
+    model: LlamaForCausalLM
+    #: activations and KV cache dtype
+    dtype: torch.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        arch = self.arch
+        return kv_bytes_per_token(
+            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
+        )
+
+    def identity(self) -> str:
+        """The model's prefix-cache identity: quantized weights compute other K/V than float ones, so their
+        hash chain is another one."""
+        quantized = "" if self.quantization == "none" else f":{self.quantization}"
+        return f"{model_fingerprint(self.model_dir)}:{self.dtype}{quantized}"
+
+
+def load_served_model(
+    name: str,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    linear_backend: str,
+    native_ops: NativeOps | None,
+    quantization: str,
+) -> ServedModel:
+    """Resolve ``name`` (a bundled name, a ``.gguf`` path or an HF directory) and load it on ``device``."""
+    model_dir = resolve_model(name, cache_dir=config.model.download_dir)
+    arch = ModelArchConfig.from_dir(model_dir)
+    backend = select_backend(
+        config.attention_backend,
+        device,
+        num_heads=arch.num_attention_heads,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        scale=arch.head_dim**-0.5,
+        sliding_window=arch.sliding_window,
+    )
+    if device.type == "cuda" and backend.name == "triton":
+        # before the weights load and the first forward: an image without a C compiler (or Python.h,
+        # libcuda) fails start-up in seconds, with a message naming what is missing
+        from kvpilot.engine.attention.gpu_preflight import check_triton_launch
+
+        check_triton_launch(device)
+    gguf_path = gguf_source(name)
+    resolved = resolve_quantization(quantization, gguf_path, device, dtype, native_ops, model_dir)
+    model = load_model(
+        model_dir,
+        dtype,
+        device,
+        backend,
+        linear_backend,
+        batch_hint=min(config.scheduler.max_num_seqs, 64),
+        native=native_ops,
+        quantization=resolved,
+        gguf_path=gguf_path,
+    )
+    if isinstance(backend, TorchAttentionBackend):
+        backend.native = native_ops
+    return ServedModel(model_dir, arch, backend, resolved, model, dtype)
+
+
+@dataclass
+class PagedKV:
+    """The paged KV cache and the bookkeeping over it."""
+
+    kv_cache: KVCache
+    pool: BlockPool
+    kv: KVCacheManager
+    #: the persistent batch's block tables (docs/architecture.md#persistent-batch)
+    block_tensor: BlockTableTensor
+    max_model_len: int
+    #: how the cache was sized (``/load``, ``kvpilot_cache_config_info``)
+    sizing: str
+
+
+def build_paged_kv(
+    config: EngineConfig,
+    target: ServedModel,
+    device: torch.device,
+    memory: tuple[DeviceMemory | None, object],
+    kv_events: KVEventLog,
+    extra_bytes_per_token: int = 0,
+) -> PagedKV:
+    """Size the cache (a fixed size, the CPU default, or what a profiled step leaves on a GPU) and build it.
+    ``memory``: ``memory_baseline``'s result; ``extra_bytes_per_token``: another cache over the same blocks
+    (a draft model's)."""
+    mc, cc, sc = config.model, config.cache, config.scheduler
+    arch, dtype = target.arch, target.dtype
+    device_memory, baseline = memory
+    sizing = kv_cache_sizing(cc, device)
+    profiled_budget = None
+    if device_memory is not None and baseline is not None:
+        profiled_budget = profiled_kv_budget(
+            target.model,
+            device_memory,
+            baseline,
+            device=device,
+            dtype=dtype,
+            block_size=cc.block_size,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_num_seqs=sc.max_num_seqs,
+            max_model_len=mc.max_model_len or arch.max_position_embeddings,
+            kv_layout=target.backend.kv_cache_layout,
+            utilization=cc.gpu_memory_utilization,
+        )
+        sizing = "gpu_memory_utilization"
+    per_token = target.kv_bytes_per_token
+    num_blocks = plan_num_kv_blocks(cc, per_token + extra_bytes_per_token, profiled_budget)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)",
+        num_blocks,
+        cc.block_size,
+        num_blocks * cc.block_size * per_token / (1 << 30),
+        sizing,
+    )
+    max_model_len = plan_max_model_len(
+        mc.max_model_len, arch.max_position_embeddings, (num_blocks - 1) * cc.block_size
+    )
+    layout = target.backend.kv_cache_layout
+    kv_cache = KVCache(
+        arch.num_hidden_layers,
+        num_blocks,
+        cc.block_size,
+        arch.num_key_value_heads,
+        arch.head_dim,
+        dtype,
+        device,
+        layout=layout,
+    )
+    swap = None
+    if cc.swap_space > 0:
+        swap_blocks = int(cc.swap_space * (1 << 30)) // (per_token * cc.block_size)
+        swap = HostSwapSpace(kv_cache, max(1, swap_blocks))
+    pool = BlockPool(num_blocks, cc.enable_prefix_caching, kv_events)
+    block_tensor = BlockTableTensor(sc.max_num_seqs, blocks_for_tokens(max_model_len, cc.block_size), device)
+    kv = KVCacheManager(pool, cc.block_size, root_hash(target.identity()), kv_cache, swap, block_tensor)
+    return PagedKV(kv_cache, pool, kv, block_tensor, max_model_len, sizing)
+
+
+def memory_baseline(config: EngineConfig, device: torch.device, device_memory: DeviceMemory | None):
+    """(device memory to profile, its baseline before any weights load) — (None, None) when the cache has a
+    fixed size or lives on the CPU."""
+    sizing = kv_cache_sizing(config.cache, device)
+    if sizing in ("num_kv_blocks", "kv_cache_memory_bytes"):
+        return None, None  # a fixed size: nothing to profile
+    if device_memory is None and sizing == "gpu_memory_utilization":
+        device_memory = CudaMemory(device)
+    # taken before the weights load: what other processes use
+    return device_memory, (take_baseline(device_memory) if device_memory is not None else None)
