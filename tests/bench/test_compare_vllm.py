@@ -1,6 +1,6 @@
 """``kvpilot.bench.compare``'s pure parts: the shared workload, flag validation, the results table and
-plots, server lifecycle, install errors, and that each entry point runs. Nothing here installs vLLM or
-loads a model."""
+plots, server lifecycle, install errors, llama.cpp's selection and command line, and that each entry point
+runs. Nothing here installs vLLM or loads a model."""
 
 from __future__ import annotations
 
@@ -15,11 +15,12 @@ from polling import wait_until
 
 from kvpilot.bench.cli import main as bench_main
 from kvpilot.bench.compare import side_by_side
+from kvpilot.bench.compare.llamacpp import gguf_of, llama_server_problem, llamacpp_spec, measure_llamacpp
 from kvpilot.bench.compare.plan import ComparePlan, PlanError
 from kvpilot.bench.compare.plots import OPEN_LOOP_PNG, THROUGHPUT_PNG, write_plots
 from kvpilot.bench.compare.probe import gemm_gflops
 from kvpilot.bench.compare.results import STATUS_FAILED, STATUS_OK, point_figures
-from kvpilot.bench.compare.runs import measure_hf
+from kvpilot.bench.compare.runs import RunError, Timeouts, measure_hf
 from kvpilot.bench.compare.servers import ManagedServer, ServerError, ServerSpec, free_port
 from kvpilot.bench.compare.systems import vllm_startup_note
 from kvpilot.bench.compare.table import render_markdown
@@ -361,3 +362,59 @@ def test_the_vllm_install_entry_point_reports_a_refused_venv_without_a_traceback
     assert result.returncode == 1
     assert "must live outside the repository" in result.stderr and "Traceback" not in result.stderr
     assert not (REPO / "bench" / "results" / "venv-never-created").exists()
+
+
+# llama.cpp's llama-server as a peer (kvpilot.bench.compare.llamacpp)
+
+
+def test_llama_cpp_joins_only_when_asked():
+    parser = side_by_side.build_parser()
+    assert side_by_side.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
+    given = parser.parse_args(["--llama-server", "/opt/llama-server", "--skip-vllm"])
+    assert side_by_side.selected_systems(given) == ["hf", "llamacpp", "kvpilot"]
+    only = parser.parse_args(["--only", "kvpilot", "--only", "llamacpp"])
+    assert side_by_side.selected_systems(only) == ["llamacpp", "kvpilot"]
+
+
+def test_the_server_gets_a_slot_per_client_on_the_same_gguf():
+    spec = llamacpp_spec(Path("/b/llama-server"), Path("/m/x.gguf"), 8123, 2, 16, ["--metrics"], {}, 60.0)
+    argv = spec.argv
+    assert argv[:3] == ["/b/llama-server", "-m", "/m/x.gguf"]
+    pairs = dict(zip(argv[3:-2:2], argv[4:-2:2], strict=True))
+    assert pairs == {
+        "--host": "127.0.0.1",
+        "--port": "8123",
+        "-t": "2",
+        "-tb": "2",
+        "-np": "16",
+        "-c": str(16 * 512),
+        "--alias": "smollm2-135m",
+    }
+    assert argv[-2:] == ["--no-webui", "--metrics"] and spec.ready_path == "/health"
+    assert gguf_of("/m/other.gguf") == Path("/m/other.gguf")
+    assert gguf_of("smollm2-135m").name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    with pytest.raises(ValueError, match=r"llama\.cpp needs a GGUF"):
+        gguf_of("tiny-random")
+
+
+def test_a_missing_binary_is_a_run_error_naming_how_to_get_one(tmp_path):
+    assert "pass --llama-server PATH or set $KVPILOT_LLAMA_SERVER" in llama_server_problem(None)
+    text = tmp_path / "llama-server"
+    text.write_text("not a program")
+    assert llama_server_problem(text) == f"{text} is not an executable file"
+    timeouts = Timeouts(10.0, 10.0, 10.0)
+    with pytest.raises(RunError, match="not an executable file"):
+        measure_llamacpp(text, "smollm2-135m", ComparePlan(), 2, [], {}, tmp_path, tmp_path, timeouts)
+
+
+def test_the_report_gets_llama_cpps_column_and_ratio():
+    summary = _summary(load_1min=0.2)
+    llama = {**summary["systems"]["kvpilot"], "describe": "llama.cpp version: 1 (abc)"}
+    llama["closed"] = {"1": llama["closed"]["1"] | {"output_tps": 40.0}, "8": llama["closed"]["8"]}
+    summary["systems"]["llamacpp"] = {**llama, "status": STATUS_OK}
+    text = render_markdown(summary)
+    # HF, vLLM (failed), llama.cpp, kvpilot; kvpilot / vLLM, kvpilot / llama.cpp, the issue's figures
+    assert "| concurrency / batch | HF generate | vLLM (CPU) | llama.cpp server | kvpilot |" in text
+    assert "| 1 | 12.8 | — | 40.0 | 20.0 | — | 0.50× | 14.0 | 24.0 |" in text
+    assert "| 8 | 51.2 | — | 90.0 | 90.0 | — | 1.00× | 60.0 | 109.0 |" in text
+    assert "| llama.cpp server | 8 | 16/16 |" in text and "- llama.cpp server: llama.cpp version: 1" in text

@@ -10,6 +10,7 @@ Package map (one responsibility per module):
 - ``side_by_side``  flags, system selection, the run of every system, results.md / summary.json / plots
 - ``plan``          the workload and load plan, the same for every system, and its ``bench serve`` flags
 - ``systems``       how vLLM's CPU build and ``kvpilot serve`` are started (argv, environment)
+- ``llamacpp``      llama.cpp's ``llama-server`` as a peer on kvpilot's GGUF (opt-in: ``--llama-server``)
 - ``servers``       one server process: start, wait for ready, always stop (its whole process group)
 - ``runs``          measuring one system: a server under ``bench serve``, or the HF floor in a child
 - ``hf_floor``      HF transformers ``generate`` in-process at static batches (run as a child process)

@@ -26,12 +26,12 @@ from kvpilot.bench.plots import to_ms
 
 THROUGHPUT_PNG = "throughput_by_concurrency.png"
 OPEN_LOOP_PNG = "open_loop_latency.png"
-COLORS = {"hf": "tab:gray", "vllm": "tab:blue", "kvpilot": "tab:orange"}
+COLORS = {"hf": "tab:gray", "vllm": "tab:blue", "llamacpp": "tab:green", "kvpilot": "tab:orange"}
 
 
 def plot_throughput(summary: dict, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in ("hf", "vllm", "kvpilot"):
+    for name in SYSTEM_TITLES:
         measured = output_tps_by_level(summary["systems"].get(name, {}))
         if measured:
             levels = sorted(measured)

