@@ -131,12 +131,12 @@ def test_each_familys_feature_changes_hf_outputs(models, tmp_path: Path, name: s
 
 def test_arch_reads_each_familys_features(models) -> None:
     arch = {name: ModelArchConfig.from_dir(directory) for name, (directory, _) in models.items()}
-    assert arch["qwen3"].qk_norm and arch["qwen3"].layer_windows == (None, None, 8, 8)
+    assert arch["qwen3"].qk_norm and arch["qwen3"].layer_windows == (None, 8)
     assert arch["phi3"].fused_checkpoint and arch["phi3"].rope_scaling["rope_type"] == "longrope"
-    assert arch["phi3"].layer_windows == (24,) * 4 and arch["phi3"].sliding_window == 24
+    assert arch["phi3"].layer_windows == (24,) * 2 and arch["phi3"].sliding_window == 24
     assert (arch["phi3"].rotary_dim, arch["phi3-partial"].rotary_dim) == (16, 12)
     gemma2 = arch["gemma2"]
-    assert (gemma2.layer_windows, gemma2.sliding_window) == ((8, None, 8, None), None)
+    assert (gemma2.layer_windows, gemma2.sliding_window) == ((8, None), None)
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap, gemma2.attention_scale) == (
         2.0,
         3.0,

@@ -25,7 +25,7 @@ _BASE: dict[str, Any] = {
     "vocab_size": VOCAB,
     "hidden_size": 64,
     "intermediate_size": 128,
-    "num_hidden_layers": 4,
+    "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
@@ -77,10 +77,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any], str]] = {
         {
             "tie_word_embeddings": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-            # layers 2 and 3 slide (HF: from max_window_layers on)
+            # layer 1 slides (HF: from max_window_layers on), layer 0 does not
             "use_sliding_window": True,
             "sliding_window": 8,
-            "max_window_layers": 2,
+            "max_window_layers": 1,
         },
         "",
     ),
