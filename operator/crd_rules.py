@@ -32,6 +32,7 @@ OPERATOR_OWNED_FLAGS = (
     "slo-tpot",
     "(no-)?enable-prefix-caching",
     "(no-)?enable-chunked-prefill",
+    "speculative-config",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
 # The KV budget of a CPU pod whose spec sets none (the engine's own CPU default); a GPU pod without one
@@ -107,6 +108,20 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel=f"self.extraArgs.all(a, !a.matches('{OWNED_FLAG_PATTERN}'))",
         message="engine.extraArgs must not repeat a flag the operator sets from the spec",
         holds=lambda e: not any(re.match(OWNED_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
+    ),
+    CrossFieldRule(
+        node=("spec", "engine", "speculative"),
+        field="draftModel",
+        cel="(self.method == 'draft_model') == has(self.draftModel)",
+        message="engine.speculative.draftModel is required with method draft_model, and only there",
+        holds=lambda s: (s["method"] == "draft_model") == ("draftModel" in s),
+    ),
+    CrossFieldRule(
+        node=("spec", "engine", "speculative"),
+        field="promptLookupMin",
+        cel="self.promptLookupMin <= self.promptLookupMax",
+        message="engine.speculative.promptLookupMin must not exceed promptLookupMax",
+        holds=lambda s: s["promptLookupMin"] <= s["promptLookupMax"],
     ),
     CrossFieldRule(
         node=("spec", "resources"),

@@ -91,6 +91,7 @@ def _engine() -> dict[str, Any]:
                 exclusive_minimum=True,
                 default=0.9,
             ),
+            "speculative": _speculative(),
             "extraArgs": {
                 "type": "array",
                 "maxItems": 64,
@@ -100,6 +101,41 @@ def _engine() -> dict[str, Any]:
             },
         },
         ("spec", "engine"),
+    )
+
+
+def _speculative() -> dict[str, Any]:
+    return obj(
+        "Speculative decoding (the engine's --speculative-config, vLLM's keys): a cheap proposer drafts "
+        "tokens and the model checks them in one forward; outputs are unchanged. Unset: off.",
+        {
+            "method": {
+                "type": "string",
+                "enum": ["ngram", "draft_model"],
+                "description": "ngram: prompt lookup (pays on text that quotes or edits its prompt); "
+                "draft_model: a smaller model with the same tokenizer (draftModel).",
+            },
+            "numSpeculativeTokens": integer("Tokens drafted per step.", 1, 16),
+            "promptLookupMin": integer("ngram: the shortest trailing n-gram that may match.", 1, 64, 1),
+            "promptLookupMax": integer("ngram: the longest trailing n-gram, tried first.", 1, 64, 4),
+            "draftModel": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 512,
+                "description": "draft_model: the draft's bundled name or a path inside the pod (e.g. on "
+                "the model's volume); it must share the model's tokenizer.",
+            },
+            "disableByBatchSize": integer(
+                "Speculation is off for steps with more decoding sequences than this (the forward is "
+                "compute-bound there).",
+                1,
+                4096,
+                8,
+            ),
+        },
+        ("spec", "engine", "speculative"),
+        required=("method", "numSpeculativeTokens"),
+        default_empty=False,
     )
 
 

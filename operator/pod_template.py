@@ -7,6 +7,7 @@ probe timing comes from ``startup.py``. The router in each pod watches the Endpo
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kvpilot.operator import api_names
@@ -93,6 +94,8 @@ def engine_args(isvc: InferenceService) -> list[str]:
     else:
         args += ["--kv-cache-memory-bytes", str(kv_bytes)]
     args += ["--slo-ttft", f"{spec.slo.ttft_seconds:g}", "--slo-tpot", f"{spec.slo.tpot_seconds:g}"]
+    if engine.speculative is not None:
+        args += ["--speculative-config", json.dumps(dict(engine.speculative), sort_keys=True)]
     return args + list(engine.extra_args)
 
 

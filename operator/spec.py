@@ -67,6 +67,8 @@ class EngineSpec:
     kv_cache_memory: str | None = None
     #: fraction of GPU memory the engine may use; sizes the KV cache of GPU pods without kv_cache_memory
     gpu_memory_utilization: float = 0.9
+    #: the engine's ``--speculative-config`` (vLLM's keys), or None = off
+    speculative: tuple[tuple[str, object], ...] | None = None
     extra_args: tuple[str, ...] = ()
 
 
@@ -182,6 +184,7 @@ class InferenceServiceSpec:
                 enable_chunked_prefill=engine["enableChunkedPrefill"],
                 kv_cache_memory=engine.get("kvCacheMemory"),
                 gpu_memory_utilization=float(engine["gpuMemoryUtilization"]),
+                speculative=_speculative_config(engine.get("speculative")),
                 extra_args=tuple(engine["extraArgs"]),
             ),
             resources=ResourcesSpec(
@@ -222,6 +225,28 @@ class InferenceServiceSpec:
                 image_pull_secrets=tuple(tenancy.get("imagePullSecrets", [])),
             ),
         )
+
+
+_SPECULATIVE_KEYS = {
+    "method": "method",
+    "numSpeculativeTokens": "num_speculative_tokens",
+    "promptLookupMin": "prompt_lookup_min",
+    "promptLookupMax": "prompt_lookup_max",
+    "draftModel": "model",
+    "disableByBatchSize": "disable_by_batch_size",
+}
+
+
+def _speculative_config(spec: dict[str, Any] | None) -> tuple[tuple[str, object], ...] | None:
+    """``engine.speculative`` in the engine's key names; prompt-lookup keys only for ``ngram``."""
+    if spec is None:
+        return None
+    lookup = ("promptLookupMin", "promptLookupMax")
+    return tuple(
+        (_SPECULATIVE_KEYS[k], v)
+        for k, v in spec.items()
+        if k in _SPECULATIVE_KEYS and (spec["method"] == "ngram" or k not in lookup)
+    )
 
 
 def _optional_float(value: Any) -> float | None:
