@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 # llama.cpp's llama_token_type values (gguf.TokenType); only these two change how text is split.
 TOKEN_TYPE_CONTROL = 3
@@ -30,7 +30,14 @@ _DIGIT_SPLITTING_PRE = frozenset(
 )
 # llama.cpp pre-tokenizer names that use the plain GPT-2 regex.
 _GPT2_REGEX_PRE = frozenset({"gpt-2", "gpt2"})
-SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_DIGIT_SPLITTING_PRE | _GPT2_REGEX_PRE))
+# llama.cpp pre-tokenizers with their own split regex, as the models' HF tokenizer.json spells it (a Split
+# before a ByteLevel without its own regex): Qwen2's (Qwen2/2.5/3 GGUFs) keeps single digits and
+# case-insensitive contractions.
+_SPLIT_REGEX_PRE = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_DIGIT_SPLITTING_PRE | _GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE)))
 
 
 @dataclass(frozen=True)
@@ -55,23 +62,29 @@ def build_byte_level_bpe(
     split_digits: bool = True,
     bos_id: int | None = None,
     add_bos: bool = False,
+    split_regex: str | None = None,
 ) -> Tokenizer:
     """A byte-level BPE tokenizer whose token ``i`` is ``tokens[i]``.
 
     ``special_ids`` become special added tokens (matched whole in text, dropped by
     ``decode(skip_special_tokens=True)``); ``user_defined_ids`` become non-special added tokens (matched
     whole, kept when decoding). ``add_bos`` prepends ``bos_id`` when encoding with special tokens.
+    ``split_regex`` replaces the GPT-2 regex (and ``split_digits``) by that pattern's pieces.
     """
     vocab = {token: index for index, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ValueError("tokenizer vocabulary has duplicate tokens; token ids would be ambiguous")
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.pre_tokenizer = (
-        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        if split_digits
-        else byte_level
-    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split_regex is None)
+    if split_regex is not None:
+        split = pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False)
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    elif split_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     offsets = processors.ByteLevel(trim_offsets=False)
     if add_bos:
@@ -133,7 +146,7 @@ def tokenizer_files_from_gguf(metadata: Mapping[str, Any], model_max_length: int
             f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') can be converted"
         )
     pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in _DIGIT_SPLITTING_PRE and pre not in _GPT2_REGEX_PRE:
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
         raise ValueError(
             f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
         )
@@ -161,6 +174,7 @@ def tokenizer_files_from_gguf(metadata: Mapping[str, Any], model_max_length: int
         split_digits=pre in _DIGIT_SPLITTING_PRE,
         bos_id=bos_id,
         add_bos=add_bos,
+        split_regex=_SPLIT_REGEX_PRE.get(pre),
     )
     config = tokenizer_config(
         tokens,

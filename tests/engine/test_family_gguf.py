@@ -71,3 +71,23 @@ def test_qwen3_gguf_blocks_are_kept_in_hf_row_order(tmp_path: Path) -> None:
             assert type(llm.engine.model.layers[0].self_attn.qkv_proj).__name__ == "QuantLinear"
         outputs[mode] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
     assert outputs["gguf"] == outputs["none"]
+
+
+def test_qwen2_pre_tokenizer_splits_as_qwens_tokenizer_json() -> None:
+    """``tokenizer.ggml.pre = qwen2`` (every Qwen2/2.5/3 GGUF) splits with Qwen2's regex: single digits,
+    case-insensitive contractions, newline runs apart; the GPT-2 regex splits ``'M`` differently."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from kvpilot.engine.model.gguf_tokenizer import tokenizer_files_from_gguf
+    from kvpilot.engine.model.tiny import bytes_to_unicode
+
+    tokens = ["<|endoftext|>", *[symbol for _, symbol in sorted(bytes_to_unicode().items())]]
+    metadata = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": []}
+
+    def pieces(pre: str) -> list[str]:
+        files = tokenizer_files_from_gguf({**metadata, "tokenizer.ggml.pre": pre}, model_max_length=64)
+        splitter = HFTokenizer.from_str(files.tokenizer_json).pre_tokenizer
+        return [piece for piece, _ in splitter.pre_tokenize_str("I'M 2024 models\n\n  ok")]
+
+    assert pieces("qwen2") == ["I", "'M", "Ġ", "2", "0", "2", "4", "Ġmodels", "ĊĊ", "Ġ", "Ġok"]
+    assert pieces("gpt2")[:3] == ["I", "'", "M"]
