@@ -110,7 +110,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": '
-        '"PATH", "num_speculative_tokens": 3}\'; "disable_by_batch_size" (default 8) switches it off for '
+        '"PATH", "num_speculative_tokens": 3}\'; "disable_by_batch_size" (default 4) switches it off for '
         "larger batches (default: off)",
     )
 

@@ -130,7 +130,7 @@ def _speculative() -> dict[str, Any]:
                 "compute-bound there).",
                 1,
                 4096,
-                8,
+                4,
             ),
         },
         ("spec", "engine", "speculative"),

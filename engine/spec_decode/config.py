@@ -23,9 +23,9 @@ _KEYS = (
     "model",
     "disable_by_batch_size",
 )
-#: on this 2-core CPU a verification row costs about what a decode row does once the step is compute-bound:
-#: bench/results/spec_decode.md measures where speculation stops paying (the default switch-off)
-DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+#: above this many decoding sequences speculation stops paying on SmolLM2 on a 2-core CPU (x1.07-1.23 at
+#: 4, x0.92-0.97 at 8: bench/results/spec_decode.md)
+DEFAULT_DISABLE_BY_BATCH_SIZE = 4
 
 
 @dataclass(frozen=True)

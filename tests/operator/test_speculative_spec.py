@@ -45,7 +45,7 @@ def test_ngram_becomes_the_engines_speculative_config_with_its_defaults():
         "num_speculative_tokens": 3,
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 4,
-        "disable_by_batch_size": 8,
+        "disable_by_batch_size": 4,
     }
     parsed = parse_speculative_config(config)  # what the engine makes of it
     assert parsed is not None and parsed.ngram.num_speculative_tokens == 3
@@ -60,7 +60,7 @@ def test_a_draft_model_passes_its_model_and_no_prompt_lookup_keys():
         "method": "draft_model",
         "num_speculative_tokens": 2,
         "model": "tiny-random",
-        "disable_by_batch_size": 8,
+        "disable_by_batch_size": 4,
     }
     parsed = parse_speculative_config(config)
     assert parsed is not None and parsed.model == "tiny-random"
