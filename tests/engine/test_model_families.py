@@ -106,9 +106,14 @@ def test_family_matches_hf_on_the_native_cpu_path(models, name: str) -> None:
     check_family(models, name, attention_backend="torch", native_cpu_ops="on")
 
 
-# the default run keeps Gemma 2 (soft-capped attention unfused, per-layer windows); the rest are slow
+# the default run keeps the families whose PyTorch path differs (soft-capped attention unfused, q/k norm,
+# per-layer RoPE, partial rotary); Llama 3 and Phi-3 only rotate differently, which the native run covers
+PYTORCH_DEFAULT = ("gemma2", "gemma3", "qwen3", "phi3-partial")
+
+
 @pytest.mark.parametrize(
-    "name", [n if n == "gemma2" else pytest.param(n, marks=pytest.mark.slow) for n in sorted(FAMILIES)]
+    "name",
+    [n if n in PYTORCH_DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in sorted(FAMILIES)],
 )
 def test_family_matches_hf_with_pytorch_ops(models, name: str) -> None:
     check_family(models, name, attention_backend="torch", native_cpu_ops="off")
