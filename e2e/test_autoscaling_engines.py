@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from harness.cluster import HarnessCluster
-from harness.process_runner import ProcessPodRunner
+from harness.process_cluster import process_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -31,17 +31,8 @@ TIMEOUT_S = 240  # a bound for a shared 2-core machine, not the expected time
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarnessCluster]:
-    workdir = tmp_path_factory.mktemp("autoscaling")
-    runner = ProcessPodRunner(workdir / "pods", kubeconfig=workdir / "kubeconfig")
-    harness = HarnessCluster(workdir, runner=runner)
-    try:
-        yield harness.start()
-    finally:
-        try:
-            harness.stop()
-        finally:
-            runner.kill_all()
-            sys.stderr.write(f"\n--- container logs ---\n{runner.log_tails()}\n")
+    with process_cluster(tmp_path_factory.mktemp("autoscaling")) as harness:
+        yield harness
 
 
 MANIFEST = """\

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import openai
 import pytest
 from harness.cluster import HarnessCluster
 from harness.file_server import FileServer
+from harness.process_cluster import process_cluster
 from harness.process_runner import ProcessPodRunner
 
 from kvpilot.engine.model.registry import bundled_smollm2_gguf
@@ -39,17 +39,8 @@ ENGINE = "{kvCacheMemory: 64Mi, extraArgs: ['--warmup-buckets', '1x8', '--native
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarnessCluster]:
     """A harness cluster whose kubelet runs real processes (replaces conftest's fake-pod cluster here)."""
-    workdir = tmp_path_factory.mktemp("delivery")
-    runner = ProcessPodRunner(workdir / "pods", kubeconfig=workdir / "kubeconfig")
-    harness = HarnessCluster(workdir, runner=runner)
-    try:
-        yield harness.start()
-    finally:
-        try:
-            harness.stop()
-        finally:
-            runner.kill_all()
-            sys.stderr.write(f"\n--- container logs ---\n{runner.log_tails()}\n")
+    with process_cluster(tmp_path_factory.mktemp("delivery")) as harness:
+        yield harness
 
 
 @pytest.fixture(scope="module")
@@ -247,12 +238,13 @@ def test_an_s3_object_is_fetched_with_signed_requests_and_served(cluster, kubect
     init container only."""
     gguf = bundled_smollm2_gguf()
     s3_mirror.serve("/models/smol/smollm2-135m.Q4_1.gguf", gguf)
+    seen = len(s3_mirror.requests)  # the module's mirror also saw the wrong-keys test's requests
     kubectl("apply", "-f", "-", stdin=s3_secret(namespace, "s3-keys", S3_KEYS))
     extra = f", sha256: {sha256(gguf)}, sizeLimit: 200Mi, servedName: smol"
     kubectl("apply", "-f", "-", stdin=manifest(namespace, "smol-s3", s3_model(s3_mirror, "s3-keys", extra)))
     assert wait_ready(cluster, namespace, "smol-s3")["readyReplicas"] == 1
     (pod,) = cluster.list("v1/pods", namespace)
-    fetched = s3_mirror.requests.index("/models/smol/smollm2-135m.Q4_1.gguf")
+    fetched = s3_mirror.requests.index("/models/smol/smollm2-135m.Q4_1.gguf", seen)
     authorization = s3_mirror.headers[fetched]["authorization"]
     assert authorization.startswith(f"AWS4-HMAC-SHA256 Credential={S3_KEYS.access_key}/")
     assert f"/{S3_REGION}/s3/aws4_request" in authorization

@@ -10,13 +10,13 @@ pass keep each engine's start to a few seconds of CPU.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 from harness.cluster import HarnessCluster
+from harness.process_cluster import process_cluster
 from harness.process_runner import ProcessPodRunner
 
 pytestmark = pytest.mark.e2e
@@ -32,18 +32,8 @@ READY_TIMEOUT_S = 90
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HarnessCluster]:
     """A harness cluster whose kubelet runs real processes (replaces conftest's fake-pod cluster here)."""
-    workdir = tmp_path_factory.mktemp("serving")
-    runner = ProcessPodRunner(workdir / "pods", kubeconfig=workdir / "kubeconfig")
-    harness = HarnessCluster(workdir, runner=runner)
-    assert harness.kubeconfig == runner.kubeconfig
-    try:
-        yield harness.start()
-    finally:
-        try:
-            harness.stop()
-        finally:
-            runner.kill_all()  # whatever the orderly stop missed (a stuck loop, a failed start)
-            sys.stderr.write(f"\n--- container logs ---\n{runner.log_tails()}\n")
+    with process_cluster(tmp_path_factory.mktemp("serving")) as harness:
+        yield harness
 
 
 def manifest(namespace: str, replicas: int) -> str:
