@@ -6,25 +6,15 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import subprocess
 import sys
 
 import pytest
+from metrics_text import scrape
 
 pytestmark = pytest.mark.e2e
 MODEL = "tiny-random"
 TINY_ARGS = ["--model", MODEL, "--num-kv-blocks", "512", "--warmup-buckets", "1x8"]
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
-
-
-def scrape(server) -> dict[str, float]:
-    samples = {}
-    for line in server.get("/metrics").text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            samples[m.group(1) + (m.group(2) or "")] = float(m.group(3))
-    return samples
 
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
