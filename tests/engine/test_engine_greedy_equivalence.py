@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from engine_device import ENGINE_DEVICE
+from engine_runs import run_checked
 from transformers import LlamaForCausalLM as HFLlama
 
 from kvpilot.engine import LLM, SamplingParams
@@ -31,23 +32,6 @@ def hf_greedy(hf: HFLlama, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def hf_tiny(tiny_model_dir):
     return HFLlama.from_pretrained(tiny_model_dir, torch_dtype=torch.float32).eval()
-
-
-def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams):
-    """Submit all prompts, step the engine by hand, check invariants after every step."""
-    engine = llm.engine
-    ids = [f"r{i}-{random.random()}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
-    # every block is free or cached once all requests finished
-    assert engine.pool.num_in_use == 0
-    return [done[r] for r in ids]
 
 
 def mixed_prompts(seed: int, count: int, lo: int, hi: int, vocab: int = 500) -> list[list[int]]:

@@ -11,6 +11,7 @@ import re
 from collections import Counter
 
 import pytest
+from engine_runs import run_checked as run
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import ConfigError, EngineArgs
@@ -24,22 +25,6 @@ DRAFT = {"method": "draft_model", "num_speculative_tokens": 3, "disable_by_batch
 def repetitive_prompts(seed: int, count: int, period: int = 8, repeats: int = 5) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 500) for _ in range(period)] * repeats for _ in range(count)]
-
-
-def run(llm: LLM, prompts, params: SamplingParams | list[SamplingParams]):
-    """Step the engine by hand, checking its invariants after every step; outputs in prompt order."""
-    engine = llm.engine
-    plist = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, plist, strict=True)):
-        engine.add_request(f"r{i}", p, sp)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        engine.check_invariants()
-    assert engine.pool.num_in_use == 0
-    return [done[f"r{i}"] for i in range(len(prompts))]
 
 
 @pytest.fixture(scope="module")
