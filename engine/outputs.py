@@ -83,3 +83,7 @@ class TerminalRecord:
     num_cached_tokens: int
     num_preemptions: int
     timings: dict[str, float | None] = field(default_factory=dict)
+    #: speculative decoding: draft tokens scored for the request's sequences, and how many were accepted
+    #: (each accepted draft is also one of ``num_generated``)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0

@@ -157,6 +157,9 @@ class Request:
         #: the draft model's distributions the drafts were sampled from ([len(drafts), V]); None = a
         #: deterministic proposal (prompt lookup, or a greedy sequence)
         self.spec_draft_probs: torch.Tensor | None = None
+        #: draft tokens verified for this sequence over its life, and how many were accepted
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     # ---- tokens --------------------------------------------------------------------------------------
     @property

@@ -81,6 +81,8 @@ class StepOutputs:
         now = time.monotonic()
         for seq, result in zip(seqs, verified, strict=True):
             self.stats.record_verification(len(seq.spec_token_ids), result.num_accepted)
+            seq.num_draft_tokens += len(seq.spec_token_ids)
+            seq.num_accepted_tokens += result.num_accepted
             for token, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs, strict=True):
                 self._append(seq, token, now, lp, top)
                 if seq.is_finished:  # a stop, EOS or max_tokens cut the speculation: the rest is dropped
@@ -284,6 +286,8 @@ class StepOutputs:
                 num_prompt_tokens=primary.num_prompt_tokens,
                 num_cached_tokens=primary.num_cached_tokens,
                 num_preemptions=sum(s.seq.num_preemptions for s in group.samples),
+                num_draft_tokens=sum(s.seq.num_draft_tokens for s in group.samples),
+                num_accepted_tokens=sum(s.seq.num_accepted_tokens for s in group.samples),
                 timings={
                     "arrival": primary.times.arrival,
                     "first_scheduled": primary.times.first_scheduled,
