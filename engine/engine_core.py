@@ -102,6 +102,7 @@ class LLMEngine(StepOutputs):
         self.kv_cache_sizing = paged.sizing
         self.model_identity = target.identity()
         if self.draft_model is not None:
+            self.draft_model.check_context(self.max_model_len)
             self.draft_model.allocate_cache(
                 self.kv_cache.num_blocks, cc.block_size, self.backend.kv_cache_layout
             )

@@ -59,6 +59,14 @@ class DraftModel:
         self.kv_bytes_per_token = served.kv_bytes_per_token
         self.cache: KVCache | None = None
 
+    def check_context(self, max_model_len: int) -> None:
+        """The draft must reach every position the target serves."""
+        if self.arch.max_position_embeddings < max_model_len:
+            raise ValueError(
+                f"speculative_config: the draft model serves {self.arch.max_position_embeddings} positions, "
+                f"the engine {max_model_len}: lower --max-model-len or use a draft with a longer context"
+            )
+
     def allocate_cache(self, num_blocks: int, block_size: int, layout: str) -> None:
         arch = self.arch
         self.cache = KVCache(

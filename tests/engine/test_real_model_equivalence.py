@@ -109,7 +109,7 @@ def test_smollm2_greedy_matches_hf_with_ngram_speculation(
     chat questions, and a copy-heavy task where most drafts are accepted."""
     from kvpilot.engine.tokenizer import Tokenizer
 
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
     llm = LLM("smollm2-135m", kv_cache_memory_bytes=64 << 20, speculative_config=spec)
     passage = "The keeper climbed the stairs at dusk, trimmed the wick and polished the lens until it shone."
     tok = Tokenizer.from_dir(smollm2_dir)
@@ -125,5 +125,44 @@ def test_smollm2_greedy_matches_hf_with_ngram_speculation(
     assert outs[-1].outputs[0].token_ids == hf_greedy_batch(hf_smollm2, [copy], 32)[0]
     stats = llm.engine.stats
     assert stats.spec_accepted_tokens >= 16, (stats.spec_accepted_tokens, stats.spec_draft_tokens)
+    llm.engine.check_invariants()
+    assert llm.engine.pool.num_in_use == 0
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_hf_with_a_tiny_random_draft_model(
+    smollm2_dir, chat_prompts, hf_reference, tmp_path
+):
+    """A draft that proposes nonsense (random weights, SmolLM2's tokenizer) changes no greedy token."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    draft = tmp_path / "draft"
+    HFLlama(config).save_pretrained(draft)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, draft / name)
+    spec = {
+        "method": "draft_model",
+        "model": str(draft),
+        "num_speculative_tokens": 3,
+        "disable_by_batch_size": 16,
+    }
+    llm = LLM("smollm2-135m", kv_cache_memory_bytes=64 << 20, speculative_config=spec)
+    outs = llm.generate(chat_prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_reference
+    assert llm.engine.stats.spec_draft_tokens > 0
     llm.engine.check_invariants()
     assert llm.engine.pool.num_in_use == 0

@@ -243,6 +243,14 @@ def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_pa
         LLM(str(tiny_model_dir), num_kv_blocks=64, speculative_config={**DRAFT, "model": str(draft)})
 
 
+def test_a_draft_model_with_a_shorter_context_is_refused(tiny_model_dir, tmp_path):
+    from kvpilot.engine.model.tiny import write_tiny_llama
+
+    draft = write_tiny_llama(tmp_path / "d", seed=1, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="the draft model serves 64 positions"):
+        LLM(str(tiny_model_dir), num_kv_blocks=64, speculative_config={**DRAFT, "model": str(draft)})
+
+
 def test_speculation_switches_off_above_its_batch_size(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=512, speculative_config={**SPEC, "disable_by_batch_size": 3})
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
