@@ -53,6 +53,9 @@ class EndpointConfig:
     ignore_eos: bool = False  # vLLM extra param: keep generating past EOS up to max_tokens
     min_tokens_equal_max: bool = False  # vLLM extra param: min_tokens = max_tokens (fixed output length)
     temperature: float = 0.0  # 0 = greedy, so runs are comparable
+    # reuse connections; False: a new one per request (llama.cpp's server closes a connection after a
+    # streamed response while announcing keep-alive, so a reused one fails: "Can not write request body")
+    keep_alive: bool = True
 
     @property
     def request_path(self) -> str:

@@ -80,7 +80,7 @@ async def run_serve_benchmark(
     request_seeds = request_root.spawn(len(config.load.levels))
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     # No connection-pool cap: a hidden cap would queue requests where the send-lag figures cannot see it.
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, force_close=not endpoint.keep_alive)
     timeout = aiohttp.ClientTimeout(total=endpoint.request_timeout_s, sock_connect=endpoint.connect_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         ready = None

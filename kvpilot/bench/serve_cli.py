@@ -67,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ep.add_argument("--api-key", help="bearer token (default: $OPENAI_API_KEY when set)")
     ep.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="per request, seconds")
     ep.add_argument("--connect-timeout", type=float, default=10.0, metavar="S", help="TCP connect, seconds")
+    ep.add_argument("--no-keep-alive", action="store_true", help="a new connection per request")
     ready = ep.add_mutually_exclusive_group()
     ready.add_argument("--ready-url", help="poll this URL until HTTP 200 first and report time-to-ready")
     ready.add_argument("--wait-ready", action="store_true", help="poll BASE_URL/ready (kvpilot's)")
@@ -213,6 +214,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
             api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
             request_timeout_s=args.request_timeout,
             connect_timeout_s=args.connect_timeout,
+            keep_alive=not args.no_keep_alive,
             ready_url=ready_url,
             ready_timeout_s=args.ready_timeout,
             include_usage=not args.no_usage,

@@ -418,3 +418,15 @@ def test_the_report_gets_llama_cpps_column_and_ratio():
     assert "| 1 | 12.8 | — | 40.0 | 20.0 | — | 0.50× | 14.0 | 24.0 |" in text
     assert "| 8 | 51.2 | — | 90.0 | 90.0 | — | 1.00× | 60.0 | 109.0 |" in text
     assert "| llama.cpp server | 8 | 16/16 |" in text and "- llama.cpp server: llama.cpp version: 1" in text
+
+
+@pytest.mark.parametrize(("flags", "closes"), [([], False), (["--no-keep-alive"], True)])
+def test_no_keep_alive_opens_a_connection_per_request(fake_server, tmp_path, flags, closes):
+    server = fake_server(token_delay_s=0.0)
+    plan = ComparePlan(concurrencies=(1,), min_requests=3, rounds_per_client=1, warmup_requests=0)
+    report = tmp_path / "report.json"
+    assert bench_main(["serve", *plan.closed_loop_args(server.url, 1, report), *flags]) == 0
+    connection = [headers.get("Connection", "").lower() for headers, _ in server.requests]
+    assert len(connection) == 3 and all((c == "close") == closes for c in connection), connection
+    spec = llamacpp_spec(Path("/b/llama-server"), Path("/m/x.gguf"), 1, 2, 1, [], {}, 1.0)
+    assert spec.bench_args == ("--no-keep-alive",)

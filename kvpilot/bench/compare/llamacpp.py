@@ -10,8 +10,10 @@ Started as ``llama-server -m GGUF --host 127.0.0.1 --port N -t T -tb T -np S -c 
 smollm2-135m --no-webui``: ``-np`` slots = the plan's largest concurrency (continuous batching over the
 slots is llama.cpp's default), ``-c`` gives each slot ``CTX`` tokens (prompts plus outputs here are
 under 256), ``-t``/``-tb`` the same threads kvpilot's OpenMP gets; ready when ``/health`` answers 200
-(llama.cpp answers 503 while loading). It computes on the GGUF's own blocks (Q4_1/Q8_0 for the bundled
-SmolLM2), as kvpilot's ``quantization=auto`` does.
+(llama.cpp answers 503 while loading). ``bench serve`` opens a connection per request for it
+(``--no-keep-alive``): llama-server closes a connection after each streamed response while its headers
+announce keep-alive, so every reused one failed. It computes on the GGUF's own blocks (Q4_1/Q8_0 for the
+bundled SmolLM2), as kvpilot's ``quantization=auto`` does.
 """
 
 from __future__ import annotations
@@ -106,6 +108,9 @@ def llamacpp_spec(
         ready_path="/health",
         env=extra_env,
         start_timeout_s=start_timeout_s,
+        # it closes a connection after each streamed response though it announces keep-alive: a reused
+        # connection fails on write ("Can not write request body"), so the client opens one per request
+        bench_args=("--no-keep-alive",),
     )
 
 
@@ -149,5 +154,6 @@ def measure_llamacpp(
     return {
         "status": STATUS_OK,
         **result,
-        "describe": f"llama.cpp {llama_server_version(binary)}: `{shown + ' ' if shown else ''}{command}`",
+        "describe": f"llama.cpp {llama_server_version(binary)}: `{shown + ' ' if shown else ''}{command}` "
+        "(`bench serve --no-keep-alive`: a connection per request)",
     }

@@ -82,7 +82,7 @@ def measure_server(
         for level in plan.levels:
             started = time.perf_counter()
             report_path = system_dir / f"closed_c{level}.json"
-            args = plan.closed_loop_args(spec.base_url, level, report_path)
+            args = [*plan.closed_loop_args(spec.base_url, level, report_path), *spec.bench_args]
             report = bench_serve(args, system_dir / f"closed_c{level}.log", report_path, timeouts.bench_run_s)
             first_report = first_report or report
             figures = point_figures(report["points"][0])
@@ -96,7 +96,7 @@ def measure_server(
         if plan.rates:
             report_path = system_dir / "open_sweep.json"
             open_plots = None if plot_dir is None else plot_dir / spec.name
-            args = plan.open_loop_args(spec.base_url, report_path, open_plots)
+            args = [*plan.open_loop_args(spec.base_url, report_path, open_plots), *spec.bench_args]
             report = bench_serve(args, system_dir / "open_sweep.log", report_path, timeouts.bench_run_s)
             for point in report["points"]:
                 figures = point_figures(point)

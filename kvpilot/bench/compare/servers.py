@@ -37,6 +37,7 @@ class ServerSpec:
     env: dict[str, str] = field(default_factory=dict)  # set on top of base_env
     base_env: dict[str, str] | None = None  # the environment it starts from (None: this process's)
     start_timeout_s: float = 600.0  # spawn to ready, including weight loading and compilation
+    bench_args: tuple[str, ...] = ()  # extra `bench serve` flags it needs (llama.cpp: --no-keep-alive)
 
     @property
     def base_url(self) -> str:
