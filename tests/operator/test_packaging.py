@@ -452,9 +452,12 @@ def test_dashboard_queries_use_only_contract_metrics():
         "kvpilot_operator_inferenceservice_serving_replicas",
         "kvpilot_activator_cold_start_ttft_seconds",
         "kvpilot_activator_held_requests",
+        "kvpilot_spec_decode_num_accepted_tokens_total",
+        "kvpilot_spec_decode_num_draft_tokens_total",
+        "kvpilot_spec_decode_acceptance_length",
     }
     assert used == contract
-    assert len(dashboard["panels"]) == 14
+    assert len(dashboard["panels"]) == 15
 
 
 def test_dockerfile_is_hadolint_clean():

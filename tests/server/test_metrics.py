@@ -58,6 +58,10 @@ def test_every_engine_metric_the_chart_uses_is_exposed(tiny_server, client):
         "kvpilot_startup_phase_seconds_count",
         "kvpilot_num_preemptions_total",
         "kvpilot_requests_rejected_total",
+        "kvpilot_spec_decode_num_accepted_tokens_total",
+        "kvpilot_spec_decode_num_draft_tokens_total",
+        "kvpilot_spec_decode_acceptance_length_sum",
+        "kvpilot_spec_decode_acceptance_length_count",
     }
     assert engine_names <= exposed, engine_names - exposed
 
