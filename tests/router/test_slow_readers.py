@@ -16,20 +16,10 @@ from pathlib import Path
 
 import pytest
 from live_server import ServerProcess
-from stalled_reader import StalledReader, produced_through
+from stalled_reader import LARGE_STREAM_REQUEST, StalledReader, produced_through
 
 BUDGET = 64 << 10  # the engine's and the router's default stream budgets
-# 2 samples x 200 tokens with 20 logprobs each: ~670 bytes per token, ~270 KB in all
-REQUEST = {
-    "prompt": "hello",
-    "max_tokens": 200,
-    "n": 2,
-    "logprobs": 20,
-    "ignore_eos": True,
-    "temperature": 1.0,
-    "seed": 7,
-    "stream": True,
-}
+REQUEST = LARGE_STREAM_REQUEST  # ~270 KB: without the bounds most of it would sit in buffers
 
 
 @pytest.fixture(scope="module")

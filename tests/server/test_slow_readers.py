@@ -12,23 +12,12 @@ import itertools
 
 import httpx
 from polling import wait_until
-from stalled_reader import StalledReader, produced_through
+from stalled_reader import LARGE_STREAM_REQUEST, StalledReader, produced_through
 
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 
 BUDGET = 64 << 10
-# 2 samples x 200 tokens with 20 logprobs each: ~670 bytes per token, ~270 KB in all. Without the bounds
-# the 170 KB after the first 100 KB fit in the buffers: the request never paused
-REQUEST = {
-    "prompt": "hello",
-    "max_tokens": 200,
-    "n": 2,
-    "logprobs": 20,
-    "ignore_eos": True,
-    "temperature": 1.0,
-    "seed": 7,
-    "stream": True,
-}
+REQUEST = LARGE_STREAM_REQUEST  # ~270 KB: without the bounds most of it would sit in buffers
 
 
 def _metric(url: str, name: str) -> float:

@@ -19,6 +19,18 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 RECEIVE_BUFFER = 4096
+#: a stream far larger than the 64 KiB stream budgets: 2 samples x 200 tokens with 20 logprobs each,
+#: ~670 bytes per token, ~270 KB in all
+LARGE_STREAM_REQUEST = {
+    "prompt": "hello",
+    "max_tokens": 200,
+    "n": 2,
+    "logprobs": 20,
+    "ignore_eos": True,
+    "temperature": 1.0,
+    "seed": 7,
+    "stream": True,
+}
 
 
 @dataclass(frozen=True)
