@@ -1,7 +1,9 @@
 """config.json and generation_config.json from a GGUF's metadata (no torch needed).
 
 Architectures whose llama.cpp tensor names and metadata keys are the standard ones convert:
-``llama``, ``qwen2`` (q/k/v biases) and ``qwen3`` (``attn_q_norm`` / ``attn_k_norm``). Metadata keys are
+``llama``, ``qwen2`` (q/k/v biases) and ``qwen3`` (``attn_q_norm`` / ``attn_k_norm``), and the MoE ones:
+``llama`` with ``expert_count`` (Mixtral) and ``qwen3moe`` (Qwen3-MoE), whose experts llama.cpp stacks
+into ``ffn_{gate,up,down}_exps`` beside the router ``ffn_gate_inp``. Metadata keys are
 prefixed with the architecture (``qwen3.embedding_length``). llama.cpp permutes Q/K rows only for
 ``llama`` (its RoPE rotates adjacent pairs there; Qwen's GGUFs keep HF's rotate-half layout,
 ``PERMUTED_ROPE_ARCHS``). docs/models.md#gguf.
@@ -14,9 +16,15 @@ from typing import Any
 
 import numpy as np
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-#: architectures whose q/k rows llama.cpp's converter interleaved (undone on the way in)
-PERMUTED_ROPE_ARCHS = ("llama",)
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+#: model types whose q/k rows llama.cpp's converter interleaved (undone on the way in): Mixtral's GGUFs
+#: are ``llama`` files
+PERMUTED_ROPE_ARCHS = ("llama", "mixtral")
 
 
 def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
@@ -47,12 +55,33 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: i
         raise ValueError(f"GGUF {arch}.vocab_size={vocab} but token_embd has {vocab_rows} rows")
     context = int(required("context_length"))
     bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
+    experts = int(metadata.get(f"{arch}.expert_count") or 0)
+    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if arch == "llama" and experts else arch)
+    architecture = "MixtralForCausalLM" if model_type == "mixtral" else GGUF_ARCHITECTURES[arch]
+    moe: dict[str, Any] = {}
+    if experts:
+        moe["num_experts_per_tok"] = int(required("expert_used_count"))
+        if model_type == "mixtral":
+            moe["num_local_experts"] = experts
+        else:  # llama.cpp's qwen3moe always renormalises the top-k weights
+            ff = int(required("expert_feed_forward_length"))
+            moe.update(
+                num_experts=experts, moe_intermediate_size=ff, norm_topk_prob=True, decoder_sparse_step=1
+            )
+            moe["mlp_only_layers"] = []
+    elif arch == "qwen3moe":
+        raise ValueError("GGUF architecture qwen3moe has no qwen3moe.expert_count")
+    ff_default = moe.get("moe_intermediate_size")
+    intermediate = metadata.get(f"{arch}.feed_forward_length", ff_default)
+    if intermediate is None:
+        raise ValueError(f"GGUF metadata lacks {arch}.feed_forward_length, which config.json needs")
     return {
-        "architectures": [GGUF_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "architectures": [architecture],
+        "model_type": model_type,
+        **moe,
         "vocab_size": vocab,
         "hidden_size": hidden,
-        "intermediate_size": int(required("feed_forward_length")),
+        "intermediate_size": int(intermediate),
         "num_hidden_layers": int(required("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,

@@ -1,12 +1,13 @@
-"""Convert a GGUF file (``llama``, ``qwen2`` or ``qwen3`` architecture) into a Hugging Face model
-directory (float32 safetensors).
+"""Convert a GGUF file (``gguf_config.GGUF_ARCHITECTURES``: llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE) into a
+Hugging Face model directory (float32 safetensors).
 
 The result is what transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
 ``from_pretrained`` reads: config.json (``gguf_config``), model.safetensors (or shards plus an index),
 generation_config.json, tokenizer.json and tokenizer_config.json (with the GGUF's chat template).
 
 Two things llama.cpp changed on the way in are undone here:
-- tensor names (``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj``, …);
+- tensor names (``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj``, …), and the experts llama.cpp
+  stacks into one ``[experts, rows, columns]`` tensor per projection, split back into one per expert;
 - for ``llama`` only, the row order of q_proj/k_proj: llama.cpp's convert_hf_to_gguf.py interleaves each
   head's two rotary halves (``w.reshape(n_head, 2, d//2, ...).swapaxes(1, 2)``) because its RoPE rotates
   adjacent pairs while HF rotates halves. :func:`unpermute_rope_rows` applies the inverse.
@@ -53,6 +54,14 @@ _LAYER_TENSORS = {
     "attn_k_norm": "self_attn.k_norm",
 }
 _QK_NORMS = ("attn_q_norm", "attn_k_norm")
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+#: stacked experts' tensors → each expert's projection, by naming (docs/models.md)
+_EXPERT_TENSORS = {
+    "mixtral": {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
+    "qwen3_moe": {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"},
+}
+#: where the experts and their router live in each MoE family's HF names
+_MOE_MODULE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
@@ -141,15 +150,32 @@ def _write_weights(
         for shard, file_name in zip(shards, names, strict=True):
             arrays: dict[str, np.ndarray] = {}
             for tensor in shard:
-                hf_name = hf_tensor_name(tensor.name)
-                arrays[hf_name] = _float32_hf_tensor(tensor, config)
-                weight_map[hf_name] = file_name
-                total_bytes += arrays[hf_name].nbytes
+                for hf_name, array in _hf_tensors(tensor, config):
+                    arrays[hf_name] = array
+                    weight_map[hf_name] = file_name
+                    total_bytes += array.nbytes
                 bar.update(1)
             save_file(arrays, str(out_dir / file_name), metadata={"format": "pt"})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(out_dir / "model.safetensors.index.json", index)
+
+
+def _hf_tensors(tensor: ReaderTensor, config: Mapping[str, Any]) -> list[tuple[str, np.ndarray]]:
+    """The HF tensors one GGUF tensor holds: itself renamed, or (stacked experts) one per expert."""
+    weight = _float32_hf_tensor(tensor, config)
+    layer = _LAYER_NAME.match(tensor.name)
+    moe = _MOE_MODULE.get(config["model_type"])
+    if moe is None or layer is None:
+        return [(hf_tensor_name(tensor.name), weight)]
+    index, part = layer.group(1), layer.group(2)
+    if part == "ffn_gate_inp":
+        return [(f"model.layers.{index}.{moe}.gate.weight", weight)]
+    expert_name = _EXPERT_TENSORS[config["model_type"]].get(part)
+    if expert_name is None:
+        return [(hf_tensor_name(tensor.name), weight)]
+    prefix = f"model.layers.{index}.{moe}.experts"
+    return [(f"{prefix}.{e}.{expert_name}.weight", np.ascontiguousarray(w)) for e, w in enumerate(weight)]
 
 
 def _float32_hf_tensor(tensor: ReaderTensor, config: Mapping[str, Any]) -> np.ndarray:
@@ -179,8 +205,11 @@ def _plan_shards(tensors: list[ReaderTensor], max_shard_bytes: int) -> Iterator[
 
 def _check_complete(tensor_names: set[str], config: Mapping[str, Any]) -> None:
     expected = {"token_embd.weight", "output_norm.weight"}
+    model_type = config["model_type"]
     for layer in range(config["num_hidden_layers"]):
-        parts = [p for p in _LAYER_TENSORS if p not in _QK_NORMS or config["model_type"] == "qwen3"]
+        parts = [p for p in _LAYER_TENSORS if p not in _QK_NORMS or model_type in ("qwen3", "qwen3_moe")]
+        if model_type in _EXPERT_TENSORS:  # every layer sparse (the files llama.cpp writes for these)
+            parts = [p for p in parts if p not in _DENSE_MLP] + ["ffn_gate_inp", *_EXPERT_TENSORS[model_type]]
         expected.update(f"blk.{layer}.{part}.weight" for part in parts)
     missing = sorted(expected - tensor_names)
     if missing:

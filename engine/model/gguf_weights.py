@@ -44,10 +44,13 @@ def module_tensors(arch: ModelArchConfig) -> dict[str, list[str]]:
         "mlp.gate_up_proj": ["ffn_gate", "ffn_up"],
         "mlp.down_proj": ["ffn_down"],
     }
+    sparse = arch.moe.sparse_layers if arch.moe is not None else [False] * arch.num_hidden_layers
     out = {
         f"layers.{i}.{module}": [f"blk.{i}.{name}.weight" for name in names]
         for i in range(arch.num_hidden_layers)
         for module, names in parts.items()
+        # a sparse layer's experts and router stay float (docs/models.md): no MLP blocks to keep
+        if not (sparse[i] and module.startswith("mlp."))
     }
     out["embed_tokens"] = ["token_embd.weight"]
     if not arch.tie_word_embeddings:

@@ -17,95 +17,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import (
-    MixtralConfig,
-    MixtralForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+from moe_models import COMMON, FAMILIES, PROMPT, STEPS, hf_greedy, write_moe_model
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.arch import ModelArchConfig
-from kvpilot.engine.model.tiny import write_tiny_llama
-
-VOCAB, STEPS = 320, 32
-PROMPT = [(37 * i + 11) % 300 + 5 for i in range(24)]
-COMMON = {
-    "vocab_size": VOCAB,
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    # wider than HF's 0.02 default: decisive routers and logits, so 1e-6 float noise flips no expert
-    "initializer_range": 0.15,
-    "bos_token_id": 1,
-    "eos_token_id": 0,
-    "tie_word_embeddings": False,
-}
-FAMILIES = {
-    "mixtral": (
-        MixtralConfig,
-        MixtralForCausalLM,
-        {"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 2},
-    ),
-    "qwen3_moe": (
-        Qwen3MoeConfig,
-        Qwen3MoeForCausalLM,
-        {
-            "intermediate_size": 96,
-            "moe_intermediate_size": 32,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "head_dim": 16,
-        },
-    ),
-    "qwen2_moe": (
-        Qwen2MoeConfig,
-        Qwen2MoeForCausalLM,
-        {
-            "intermediate_size": 96,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 48,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": False,
-            "mlp_only_layers": [1],  # layer 1 keeps a dense MLP
-        },
-    ),
-}
-
-
-def write_moe_model(directory: Path, family: str, seed: int = 0) -> Path:
-    write_tiny_llama(directory, seed=seed, vocab_size=VOCAB)  # for its tokenizer files
-    (directory / "model.safetensors").unlink()
-    (directory / "config.json").unlink()
-    config_cls, model_cls, extra = FAMILIES[family]
-    torch.manual_seed(seed)
-    model_cls(config_cls(**COMMON, **extra)).save_pretrained(directory)
-    return directory
-
-
-def hf_greedy(directory: Path, family: str) -> tuple[list[int], list[float]]:
-    """HF eager (attention and experts) with its own KV cache: argmax and its logprob each step."""
-    model_cls = FAMILIES[family][1]
-    hf = model_cls.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        res = hf(torch.tensor([PROMPT]), use_cache=True)
-        for _ in range(STEPS):
-            lp = res.logits[0, -1].log_softmax(-1)
-            tok = int(lp.argmax())
-            tokens.append(tok)
-            logprobs.append(float(lp[tok]))
-            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
-    return tokens, logprobs
 
 
 def kvpilot_greedy(directory: Path, runs: int = 2, **engine_args) -> list[tuple[list[int], list[float], int]]:

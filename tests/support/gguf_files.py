@@ -1,9 +1,11 @@
 """Tiny llama GGUF files written the way llama.cpp's converter writes them (its Q/K permutation and
-tensor names, gguf's own quantizer), for the tests of the GGUF converter and of quantized weights."""
+tensor names, gguf's own quantizer, MoE experts stacked per projection), for the tests of the GGUF converter
+and of quantized weights."""
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -36,6 +38,37 @@ def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+_EXPERT_PARTS = {
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight$")
+_ROUTER = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight$")
+
+
+def stack_experts(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """convert_hf_to_gguf.py's MoE handling: each layer's experts stacked into one ``[experts, rows,
+    columns]`` tensor per projection, the router as ``ffn_gate_inp``; other tensors keep their HF names."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, array in tensors.items():
+        if m := _EXPERT.match(name):
+            experts.setdefault(f"blk.{m.group(1)}.{_EXPERT_PARTS[m.group(3)]}.weight", {})[
+                int(m.group(2))
+            ] = array
+        elif m := _ROUTER.match(name):
+            out[f"blk.{m.group(1)}.ffn_gate_inp.weight"] = array
+        else:
+            out[name] = array
+    for name, by_expert in experts.items():
+        out[name] = np.stack([by_expert[e] for e in sorted(by_expert)])
+    return out
+
+
 def gguf_name(hf_name: str) -> str:
     fixed = {
         "model.embed_tokens.weight": "token_embd.weight",
@@ -44,6 +77,8 @@ def gguf_name(hf_name: str) -> str:
     }
     if hf_name in fixed:
         return fixed[hf_name]
+    if hf_name.startswith("blk."):  # already llama.cpp's (stacked experts, router)
+        return hf_name
     _, _, layer, rest = hf_name.split(".", 3)
     module, suffix = rest.rsplit(".", 1)
     return f"blk.{layer}.{_LLAMA_CPP_NAMES[module]}.{suffix}"
@@ -73,7 +108,14 @@ def write_llama_gguf(
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_dimension_count(config["head_dim"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_rope_dimension_count(head_dim)
+    experts = config.get("num_local_experts") or config.get("num_experts")
+    if experts:  # Mixtral writes arch llama, Qwen3-MoE qwen3moe
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        if config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     rope = config.get("rope_parameters") or {}
     writer.add_rope_freq_base(config.get("rope_theta") or rope.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -89,7 +131,7 @@ def write_llama_gguf(
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_chat_template(settings["chat_template"])
-    for hf, array in load_file(model_dir / "model.safetensors").items():
+    for hf, array in stack_experts(load_file(model_dir / "model.safetensors")).items():
         name = gguf_name(hf)
         if name in skip:
             continue
