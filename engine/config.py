@@ -259,8 +259,8 @@ class EngineArgs:
         method = self.quantization
         if method == "fp8" and self.device == "cpu":
             raise ConfigError(
-                "quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs); on CPU use 'auto' (an fp8 "
-                "checkpoint loads dequantized), 'none', 'gguf' or 'int8'"
+                "quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs); on CPU use 'auto' (an "
+                "fp8 checkpoint loads dequantized), 'none', 'gguf' or 'int8'"
             )
         if method in QUANTIZATIONS:
             return

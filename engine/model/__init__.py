@@ -45,8 +45,8 @@ Forward pass:
                      ``Fp8Linear`` (W8A16: e4m3 kept, dequantized per call)
 - ``fp8_checkpoint`` HF checkpoints' ``quantization_config``: fp8 (vLLM ``fp8``, compressed-tensors float8)
                      read dequantized or into ``Fp8Linear``; AWQ/GPTQ/int4 refused by name
-- ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8/fp8) and applied to the
-                     model; weight bytes
+- ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8/fp8) and applied
+                     to the model; weight bytes
 - ``loader``         builds the model on its device from a resolved directory
 
 The tokenizer and chat template live one level up, in ``kvpilot.engine.tokenizer`` (the router shares it).
