@@ -1,4 +1,5 @@
-"""uvicorn's HTTP protocol (httptools where installed, else h11 — uvicorn's own choice) with three changes:
+"""uvicorn's HTTP protocol (httptools, a dependency; h11 only where it is missing — uvicorn's own choice) with
+three changes:
 
 - every accepted connection gets the server's :class:`ConnectionLimits`;
 - a request uvicorn cannot parse (a bad request line, bad headers) is answered with an OpenAI-style JSON
