@@ -122,6 +122,12 @@ class LLMEngine(StepOutputs):
         self.requests: dict[str, Request] = {}
         self.groups: dict[str, SequenceGroup] = {}
         self._generators: dict[str, torch.Generator] = {}
+        #: what the draft-model proposer reads each step (None: no draft model)
+        self._draft = (
+            DraftContext(self.draft_model, self.kv, self._generators, self.sampler.generator)
+            if self.draft_model is not None
+            else None
+        )
         self.terminal_records: list[TerminalRecord] = []
         self.stats = EngineStats()
         self._pending_outputs: dict[str, SequenceGroup] = {}
@@ -245,10 +251,7 @@ class LLMEngine(StepOutputs):
         self._expire_deadlines()
         start = time.perf_counter()
         if self.speculative is not None:
-            draft = None
-            if self.draft_model is not None:
-                draft = DraftContext(self.draft_model, self.kv, self._generators, self.sampler.generator)
-            propose_drafts(self.scheduler.running, self.speculative, self.max_model_len, draft)
+            propose_drafts(self.scheduler.running, self.speculative, self.max_model_len, self._draft)
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         self.last_step_scheduled = [(r.group.request_id, r.num_computed_tokens, n) for r, n in out.scheduled]

@@ -10,6 +10,8 @@ probability 0 have empty intervals and are never drawn. (``bench/results/step_pr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -38,6 +40,18 @@ def inverse_cdf_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tenso
     offset = torch.searchsorted(local_cdf, (target.squeeze(1) - start).unsqueeze(1), right=True).squeeze(1)
     offset = torch.where(overshoot | (offset >= CHUNK), _last_positive(local), offset)
     return chunk * CHUNK + offset
+
+
+def uniform_numbers(
+    generators: Sequence[torch.Generator | None], count: int, default: torch.Generator, device: torch.device
+) -> torch.Tensor:
+    """[len(generators), count] uniform numbers: a row with its own generator (a seeded request) takes its
+    numbers from it, so its tokens do not depend on the rest of the batch; the others from ``default``."""
+    out = torch.rand(len(generators), count, generator=default, device=device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            out[row] = torch.rand(count, generator=gen, device=device)
+    return out
 
 
 def reference_draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

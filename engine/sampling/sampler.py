@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.outputs import Logprob
-from kvpilot.engine.sampling.draw import inverse_cdf_draw
+from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
@@ -102,15 +102,6 @@ class Sampler:
         #: the grammar-mask stage of every step, with its cost counters
         self.grammar_masks = GrammarMasks()
 
-    def uniforms(self, states: Sequence[RowState], count: int, device: torch.device) -> torch.Tensor:
-        """[len(states), count] uniform numbers: a seeded row's from its own generator (so its tokens do not
-        depend on the rest of the batch), the others' from the engine's."""
-        out = torch.rand(len(states), count, generator=self.generator, device=device)
-        for j, st in enumerate(states):
-            if st.generator is not None:
-                out[j] = torch.rand(count, generator=st.generator, device=device)
-        return out
-
     def distributions(
         self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None = None
     ) -> Distributions:
@@ -180,7 +171,8 @@ class Sampler:
         if dist.scaled is not None:
             probs = dist.scaled.softmax(dim=-1)
             # one uniform per row (``draw.py``); a seeded row takes its own from its generator
-            uniform = self.uniforms([states[i] for i in dist.sample_rows], 1, logits.device)[:, 0]
+            gens = [states[i].generator for i in dist.sample_rows]
+            uniform = uniform_numbers(gens, 1, self.generator, logits.device)[:, 0]
             drawn = inverse_cdf_draw(probs, uniform)
             if dist.idx is None:
                 tokens = drawn

@@ -26,6 +26,7 @@ from kvpilot.engine.input_batch import StepBatch
 from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.kv_cache import KVCache
 from kvpilot.engine.request import Request
+from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
 
 if TYPE_CHECKING:
@@ -111,6 +112,8 @@ class DraftModel:
             min=NEAR_ZERO_TEMPERATURE
         )
         sampled = [not s.params.is_greedy for s in seqs]
+        is_sampled = torch.tensor(sampled, device=dev)
+        own = [gen if samples else None for gen, samples in zip(generators, sampled, strict=True)]
         tokens = torch.tensor([s.all_token_ids[-1] for s in seqs], dtype=torch.long, device=dev)
         drafts, probs = [], []
         with torch.inference_mode():
@@ -132,13 +135,9 @@ class DraftModel:
                 q = (logits / temps.unsqueeze(1)).softmax(dim=-1)
                 tokens = logits.argmax(dim=-1)
                 if any(sampled):
-                    u = torch.rand(batch, generator=generator, device=dev)
-                    for i, gen in enumerate(generators):
-                        if gen is not None and sampled[i]:
-                            u[i] = torch.rand(1, generator=gen, device=dev)[0]
-                    drawn = torch.searchsorted(q.cumsum(dim=-1), u.unsqueeze(1)).squeeze(1)
-                    drawn = drawn.clamp(max=q.shape[1] - 1)
-                    tokens = torch.where(torch.tensor(sampled, device=dev), drawn, tokens)
+                    # drawn exactly from q (the rule divides by it): the sampler's own inverse CDF
+                    u = uniform_numbers(own, 1, generator, dev)[:, 0]
+                    tokens = torch.where(is_sampled, inverse_cdf_draw(q, u), tokens)
                 drafts.append(tokens)
                 probs.append(q)
         ids = torch.stack(drafts, dim=1).tolist()
