@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_families import hf_reference
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -70,16 +71,7 @@ def write_model(root: Path, name: str, rope: dict, form: str) -> Path:
 def hf_greedy_logprobs(directory: Path, count: int) -> tuple[list[int], list[float]]:
     """HF forward with its own KV cache, one token at a time: argmax and its logprob each step."""
     hf = HFLlama.from_pretrained(directory, dtype=torch.float32).eval()
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        res = hf(torch.tensor([PROMPT]), use_cache=True)
-        for _ in range(count):
-            lp = res.logits[0, -1].log_softmax(-1)
-            tok = int(lp.argmax())
-            tokens.append(tok)
-            logprobs.append(float(lp[tok]))
-            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
-    return tokens, logprobs
+    return hf_reference(hf, PROMPT, count)
 
 
 def kvpilot_greedy_logprobs(directory: Path, count: int) -> tuple[list[int], list[float]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from hf_families import hf_reference
 from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
@@ -83,13 +84,4 @@ def hf_greedy(directory: Path, family: str) -> tuple[list[int], list[float]]:
     hf = model_cls.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
     ).eval()
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        res = hf(torch.tensor([PROMPT]), use_cache=True)
-        for _ in range(STEPS):
-            lp = res.logits[0, -1].log_softmax(-1)
-            tok = int(lp.argmax())
-            tokens.append(tok)
-            logprobs.append(float(lp[tok]))
-            res = hf(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
-    return tokens, logprobs
+    return hf_reference(hf, PROMPT, STEPS)
