@@ -2,7 +2,8 @@
 
 - Every test session gets its own model cache (``KVPILOT_CACHE_DIR`` under pytest's tmp dir), so tests
   never read or write ``~/.cache/kvpilot`` and each run exercises the first GGUF conversion once.
-- ``tests/support/`` is put on ``sys.path``: helpers shared across folders (``live_server``, ``polling``
+- ``tests/support/`` is put on ``sys.path``, and ``triton_device`` imported first (Triton's interpreter on
+  CPU for the whole session): helpers shared across folders (``live_server``, ``polling``
   for deadline waits, ``bench_scripts`` for importing ``bench/`` scripts).
 - ``tiny_model_dir``: the seeded tiny random Llama (``resolve_model("tiny-random")``), written once per
   session.
@@ -17,11 +18,16 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # test helpers shared across folders (live_server)
+
+# Before transformers, kvpilot or any test module imports Triton code: on CPU, TRITON_INTERPRET=1 must be set
+# when Triton first loads, or an interpreted kernel fails when a test that imported Triton earlier ran first
+# (test_moe_models' Triton test after test_rope_config, for one).
+import triton_device  # noqa: F401  # isort: skip
+
 import pytest
 
 from kvpilot.engine.model.registry import resolve_model
-
-sys.path.insert(0, str(Path(__file__).parent / "support"))  # test helpers shared across folders (live_server)
 
 
 @pytest.fixture(scope="session", autouse=True)
