@@ -17,6 +17,7 @@ import torch
 
 from kvpilot.engine.native.build import load_library
 from kvpilot.engine.native.quant_ops import QuantKernels, check_float_rows
+from kvpilot.engine.native.sampling_ops import SamplingKernels
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -108,6 +109,8 @@ class NativeOps:
         self.has_prefill_attention = self.has_fast_linear
         #: the quantized-weight GEMM (``quant_ops``)
         self.quant = QuantKernels(lib)
+        #: the sampler's temperature, truncation and draw for sampled rows (``sampling_ops``)
+        self.sampling = SamplingKernels(lib)
 
     @staticmethod
     def _threads() -> int:
