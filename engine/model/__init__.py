@@ -6,9 +6,13 @@ Files (torch-free, except ``tiny``):
 - ``registry``       model spec (``smollm2-135m``, ``tiny-random``, a ``.gguf`` path, an HF directory) →
                      local HF-format directory, converted/written once into the cache; ``model_fingerprint``
                      (the root of the prefix-cache block hash)
-- ``gguf_convert``   llama/qwen2/qwen3 GGUF → config.json + float32 safetensors + generation_config.json
-                     (dequantize, llama.cpp tensor names → HF names, undo llama's Q/K RoPE row permutation)
+- ``gguf_convert``   GGUF (llama, qwen2/3, qwen2/3 MoE, phi3, gemma2/3) → config.json + float32 safetensors +
+                     generation_config.json (dequantize, rename, undo llama's Q/K RoPE row permutation)
 - ``gguf_config``    config.json / generation_config.json from a GGUF's metadata, per architecture
+- ``gguf_families``  the config keys of Phi-3 (LongRoPE factors, partial rotary) and Gemma 2/3 GGUFs
+                     (layer pattern, attention scale, local RoPE), as llama.cpp reads them
+- ``gguf_names``     llama.cpp tensor names → HF names per family (fused Phi-3 tensors, Gemma's ``+ 1`` norms,
+                     stacked and shared experts), and the tensors each family's file must hold
 - ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
 - ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for
                      ``tiny``)

@@ -4,9 +4,10 @@ stored blocks (docs/architecture.md#quantized-weights).
 The result maps module paths of ``LlamaForCausalLM`` (``layers.3.self_attn.qkv_proj``, ``embed_tokens``,
 ``lm_head``) to ``QuantWeight``s. As the float32 conversion (``gguf_convert``) does, q/k rows of a
 ``llama`` file get llama.cpp's RoPE permutation undone; a block is one row's own bytes, so moving whole
-rows keeps every block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows. A module
-whose tensors are in a format the kernels do not run (K-quants, F16, …), or whose parts differ in format,
-is listed in ``dequantized`` instead: it keeps the float weights of the converted checkpoint.
+rows keeps every block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows (Phi-3's
+file holds them fused already). A module whose tensors are in a format the kernels do not run (K-quants,
+F16, …), or whose parts differ in format, is listed in ``dequantized`` instead: it keeps the float weights
+of the converted checkpoint.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ class GGUFWeights:
 
 def module_tensors(arch: ModelArchConfig) -> dict[str, list[str]]:
     """Module path → the GGUF tensors whose rows make its weight, in order."""
+    fused = arch.fused_checkpoint  # Phi-3: llama.cpp keeps HF's fused q/k/v and gate/up rows
     parts = {
-        "self_attn.qkv_proj": ["attn_q", "attn_k", "attn_v"],
+        "self_attn.qkv_proj": ["attn_qkv"] if fused else ["attn_q", "attn_k", "attn_v"],
         "self_attn.o_proj": ["attn_output"],
-        "mlp.gate_up_proj": ["ffn_gate", "ffn_up"],
+        "mlp.gate_up_proj": ["ffn_up"] if fused else ["ffn_gate", "ffn_up"],
         "mlp.down_proj": ["ffn_down"],
     }
     sparse = arch.moe.sparse_layers if arch.moe is not None else [False] * arch.num_hidden_layers
