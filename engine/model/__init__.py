@@ -14,8 +14,10 @@ Files (torch-free, except ``tiny``):
 - ``gguf_names``     llama.cpp tensor names → HF names per family (fused Phi-3 tensors, Gemma's ``+ 1`` norms,
                      stacked and shared experts), and the tensors each family's file must hold
 - ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
-- ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for
-                     ``tiny``)
+- ``gguf_tokenizer`` tokenizer.json / tokenizer_config.json from GGUF metadata: byte-level BPE (also for
+                     ``tiny``), or SentencePiece through ``gguf_spm``
+- ``gguf_spm``       SentencePiece BPE vocabularies (Gemma, Phi-3) as ``tokenizers`` BPE with byte fallback,
+                     merges ranked by piece score, llama.cpp's space prefix
 - ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests;
                      ``write_tiny_tokenizer`` for tiny models of the other families
 
