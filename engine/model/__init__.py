@@ -38,6 +38,8 @@ Forward pass:
                      reference, and the sorted CPU path (one GEMM pair per non-empty expert)
 - ``moe``            ``SparseMoeBlock``: router + stacked experts (+ Qwen2-MoE's shared expert) replacing a
                      sparse layer's MLP; expert weights from either checkpoint naming
+- ``moe_quant``      ``QuantExperts``: a GGUF's routed experts kept in their blocks (``quantization=gguf``),
+                     the sorted path with each expert's GEMMs on ``QuantLinear``
 - ``fused_moe_triton`` the fused-MoE Triton kernel (tokens sorted and padded by expert, grouped GEMMs),
                      used beside the Triton attention backend; imported only once ``TRITON_INTERPRET`` is set
 - ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)

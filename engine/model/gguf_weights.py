@@ -35,6 +35,8 @@ class GGUFWeights:
     weights: dict[str, QuantWeight] = field(default_factory=dict)
     #: module path → the GGUF types that keep it in float (no kernel for them, or mixed parts)
     dequantized: dict[str, str] = field(default_factory=dict)
+    #: sparse block path (``layers.3.mlp``) → its experts' (gate/up, down) weights in blocks, one per expert
+    experts: dict[str, tuple[list[QuantWeight], list[QuantWeight]]] = field(default_factory=dict)
 
 
 def module_tensors(arch: ModelArchConfig) -> dict[str, list[str]]:
@@ -51,7 +53,7 @@ def module_tensors(arch: ModelArchConfig) -> dict[str, list[str]]:
         f"layers.{i}.{module}": [f"blk.{i}.{name}.weight" for name in names]
         for i in range(arch.num_hidden_layers)
         for module, names in parts.items()
-        # a sparse layer's experts and router stay float (docs/models.md): no MLP blocks to keep
+        # a sparse layer's router stays float and its experts are read apart (``_read_experts``)
         if not (sparse[i] and module.startswith("mlp."))
     }
     out["embed_tokens"] = ["token_embd.weight"]
@@ -75,7 +77,34 @@ def read_gguf_weights(gguf_path: Path, arch: ModelArchConfig) -> GGUFWeights:
             continue
         parts = [_blocks(tensors[n], arch) for n in names]
         result.weights[module] = parts[0] if len(parts) == 1 else concat_rows(parts)
+    sparse = arch.moe.sparse_layers if arch.moe is not None else ()
+    for layer in [i for i, is_sparse in enumerate(sparse) if is_sparse]:
+        _read_experts(result, tensors, layer, gguf_path)
     return result
+
+
+def _read_experts(result: GGUFWeights, tensors: dict[str, ReaderTensor], layer: int, gguf_path: Path) -> None:
+    """One sparse layer's stacked experts (``ffn_{gate,up,down}_exps``, data ``[E, rows, row_bytes]``) as
+    each expert's gate/up rows and down rows, when all three are in one runnable format."""
+    names = [f"blk.{layer}.ffn_{part}_exps.weight" for part in ("gate", "up", "down")]
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise ValueError(f"{gguf_path} lacks {missing[0]}, which layer {layer}'s experts need")
+    gate, up, down = (tensors[n] for n in names)
+    types = [t.tensor_type.name for t in (gate, up, down)]
+    module = f"layers.{layer}.mlp"
+    if len(set(types)) != 1 or types[0] not in RUNNABLE_TYPES:
+        result.dequantized[module + ".experts"] = "+".join(dict.fromkeys(types))
+        return
+    fmt = FORMATS[types[0]]
+    hidden, inter = int(gate.shape[0]), int(down.shape[0])  # GGUF lists dimensions innermost first
+    gate_data, up_data, down_data = (np.asarray(t.data) for t in (gate, up, down))
+    gate_up = [
+        QuantWeight(fmt, torch.from_numpy(np.concatenate([g, u])), None, hidden)
+        for g, u in zip(gate_data, up_data, strict=True)
+    ]
+    downs = [QuantWeight(fmt, torch.from_numpy(np.array(d)), None, inter) for d in down_data]
+    result.experts[module] = (gate_up, downs)
 
 
 def _blocks(tensor: ReaderTensor, arch: ModelArchConfig) -> QuantWeight:
