@@ -10,15 +10,15 @@ experts no token chose, whose blocks are poisoned with NaN scales so reading one
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
+from gguf_family_files import write_family_gguf
 from gguf_files import write_llama_gguf
-from moe_models import PROMPT, STEPS
+from moe_models import PROMPT, STEPS, write_moe_model
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.moe_experts import reference_moe, select_experts
@@ -30,6 +30,7 @@ from kvpilot.engine.native.ops import load_native_ops
 from kvpilot.engine.native.quant_ops import FORMATS
 
 HIDDEN, INTER = 64, 96
+ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
 #: outputs are ~1; the paths differ from the reference only in float32 summation order
 TOLERANCE = 2e-4
 
@@ -100,17 +101,19 @@ def test_quantized_experts_refuse_mismatched_shapes(native):
         layer(torch.randn(4, HIDDEN), weights, ids, native)
 
 
-@pytest.mark.parametrize("family, arch", [("mixtral", "llama"), ("qwen3_moe", "qwen3moe")])
-def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str, arch: str) -> None:
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str) -> None:
     """Q8_0 experts (and attention) kept as blocks under ``quantization=gguf`` give the greedy tokens of
-    the same file dequantized (``quantization=none``)."""
-    from moe_models import write_moe_model
-
-    source = write_moe_model(tmp_path / "source", family, seed=4)
+    the same file dequantized (``quantization=none``); Qwen2-MoE's shared expert stays float."""
     experts = tuple(f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 1) for p in ("gate", "up", "down"))
     attention = tuple(f"blk.{i}.attn_{p}.weight" for i in (0, 1) for p in "qkv")
     gguf_path = tmp_path / f"{family}-q8.gguf"
-    write_llama_gguf(gguf_path, source, quantized=experts + attention, arch=arch)
+    if family == "qwen2_moe":  # llama.cpp's qwen2moe has every layer sparse
+        source = write_moe_model(tmp_path / "source", family, seed=4, mlp_only_layers=[])
+        write_family_gguf(gguf_path, source, types=dict.fromkeys(experts + attention, "Q8_0"))
+    else:
+        source = write_moe_model(tmp_path / "source", family, seed=4)
+        write_llama_gguf(gguf_path, source, quantized=experts + attention, arch=ARCH[family])
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     tokens = {}
     for mode in ("gguf", "none"):
@@ -121,4 +124,3 @@ def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str,
             assert block.w13.numel() == 0 and block.quant_experts.gate_up[0].format == "Q8_0"
         tokens[mode] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
     assert tokens["gguf"] == tokens["none"]
-    assert json.loads((tmp_path / "source" / "config.json").read_text())["model_type"] == family
