@@ -1,11 +1,13 @@
-"""The projection and embedding weights of a GGUF (``gguf_config.GGUF_ARCHITECTURES``), kept in their
-stored blocks (docs/architecture.md#quantized-weights).
+"""The projection, embedding and routed-expert weights of a GGUF (``gguf_config.GGUF_ARCHITECTURES``), kept
+in their stored blocks (docs/architecture.md#quantized-weights).
 
 The result maps module paths of ``LlamaForCausalLM`` (``layers.3.self_attn.qkv_proj``, ``embed_tokens``,
 ``lm_head``) to ``QuantWeight``s. As the float32 conversion (``gguf_convert``) does, q/k rows of a
 ``llama`` file get llama.cpp's RoPE permutation undone; a block is one row's own bytes, so moving whole
 rows keeps every block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows (Phi-3's
-file holds them fused already). A module whose tensors are in a format the kernels do not run (K-quants,
+file holds them fused already). A sparse layer's stacked experts (``ffn_{gate,up,down}_exps``, data
+``[experts, rows, row_bytes]``) become one gate/up and one down weight per expert (``experts``, for
+``moe_quant.QuantExperts``). A module whose tensors are in a format the kernels do not run (K-quants,
 F16, …), or whose parts differ in format, is listed in ``dequantized`` instead: it keeps the float weights
 of the converted checkpoint.
 """
