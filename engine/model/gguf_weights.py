@@ -55,9 +55,17 @@ def module_tensors(arch: ModelArchConfig) -> dict[str, list[str]]:
         f"layers.{i}.{module}": [f"blk.{i}.{name}.weight" for name in names]
         for i in range(arch.num_hidden_layers)
         for module, names in parts.items()
-        # a sparse layer's router stays float and its experts are read apart (``_read_experts``)
+        # a sparse layer's router stays float, its experts are read apart (``_read_experts``)
         if not (sparse[i] and module.startswith("mlp."))
     }
+    if arch.moe is not None and arch.moe.shared_expert_intermediate_size:  # Qwen2-MoE's shared expert
+        for i in [i for i, is_sparse in enumerate(sparse) if is_sparse]:
+            shared, names = (
+                f"layers.{i}.mlp.shared_expert",
+                [f"blk.{i}.ffn_{p}_shexp.weight" for p in ("gate", "up")],
+            )
+            out[f"{shared}.gate_up_proj"] = names
+            out[f"{shared}.down_proj"] = [f"blk.{i}.ffn_down_shexp.weight"]
     out["embed_tokens"] = ["token_embd.weight"]
     if not arch.tie_word_embeddings:
         out["lm_head"] = ["output.weight"]

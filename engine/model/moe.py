@@ -105,10 +105,15 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             s = p + "shared_expert."
             fused = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
-            _put(self.shared_expert.gate_up_proj.weight, fused, s + "gate_up_proj.weight")
-            _put(self.shared_expert.down_proj.weight, take(s + "down_proj.weight"), s + "down_proj.weight")
+            _put_linear(self.shared_expert.gate_up_proj, fused, s + "gate_up_proj.weight")
+            _put_linear(self.shared_expert.down_proj, take(s + "down_proj.weight"), s + "down_proj.weight")
             gate_name = p + "shared_expert_gate.weight"
             _put(self.shared_expert.shared_expert_gate.weight, take(gate_name), gate_name)
+
+
+def _put_linear(layer: nn.Module, value: torch.Tensor, name: str) -> None:
+    if isinstance(layer, nn.Linear):  # else a quantized layer already holding the GGUF's blocks
+        _put(layer.weight, value, name)
 
 
 def _put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

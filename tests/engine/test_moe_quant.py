@@ -104,13 +104,15 @@ def test_quantized_experts_refuse_mismatched_shapes(native):
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str) -> None:
     """Q8_0 experts (and attention) kept as blocks under ``quantization=gguf`` give the greedy tokens of
-    the same file dequantized (``quantization=none``); Qwen2-MoE's shared expert stays float."""
+    the same file dequantized (``quantization=none``); so does Qwen2-MoE's Q8_0 shared expert."""
     experts = tuple(f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 1) for p in ("gate", "up", "down"))
     attention = tuple(f"blk.{i}.attn_{p}.weight" for i in (0, 1) for p in "qkv")
     gguf_path = tmp_path / f"{family}-q8.gguf"
     if family == "qwen2_moe":  # llama.cpp's qwen2moe has every layer sparse
         source = write_moe_model(tmp_path / "source", family, seed=4, mlp_only_layers=[])
-        write_family_gguf(gguf_path, source, types=dict.fromkeys(experts + attention, "Q8_0"))
+        # its down projection's 48 inputs are no whole Q8_0 blocks: it stays F32 (and float)
+        shared = tuple(f"blk.{i}.ffn_{p}_shexp.weight" for i in (0, 1) for p in ("gate", "up"))
+        write_family_gguf(gguf_path, source, types=dict.fromkeys(experts + attention + shared, "Q8_0"))
     else:
         source = write_moe_model(tmp_path / "source", family, seed=4)
         write_llama_gguf(gguf_path, source, quantized=experts + attention, arch=ARCH[family])
@@ -122,5 +124,8 @@ def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str)
         assert (block.quant_experts is not None) == (mode == "gguf")
         if mode == "gguf":
             assert block.w13.numel() == 0 and block.quant_experts.gate_up[0].format == "Q8_0"
+        if family == "qwen2_moe":  # its shared expert keeps its blocks too
+            shared = type(block.shared_expert.gate_up_proj).__name__
+            assert (shared == "QuantLinear") == (mode == "gguf")
         tokens[mode] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
     assert tokens["gguf"] == tokens["none"]
