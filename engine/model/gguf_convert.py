@@ -38,7 +38,7 @@ from kvpilot.engine.model.gguf_tokenizer import tokenizer_files_from_gguf
 __all__ = ["convert_gguf", "convert_gguf_tokenizer", "hf_tensor_name", "llama_config", "unpermute_rope_rows"]
 
 # Part of the conversion cache key: bump whenever the files this module writes would change.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 1
 # Shards bound the converter's peak memory to one shard of float32 tensors, not the whole model.
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
