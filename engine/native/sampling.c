@@ -15,6 +15,9 @@
 #define TOP_P_TOLERANCE 1e-6
 /* the heap's size for a nucleus (top-p without top-k): real models' nuclei are mostly smaller */
 #define NUCLEUS_CANDIDATES 64
+/* top-k by a selection up to this vocabulary, by the heap beyond (where few tokens ever enter it and
+ * blocks of 8 are skipped at once) */
+#define SELECT_MAX_VOCAB 8192
 
 typedef struct {
     float s;
@@ -107,6 +110,51 @@ static int64_t first_in_order(const float *s, int64_t V, float lo, int64_t cap, 
     return n;
 }
 
+/* The k-th largest of v[0..n) (k >= 1, n >= k), reordering v: quickselect (Hoare partition). */
+static float kth_largest(float *v, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, target = k - 1;
+    while (lo < hi) {
+        float pivot = v[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                float t = v[i];
+                v[i++] = v[j];
+                v[j--] = t;
+            }
+        }
+        if (target <= j)
+            hi = j;
+        else if (target >= i)
+            lo = i;
+        else
+            return v[target];
+    }
+    return v[target];
+}
+
+/* top-k for small vocabularies, where the heap's insertions cost more than a selection: the first k kept
+ * tokens in the sampling order, listed in id order (those above the k-th value, then the ties at it by
+ * lowest id); returns their count. buf: V floats of scratch. */
+static int64_t top_k_by_select(const float *s, int64_t V, float lo, int64_t k, cand_t *out, float *buf) {
+    int64_t kept = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (s[i] >= lo && s[i] != -INFINITY) buf[kept++] = s[i];
+    float kth = kept > k ? kth_largest(buf, kept, k) : -INFINITY;
+    int64_t above = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (s[i] > kth && s[i] >= lo) above++;
+    int64_t ties = (kept > k ? k : kept) - above, n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        float v = s[i];
+        if (!(v >= lo) || v == -INFINITY) continue;
+        if (v > kth || (v == kth && ties-- > 0)) out[n++] = (cand_t){v, (int32_t)i};
+    }
+    return n;
+}
+
 /* Sum of exp(s - m) over the kept tokens of the whole row; w gets each token's weight (0 if not kept). */
 static double kept_mass(const float *s, int64_t V, float lo, float m, float *w) {
     int64_t i = 0;
@@ -187,6 +235,16 @@ static double nucleus_by_radix(const float *s, int64_t V, float *w, double reach
     return total;
 }
 
+/* The inverse-CDF draw over candidates listed in id order (w: n floats of scratch). */
+static int64_t draw_by_id(const cand_t *cands, int64_t n, float m, float u, float *w) {
+    double total = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        w[j] = exp_approx(cands[j].s - m);
+        total += w[j];
+    }
+    return cands[walk_cdf(w, n, (double)u * total)].id;
+}
+
 /* One row: s is z / T (scratch, V floats), cands V entries, w V floats. */
 static int64_t sample_row(const float *z, int64_t V, const float *param, float u, float *s, cand_t *cands,
                           float *w) {
@@ -217,7 +275,11 @@ static int64_t sample_row(const float *z, int64_t V, const float *param, float u
         return walk_cdf(w, V, (double)u * total);
     }
     int64_t n = 0, kept = 0;
-    if (use_top_k) {
+    if (use_top_k && V <= SELECT_MAX_VOCAB) {
+        n = top_k_by_select(s, V, lo, top_k, cands, w);
+        if (!use_top_p) return draw_by_id(cands, n, m, u, w);
+        qsort(cands, (size_t)n, sizeof(cand_t), cmp_order);
+    } else if (use_top_k) {
         n = first_in_order(s, V, lo, top_k, cands, &kept);
     }
     if (use_top_p) {
@@ -242,12 +304,7 @@ static int64_t sample_row(const float *z, int64_t V, const float *param, float u
         n = j;
     }
     qsort(cands, (size_t)n, sizeof(cand_t), cmp_id);
-    double total = 0.0;
-    for (int64_t j = 0; j < n; j++) {
-        w[j] = exp_approx(cands[j].s - m);
-        total += w[j];
-    }
-    return cands[walk_cdf(w, n, (double)u * total)].id;
+    return draw_by_id(cands, n, m, u, w);
 }
 
 /* tokens[r] for each of `rows` rows of logits (row stride ls); params [rows, 5]: temperature (> 0), min_p,

@@ -64,7 +64,7 @@ FILTERS = [
 ]
 
 
-@pytest.mark.parametrize("vocab", [5, 4099])
+@pytest.mark.parametrize("vocab", [5, 4099, 9001])  # 9001: top-k by the heap, not the selection
 @pytest.mark.parametrize("scale", [8.0, 1.0])  # peaked rows (small nuclei) and flat ones (radix select)
 @pytest.mark.parametrize("top_k, top_p, min_p", FILTERS)
 def test_draws_the_reference_tokens(kernels, vocab, scale, top_k, top_p, min_p):
