@@ -34,7 +34,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=d.quantization,
         help=f"weights kept quantized, one of {', '.join(QUANTIZATIONS)}: auto keeps a GGUF's blocks "
-        "(Q4_0, Q4_1, Q8_0) where the CPU kernels run them; int8 quantizes any float model at load",
+        "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) where the CPU kernels run them; int8 quantizes any float model "
+        "at load",
     )
     g.add_argument(
         "--max-model-len",

@@ -7,8 +7,8 @@ The result maps module paths of ``LlamaForCausalLM`` (``layers.3.self_attn.qkv_p
 rows keeps every block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows (Phi-3's
 file holds them fused already). A sparse layer's stacked experts (``ffn_{gate,up,down}_exps``, data
 ``[experts, rows, row_bytes]``) become one gate/up and one down weight per expert (``experts``, for
-``moe_quant.QuantExperts``). A module whose tensors are in a format the kernels do not run (K-quants,
-F16, …), or whose parts differ in format, is listed in ``dequantized`` instead: it keeps the float weights
+``moe_quant.QuantExperts``). A module whose tensors are in a format the kernels do not run (F16, Q5_K,
+…), or whose parts differ in format, is listed in ``dequantized`` instead: it keeps the float weights
 of the converted checkpoint.
 """
 

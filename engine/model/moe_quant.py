@@ -2,7 +2,7 @@
 
 ``QuantExperts`` holds each expert's two projections as ``QuantLinear`` layers on the file's own bytes:
 ``gate_up[e]`` (the expert's ``ffn_gate_exps`` rows, then its ``ffn_up_exps`` rows: ``w13``'s layout) and
-``down[e]`` (``ffn_down_exps``), in a format the kernels run (Q4_0, Q4_1, Q8_0). A Q4_0 expert of
+``down[e]`` (``ffn_down_exps``), in a format the kernels run (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K). A Q4_0 expert of
 Mixtral-8x7B is ~4.5 bits a weight where float32 is 32.
 
 Its forward is ``moe_experts.sorted_moe``'s CPU path with each GEMM on the blocks: the ``T * k`` (token,

@@ -3,7 +3,8 @@
 
 - ``none``: float weights in ``dtype`` (a GGUF is dequantized, as its conversion wrote it);
 - ``gguf``: the projections, the embedding and MoE layers' routed experts (``moe_quant``) keep the GGUF's
-  own blocks (Q4_0, Q4_1, Q8_0); a tensor in another format keeps float weights, and the log names it;
+  own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); a tensor in another format keeps float weights, and the log
+  names it;
 - ``int8``: every projection, the LM head and the embedding quantized at load, per output row, from the
   float checkpoint (any model);
 - ``fp8`` (CUDA): the decoder's projections as e4m3 with scales (``fp8_linear``): an fp8 checkpoint's own

@@ -12,8 +12,9 @@ Package map:
                          16-column panels (a 6 x 16 register tile)
 - ``quant_blocks.h``     the quantized formats' blocks: scales, scalar and in-register dequantization
                          (AVX2, or AVX-512 where the compiler targets it)
-- ``quant_gemm.c``       the GEMM on quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks, int8 rows): dot
-                         products for up to 4 rows, dequantized L1 slabs beyond; dequantization to float32
+- ``quant_gemm.c``       the GEMM on quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks, Q4_K / Q6_K
+                         super-blocks, int8 rows): dot products for up to 4 rows, dequantized L1 slabs
+                         beyond; dequantization to float32
 - ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
                          validating wrappers of ``quant_gemm.c``
 - ``sampling.c``         the sampler's temperature, min-p, top-k, top-p and inverse-CDF draw, one row at a

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpilot.engine.model.quant_formats import QuantWeight, unpack_blocks
+from kvpilot.engine.model.quant_formats import QuantWeight, dequantize, unpack_blocks
+from kvpilot.engine.native.quant_ops import K_FORMATS
 
 
 def reference_add_rms_norm(
@@ -126,7 +127,10 @@ def reference_paged_prefill(
 def reference_quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``quant_gemm.c``'s math, block by block: each 32-input block contributes
     ``d * (q . x_block) + offset * sum(x_block)``, summed over blocks (tests also hold this to
-    dequantize-then-matmul)."""
+    dequantize-then-matmul). K-quants: dequantize-then-matmul in float64."""
+    if weight.format.name in K_FORMATS:
+        y = (x.double() @ dequantize(weight).double().T).float()
+        return y if bias is None else y + bias
     q, d, offset = unpack_blocks(weight)  # [N, B, 32], [N, B], [N, B]
     blocks = q.shape[1]
     xb = F.pad(x.float(), (0, blocks * q.shape[2] - x.shape[1])).view(x.shape[0], blocks, q.shape[2])
