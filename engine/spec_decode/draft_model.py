@@ -58,6 +58,8 @@ class DraftModel:
             )
         #: what the draft's cache costs per token (the engine sizes its blocks for both caches)
         self.kv_bytes_per_token = served.kv_bytes_per_token
+        #: the draft's cache stores what the target's does (docs/architecture.md#kv-cache-dtype)
+        self.kv_cache_dtype = served.kv_cache_dtype
         self.cache: KVCache | None = None
 
     def check_context(self, max_model_len: int) -> None:
@@ -79,6 +81,7 @@ class DraftModel:
             self.dtype,
             self.device,
             layout=layout,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
 
     def observe(self, batch: StepBatch) -> None:
