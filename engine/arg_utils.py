@@ -75,8 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
-        help=f"KV cache element, one of {', '.join(KV_CACHE_DTYPES)}: auto = the model's dtype; fp8 (e4m3, "
-        "per-layer scales) and int8 (a scale per token and KV head) store one byte per element",
+        help=f"KV cache element, one of {', '.join(KV_CACHE_DTYPES)}: auto = the model's dtype; fp8 (e4m3) "
+        "and int8 store one byte per element with a scale per token and KV head (fp8: the checkpoint's "
+        "per-layer k_scale/v_scale when it has them)",
     )
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences per step")
     g.add_argument(

@@ -29,7 +29,8 @@ _UNSUPPORTED_QUANTIZATIONS = {
     "gptq": "GPTQ int4 checkpoints are not supported yet (fp8 checkpoints and GGUF files are)",
 }
 #: KV cache element (docs/architecture.md#kv-cache-dtype): ``auto`` = the model's dtype; ``fp8`` = e4m3 codes
-#: with a per-layer k/v scale; ``int8`` = int8 codes with a float32 scale per (token, KV head)
+#: with the checkpoint's per-layer k/v scales, else a float32 scale per (token, KV head); ``int8`` = int8
+#: codes with a float32 scale per (token, KV head)
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
@@ -75,7 +76,8 @@ class CacheConfig:
     #: host memory (GiB) for swapped-out KV when ``preemption_mode`` is ``swap``
     swap_space: float = 0.0
     #: what the KV cache stores (``KV_CACHE_DTYPES``): ``auto`` = the model's dtype, ``fp8`` (e4m3) or
-    #: ``int8``: one byte per element, so about 4x (fp32) or 2x (bf16) the blocks in the same memory
+    #: ``int8``: one byte per element (+ 4 per token and KV head row of scales), so about 3.8x (fp32) or
+    #: 1.9x (bf16) the blocks in the same memory at head_dim 64
     kv_cache_dtype: str = "auto"
 
 

@@ -49,6 +49,8 @@ class ServedModel:
     dtype: torch.dtype
     #: ``auto``, ``fp8`` or ``int8``: what the KV cache stores (docs/architecture.md#kv-cache-dtype)
     kv_cache_dtype: str = "auto"
+    #: ``fp8_kv_scales``' result, read once
+    _fp8_scales: tuple[list[tuple[float, float]] | None] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -58,14 +60,16 @@ class ServedModel:
             arch.num_key_value_heads,
             arch.head_dim,
             storage_dtype(self.kv_cache_dtype, self.dtype).itemsize,
-            scale_bytes_per_element_row(self.kv_cache_dtype),
+            scale_bytes_per_element_row(self.kv_cache_dtype, self.fp8_kv_scales() is not None),
         )
 
     def fp8_kv_scales(self) -> list[tuple[float, float]] | None:
-        """The checkpoint's per-layer (k_scale, v_scale) for an fp8 cache (None: 1.0 everywhere)."""
+        """The checkpoint's per-layer (k_scale, v_scale) for an fp8 cache (None: none, so scales per row)."""
         if self.kv_cache_dtype != "fp8" or not any(self.model_dir.glob("*.safetensors")):
             return None
-        return read_kv_scales(self.model_dir, self.arch.num_hidden_layers)
+        if self._fp8_scales is None:
+            self._fp8_scales = (read_kv_scales(self.model_dir, self.arch.num_hidden_layers),)
+        return self._fp8_scales[0]
 
     def identity(self) -> str:
         """The model's prefix-cache identity: quantized weights compute other K/V than float ones, so their

@@ -73,9 +73,9 @@ def _engine() -> dict[str, Any]:
                 "enum": list(KV_CACHE_DTYPES),
                 "default": "auto",
                 "description": "What the KV cache stores (the engine's --kv-cache-dtype): auto = the model's "
-                "dtype; fp8 (e4m3, per-layer scales) or int8 (a scale per token and KV head) store one byte "
-                "per element, so about 4x (float32) or 2x (bfloat16) the blocks in the same memory, at a "
-                "measured accuracy cost (docs/architecture.md#kv-cache-dtype).",
+                "dtype; fp8 (e4m3) or int8 store one byte per element and a scale per token and KV head, so "
+                "about 3.8x (float32) or 1.9x (bfloat16) the blocks in the same memory, at a measured "
+                "accuracy cost (docs/architecture.md#kv-cache-dtype).",
             },
             "maxNumSeqs": integer("Most sequences in one scheduler step.", 1, 4096, 64),
             "maxNumBatchedTokens": integer("Token budget of one scheduler step.", 16, 1048576, 2048),

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.engine.kv.kv_quant import KVQuant, dequantize, quantize_fp8, quantize_int8
+from kvpilot.engine.kv.kv_quant import KVQuant, dequantize, quantize_rows
 from kvpilot.engine.native.ops import PREFILL_HEAD_DIM_MULTIPLE, NativeOps
 
 #: start a new decode bucket when a context is this much longer than the bucket's shortest one
@@ -206,17 +206,14 @@ class TorchAttentionBackend(AttentionBackend):
         if quant is None:
             key_cache[blk, :, off] = key.to(key_cache.dtype)
             value_cache[blk, :, off] = value.to(value_cache.dtype)
-        elif quant.dtype == "fp8":
-            key_cache[blk, :, off] = quantize_fp8(key, quant.k_scale)
-            value_cache[blk, :, off] = quantize_fp8(value, quant.v_scale)
-        else:
-            assert quant.key_scales is not None and quant.value_scales is not None
-            for x, cache, scales in (
-                (key, key_cache, quant.key_scales),
-                (value, value_cache, quant.value_scales),
-            ):
-                codes, row_scales = quantize_int8(x)
-                cache[blk, :, off] = codes
+            return
+        for x, cache, scales, is_key in (
+            (key, key_cache, quant.key_scales, True),
+            (value, value_cache, quant.value_scales, False),
+        ):
+            codes, row_scales = quantize_rows(x, quant, is_key)
+            cache[blk, :, off] = codes
+            if scales is not None and row_scales is not None:
                 scales[blk, :, off] = row_scales
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, batch: int, num_blocks: int) -> torch.Tensor:
@@ -243,7 +240,7 @@ class TorchAttentionBackend(AttentionBackend):
             (v, quant.v_scale, quant.value_scales),
         ):
             row_scales = None
-            if scales is not None:  # int8: the rows' scales, gathered like the codes
+            if scales is not None:  # per-row scales, gathered like the codes
                 _, kvh, bs = scales.shape
                 row_scales = scales.view(-1, bs).index_select(0, rows).view(batch, kvh, num_blocks * bs)
             out.append(dequantize(codes, tensor_scale, row_scales).to(dtype))

@@ -323,10 +323,10 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(
                 f"a {key_cache.dtype} cache cannot be read with kv quantization {quant and quant.dtype}"
             )
-        if quant is not None and quant.dtype == "int8":
+        if quant is not None and (quant.dtype == "int8" or quant.key_scales is not None):
             for scales in (quant.key_scales, quant.value_scales):
                 if scales is None or scales.shape != key_cache.shape[:-1] or scales.dtype != torch.float32:
-                    raise ValueError(f"int8 KV scales must be float32 {list(key_cache.shape[:-1])}")
+                    raise ValueError(f"per-row KV scales must be float32 {list(key_cache.shape[:-1])}")
         if value_cache.device != key_cache.device:
             raise ValueError(f"key_cache is on {key_cache.device} but value_cache on {value_cache.device}")
 

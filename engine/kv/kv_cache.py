@@ -6,9 +6,10 @@ head_dim]``. Dimension 0 is always the block, so block copies and swaps do not d
 Tensors start zeroed: padded key positions are masked, but a masked NaN would still poison softmax·V.
 
 A quantized cache (``kv_cache_dtype`` fp8/int8, docs/architecture.md#kv-cache-dtype) holds codes, and each
-layer's ``LayerKV.quant`` their scales: fp8's per-tensor ``k_scale``/``v_scale``, int8's float32 scale per
-(slot, KV head) in tensors shaped like the cache without its head_dim, which block copies and swaps move
-with the codes. fp8 tensors are copied through uint8 views (PyTorch has no fp8 ``index_copy`` on CPU).
+layer's ``LayerKV.quant`` their scales: fp8's per-tensor ``k_scale``/``v_scale`` from the checkpoint, or
+(int8, and fp8 without them) a float32 scale per (slot, KV head) in tensors shaped like the cache without
+its head_dim, which block copies and swaps move with the codes. fp8 tensors are copied through uint8
+views (PyTorch has no fp8 ``index_copy`` on CPU).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class KVCache:
         fp8_scales: list[tuple[float, float]] | None = None,
     ) -> None:
         """``dtype``: the model's (the cache's for ``kv_cache_dtype="auto"``); ``fp8_scales``: per layer
-        ``(k_scale, v_scale)`` from the checkpoint (fp8 only; default 1.0)."""
+        ``(k_scale, v_scale)`` from the checkpoint (fp8 only; without them fp8 keeps a scale per row)."""
         if layout not in ("NHD", "HND"):
             raise ValueError(f"KV cache layout must be 'NHD' or 'HND', got {layout!r}")
         shape = (
@@ -67,12 +68,11 @@ class KVCache:
         self.layers: list[LayerKV] = []
         for i in range(num_layers):
             quant = None
-            if kv_cache_dtype == "fp8":
-                k_scale, v_scale = fp8_scales[i] if fp8_scales is not None else (1.0, 1.0)
-                quant = KVQuant("fp8", k_scale=k_scale, v_scale=v_scale)
-            elif kv_cache_dtype == "int8":
+            if kv_cache_dtype == "fp8" and fp8_scales is not None:
+                quant = KVQuant("fp8", k_scale=fp8_scales[i][0], v_scale=fp8_scales[i][1])
+            elif kv_cache_dtype in ("fp8", "int8"):  # scales per (slot, KV head)
                 quant = KVQuant(
-                    "int8",
+                    kv_cache_dtype,
                     key_scales=torch.zeros(shape[:-1], dtype=torch.float32, device=device),
                     value_scales=torch.zeros(shape[:-1], dtype=torch.float32, device=device),
                 )
@@ -84,7 +84,11 @@ class KVCache:
                 )
             )
         self.bytes_per_token = kv_bytes_per_token(
-            num_layers, num_kv_heads, head_dim, store.itemsize, scale_bytes_per_element_row(kv_cache_dtype)
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            store.itemsize,
+            scale_bytes_per_element_row(kv_cache_dtype, fp8_scales is not None),
         )
 
     @property

@@ -1,9 +1,11 @@
 """Low-precision KV cache storage (docs/architecture.md#kv-cache-dtype): what ``kv_cache_dtype`` stores
 and the PyTorch reference of its quantization, which every backend's kernels are tested against.
 
-- ``fp8``: ``torch.float8_e4m3fn`` codes ``c = sat(x * (1 / s))`` with one scale per layer for K
-  (``k_scale``) and one for V (``v_scale``), vLLM's convention: 1.0 unless the checkpoint carries them.
-  e4m3 keeps ~3 significant bits over 2^-9..448, so a per-tensor scale only has to keep values below 448.
+- ``fp8``: ``torch.float8_e4m3fn`` codes ``c = sat(x * (1 / s))``. With the checkpoint's per-layer
+  ``k_scale``/``v_scale`` (vLLM's convention), ``s`` is that scale; without them, ``s = absmax * (1/448)``
+  per (slot, KV head), stored like int8's: vLLM's default of 1.0 leaves 41% of SmolLM2's V values in
+  e4m3's subnormal range (below 2^-6, fewer than 3 significant bits) and costs +1.4% perplexity against
+  +0.6% for int8 (bench/results/kv_cache_dtype.md).
 - ``int8``: int8 codes ``round(x * (1 / s))`` with ``s = absmax * (1/127)`` per (slot, KV head), stored
   beside the cache as float32 ``cache.shape[:-1]``: int8 is uniform, so a token's scale must follow its
   own range.
@@ -23,8 +25,9 @@ import torch
 FP8_MAX = 448.0
 #: int8 codes lie in [-127, 127] (symmetric: -128 is never written)
 INT8_MAX = 127.0
-#: kernel-side ids of the cache formats (``kv_kind`` in the C and Triton kernels)
-KIND_FLOAT, KIND_FP8, KIND_INT8 = 0, 1, 2
+#: kernel-side ids of the cache formats (``kv_kind`` in the C and Triton kernels): fp8 with per-tensor
+#: scales, int8 and fp8 with per-row scales
+KIND_FLOAT, KIND_FP8, KIND_INT8, KIND_FP8_ROWS = 0, 1, 2, 3
 
 
 @dataclass
@@ -33,16 +36,19 @@ class KVQuant:
 
     #: ``fp8`` or ``int8``
     dtype: str
-    #: fp8: the per-tensor scales of K and V (value = code * scale)
+    #: fp8 without row scales: the per-tensor scales of K and V (value = code * scale)
     k_scale: float = 1.0
     v_scale: float = 1.0
-    #: int8: float32 scales per (slot, KV head), the cache's shape without its head_dim (None for fp8)
+    #: int8, and fp8 without checkpoint scales: float32 scales per (slot, KV head), the cache's shape
+    #: without its head_dim
     key_scales: torch.Tensor | None = None
     value_scales: torch.Tensor | None = None
 
     @property
     def kind(self) -> int:
-        return KIND_FP8 if self.dtype == "fp8" else KIND_INT8
+        if self.dtype == "int8":
+            return KIND_INT8
+        return KIND_FP8 if self.key_scales is None else KIND_FP8_ROWS
 
 
 class LayerKV(NamedTuple):
@@ -64,9 +70,12 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'int8', got {kv_cache_dtype!r}")
 
 
-def scale_bytes_per_element_row(kv_cache_dtype: str) -> int:
-    """Bytes stored beside each (slot, KV head) row of K (and of V): int8's float32 scale, else 0."""
-    return 4 if kv_cache_dtype == "int8" else 0
+def scale_bytes_per_element_row(kv_cache_dtype: str, tensor_scales: bool = False) -> int:
+    """Bytes stored beside each (slot, KV head) row of K (and of V): the float32 scale of int8, and of fp8
+    unless it has per-tensor (checkpoint) scales; 0 for a float cache."""
+    if kv_cache_dtype == "int8" or (kv_cache_dtype == "fp8" and not tensor_scales):
+        return 4
+    return 0
 
 
 def _reciprocal(x: torch.Tensor) -> torch.Tensor:
@@ -80,24 +89,37 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return (x.float() * inv.to(x.device)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+def _row_scales(x: torch.Tensor, code_max: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = absmax * (1 / code_max)`` per row of float32 ``x``, and ``1 / s`` (1 for a zero row)."""
+    inv_max = _reciprocal(torch.tensor(code_max, dtype=torch.float32)).to(x.device)
+    scale = x.abs().amax(dim=-1) * inv_max
+    return scale, _reciprocal(torch.where(scale > 0, scale, torch.ones_like(scale)))
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and float32 scales of the rows of ``x`` (last dim): ``s = absmax * (1/127)``, codes
     ``round(x * (1 / s))`` (0 for an all-zero row, whose scale is 0)."""
     x = x.float()
-    inv_max = _reciprocal(torch.tensor(INT8_MAX, dtype=torch.float32)).to(x.device)
-    scale = x.abs().amax(dim=-1) * inv_max
-    inv = _reciprocal(torch.where(scale > 0, scale, torch.ones_like(scale)))
+    scale, inv = _row_scales(x, INT8_MAX)
     codes = torch.round(x * inv.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scale
 
 
+def quantize_fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn codes and float32 scales of the rows of ``x``: ``s = absmax * (1/448)``, codes of
+    ``x * (1 / s)`` (the row's largest value maps to 448)."""
+    x = x.float()
+    scale, inv = _row_scales(x, FP8_MAX)
+    return (x * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
 def dequantize(codes: torch.Tensor, tensor_scale: float, row_scales: torch.Tensor | None) -> torch.Tensor:
-    """float32 values of fp8 codes (times ``tensor_scale``) or int8 codes (times ``row_scales``, the codes'
-    shape without the last dim)."""
-    if codes.dtype == torch.int8:
-        if row_scales is None:
-            raise ValueError("int8 KV codes need their per-row scales")
+    """float32 values of codes: times ``row_scales`` (the codes' shape without the last dim) when given,
+    else (fp8 only) times ``tensor_scale``."""
+    if row_scales is not None:
         return codes.float() * row_scales.unsqueeze(-1)
+    if codes.dtype == torch.int8:
+        raise ValueError("int8 KV codes need their per-row scales")
     return codes.float() * tensor_scale
 
 
@@ -109,9 +131,11 @@ def fp8_e4m3_values() -> torch.Tensor:
 
 def quantize_rows(x: torch.Tensor, quant: KVQuant, is_key: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Codes of ``x`` ``[..., head_dim]`` as ``quant`` stores K (``is_key``) or V, and int8's row scales."""
-    if quant.dtype == "fp8":
-        return quantize_fp8(x, quant.k_scale if is_key else quant.v_scale), None
-    return quantize_int8(x)
+    if quant.dtype == "int8":
+        return quantize_int8(x)
+    if quant.key_scales is not None:
+        return quantize_fp8_rows(x)
+    return quantize_fp8(x, quant.k_scale if is_key else quant.v_scale), None
 
 
 def dequantize_caches(

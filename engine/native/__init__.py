@@ -6,8 +6,9 @@ Package map:
                          the 6 x 16 register tile of the GEMM-shaped kernels
 - ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, SiLU-and-multiply
 - ``kv_codes.h``         the KV cache's element formats (``kv_cache_dtype``): fp8 e4m3 codes (a 256-entry
-                         table to read, bit operations to write), int8 codes with per-row scales
-- ``kv_write.c``         the K/V scatter into the paged (HND) cache, as values or codes (+ int8 scales)
+                         table to read, bit operations to write) and int8 codes, with per-tensor or
+                         per-row scales
+- ``kv_write.c``         the K/V scatter into the paged (HND) cache, as values or codes (+ row scales)
 - ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
 - ``prefill_attention.c`` causal attention of prefill/extend tokens over the paged cache: tiles of 24 query
                          rows, register-blocked score and value products, an online softmax (flash style)

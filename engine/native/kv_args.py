@@ -31,13 +31,13 @@ def kv_cache_args(
         _check(cache, name, _CACHE_DTYPES[kind_name], shape)
     if quant is None:
         return KIND_FLOAT, None, None, 1.0, 1.0
-    if quant.dtype == "fp8":
+    if quant.dtype == "fp8" and quant.key_scales is None:
         for label, scale in (("k_scale", quant.k_scale), ("v_scale", quant.v_scale)):
             if not 0.0 < scale < float("inf"):
                 raise ValueError(f"{label} must be a positive finite number, got {scale}")
         return quant.kind, None, None, quant.k_scale, quant.v_scale
     if quant.key_scales is None or quant.value_scales is None:
-        raise ValueError("an int8 KV cache needs its per-row key_scales and value_scales")
+        raise ValueError(f"an {quant.dtype} KV cache needs its per-row key_scales and value_scales")
     _check(quant.key_scales, "key_scales", torch.float32, shape[:-1])
     _check(quant.value_scales, "value_scales", torch.float32, shape[:-1])
     return quant.kind, quant.key_scales.data_ptr(), quant.value_scales.data_ptr(), 1.0, 1.0

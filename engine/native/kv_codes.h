@@ -1,7 +1,7 @@
 /* The KV cache's element formats (docs/architecture.md#kv-cache-dtype) as the C kernels read and write
  * them; their PyTorch reference is kvpilot.engine.kv.kv_quant. Codes round to nearest, ties to even:
- * fp8 e4m3fn saturating at +-448 (torch's float -> float8_e4m3fn), int8 rintf(x * (1 / s)) with
- * s = absmax * (1/127) per (slot, KV head). */
+ * fp8 e4m3fn of x * (1 / s) saturating at +-448 (torch's float -> float8_e4m3fn), s per tensor or
+ * absmax * (1/448) per (slot, KV head); int8 rintf(x * (1 / s)) with s = absmax * (1/127) per row. */
 #ifndef KVPILOT_NATIVE_KV_CODES_H
 #define KVPILOT_NATIVE_KV_CODES_H
 #include <math.h>
@@ -10,11 +10,12 @@
 #define KV_FLOAT 0
 #define KV_FP8 1
 #define KV_INT8 2
+#define KV_FP8_ROWS 3
 #define FP8_MAX 448.0f
 #define INT8_MAX_CODE 127.0f
 
 /* One cache (K or V) of one layer, HND [num_blocks, Hkv, block_size, D]: float values, or codes with
- * fp8's per-tensor scale or int8's scales per (block, head, slot) row. */
+ * fp8's per-tensor scale or scales per (block, head, slot) row (int8, fp8 rows). */
 struct kv_view {
     const void *data;
     int kind;
@@ -60,6 +61,14 @@ static inline const float *kv_rows(const struct kv_view *c, int64_t row0, int64_
         const uint8_t *p = (const uint8_t *)c->data + row0 * D;
         float s = c->scale;
         for (int64_t i = 0; i < n * D; i++) buf[i] = fp8_table[p[i]] * s;
+        return buf;
+    }
+    if (c->kind == KV_FP8_ROWS) {
+        const uint8_t *p = (const uint8_t *)c->data + row0 * D;
+        for (int64_t j = 0; j < n; j++) {
+            float s = c->row_scales[row0 + j];
+            for (int64_t d = 0; d < D; d++) buf[j * D + d] = fp8_table[p[j * D + d]] * s;
+        }
         return buf;
     }
     const int8_t *p = (const int8_t *)c->data + row0 * D;

@@ -16,8 +16,8 @@ def test_kv_cache_dtype_bench_reports_every_dtype(tiny_model_dir, tmp_path, caps
     report = json.loads(out.read_text())
     dtypes = report["dtypes"]
     assert list(dtypes) == ["auto", "fp8", "int8"]
-    # 4 MiB of 16-token blocks: 512, 128 and 160 bytes per token (tiny-random: 2 layers x 2 KV heads x 16)
-    assert [d["kv_blocks"] for d in dtypes.values()] == [512, 2048, 1638]
+    # 4 MiB of 16-token blocks: 512, 160 and 160 bytes per token (tiny-random: 2 layers x 2 KV heads x 16)
+    assert [d["kv_blocks"] for d in dtypes.values()] == [512, 1638, 1638]
     for kv in ("fp8", "int8"):
         entry = dtypes[kv]
         assert entry["teacher_forced_positions"] == 4 * entry["prompts"]

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_quant_caches import clone_quant, empty_quantized_caches, quantized_caches, spread_values
+from kv_quant_caches import FORMATS, clone_quant, empty_quantized_caches, quantized_caches, spread_values
 
 from kvpilot.engine.kv.kv_quant import KVQuant, fp8_e4m3_values
 from kvpilot.engine.native import ops as native
 from kvpilot.engine.native import reference
-
-DTYPES = ["fp8", "int8"]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,7 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 @pytest.mark.parametrize("kv_heads, head_dim, block_size", [(2, 16, 8), (3, 64, 16), (1, 128, 1)])
 def test_write_kv_codes_equal_the_reference(kernels, kv_cache_dtype, kv_heads, head_dim, block_size):
     g = _gen(kv_heads * head_dim + block_size)
@@ -41,7 +39,7 @@ def test_write_kv_codes_equal_the_reference(kernels, kv_cache_dtype, kv_heads, h
     reference.reference_write_kv(key, value, ekc, evc, slots, equant)
     assert torch.equal(kc.view(torch.uint8), ekc.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), evc.view(torch.uint8))
-    if kv_cache_dtype == "int8":
+    if quant.key_scales is not None:
         assert torch.equal(quant.key_scales, equant.key_scales)
         assert torch.equal(quant.value_scales, equant.value_scales)
     written = int((kc.view(torch.uint8) != 0).any(-1).sum())
@@ -55,7 +53,7 @@ def test_fp8_codes_cover_every_finite_e4m3_value(kernels):
     rows = -(-finite.numel() // 16)
     padded = torch.zeros(rows * 16)
     padded[: finite.numel()] = finite
-    kc, vc, _ = empty_quantized_caches((rows, 1, 1, 16), "fp8")
+    kc, vc, _ = empty_quantized_caches((rows, 1, 1, 16), "fp8-tensor")
     quant = KVQuant("fp8", 1.0, 1.0)
     x = padded.view(rows, 16)
     kernels.write_kv(x, x, kc, vc, torch.arange(rows), quant)
@@ -81,7 +79,7 @@ DECODE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 @pytest.mark.parametrize("lengths, num_heads, kv_heads, head_dim, block_size, window", DECODE_CASES)
 def test_paged_decode_over_codes_matches_reference(
     kernels, kv_cache_dtype, lengths, num_heads, kv_heads, head_dim, block_size, window
@@ -99,7 +97,7 @@ def test_paged_decode_over_codes_matches_reference(
     expected = reference.reference_paged_decode(query, kc, vc, tables, seq_lens, scale, window, None, quant)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # negative control: the codes read as if their scale were 1 give another answer
-    if kv_cache_dtype == "fp8":
+    if kv_cache_dtype == "fp8-tensor":
         wrong = reference.reference_paged_decode(
             query, kc, vc, tables, seq_lens, scale, window, None, KVQuant("fp8", 1.0, 1.0)
         )
@@ -116,7 +114,7 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv_cache_dtype", DTYPES)
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 @pytest.mark.parametrize("new, cached, num_heads, kv_heads, head_dim, block_size, window", PREFILL_CASES)
 def test_paged_prefill_over_codes_matches_reference(
     kernels, kv_cache_dtype, new, cached, num_heads, kv_heads, head_dim, block_size, window

@@ -8,7 +8,7 @@ from triton_device import DEVICE  # isort: skip
 
 import pytest
 import torch
-from kv_quant_caches import clone_quant, empty_quantized_caches, quantized_caches, spread_values
+from kv_quant_caches import FORMATS, clone_quant, empty_quantized_caches, quantized_caches, spread_values
 
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
@@ -27,7 +27,7 @@ def _on_device(quant: KVQuant) -> KVQuant:
     return KVQuant(quant.dtype, quant.k_scale, quant.v_scale, *(move or (None, None)))
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 @pytest.mark.parametrize("head_dim, block_size, kv_heads", [(64, 16, 2), (16, 1, 3), (128, 32, 1)])
 def test_kv_write_codes_equal_the_reference(kv_cache_dtype, head_dim, block_size, kv_heads):
     g = torch.Generator().manual_seed(head_dim + block_size)
@@ -45,7 +45,7 @@ def test_kv_write_codes_equal_the_reference(kv_cache_dtype, head_dim, block_size
     reference.reference_write_kv(key, value, ekc, evc, slots, equant)
     assert torch.equal(dk.cpu().view(torch.uint8), ekc.view(torch.uint8))
     assert torch.equal(dv.cpu().view(torch.uint8), evc.view(torch.uint8))
-    if kv_cache_dtype == "int8":
+    if quant.key_scales is not None:
         assert torch.equal(dquant.key_scales.cpu(), equant.key_scales)
         assert torch.equal(dquant.value_scales.cpu(), equant.value_scales)
     assert (ekc.view(torch.uint8) != 0).any()  # the reference wrote something
@@ -62,8 +62,9 @@ def _quantized_batch(contexts, new, group, kv_heads, head_dim, block_size, dtype
 
 # (query dtype, cache dtype, head_dim, block_size, group, kv_heads, window, splits)
 DECODE_CASES = [
-    (torch.float32, "fp8", 64, 16, 1, 2, None, 1),
+    (torch.float32, "fp8-tensor", 64, 16, 1, 2, None, 1),
     (torch.float16, "fp8", 64, 32, 3, 2, None, 3),
+    (torch.float32, "fp8", 64, 16, 3, 2, 20, 1),
     (torch.float32, "int8", 64, 16, 8, 1, 20, 2),
     (torch.float16, "int8", 32, 1, 3, 2, None, 1),
 ]
@@ -117,7 +118,8 @@ def test_decode_over_codes_matches_reference(
 
 # (query dtype, cache dtype, head_dim, block_size, group, kv_heads, window)
 PREFILL_CASES = [
-    (torch.float32, "fp8", 64, 16, 3, 2, None),
+    (torch.float32, "fp8-tensor", 64, 16, 3, 2, None),
+    (torch.float16, "fp8", 64, 16, 3, 2, 9),
     (torch.float16, "int8", 64, 16, 1, 2, None),
     (torch.float32, "int8", 32, 8, 8, 1, 9),
 ]

@@ -1,12 +1,16 @@
 """Quantized KV caches for kernel tests: random K/V values stored as fp8 or int8 codes with their scales
 (``kvpilot.engine.kv.kv_quant``), in either layout (scales follow the cache's shape without head_dim).
+Formats: ``fp8-tensor`` (per-tensor scales, as from a checkpoint), ``fp8`` and ``int8`` (a scale per row).
 Importable because ``tests/conftest.py`` puts this folder on ``sys.path``."""
 
 from __future__ import annotations
 
 import torch
 
-from kvpilot.engine.kv.kv_quant import KVQuant, quantize_fp8, quantize_int8
+from kvpilot.engine.kv.kv_quant import KVQuant, quantize_fp8, quantize_fp8_rows, quantize_int8
+
+#: every quantized format the kernels read and write
+FORMATS = ["fp8-tensor", "fp8", "int8"]
 
 #: per-tensor fp8 scales that are not 1, so a kernel that ignores them fails
 FP8_K_SCALE, FP8_V_SCALE = 0.05, 0.02
@@ -16,23 +20,24 @@ def quantized_caches(
     values_k: torch.Tensor, values_v: torch.Tensor, kv_cache_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor, KVQuant]:
     """Codes of the value caches and the ``KVQuant`` that reads them back."""
-    if kv_cache_dtype == "fp8":
+    if kv_cache_dtype == "fp8-tensor":
         quant = KVQuant("fp8", k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
         return quantize_fp8(values_k, FP8_K_SCALE), quantize_fp8(values_v, FP8_V_SCALE), quant
-    (kc, ks), (vc, vs) = quantize_int8(values_k), quantize_int8(values_v)
-    return kc, vc, KVQuant("int8", key_scales=ks, value_scales=vs)
+    rows = quantize_int8 if kv_cache_dtype == "int8" else quantize_fp8_rows
+    (kc, ks), (vc, vs) = rows(values_k), rows(values_v)
+    return kc, vc, KVQuant(kv_cache_dtype, key_scales=ks, value_scales=vs)
 
 
 def empty_quantized_caches(
     shape: tuple[int, ...], kv_cache_dtype: str
 ) -> tuple[torch.Tensor, torch.Tensor, KVQuant]:
-    """Zeroed caches (and int8 scales) of ``shape`` for a write test."""
-    if kv_cache_dtype == "fp8":
-        zeros = [torch.zeros(shape, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    """Zeroed caches (and row scales) of ``shape`` for a write test."""
+    dtype = torch.int8 if kv_cache_dtype == "int8" else torch.float8_e4m3fn
+    zeros = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    if kv_cache_dtype == "fp8-tensor":
         return zeros[0], zeros[1], KVQuant("fp8", k_scale=FP8_K_SCALE, v_scale=FP8_V_SCALE)
-    zeros = [torch.zeros(shape, dtype=torch.int8) for _ in range(2)]
     scales = [torch.zeros(shape[:-1]) for _ in range(2)]
-    return zeros[0], zeros[1], KVQuant("int8", key_scales=scales[0], value_scales=scales[1])
+    return zeros[0], zeros[1], KVQuant(kv_cache_dtype, key_scales=scales[0], value_scales=scales[1])
 
 
 def clone_quant(quant: KVQuant) -> KVQuant:

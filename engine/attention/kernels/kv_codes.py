@@ -5,7 +5,8 @@ fp8 caches reach the kernels as uint8 views and are decoded and encoded with int
 (e4m3fn: sign, 4 exponent bits biased by 7, 3 mantissa bits; subnormals are multiples of 2^-9), which run
 the same compiled and in the interpreter. Rounding is to nearest, ties to even, as torch's: fp32 ``y +
 1.5·2^23 - 1.5·2^23`` rounds ``|y| < 2^22`` to an integer, and a mantissa is rounded by adding
-``0x7FFFF + its lowest kept bit`` before the shift. int8 codes carry a float32 scale per (slot, KV head).
+``0x7FFFF + its lowest kept bit`` before the shift. int8 codes, and fp8 codes without checkpoint scales,
+carry a float32 scale per (slot, KV head).
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import triton.language as tl
 
 from kvpilot.engine.kv.kv_quant import KIND_FLOAT, KVQuant
 
-#: float32 1/127 (its exact value), so int8 scales are ``absmax * (1/127)`` as in the reference
+#: float32 1/127 and 1/448 (their exact values), so row scales are ``absmax * (1/127)`` (int8) and
+#: ``absmax * (1/448)`` (fp8) as in the reference
 INV_INT8_MAX = tl.constexpr(0.007874015718698502)
+INV_FP8_MAX = tl.constexpr(0.0022321429569274187)
 #: 1.5 * 2^23: adding and subtracting it rounds an fp32 value to an integer, ties to even
 ROUND_MAGIC = tl.constexpr(12582912.0)
 
@@ -53,10 +56,12 @@ def float_to_fp8_e4m3(y):
 
 @triton.jit
 def dequantize_tile(raw, row_scales, tensor_scale, KV_KIND: tl.constexpr):
-    """float32 values of a loaded tile of codes: fp8 (``KV_KIND`` 1) times the tensor scale, int8 (2)
-    times each row's scale."""
+    """float32 values of a loaded tile of codes: fp8 (``KV_KIND`` 1) times the tensor scale, int8 (2) and
+    fp8 (3) times each row's scale."""
     if KV_KIND == 1:
         values = fp8_e4m3_to_float(raw) * tensor_scale
+    elif KV_KIND == 3:
+        values = fp8_e4m3_to_float(raw) * row_scales[:, None]
     else:
         values = raw.to(tl.float32) * row_scales[:, None]
     return values
@@ -71,10 +76,21 @@ def kernel_cache_args(
         dummy = key_cache
         return (key_cache, value_cache, dummy, dummy, 0, 0, 0, 1.0, 1.0), KIND_FLOAT
     if quant.dtype == "fp8":
-        key, value = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-        return (key, value, key, value, 0, 0, 0, quant.k_scale, quant.v_scale), quant.kind
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+        if quant.key_scales is None:
+            return (
+                key_cache,
+                value_cache,
+                key_cache,
+                value_cache,
+                0,
+                0,
+                0,
+                quant.k_scale,
+                quant.v_scale,
+            ), quant.kind
     if quant.key_scales is None or quant.value_scales is None:
-        raise ValueError("an int8 KV cache needs its per-row key_scales and value_scales")
+        raise ValueError(f"an {quant.dtype} KV cache needs its per-row key_scales and value_scales")
     strides = quant.key_scales.stride()
     return (key_cache, value_cache, quant.key_scales, quant.value_scales, *strides, 1.0, 1.0), quant.kind
 

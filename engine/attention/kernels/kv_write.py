@@ -5,8 +5,9 @@ K and V, so a token's slot and block address are computed once. Slot ``s`` is ro
 of block ``s // block_size``. Negative slots are padding (e.g. a batch padded to a captured size) and
 are skipped.
 
-A quantized cache (``kv_codes``) gets codes: fp8 of ``x * (1 / scale)`` with the layer's per-tensor scale,
-int8 of ``x * (1 / s)`` with ``s = absmax * (1/127)`` over each head's row, written beside the codes.
+A quantized cache (``kv_codes``) gets codes: fp8 of ``x * (1 / scale)`` with the layer's per-tensor scale;
+int8 (fp8) of ``x * (1 / s)`` with ``s = absmax * (1/127)`` (``* (1/448)``) over each head's row, written
+beside the codes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.engine.attention.kernels.kv_codes import (
+    INV_FP8_MAX,
     INV_INT8_MAX,
     float_to_fp8_e4m3,
     kernel_cache_args,
@@ -103,22 +105,30 @@ def kv_write_kernel(
         tl.store(value_dst, value_codes.to(tl.uint8), mask=mask)
     else:
         scale_offsets = block * stride_s_block + row * stride_s_slot + heads * stride_s_head
-        _store_int8_rows(
-            key.to(tl.float32), key_dst, key_scales_ptr + scale_offsets, mask, heads < num_kv_heads
+        head_valid = heads < num_kv_heads
+        _store_scaled_rows(
+            key.to(tl.float32), key_dst, key_scales_ptr + scale_offsets, mask, head_valid, KV_KIND
         )
-        _store_int8_rows(
-            value.to(tl.float32), value_dst, value_scales_ptr + scale_offsets, mask, heads < num_kv_heads
+        _store_scaled_rows(
+            value.to(tl.float32), value_dst, value_scales_ptr + scale_offsets, mask, head_valid, KV_KIND
         )
 
 
 @triton.jit
-def _store_int8_rows(x, dst, scale_dst, mask, head_valid):
-    """int8 codes of each head's row of ``x`` and its scale ``absmax * (1/127)`` (0 for a zero row)."""
-    scale = reduce_max(tl.abs(x), 1) * INV_INT8_MAX
+def _store_scaled_rows(x, dst, scale_dst, mask, head_valid, KV_KIND: tl.constexpr):
+    """Codes of each head's row of ``x`` and its scale: int8 (``KV_KIND`` 2) ``absmax * (1/127)``, fp8 (3)
+    ``absmax * (1/448)`` (0 for a zero row)."""
+    if KV_KIND == 2:
+        scale = reduce_max(tl.abs(x), 1) * INV_INT8_MAX
+    else:
+        scale = reduce_max(tl.abs(x), 1) * INV_FP8_MAX
     inv = 1.0 / tl.where(scale > 0.0, scale, 1.0)
-    codes = round_half_even(x * inv[:, None])
-    codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
-    tl.store(dst, codes.to(tl.int8), mask=mask)
+    if KV_KIND == 2:
+        codes = round_half_even(x * inv[:, None])
+        codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+        tl.store(dst, codes.to(tl.int8), mask=mask)
+    else:
+        tl.store(dst, float_to_fp8_e4m3(x * inv[:, None]).to(tl.uint8), mask=mask)
     tl.store(scale_dst, scale, mask=head_valid)
 
 

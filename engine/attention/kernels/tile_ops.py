@@ -88,8 +88,8 @@ def load_kv_tile(
     KV_KIND: tl.constexpr,
 ):
     """Gather the ``[TILE_N, HEAD_DIM_PADDED]`` K or V rows of one KV head at logical ``token_pos``: the
-    cache's values, or for codes (``KV_KIND`` 1 fp8, 2 int8) their float32 dequantization with the tensor
-    scale or the rows' scales at ``scales_ptr``.
+    cache's values, or for codes (``KV_KIND`` 1 fp8, 2 int8, 3 fp8 with row scales) their float32
+    dequantization with the tensor scale or the rows' scales at ``scales_ptr``.
 
     Invalid tokens and padded dims read 0; their scores are masked by the caller.
     """
@@ -104,7 +104,7 @@ def load_kv_tile(
         tile = raw
     else:
         row_scales = tl.full((raw.shape[0],), 0.0, dtype=tl.float32)
-        if KV_KIND == 2:
+        if KV_KIND >= 2:
             scale_offset = (
                 physical_block.to(tl.int64) * stride_s_block
                 + slot * stride_s_slot
