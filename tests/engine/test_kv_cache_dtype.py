@@ -240,3 +240,24 @@ def test_triton_kernels_read_the_codes_as_the_c_kernels_do(reference_tokens, kv_
         )
     )
     assert triton == [t[:6] for t in tokens[kv_cache_dtype][:3]]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_speculative_decoding_over_a_quantized_cache_keeps_the_tokens(tiny_model_dir, kv_cache_dtype):
+    """ngram and a same-weights draft model (its own cache in the same format) verify drafts against codes:
+    greedy tokens equal the plain engine's over the same cache dtype."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 500) for _ in range(8)] * 4 for _ in range(4)]  # repetitive: ngram drafts
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = _tokens(run_checked(_llm(kv_cache_dtype), prompts, params))
+    spec = {"num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    for config in (
+        {"method": "ngram", **spec},
+        {"method": "draft_model", "model": str(tiny_model_dir), **spec},
+    ):
+        llm = _llm(kv_cache_dtype, speculative_config=config)
+        assert _tokens(run_checked(llm, prompts, params)) == want, config["method"]
+        assert llm.engine.stats.spec_accepted_tokens > 0
+        if config["method"] == "draft_model":
+            draft = llm.engine.draft_model.cache
+            assert draft.kv_cache_dtype == kv_cache_dtype and draft.layers[0].quant.key_scales is not None
