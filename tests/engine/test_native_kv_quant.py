@@ -158,3 +158,37 @@ def test_wrappers_refuse_codes_without_their_scales(kernels):
         kernels.write_kv(
             torch.zeros(1, 16), torch.zeros(1, 16), fp8, fp8, torch.tensor([1]), KVQuant("fp8", 0.0, 1.0)
         )
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("with_c_kernels", [True, False], ids=["c-kernels", "pytorch-ops"])
+def test_torch_backend_forward_writes_codes_then_attends_them(kernels, kv_cache_dtype, with_c_kernels):
+    """One mixed step (two decodes, a fresh prompt, an extend) through the CPU backend, on its HND cache:
+    the new tokens' codes equal the reference's and every query attends the dequantized cache."""
+    from kvpilot.engine.attention.kernels.reference import reference_paged_attention
+    from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
+    from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+    from kvpilot.engine.kv.kv_quant import dequantize_caches
+
+    batch = make_paged_batch([9, 30, 0, 17], [1, 1, 12, 5], 6, 2, 32, 16, torch.float32, seed=3)
+    hnd = [c.nan_to_num(0.0).transpose(1, 2).contiguous() for c in (batch.key_cache, batch.value_cache)]
+    kc, vc, quant = quantized_caches(hnd[0], hnd[1], kv_cache_dtype)
+    g = _gen(4)
+    key, value = (
+        torch.randn(batch.query.shape[0], 2, 32, generator=g),
+        torch.randn(batch.query.shape[0], 2, 32, generator=g),
+    )
+    ekc, evc, equant = kc.clone(), vc.clone(), clone_quant(quant)
+    reference.reference_write_kv(key.flatten(1), value.flatten(1), ekc, evc, batch.slot_mapping, equant)
+    backend = TorchAttentionBackend(6, 2, 32, 32**-0.5)
+    backend.native = kernels if with_c_kernels else None
+    meta = batch.metadata(2)
+    backend.prepare(meta)
+    out = backend.forward(batch.query, key, value, kc, vc, meta, None, quant)
+    assert torch.equal(kc.view(torch.uint8), ekc.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), evc.view(torch.uint8))
+    k_values, v_values = (c.transpose(1, 2) for c in dequantize_caches(ekc, evc, equant))  # back to NHD
+    expected = reference_paged_attention(
+        batch.query, k_values, v_values, batch.block_tables, batch.seq_lens, batch.query_start_loc, 32**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)

@@ -177,3 +177,34 @@ def test_prefill_over_codes_matches_reference(
             window,
         )
         assert (raw - out.cpu().float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+def test_backend_forward_writes_codes_then_attends_them(kv_cache_dtype):
+    """One mixed step (two decodes, a fresh prompt, an extend) through the backend: the new tokens' codes
+    land in their slots and every query attends the dequantized cache, its own step's keys included."""
+    from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+
+    batch = make_paged_batch([9, 30, 0, 17], [1, 1, 12, 5], 6, 2, 32, 16, torch.float32, seed=11)
+    kc, vc, quant = quantized_caches(
+        batch.key_cache.nan_to_num(0.0), batch.value_cache.nan_to_num(0.0), kv_cache_dtype
+    )
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(batch.query.shape[0], 2, 32, generator=g)
+    value = torch.randn(batch.query.shape[0], 2, 32, generator=g)
+    ekc, evc, equant = kc.clone(), vc.clone(), clone_quant(quant)
+    reference.reference_write_kv(key, value, ekc, evc, batch.slot_mapping, equant)
+    backend = TritonAttentionBackend(6, 2, 32, 32**-0.5)
+    out = backend.forward(batch.query, key, value, kc, vc, batch.metadata(2), None, quant)
+    assert torch.equal(kc.view(torch.uint8), ekc.view(torch.uint8))
+    k_values, v_values = dequantize_caches(ekc, evc, equant)
+    expected = reference.reference_paged_attention(
+        batch.query, k_values, v_values, batch.block_tables, batch.seq_lens, batch.query_start_loc, 32**-0.5
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
+    with pytest.raises(ValueError, match="cannot be read with kv quantization None"):
+        backend.attend(batch.query, key, value, kc, vc, batch.metadata(2))
+    with pytest.raises(ValueError, match="cannot be read with kv quantization"):
+        backend.attend(
+            batch.query, key, value, batch.key_cache, batch.value_cache, batch.metadata(2), None, quant
+        )
