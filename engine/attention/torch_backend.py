@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.engine.kv.kv_quant import KVQuant, dequantize, quantize_rows
+from kvpilot.engine.kv.kv_quant import KVQuant, as_bytes, dequantize, quantize_rows
 from kvpilot.engine.native.ops import PREFILL_HEAD_DIM_MULTIPLE, NativeOps
 
 #: start a new decode bucket when a context is this much longer than the bucket's shortest one
@@ -212,7 +212,7 @@ class TorchAttentionBackend(AttentionBackend):
             (value, value_cache, quant.value_scales, False),
         ):
             codes, row_scales = quantize_rows(x, quant, is_key)
-            cache[blk, :, off] = codes
+            as_bytes(cache)[blk, :, off] = as_bytes(codes)  # fp8 indexing is not implemented everywhere
             if scales is not None and row_scales is not None:
                 scales[blk, :, off] = row_scales
 
@@ -231,9 +231,10 @@ class TorchAttentionBackend(AttentionBackend):
         dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ``[batch, kv_heads, num_blocks * block_size, D]`` of the gathered rows, in ``dtype``."""
-        k, v = (self._gather(c, rows, batch, num_blocks) for c in caches)
         if quant is None:
+            k, v = (self._gather(c, rows, batch, num_blocks) for c in caches)
             return k.to(dtype), v.to(dtype)
+        k, v = (self._gather(as_bytes(c), rows, batch, num_blocks).view(c.dtype) for c in caches)
         out = []
         for codes, tensor_scale, scales in (
             (k, quant.k_scale, quant.key_scales),

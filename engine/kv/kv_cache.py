@@ -17,17 +17,12 @@ from __future__ import annotations
 import torch
 
 from kvpilot.engine.kv.capacity import kv_bytes_per_token
-from kvpilot.engine.kv.kv_quant import KVQuant, LayerKV, scale_bytes_per_element_row, storage_dtype
-
-
-def _movable(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or a uint8 view of an fp8 tensor (same bytes, copyable by index)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+from kvpilot.engine.kv.kv_quant import KVQuant, LayerKV, as_bytes, scale_bytes_per_element_row, storage_dtype
 
 
 def _tensors(layer: LayerKV) -> list[torch.Tensor]:
     """Every per-block tensor of a layer: K and V codes, and int8's scales."""
-    out = [_movable(layer.key), _movable(layer.value)]
+    out = [as_bytes(layer.key), as_bytes(layer.value)]
     q = layer.quant
     if q is not None and q.key_scales is not None and q.value_scales is not None:
         out += [q.key_scales, q.value_scales]

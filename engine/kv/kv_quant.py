@@ -59,6 +59,12 @@ class LayerKV(NamedTuple):
     quant: KVQuant | None = None
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or a uint8 view of an fp8 tensor (the same bytes): PyTorch lacks fp8 ``index_copy`` on
+    CPU and fp8 indexing kernels on some devices, while byte copies move codes exactly."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the cache tensors: the model's dtype for ``auto``."""
     if kv_cache_dtype == "auto":
