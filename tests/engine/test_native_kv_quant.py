@@ -192,3 +192,21 @@ def test_torch_backend_forward_writes_codes_then_attends_them(kernels, kv_cache_
         batch.query, k_values, v_values, batch.block_tables, batch.seq_lens, batch.query_start_loc, 32**-0.5
     )
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor-scale", "row-scales"])
+def test_c_kernels_read_every_e4m3_code_as_torch_does(kernels, per_row):
+    """Sequence b's one key and value hold codes 16b .. 16b + 15: attention over a single key returns its
+    value row exactly, so the decode output is the kernels' reading of every bit pattern (vector and
+    scalar paths); NaN's two patterns are never written and read as 0 here."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+    cache = codes.view(16, 1, 1, 16).view(torch.float8_e4m3fn)  # 16 blocks of one slot, one head, D = 16
+    scales = torch.full((16, 1, 1), 0.5)
+    quant = KVQuant("fp8", key_scales=scales, value_scales=scales) if per_row else KVQuant("fp8", 1.0, 0.5)
+    tables = torch.arange(16, dtype=torch.int32).view(16, 1)
+    out = kernels.paged_decode(
+        torch.zeros(16, 16), cache, cache, tables, torch.ones(16, dtype=torch.int32), 1.0, None, None, quant
+    )
+    expected = codes.view(torch.float8_e4m3fn).float().view(16, 1, 16) * 0.5
+    assert torch.equal(out, expected)
