@@ -113,7 +113,11 @@ class LLMEngine(StepOutputs):
             self.device,
             InputBatch(paged.block_tensor, self.max_model_len, cc.block_size, self.device),
         )
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
+        self.sampler = Sampler(
+            torch.Generator(device=self.device).manual_seed(mc.seed),
+            config.logprobs_mode,
+            native=None if self.native_ops is None else self.native_ops.sampling,
+        )
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
         #: structured outputs' grammars, compiled on their own threads
         #: (docs/architecture.md#structured-outputs)

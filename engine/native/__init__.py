@@ -20,6 +20,10 @@ Package map:
                          products for up to 4 rows, dequantized L1 slabs beyond; dequantization to float32
 - ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
                          validating wrappers of ``quant_gemm.c``
+- ``sampling.c``         the sampler's temperature, min-p, top-k, top-p and inverse-CDF draw, one row at a
+                         time (a heap of the first k tokens, not a sort of the vocabulary)
+- ``sampling_ops``       ``SamplingKernels`` (``NativeOps.sampling``): the validating wrapper of
+                         ``sampling.c``
 - ``build``              compiles the sources once per host (``-O3 -march=native``, plus any extra flags:
                          tests build the portable fallbacks with ``-mno-avx2``) into one library in the
                          cache directory, loads it with ctypes; ``NativeBuildError`` when that fails

@@ -19,6 +19,7 @@ from kvpilot.engine.kv.kv_quant import KVQuant
 from kvpilot.engine.native.build import load_library
 from kvpilot.engine.native.kv_args import kv_cache_args
 from kvpilot.engine.native.quant_ops import QuantKernels, check_float_rows
+from kvpilot.engine.native.sampling_ops import SamplingKernels
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -112,6 +113,8 @@ class NativeOps:
         self.has_prefill_attention = self.has_fast_linear
         #: the quantized-weight GEMM (``quant_ops``)
         self.quant = QuantKernels(lib)
+        #: the sampler's temperature, truncation and draw for sampled rows (``sampling_ops``)
+        self.sampling = SamplingKernels(lib)
 
     @staticmethod
     def _threads() -> int:
