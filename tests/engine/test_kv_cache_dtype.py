@@ -86,6 +86,24 @@ def test_blocks_for_a_budget_grow_with_the_smaller_element(tiny_model_dir, kv_ca
     )
 
 
+def test_metrics_report_the_cache_dtype_and_its_blocks(tiny_model_dir):
+    from prometheus_client import generate_latest
+
+    from kvpilot.engine.server.metrics import ServerMetrics
+
+    llm = LLM(
+        "tiny-random", device="cpu", dtype="float32", kv_cache_memory_bytes=1_000_000, kv_cache_dtype="fp8"
+    )
+    metrics = ServerMetrics("tiny-random")
+    metrics.attach_gauges(lambda: load_snapshot(llm.engine), lambda: "ready")
+    text = generate_latest(metrics.registry).decode()
+    assert (
+        'kvpilot_cache_config_info{block_size="16",cache_dtype="fp8",kv_cache_sizing="kv_cache_memory_bytes",'
+        'model_name="tiny-random",num_gpu_blocks="389"} 1.0' in text
+    )
+    assert 'kvpilot_kv_cache_blocks{model_name="tiny-random",state="total"} 389.0' in text
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_block_copies_and_swaps_move_codes_and_scales(kv_cache_dtype):
     cache = KVCache(2, 6, 4, 2, 16, torch.float32, torch.device("cpu"), "HND", kv_cache_dtype)
