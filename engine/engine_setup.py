@@ -18,8 +18,10 @@ from kvpilot.engine.kv.block_hash import root_hash
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.capacity import blocks_for_tokens, kv_bytes_per_token
+from kvpilot.engine.kv.checkpoint_scales import read_kv_scales
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
+from kvpilot.engine.kv.kv_quant import scale_bytes_per_element_row, storage_dtype
 from kvpilot.engine.kv.manager import KVCacheManager
 from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_budget, take_baseline
 from kvpilot.engine.model.arch import ModelArchConfig
@@ -43,15 +45,31 @@ class ServedModel:
     #: (docs/architecture.md#quantized-weights)
     quantization: str
     model: LlamaForCausalLM
-    #: activations and KV cache dtype
+    #: activations dtype (and the KV cache's for ``kv_cache_dtype="auto"``)
     dtype: torch.dtype
+    #: ``auto``, ``fp8`` or ``int8``: what the KV cache stores (docs/architecture.md#kv-cache-dtype)
+    kv_cache_dtype: str = "auto"
+    #: ``fp8_kv_scales``' result, read once
+    _fp8_scales: tuple[list[tuple[float, float]] | None] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
         arch = self.arch
         return kv_bytes_per_token(
-            arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, self.dtype.itemsize
+            arch.num_hidden_layers,
+            arch.num_key_value_heads,
+            arch.head_dim,
+            storage_dtype(self.kv_cache_dtype, self.dtype).itemsize,
+            scale_bytes_per_element_row(self.kv_cache_dtype, self.fp8_kv_scales() is not None),
         )
+
+    def fp8_kv_scales(self) -> list[tuple[float, float]] | None:
+        """The checkpoint's per-layer (k_scale, v_scale) for an fp8 cache (None: none, so scales per row)."""
+        if self.kv_cache_dtype != "fp8" or not any(self.model_dir.glob("*.safetensors")):
+            return None
+        if self._fp8_scales is None:
+            self._fp8_scales = (read_kv_scales(self.model_dir, self.arch.num_hidden_layers),)
+        return self._fp8_scales[0]
 
     def identity(self) -> str:
         """The model's prefix-cache identity: quantized weights compute other K/V than float ones, so their
@@ -102,7 +120,7 @@ def load_served_model(
     )
     if isinstance(backend, TorchAttentionBackend):
         backend.native = native_ops
-    return ServedModel(model_dir, arch, backend, resolved, model, dtype)
+    return ServedModel(model_dir, arch, backend, resolved, model, dtype, config.cache.kv_cache_dtype)
 
 
 @dataclass
@@ -148,15 +166,17 @@ def build_paged_kv(
             max_model_len=mc.max_model_len or arch.max_position_embeddings,
             kv_layout=target.backend.kv_cache_layout,
             utilization=cc.gpu_memory_utilization,
+            kv_cache_dtype=cc.kv_cache_dtype,
         )
         sizing = "gpu_memory_utilization"
     per_token = target.kv_bytes_per_token
     num_blocks = plan_num_kv_blocks(cc, per_token + extra_bytes_per_token, profiled_budget)
     log.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)",
+        "KV cache: %d blocks of %d tokens (%.2f GiB of %s, sized by %s)",
         num_blocks,
         cc.block_size,
         num_blocks * cc.block_size * per_token / (1 << 30),
+        cc.kv_cache_dtype,
         sizing,
     )
     max_model_len = plan_max_model_len(
@@ -172,6 +192,8 @@ def build_paged_kv(
         dtype,
         device,
         layout=layout,
+        kv_cache_dtype=cc.kv_cache_dtype,
+        fp8_scales=target.fp8_kv_scales(),
     )
     swap = None
     if cc.swap_space > 0:

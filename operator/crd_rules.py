@@ -33,6 +33,7 @@ OPERATOR_OWNED_FLAGS = (
     "(no-)?enable-prefix-caching",
     "(no-)?enable-chunked-prefill",
     "speculative-config",
+    "kv-cache-dtype",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
 # The KV budget of a CPU pod whose spec sets none (the engine's own CPU default); a GPU pod without one

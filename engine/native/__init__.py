@@ -1,10 +1,14 @@
-"""kvpilot.engine.native — fused float32 CPU kernels in C, for the CPU decode/prefill hot loop.
+"""kvpilot.engine.native — fused float32 CPU kernels in C, for the CPU decode/prefill hot loop (the KV
+cache may hold fp8/int8 codes instead, docs/architecture.md#kv-cache-dtype).
 
 Package map:
 - ``vec.h``              shared inline helpers: a vectorizable exp (AVX2), dot products, lane reductions,
                          the 6 x 16 register tile of the GEMM-shaped kernels
-- ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, the K/V scatter into the
-                         paged (HND) cache, SiLU-and-multiply
+- ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, SiLU-and-multiply
+- ``kv_codes.h``         the KV cache's element formats (``kv_cache_dtype``): fp8 e4m3 codes (a 256-entry
+                         table to read, bit operations to write) and int8 codes, with per-tensor or
+                         per-row scales
+- ``kv_write.c``         the K/V scatter into the paged (HND) cache, as values or codes (+ row scales)
 - ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
 - ``prefill_attention.c`` causal attention of prefill/extend tokens over the paged cache: tiles of 24 query
                          rows, register-blocked score and value products, an online softmax (flash style)
@@ -25,6 +29,7 @@ Package map:
                          tests build the portable fallbacks with ``-mno-avx2``) into one library in the
                          cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
 - ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C
+- ``kv_args``            the checks and C arguments of a float32, fp8 or int8 KV cache and its scales
 - ``reference``          the PyTorch reference each kernel is tested against
 
 Conventions of the C side: row-major float32 (quantized weights: their stored bytes, ``quant_ops``);
