@@ -79,20 +79,29 @@ class HostSwapSpace:
         if len(device_blocks) > len(self._free):
             raise RuntimeError(f"swap space full: need {len(device_blocks)} blocks, {len(self._free)} free")
         host = [self._free.pop() for _ in device_blocks]
-        src = torch.tensor(device_blocks, device=self.cache.layers[0][0].device)
-        dst = torch.tensor(host)
-        for (dk, dv), (hk, hv) in zip(self.cache.layers, self.layers, strict=True):
-            hk.index_copy_(0, dst, dk.index_select(0, src).cpu())
-            hv.index_copy_(0, dst, dv.index_select(0, src).cpu())
+        self.copy_out(device_blocks, host)
         return host
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        self.copy_in(host_blocks, device_blocks)
+        self.release(host_blocks)
+
+    def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Device blocks → the given host blocks, every layer (a tensor-parallel worker replays rank 0's
+        choice of host blocks through it)."""
+        src = torch.tensor(device_blocks, device=self.cache.layers[0][0].device)
+        dst = torch.tensor(host_blocks)
+        for (dk, dv), (hk, hv) in zip(self.cache.layers, self.layers, strict=True):
+            hk.index_copy_(0, dst, dk.index_select(0, src).cpu())
+            hv.index_copy_(0, dst, dv.index_select(0, src).cpu())
+
+    def copy_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Host blocks → device blocks, every layer; the host blocks stay allocated."""
         src = torch.tensor(host_blocks)
         dst = torch.tensor(device_blocks, device=self.cache.layers[0][0].device)
         for (dk, dv), (hk, hv) in zip(self.cache.layers, self.layers, strict=True):
             dk.index_copy_(0, dst, hk.index_select(0, src).to(dk.device, non_blocking=True))
             dv.index_copy_(0, dst, hv.index_select(0, src).to(dv.device, non_blocking=True))
-        self.release(host_blocks)
 
     def release(self, host_blocks: list[int]) -> None:
         self._free.extend(host_blocks)
