@@ -63,12 +63,12 @@ def _tokens_and_logprobs(outputs) -> list[tuple[list[int], list[float]]]:
     ]
 
 
-def _assert_same(got, ref) -> None:
+def _assert_same(got, ref, tol: float = LOGPROB_TOL) -> None:
     assert [t for t, _ in got] == [t for t, _ in ref]
     worst = max(
         abs(a - b) for (_, la), (_, lb) in zip(got, ref, strict=True) for a, b in zip(la, lb, strict=True)
     )
-    assert worst < LOGPROB_TOL
+    assert worst < tol
 
 
 #: a shared 32-token prefix (full blocks of 16: prefix-cache hits for the second prompt), prompts
@@ -142,18 +142,28 @@ def test_tp4_replicates_two_kv_heads_and_matches_tp1(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_tp3_smollm2_nine_heads_three_kv_heads_matches_tp1(smollm2_dir):
+@pytest.mark.parametrize(
+    ("kernels", "tol"),
+    [
+        # PyTorch ops: the split sums of the row-parallel layers differ from tp=1 by float32 rounding only
+        ({"native_cpu_ops": "off", "linear_backend": "torch"}, LOGPROB_TOL),
+        # the fused C kernels and oneDNN GEMMs block a shard's smaller shapes differently: over 30 layers
+        # the logprobs moved by 2.6e-5 (measured), still the same tokens
+        ({}, 1e-4),
+    ],
+    ids=["pytorch-ops", "fused-kernels"],
+)
+def test_tp3_smollm2_nine_heads_three_kv_heads_matches_tp1(smollm2_dir, kernels, tol):
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
-    ref = _tokens_and_logprobs(
-        LLM(str(smollm2_dir), device="cpu", num_kv_blocks=64).generate(prompts, params)
-    )
-    llm = LLM(str(smollm2_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=3)
+    args = dict(device="cpu", num_kv_blocks=64, **kernels)
+    ref = _tokens_and_logprobs(LLM(str(smollm2_dir), **args).generate(prompts, params))
+    llm = LLM(str(smollm2_dir), tensor_parallel_size=3, **args)
     try:
         got = _tokens_and_logprobs(llm.generate(prompts, params))
     finally:
         llm.engine.shutdown()
-    _assert_same(got, ref)
+    _assert_same(got, ref, tol)
 
 
 # ---- validation: refused before a worker starts ------------------------------------------------------
