@@ -48,6 +48,8 @@ COLLECTIVE_TIMEOUT_S = 60.0
 STORE_TIMEOUT_S = 300.0
 #: how long ``shutdown`` waits for a worker to exit after ``STOP`` before killing it
 STOP_GRACE_S = 10.0
+#: how long rank 0 waits for the workers to load their shards (the KV cache's sizes go out then)
+LOAD_TIMEOUT_S = 1800.0
 
 
 class TensorParallelError(RuntimeError):
@@ -111,14 +113,15 @@ class TensorParallelWorkers:
     def allocate(self, kv_cache: KVCache, swap_blocks: int) -> None:
         """Tell the workers the KV cache's block count (and swap blocks): they allocate theirs."""
         self.check()
-        self.group.broadcast_control(control_header(ALLOCATE, kv_cache.num_blocks, swap_blocks))
+        header = control_header(ALLOCATE, kv_cache.num_blocks, swap_blocks)
+        self.group.broadcast_control(header, LOAD_TIMEOUT_S)
 
     def send(self, inputs: StepInputs) -> None:
         """Broadcast one step's inputs (the header, then the payload)."""
         self.check()
         header, payload = encode_step(inputs)
-        self.group.broadcast_control(header)
-        self.group.broadcast_control(payload)
+        self.group.broadcast_control(header, self.group.collective_timeout_s)
+        self.group.broadcast_control(payload, self.group.collective_timeout_s)
 
     def fail(self, err: BaseException) -> TensorParallelError:
         """The error to raise for ``err`` from a collective; the workers are unusable from now on."""
@@ -134,7 +137,7 @@ class TensorParallelWorkers:
         self._stopping = True
         if self.failure is None and all(p.is_alive() for p in self.processes):
             try:
-                self.group.broadcast_control(control_header(STOP))
+                self.group.broadcast_control(control_header(STOP), self.group.collective_timeout_s)
             except Exception as err:  # a worker died meanwhile: it is killed below
                 log.warning("tensor-parallel STOP failed: %s", err)
         for p in self.processes:

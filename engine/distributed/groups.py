@@ -3,8 +3,9 @@
 Two groups over one ``TCPStore`` rendezvous, as vLLM keeps them:
 
 - the **control** group (gloo, CPU tensors): rank 0 broadcasts each step's inputs over it. Its timeout is
-  long, because a worker waits in it while the engine is idle; a dead peer breaks its TCP connection, which
-  gloo reports at once.
+  long, because a worker waits in it while the engine is idle; rank 0's sends carry their own timeout (a
+  worker that is alive but stopped never receives), and a dead peer breaks its TCP connection, which gloo
+  reports at once.
 - the **model** group (NCCL on CUDA, gloo on CPU): the all-reduces of the row-parallel layers and the
   logits gather, with a short timeout: a collective that does not complete in ``collective_timeout_s``
   raises instead of hanging the engine.
@@ -111,10 +112,13 @@ class TensorParallelGroup:
         return torch.cat(outputs[0], dim=1) if self.rank == 0 else None
 
     # ---- the control group -------------------------------------------------------------------------
-    def broadcast_control(self, tensor: torch.Tensor) -> None:
-        """Rank 0's CPU ``tensor`` into every rank's (same shape and dtype), in place."""
+    def broadcast_control(self, tensor: torch.Tensor, timeout_s: float | None = None) -> None:
+        """Rank 0's CPU ``tensor`` into every rank's (same shape and dtype), in place. ``timeout_s`` bounds
+        rank 0's send (a stopped worker never receives); a worker waits as long as the group allows."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        if timeout_s is not None:
+            opts.timeout = datetime.timedelta(seconds=timeout_s)
         self.control_group.broadcast([tensor], opts).wait()
 
     def close(self) -> None:

@@ -1,8 +1,8 @@
-"""A tensor-parallel engine whose worker dies fails cleanly and leaves no process behind
+"""A tensor-parallel engine whose worker dies or hangs fails cleanly and leaves no process behind
 (docs/architecture.md#tensor-parallelism): a SIGKILLed rank is reported by ``check_health`` within a
-bounded time, every later step raises ``TensorParallelError`` naming it; a clean shutdown stops the
-workers with exit code 0. (The server loop's side — live requests FAILED, unhealthy — is
-tests/server/test_engine_loop.py's.)"""
+bounded time and every later step raises ``TensorParallelError`` naming it; a stopped one fails the step
+at the collective timeout; a clean shutdown stops the workers with exit code 0. (The server loop's side —
+live requests FAILED, unhealthy — is tests/server/test_engine_loop.py's.)"""
 
 from __future__ import annotations
 
@@ -70,6 +70,7 @@ def test_a_killed_worker_fails_the_engine_and_no_process_remains(tiny_model_dir)
     assert gone(pid) and multiprocessing.active_children() == []
 
 
+@pytest.mark.slow
 def test_a_step_right_after_the_kill_raises_instead_of_hanging(tiny_model_dir):
     """The step may start before the watchdog has seen the death: the broadcast or the all-reduce with
     the dead peer fails then, within the bound, and the error names a failed collective or the rank."""
@@ -84,6 +85,29 @@ def test_a_step_right_after_the_kill_raises_instead_of_hanging(tiny_model_dir):
             for _ in range(50):
                 engine.step()
         assert time.monotonic() - start < DETECT_S
+    finally:
+        engine.shutdown()
+    assert gone(pid) and multiprocessing.active_children() == []
+
+
+def test_a_hung_worker_fails_the_step_at_the_collective_timeout(tiny_model_dir, monkeypatch):
+    """A stopped (SIGSTOP) worker is alive but never joins the all-reduce: the step raises once the
+    collective's timeout (3 s here, 60 s by default) passes, instead of hanging; shutdown kills it."""
+    from kvpilot.engine.distributed import executor
+
+    monkeypatch.setattr(executor, "COLLECTIVE_TIMEOUT_S", 3.0)
+    engine = tp2_engine()
+    try:
+        finish(engine, "before")
+        (pid,) = engine.tp_workers.pids
+        os.kill(pid, signal.SIGSTOP)
+        engine.add_request("after", [5, 6, 7], GREEDY)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match="a collective failed"):
+            engine.step()
+        assert 3.0 <= time.monotonic() - start < DETECT_S
+        with pytest.raises(TensorParallelError, match="a collective failed"):
+            engine.check_health()
     finally:
         engine.shutdown()
     assert gone(pid) and multiprocessing.active_children() == []
