@@ -19,7 +19,6 @@ the shard inside it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvpilot.engine.distributed.groups import TensorParallelGroup
@@ -38,18 +37,27 @@ class RowParallel(nn.Module):
         return self.group.all_reduce(self.linear(x))
 
 
-class VocabParallelEmbedding(nn.Embedding):
-    """The embedding rows ``[first, first + rows)`` of the vocabulary on this rank, summed over ranks."""
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows ``[first, first + rows)`` of the vocabulary on this rank (``lookup``: a float
+    ``nn.Embedding`` or the GGUF blocks' ``QuantEmbedding``), summed over ranks."""
 
-    def __init__(self, weight: nn.Parameter, first: int, group: TensorParallelGroup) -> None:
-        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
-        self.first = first
+    def __init__(self, lookup: nn.Module, first: int, rows: int, group: TensorParallelGroup) -> None:
+        super().__init__()
+        self.lookup = lookup
+        self.first, self.rows = first, rows
         self.group = group
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float rows (a tied LM head's weight; a quantized lookup has its own head)."""
+        weight = self.lookup.weight
+        assert isinstance(weight, torch.Tensor), "a quantized embedding has no float rows"
+        return weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.first
-        outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        outside = (local < 0) | (local >= self.rows)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.group.all_reduce(out)
 
@@ -72,6 +80,6 @@ def install_tensor_parallel(model: nn.Module, shard: TensorShard, group: TensorP
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
     model.embed_tokens = VocabParallelEmbedding(
-        model.embed_tokens.weight, shard.rank * shard.vocab_rows, group
+        model.embed_tokens, shard.rank * shard.vocab_rows, shard.vocab_rows, group
     )
     model.logits_gather = LogitsGather(group, shard.arch.vocab_size)

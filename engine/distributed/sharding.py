@@ -27,8 +27,6 @@ from kvpilot.engine.model.arch import ModelArchConfig
 
 #: quantization formats whose stored layout the shards do not slice yet, with what would be needed
 _UNSHARDED_FORMATS = {
-    "gguf": "GGUF blocks are kept as stored and not sliced per rank yet; serve the GGUF dequantized "
-    "(quantization='none') or with tensor_parallel_size=1",
     "fp8": "fp8 weights (block-scaled e4m3) are not sliced per rank yet; use quantization='none' (an fp8 "
     "checkpoint loads dequantized) or tensor_parallel_size=1",
     "int8": "int8 weights are quantized after the load and their layers do not take shards yet; use "

@@ -14,6 +14,7 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.distributed.layers import install_tensor_parallel
+from kvpilot.engine.distributed.quant_shards import shard_quant_weights
 from kvpilot.engine.distributed.sharding import ShardedCheckpoint, TensorParallelRank
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
@@ -164,7 +165,7 @@ def load_model(
     forward pass and, with oneDNN linears, serves their small batches. ``quantization`` is a resolved
     ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``.
     ``tensor_parallel``: build and fill only that rank's shard (docs/architecture.md#tensor-parallelism)."""
-    arch = ModelArchConfig.from_dir(model_dir)
+    full_arch = arch = ModelArchConfig.from_dir(model_dir)
     if tensor_parallel is not None:
         arch = tensor_parallel.shard.local_arch()
     # parameters are allocated on the device and filled tensor by tensor from the open files: the host
@@ -173,7 +174,10 @@ def load_model(
         model = LlamaForCausalLM(arch, dtype, backend)
     if quantization == "gguf":
         # before the float weights load, so the float copies of these tensors are never read
-        install_gguf_weights(model, read_gguf_weights(gguf_path, arch), native)
+        gguf = read_gguf_weights(gguf_path, full_arch)
+        if tensor_parallel is not None:  # the rank's rows and block columns of the stored blocks
+            gguf.weights = shard_quant_weights(gguf.weights, tensor_parallel.shard)
+        install_gguf_weights(model, gguf, native)
     fp8_quant = read_checkpoint_quantization(model_dir)
     checkpoint = SafetensorsCheckpoint(model_dir)
     # an fp8 checkpoint's e4m3 weights read dequantized, except those Fp8Linear layers keep as stored
@@ -193,11 +197,11 @@ def load_model(
     elif quantization == "fp8" and fp8_quant is None:
         quantize_linears_fp8(model)
     model.to(device)  # the RoPE tables, built on the CPU
-    if tensor_parallel is not None:  # before packing: the packed linears are the shards' own
-        install_tensor_parallel(model, tensor_parallel.shard, tensor_parallel.group)
     head = quantized_lm_head(model, native)
     if head is not None:
         model.packed_lm_head = head
+    if tensor_parallel is not None:  # before packing: the packed linears are the shards' own
+        install_tensor_parallel(model, tensor_parallel.shard, tensor_parallel.group)
     if linear_backend == "onednn":
         pack_linears(model.layers, batch_hint, native)
         # the LM head is the widest GEMM of a decode step; with tied embeddings each packed copy (oneDNN's,
