@@ -39,6 +39,8 @@ The engine and its tick:
 - ``memory_profile``     the KV budget on a GPU from ``gpu_memory_utilization`` and one profiled step of the
                          largest size
 - ``kv/``                block hashing (shared with the router), block pool, KV cache tensors, KV manager
+- ``distributed/``       tensor parallelism: process groups, sharded layers and weights, the worker processes
+                         and rank 0's executor (torch.distributed, NCCL/gloo)
 - ``model/``             Llama-architecture model, HF/GGUF loaders, tiny random model for tests
 - ``attention/``         attention-backend interface; PyTorch path (CPU) and Triton kernels (GPU)
 - ``native/``            fused float32 C kernels for the CPU hot loop (norm, RoPE, K/V write, SiLU-mul, paged

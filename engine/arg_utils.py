@@ -115,6 +115,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--logprobs-mode", default=d.logprobs_mode, choices=LOGPROBS_MODES)
     g.add_argument("--max-logprobs", type=int, default=d.max_logprobs)
     g.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="split the model over this many processes (GPUs) of this node: NCCL on CUDA, gloo on CPU "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '

@@ -122,6 +122,9 @@ class EngineConfig:
     max_logprobs: int = 20
     #: speculative decoding (docs/architecture.md#speculative-decoding); None = off
     speculative_config: SpeculativeConfig | None = None
+    #: ranks the model is split over on this node, one process (and GPU) each; 1 = no tensor parallelism
+    #: (docs/architecture.md#tensor-parallelism)
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -158,6 +161,7 @@ class EngineArgs:
     #: a JSON object (string or dict) with vLLM's keys, e.g. ``{"method": "ngram",
     #: "num_speculative_tokens": 4}``
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -183,6 +187,11 @@ class EngineArgs:
             if f.name not in ("model", "cache", "scheduler")
         }
         top["speculative_config"] = speculative
+        if self.tensor_parallel_size > 1 and speculative is not None and speculative.method == "draft_model":
+            raise ConfigError(
+                "speculative_config method 'draft_model' with tensor_parallel_size > 1: the draft model is "
+                "not split across ranks yet; use method 'ngram' or tensor_parallel_size=1"
+            )
         return EngineConfig(
             model=pick(ModelConfig), cache=pick(CacheConfig), scheduler=pick(SchedulerConfig), **top
         )
@@ -264,6 +273,10 @@ class EngineArgs:
             f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}",
         )
         need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        need(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
 
     def _validate_kv_cache_dtype(self) -> None:
         value = self.kv_cache_dtype

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import torch
 
 from kvpilot.engine.beam_search import BeamSearch
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.distributed.executor import TensorParallelRunner, start_workers
+from kvpilot.engine.distributed.step_message import KVOp
 from kvpilot.engine.engine_setup import build_paged_kv, load_served_model, memory_baseline
 from kvpilot.engine.input_batch import InputBatch
 from kvpilot.engine.kv.events import KVEventLog
@@ -71,9 +74,26 @@ class LLMEngine(StepOutputs):
             Path(mc.download_dir) if mc.download_dir else default_cache_dir(),
         )
         memory = memory_baseline(config, self.device, device_memory)  # before any weights load
-        target = load_served_model(
-            mc.model, config, self.device, self.dtype, self.linear_backend, self.native_ops, mc.quantization
-        )
+        #: ranks 1..tp-1 (docs/architecture.md#tensor-parallelism); None = one process holds the model
+        self.tp_workers = start_workers(config, self.device)
+        if (
+            self.tp_workers is not None
+        ):  # an engine dropped without shutdown() (or a failed start) still stops them
+            weakref.finalize(self, self.tp_workers.shutdown)
+        try:
+            target = load_served_model(
+                mc.model,
+                config,
+                self.device,
+                self.dtype,
+                self.linear_backend,
+                self.native_ops,
+                mc.quantization,
+                self.tp_workers.rank if self.tp_workers is not None else None,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
         self.model_dir, self.arch, self.backend, self.model = (
             target.model_dir,
             target.arch,
@@ -95,8 +115,11 @@ class LLMEngine(StepOutputs):
         self.kv_events = KVEventLog()
         # a draft model's cache lives over the same blocks: a block costs both models' K/V
         draft_bytes = self.draft_model.kv_bytes_per_token if self.draft_model is not None else 0
-        paged = build_paged_kv(config, target, self.device, memory, self.kv_events, draft_bytes)
+        kv_ops: list[KVOp] | None = None if self.tp_workers is None else []
+        paged = build_paged_kv(config, target, self.device, memory, self.kv_events, draft_bytes, kv_ops)
         self.kv_cache, self.pool, self.kv = paged.kv_cache, paged.pool, paged.kv
+        if self.tp_workers is not None:
+            self.tp_workers.allocate(self.kv_cache, self.kv.swap.num_blocks if self.kv.swap else 0)
         self.max_model_len = paged.max_model_len
         #: how the KV cache is sized (``/load``, ``kvpilot_cache_config_info``)
         self.kv_cache_sizing = paged.sizing
@@ -107,11 +130,13 @@ class LLMEngine(StepOutputs):
                 self.kv_cache.num_blocks, cc.block_size, self.backend.kv_cache_layout
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(
-            self.model,
-            self.kv_cache,
-            self.device,
-            InputBatch(paged.block_tensor, self.max_model_len, cc.block_size, self.device),
+        input_batch = InputBatch(paged.block_tensor, self.max_model_len, cc.block_size, self.device)
+        self.runner = (
+            ModelRunner(self.model, self.kv_cache, self.device, input_batch)
+            if self.tp_workers is None or kv_ops is None
+            else TensorParallelRunner(
+                self.model, self.kv_cache, self.device, input_batch, self.tp_workers, kv_ops, arch.vocab_size
+            )
         )
         self.sampler = Sampler(
             torch.Generator(device=self.device).manual_seed(mc.seed),
@@ -249,6 +274,17 @@ class LLMEngine(StepOutputs):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
+
+    def check_health(self) -> None:
+        """Raise when the engine cannot compute another step (a tensor-parallel rank has died); the server
+        loop calls it between steps, so a dead rank fails the engine while it is idle too."""
+        if self.tp_workers is not None:
+            self.tp_workers.check()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any, and wait for them (idempotent)."""
+        if self.tp_workers is not None:
+            self.tp_workers.shutdown()
 
     # ---- the tick ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

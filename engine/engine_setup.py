@@ -4,6 +4,7 @@ speculative draft model load the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,9 @@ from kvpilot.engine.attention.backend import AttentionBackend, select_backend
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.capacity_plan import kv_cache_sizing, plan_max_model_len, plan_num_kv_blocks
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.distributed.kv_replica import RecordingKVCache, RecordingSwapSpace
+from kvpilot.engine.distributed.sharding import TensorParallelRank, check_tensor_parallel
+from kvpilot.engine.distributed.step_message import KVOp
 from kvpilot.engine.kv.block_hash import root_hash
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.block_table import BlockTableTensor
@@ -49,16 +53,19 @@ class ServedModel:
     dtype: torch.dtype
     #: ``auto``, ``fp8`` or ``int8``: what the KV cache stores (docs/architecture.md#kv-cache-dtype)
     kv_cache_dtype: str = "auto"
+    #: this process's rank of a tensor-parallel model (docs/architecture.md#tensor-parallelism); None = whole
+    tensor_parallel: TensorParallelRank | None = None
     #: ``fp8_kv_scales``' result, read once
     _fp8_scales: tuple[list[tuple[float, float]] | None] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
-        arch = self.arch
+        """Of this process's KV heads (a tensor-parallel rank's share)."""
+        local = self.model.arch
         return kv_bytes_per_token(
-            arch.num_hidden_layers,
-            arch.num_key_value_heads,
-            arch.head_dim,
+            local.num_hidden_layers,
+            local.num_key_value_heads,
+            local.head_dim,
             storage_dtype(self.kv_cache_dtype, self.dtype).itemsize,
             scale_bytes_per_element_row(self.kv_cache_dtype, self.fp8_kv_scales() is not None),
         )
@@ -86,15 +93,18 @@ def load_served_model(
     linear_backend: str,
     native_ops: NativeOps | None,
     quantization: str,
+    tensor_parallel: TensorParallelRank | None = None,
 ) -> ServedModel:
-    """Resolve ``name`` (a bundled name, a ``.gguf`` path or an HF directory) and load it on ``device``."""
+    """Resolve ``name`` (a bundled name, a ``.gguf`` path or an HF directory) and load it on ``device``
+    (only ``tensor_parallel``'s shard of it, when given)."""
     model_dir = resolve_model(name, cache_dir=config.model.download_dir)
     arch = ModelArchConfig.from_dir(model_dir)
+    local = arch if tensor_parallel is None else tensor_parallel.shard.local_arch()
     backend = select_backend(
         config.attention_backend,
         device,
-        num_heads=arch.num_attention_heads,
-        num_kv_heads=arch.num_key_value_heads,
+        num_heads=local.num_attention_heads,
+        num_kv_heads=local.num_key_value_heads,
         head_dim=arch.head_dim,
         scale=arch.head_dim**-0.5,
         sliding_window=arch.sliding_window,
@@ -107,6 +117,8 @@ def load_served_model(
         check_triton_launch(device)
     gguf_path = gguf_source(name)
     resolved = resolve_quantization(quantization, gguf_path, device, dtype, native_ops, model_dir)
+    if tensor_parallel is not None:
+        check_tensor_parallel(arch, tensor_parallel.shard.size, resolved)
     model = load_model(
         model_dir,
         dtype,
@@ -117,10 +129,13 @@ def load_served_model(
         native=native_ops,
         quantization=resolved,
         gguf_path=gguf_path,
+        tensor_parallel=tensor_parallel,
     )
     if isinstance(backend, TorchAttentionBackend):
         backend.native = native_ops
-    return ServedModel(model_dir, arch, backend, resolved, model, dtype, config.cache.kv_cache_dtype)
+    return ServedModel(
+        model_dir, arch, backend, resolved, model, dtype, config.cache.kv_cache_dtype, tensor_parallel
+    )
 
 
 @dataclass
@@ -144,30 +159,35 @@ def build_paged_kv(
     memory: tuple[DeviceMemory | None, object],
     kv_events: KVEventLog,
     extra_bytes_per_token: int = 0,
+    kv_ops: list[KVOp] | None = None,
 ) -> PagedKV:
     """Size the cache (a fixed size, the CPU default, or what a profiled step leaves on a GPU) and build it.
     ``memory``: ``memory_baseline``'s result; ``extra_bytes_per_token``: another cache over the same blocks
-    (a draft model's)."""
+    (a draft model's); ``kv_ops``: rank 0 of a tensor-parallel model records its block copies and swaps
+    there for the workers (``distributed.kv_replica``)."""
     mc, cc, sc = config.model, config.cache, config.scheduler
     arch, dtype = target.arch, target.dtype
     device_memory, baseline = memory
     sizing = kv_cache_sizing(cc, device)
     profiled_budget = None
     if device_memory is not None and baseline is not None:
-        profiled_budget = profiled_kv_budget(
-            target.model,
-            device_memory,
-            baseline,
-            device=device,
-            dtype=dtype,
-            block_size=cc.block_size,
-            max_num_batched_tokens=sc.max_num_batched_tokens,
-            max_num_seqs=sc.max_num_seqs,
-            max_model_len=mc.max_model_len or arch.max_position_embeddings,
-            kv_layout=target.backend.kv_cache_layout,
-            utilization=cc.gpu_memory_utilization,
-            kv_cache_dtype=cc.kv_cache_dtype,
-        )
+        tp = target.tensor_parallel
+        # rank 0 profiles its shard's step alone: every rank's shard is the same size
+        with tp.group.local_only() if tp is not None else contextlib.nullcontext():
+            profiled_budget = profiled_kv_budget(
+                target.model,
+                device_memory,
+                baseline,
+                device=device,
+                dtype=dtype,
+                block_size=cc.block_size,
+                max_num_batched_tokens=sc.max_num_batched_tokens,
+                max_num_seqs=sc.max_num_seqs,
+                max_model_len=mc.max_model_len or arch.max_position_embeddings,
+                kv_layout=target.backend.kv_cache_layout,
+                utilization=cc.gpu_memory_utilization,
+                kv_cache_dtype=cc.kv_cache_dtype,
+            )
         sizing = "gpu_memory_utilization"
     per_token = target.kv_bytes_per_token
     num_blocks = plan_num_kv_blocks(cc, per_token + extra_bytes_per_token, profiled_budget)
@@ -183,22 +203,21 @@ def build_paged_kv(
         mc.max_model_len, arch.max_position_embeddings, (num_blocks - 1) * cc.block_size
     )
     layout = target.backend.kv_cache_layout
-    kv_cache = KVCache(
-        arch.num_hidden_layers,
-        num_blocks,
-        cc.block_size,
-        arch.num_key_value_heads,
-        arch.head_dim,
-        dtype,
-        device,
-        layout=layout,
-        kv_cache_dtype=cc.kv_cache_dtype,
-        fp8_scales=target.fp8_kv_scales(),
+    shape = (arch.num_hidden_layers, num_blocks, cc.block_size, target.model.arch.num_key_value_heads)
+    quant = {"kv_cache_dtype": cc.kv_cache_dtype, "fp8_scales": target.fp8_kv_scales()}
+    kv_cache = (
+        KVCache(*shape, arch.head_dim, dtype, device, layout=layout, **quant)
+        if kv_ops is None
+        else RecordingKVCache(*shape, arch.head_dim, dtype, device, layout=layout, ops=kv_ops, **quant)
     )
     swap = None
     if cc.swap_space > 0:
-        swap_blocks = int(cc.swap_space * (1 << 30)) // (per_token * cc.block_size)
-        swap = HostSwapSpace(kv_cache, max(1, swap_blocks))
+        swap_blocks = max(1, int(cc.swap_space * (1 << 30)) // (per_token * cc.block_size))
+        swap = (
+            HostSwapSpace(kv_cache, swap_blocks)
+            if kv_ops is None
+            else RecordingSwapSpace(kv_cache, swap_blocks, kv_ops)
+        )
     pool = BlockPool(num_blocks, cc.enable_prefix_caching, kv_events)
     block_tensor = BlockTableTensor(sc.max_num_seqs, blocks_for_tokens(max_model_len, cc.block_size), device)
     kv = KVCacheManager(pool, cc.block_size, root_hash(target.identity()), kv_cache, swap, block_tensor)

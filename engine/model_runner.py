@@ -25,6 +25,8 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.device = device
         self.input_batch = input_batch
+        #: columns of the logits (a tensor-parallel rank's model holds a shard of them)
+        self.vocab_size = model.arch.vocab_size
 
     def build_batch(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
         """``scheduled`` in batch order (one-token sequences first), each holding its block table."""
@@ -34,5 +36,5 @@ class ModelRunner:
         """Run the forward pass; float32 logits for ``batch.logits_indices`` (sampling rows first)."""
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta)
         if not batch.logits_indices.numel():
-            return hidden.new_empty((0, self.model.arch.vocab_size), dtype=torch.float32)
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

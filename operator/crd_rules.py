@@ -34,8 +34,12 @@ OPERATOR_OWNED_FLAGS = (
     "(no-)?enable-chunked-prefill",
     "speculative-config",
     "kv-cache-dtype",
+    "tensor-parallel-size",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
+# Multi-node pipeline parallelism (LeaderWorkerSet) is the next step after tensor parallelism: until the
+# engine has it, asking for it is refused in the spec instead of failing every pod's start.
+PIPELINE_FLAG_PATTERN = "^(--pipeline-parallel-size|-pp)(=.*)?$"
 # The KV budget of a CPU pod whose spec sets none (the engine's own CPU default); a GPU pod without one
 # sizes its cache from engine.gpuMemoryUtilization instead.
 CPU_KV_CACHE_MEMORY = "1Gi"
@@ -109,6 +113,14 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel=f"self.extraArgs.all(a, !a.matches('{OWNED_FLAG_PATTERN}'))",
         message="engine.extraArgs must not repeat a flag the operator sets from the spec",
         holds=lambda e: not any(re.match(OWNED_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
+    ),
+    CrossFieldRule(
+        node=("spec", "engine"),
+        field="extraArgs",
+        cel=f"self.extraArgs.all(a, !a.matches('{PIPELINE_FLAG_PATTERN}'))",
+        message="pipeline parallelism across nodes is not supported yet: a replica runs on one node, and "
+        "resources.gpus sets its tensor parallelism over that node's GPUs",
+        holds=lambda e: not any(re.match(PIPELINE_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
     ),
     CrossFieldRule(
         node=("spec", "engine", "speculative"),

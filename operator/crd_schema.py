@@ -47,8 +47,9 @@ ROUTER_POLICIES = POLICIES
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 #: the engine's kv_cache_dtype values (engine/config.py's KV_CACHE_DTYPES; a test keeps them equal)
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
-# One engine uses one device: more GPUs per replica would need tensor parallelism, which does not exist yet.
-MAX_GPUS_PER_REPLICA = 1
+# A replica's GPUs are one node's, joined by tensor parallelism (docs/architecture.md#tensor-parallelism);
+# eight is the common node. Spanning nodes needs pipeline parallelism, which does not exist yet.
+MAX_GPUS_PER_REPLICA = 8
 
 
 def _engine() -> dict[str, Any]:
@@ -155,8 +156,9 @@ def _resources() -> dict[str, Any]:
         "Compute per replica.",
         {
             "gpus": integer(
-                "GPUs per replica (nvidia.com/gpu): 0 or 1; more would need tensor parallelism, "
-                "which is not supported yet.",
+                "GPUs per replica (nvidia.com/gpu), all on one node: more than 1 splits the model over "
+                "them (the engine's --tensor-parallel-size); a model of known shape must split that many "
+                "ways. Several nodes per replica (pipeline parallelism) are not supported yet.",
                 0,
                 MAX_GPUS_PER_REPLICA,
                 0,

@@ -23,6 +23,28 @@ SCRATCH_HEADROOM_BYTES = 1024**3
 DEFAULT_SCRATCH = "10Gi"  # sources of unknown size, when model.cacheSize is unset
 
 
+#: (attention heads, KV heads, MLP width) of the models the engine knows by name: what tensor
+#: parallelism must divide (the engine's ``distributed.sharding.check_tensor_parallel`` rules)
+KNOWN_MODEL_SHAPES = {"smollm2-135m": (9, 3, 1536), "tiny-random": (4, 2, 128)}
+
+
+def tensor_parallel_problem(source: str, gpus: int) -> str | None:
+    """Why a model of known shape cannot be split over ``gpus`` ranks, or None (it can, or its shape is
+    unknown: the engine checks it at start)."""
+    shape = KNOWN_MODEL_SHAPES.get(source)
+    if shape is None or gpus <= 1:
+        return None
+    heads, kv, width = shape
+    if heads % gpus:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0]
+        return f"{source} has {heads} attention heads, which {gpus} GPUs do not divide (use one of {fits})"
+    if kv % gpus and gpus % kv:
+        return f"{source} has {kv} KV heads: {gpus} GPUs must divide them or be a multiple of them"
+    if width % gpus:
+        return f"{source}'s MLP width {width} does not split over {gpus} GPUs"
+    return None
+
+
 def engine_dtype(dtype: str, on_gpu: bool) -> str:
     """The dtype the engine loads: ``auto`` is float32 on CPU and bfloat16 on CUDA (as its loader says)."""
     if dtype != "auto":

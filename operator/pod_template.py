@@ -28,6 +28,16 @@ ROUTER_STARTUP_FAILURE_THRESHOLD = 24
 # Enough for in-flight requests to finish after the engine stops taking new ones (phase "draining").
 TERMINATION_GRACE_SECONDS = 120
 RUN_AS_USER = 10001  # the image's non-root user
+# Tensor-parallel ranks (several GPUs per replica) exchange tensors through /dev/shm (NCCL's shared-memory
+# transport, torch.multiprocessing); the container runtime's default is 64 MiB, so it is a memory-backed
+# emptyDir, counted against the pod's memory limit.
+SHM_VOLUME = "dshm"
+# NCCL in a tensor-parallel pod: warnings in the log; an error or a timed-out collective aborts the
+# communicator, so the engine fails (and the pod restarts) instead of hanging.
+_NCCL_ENV = [
+    {"name": "NCCL_DEBUG", "value": "WARN"},
+    {"name": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "value": "1"},
+]
 
 
 def _model_mounts(isvc: InferenceService) -> list[dict[str, Any]]:
@@ -98,6 +108,8 @@ def engine_args(isvc: InferenceService) -> list[str]:
         args += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.speculative is not None:
         args += ["--speculative-config", json.dumps(dict(engine.speculative), sort_keys=True)]
+    if spec.resources.gpus > 1:  # one rank per GPU (docs/architecture.md#tensor-parallelism)
+        args += ["--tensor-parallel-size", str(spec.resources.gpus)]
     return args + list(engine.extra_args)
 
 
@@ -151,13 +163,16 @@ def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
     if spec.resources.gpus:
         requests[GPU_RESOURCE] = str(spec.resources.gpus)
         limits[GPU_RESOURCE] = str(spec.resources.gpus)
+    parallel = spec.resources.gpus > 1
+    tensor_parallel_env = [dict(e) for e in _NCCL_ENV] if parallel else []
+    shm_mount = [{"name": SHM_VOLUME, "mountPath": "/dev/shm"}] if parallel else []
     return {
         "name": api_names.ENGINE_CONTAINER,
         "image": image,
         "command": ["kvpilot", "serve"],
         "args": engine_args(isvc),
         "ports": [{"name": "http", "containerPort": api_names.ENGINE_PORT, "protocol": "TCP"}],
-        "env": [*(dict(e) for e in _CACHE_ENV), _router_token_env(isvc)],
+        "env": [*(dict(e) for e in _CACHE_ENV), *tensor_parallel_env, _router_token_env(isvc)],
         "resources": {"requests": requests, "limits": limits},
         "startupProbe": _http_probe(
             "/health", "http", period=PROBE_PERIOD_SECONDS, failures=budget.probe_failure_threshold, timeout=5
@@ -165,7 +180,7 @@ def _engine_container(isvc: InferenceService, image: str) -> dict[str, Any]:
         "livenessProbe": _http_probe("/health", "http", period=10, failures=3, timeout=5),
         # /ready turns 200 only after warm-up, so a cold replica never gets traffic.
         "readinessProbe": _http_probe("/ready", "http", period=5, failures=2, timeout=3),
-        "volumeMounts": _model_mounts(isvc),
+        "volumeMounts": [*_model_mounts(isvc), *shm_mount],
         "securityContext": _security_context(),
     }
 
@@ -223,6 +238,8 @@ def pod_template(
     spec = isvc.spec
     image = spec.engine.image or default_image
     volumes = model_volumes(spec.model)
+    if spec.resources.gpus > 1:
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": f"{isvc.name}-router",
         "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,

@@ -2,7 +2,8 @@
 
 Order matters and mirrors the API server: defaults first (so rules see the values the engine will get),
 then the OpenAPI schema (bounds, enums, types), then the cross-field rules that the CRD carries as CEL,
-and last the one check a CRD cannot make: that the pod's memory holds a model of known size.
+and last the checks a CRD cannot make: that the pod's memory holds a model of known size, and that such a
+model splits over the replica's GPUs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kubernetes.utils import parse_quantity
 
 from kvpilot.operator.crd_rules import CPU_KV_CACHE_MEMORY, RULES
 from kvpilot.operator.crd_schema import spec_schema
-from kvpilot.operator.model_size import engine_dtype, memory_floor_bytes
+from kvpilot.operator.model_size import engine_dtype, memory_floor_bytes, tensor_parallel_problem
 
 
 class SpecError(ValueError):
@@ -92,7 +93,18 @@ def validated_spec(raw_spec: Any) -> dict[str, Any]:
         if node is not None and not rule.holds(node):
             raise SpecError(rule.field_path, rule.message)
     _check_memory_fits_model(spec)
+    _check_gpus_split_model(spec)
     return spec
+
+
+def _check_gpus_split_model(spec: dict[str, Any]) -> None:
+    """resources.gpus is the engine's tensor-parallel size: a model of known shape must split that many
+    ways, or every pod would fail its start (docs/architecture.md#tensor-parallelism)."""
+    problem = tensor_parallel_problem(spec["model"]["source"], spec["resources"]["gpus"])
+    if problem is not None:
+        raise SpecError(
+            "spec.resources.gpus", f"{problem}: the replica's GPUs split the model (tensor parallelism)"
+        )
 
 
 def _mib(quantity: int) -> str:

@@ -121,20 +121,29 @@ class HostSwapSpace:
         if len(device_blocks) > len(self._free):
             raise RuntimeError(f"swap space full: need {len(device_blocks)} blocks, {len(self._free)} free")
         host = [self._free.pop() for _ in device_blocks]
-        src = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
-        dst = torch.tensor(host)
-        for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
-            for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
-                hst.index_copy_(0, dst, dev.index_select(0, src).cpu())
+        self.copy_out(device_blocks, host)
         return host
 
     def swap_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        self.copy_in(host_blocks, device_blocks)
+        self.release(host_blocks)
+
+    def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
+        """Device blocks → the given host blocks, every layer (a tensor-parallel worker replays rank 0's
+        choice of host blocks through it)."""
+        src = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
+        dst = torch.tensor(host_blocks)
+        for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
+            for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
+                hst.index_copy_(0, dst, dev.index_select(0, src).cpu())
+
+    def copy_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
+        """Host blocks → device blocks, every layer; the host blocks stay allocated."""
         src = torch.tensor(host_blocks)
         dst = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
         for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
             for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
                 dev.index_copy_(0, dst, hst.index_select(0, src).to(dev.device, non_blocking=True))
-        self.release(host_blocks)
 
     def release(self, host_blocks: list[int]) -> None:
         self._free.extend(host_blocks)

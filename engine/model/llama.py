@@ -13,7 +13,7 @@ C kernels (``DecoderLayer.forward_native``). Every dense family runs there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None
         #: fused C kernels (float32 on CPU); None = PyTorch ops
         self.native: NativeOps | None = None
+        #: a tensor-parallel rank's logits → the full vocabulary's on rank 0, no rows elsewhere
+        #: (``distributed.layers.LogitsGather``); None = this model is the whole model
+        self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -121,9 +124,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of ``hidden``'s rows (under tensor parallelism: on rank 0; no rows elsewhere)."""
         logits = self._lm_head(hidden)
         cap = self.arch.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        logits = logits if cap is None else torch.tanh(logits / cap) * cap
+        return logits if self.logits_gather is None else self.logits_gather(logits)
 
     def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed_lm_head is not None:

@@ -13,6 +13,9 @@ from safetensors import safe_open
 from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend
+from kvpilot.engine.distributed.layers import install_tensor_parallel
+from kvpilot.engine.distributed.quant_shards import shard_quant_weights
+from kvpilot.engine.distributed.sharding import ShardedCheckpoint, TensorParallelRank
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.cpu_linear import PackedLinear, onednn_available, pack_linears
 from kvpilot.engine.model.fp8_checkpoint import (
@@ -156,22 +159,33 @@ def load_model(
     native: NativeOps | None = None,
     quantization: str = "none",
     gguf_path: Path | None = None,
+    tensor_parallel: TensorParallelRank | None = None,
 ) -> LlamaForCausalLM:
     """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
     forward pass and, with oneDNN linears, serves their small batches. ``quantization`` is a resolved
-    ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``."""
-    arch = ModelArchConfig.from_dir(model_dir)
+    ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``.
+    ``tensor_parallel``: build and fill only that rank's shard (docs/architecture.md#tensor-parallelism)."""
+    full_arch = arch = ModelArchConfig.from_dir(model_dir)
+    if tensor_parallel is not None:
+        arch = tensor_parallel.shard.local_arch()
     # parameters are allocated on the device and filled tensor by tensor from the open files: the host
     # never holds the whole checkpoint (nor a CPU copy of the model on its way to a GPU)
     with _uninitialized_parameters(dtype), torch.device(device):
         model = LlamaForCausalLM(arch, dtype, backend)
     if quantization == "gguf":
         # before the float weights load, so the float copies of these tensors are never read
-        install_gguf_weights(model, read_gguf_weights(gguf_path, arch), native)
+        gguf = read_gguf_weights(gguf_path, full_arch)
+        if tensor_parallel is not None:  # the rank's rows and block columns of the stored blocks
+            gguf.weights = shard_quant_weights(gguf.weights, tensor_parallel.shard)
+        install_gguf_weights(model, gguf, native)
     fp8_quant = read_checkpoint_quantization(model_dir)
     checkpoint = SafetensorsCheckpoint(model_dir)
     # an fp8 checkpoint's e4m3 weights read dequantized, except those Fp8Linear layers keep as stored
-    tensors = checkpoint if fp8_quant is None else Fp8Checkpoint(checkpoint, fp8_quant)
+    tensors: Mapping[str, torch.Tensor] = (
+        checkpoint if fp8_quant is None else Fp8Checkpoint(checkpoint, fp8_quant)
+    )
+    if tensor_parallel is not None:
+        tensors = ShardedCheckpoint(tensors, tensor_parallel.shard)
     try:
         if quantization == "fp8" and isinstance(tensors, Fp8Checkpoint):
             install_fp8_weights(model, tensors, device, dtype)
@@ -186,6 +200,8 @@ def load_model(
     head = quantized_lm_head(model, native)
     if head is not None:
         model.packed_lm_head = head
+    if tensor_parallel is not None:  # before packing: the packed linears are the shards' own
+        install_tensor_parallel(model, tensor_parallel.shard, tensor_parallel.group)
     if linear_backend == "onednn":
         pack_linears(model.layers, batch_hint, native)
         # the LM head is the widest GEMM of a decode step; with tied embeddings each packed copy (oneDNN's,

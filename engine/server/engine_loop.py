@@ -172,6 +172,8 @@ class EngineLoop:
                 reclaim=RequestStatus.FAILED,
             )
             self._fail(f"engine loop failed: {type(err).__name__}: {err}")
+        finally:
+            engine.shutdown()  # tensor-parallel workers: stopped and joined, none left behind
 
     def _on_warmup_bucket(self, index: int, bucket: WarmupBucket) -> None:
         self.heartbeat = time.monotonic()
@@ -196,6 +198,7 @@ class EngineLoop:
                     draining_error(self._config.retry_after_s), "abort", reclaim=RequestStatus.CANCELLED
                 )
                 return
+            self._engine.check_health()  # a dead tensor-parallel rank fails the engine while idle too
             now = time.monotonic()
             self._admission.expire(now)
             self._expire_backpressure(now)

@@ -231,22 +231,24 @@ def test_invalid_specs_name_the_field(spec, field, message):
     assert message in error.value.message
 
 
-def test_more_than_one_gpu_is_refused_naming_the_field_and_why():
+def test_more_gpus_than_a_node_has_are_refused_naming_the_field_and_why():
     resources = yaml.safe_load(crd_yaml())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"][
         "spec"
     ]["properties"]["resources"]["properties"]
     assert (resources["gpus"]["minimum"], resources["gpus"]["maximum"]) == (
         0,
-        1,
+        8,
     )  # what kubectl apply enforces
     with pytest.raises(SpecError) as error:  # what the operator reports for an object an older CRD let in
         InferenceService.from_manifest(
-            isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2}})
+            isvc({"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 9}})
         )
     assert (error.value.field, error.value.message) == (
         "spec.resources.gpus",
-        "Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
-        "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)",
+        "Invalid value: 9: 9 is greater than the maximum of 8 (GPUs per replica (nvidia.com/gpu), all on "
+        "one node: more than 1 splits the model over them (the engine's --tensor-parallel-size); a model of "
+        "known shape must split that many ways. Several nodes per replica (pipeline parallelism) are not "
+        "supported yet)",
     )
 
 

@@ -25,22 +25,22 @@ class NoApi:
         raise AssertionError(f"reconcile called KubeApi.{name} for an invalid spec")
 
 
-def test_more_than_one_gpu_from_an_older_crd_is_reported_and_builds_no_deployment():
-    # An object stored under an older CRD (gpus up to 16) reaches the operator although today's CRD
-    # refuses it.
+def test_gpus_that_do_not_split_the_model_are_reported_and_build_no_deployment():
+    # docs/architecture.md#tensor-parallelism: resources.gpus is the engine's tensor-parallel size, and
+    # SmolLM2's 9 attention heads do not split two ways; the CRD cannot know that, the operator does.
     body = {
         "apiVersion": "kvpilot.dev/v1alpha1",
         "kind": "InferenceService",
-        "metadata": {"name": "llama", "namespace": "ml", "uid": "u-1", "generation": 4},
-        "spec": {"model": {"source": "pvc://models/llama"}, "resources": {"gpus": 2, "memory": "64Gi"}},
+        "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 4},
+        "spec": {"model": {"source": "smollm2-135m"}, "resources": {"gpus": 2, "memory": "64Gi"}},
     }
     result = reconcile(NoApi(), body, OperatorConfig(default_image="img:1"))
     assert (result.applied, result.error.field) == ((), "spec.resources.gpus")
     status = result.status_patch
     assert (status["phase"], status["observedGeneration"]) == ("Failed", 4)
     message = (
-        "spec.resources.gpus: Invalid value: 2: 2 is greater than the maximum of 1 (GPUs per replica "
-        "(nvidia.com/gpu): 0 or 1; more would need tensor parallelism, which is not supported yet)"
+        "spec.resources.gpus: smollm2-135m has 9 attention heads, which 2 GPUs do not divide (use one of "
+        "[1, 3, 9]): the replica's GPUs split the model (tensor parallelism)"
     )
     assert [(c["type"], c["status"], c["reason"], c["message"]) for c in status["conditions"]] == [
         ("Ready", "False", "InvalidSpec", message),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from polling import async_wait_until
 
 from kvpilot.engine.config import EngineArgs
@@ -224,5 +225,60 @@ def test_an_engine_failure_reclaims_every_request_as_failed_with_one_record_each
         assert engine.pool.num_in_use == 0 and not engine.has_unfinished_requests()
         assert reasons == ["engine loop failed: RuntimeError: device lost"]
         loop.stop()
+
+    asyncio.run(main())
+
+
+def test_a_dead_tensor_parallel_rank_fails_live_requests_once_and_leaves_no_process(tiny_model_dir):
+    """docs/architecture.md#tensor-parallelism: a SIGKILLed worker of a tp=2 engine makes the next step
+    raise; both running requests end FAILED with one record each, the loop reports unhealthy (``/health``
+    503) and the worker is reaped."""
+    import multiprocessing
+    import os
+    import signal
+
+    from kvpilot.engine.engine_core import LLMEngine
+
+    engines: list[LLMEngine] = []
+    config = EngineArgs(model="tiny-random", device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
+
+    def factory() -> LLMEngine:
+        engines.append(LLMEngine(config.create_config()))
+        return engines[-1]
+
+    async def main() -> None:
+        metrics = ServerMetrics("tiny-random")
+        lifecycle = Lifecycle(metrics.startup_phase)
+        reasons: list[str] = []
+        loop = EngineLoop(
+            factory,
+            ServerConfig(warmup_buckets=(WarmupBucket(1, 4),), stream_buffer_chunks=CAPACITY),
+            lifecycle,
+            metrics,
+            placeholder_load(config.create_config()),
+            reasons.append,
+        )
+        loop.start()
+        await wait_for(lambda: lifecycle.phase is Phase.READY, 60.0)
+        engine = engines[0]
+        engine.terminal_records = kept = KeptRecords()
+        reqs = [request(loop, f"r{i}", 400) for i in range(2)]
+        loop.submit(reqs)
+        for req in reqs:
+            await req.stream.get()  # both are running
+        (pid,) = engine.tp_workers.pids
+        os.kill(pid, signal.SIGKILL)
+        await wait_for(lambda: lifecycle.phase is Phase.FAILED)
+        assert not loop.healthy(time.monotonic())
+        records = [*kept.history, *kept]
+        assert sorted((r.request_id, r.status, r.finish_reason) for r in records) == [
+            ("r0", "failed", "error"),
+            ("r1", "failed", "error"),
+        ]
+        assert len(reasons) == 1 and reasons[0].startswith("engine loop failed: TensorParallelError: ")
+        loop.stop()
+        await wait_for(lambda: not multiprocessing.active_children())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
     asyncio.run(main())
