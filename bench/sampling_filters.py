@@ -5,8 +5,10 @@
 
 Baseline: full stable sorts for top-k/top-p (``reference_top_k``/``reference_top_p``) and the exponential
 race ``argmax p / E`` with one Exp(1) number per entry. Current: ``apply_top_k``/``apply_top_p`` and
-``inverse_cdf_draw``. Rows are peaked as a language model's (8 likely tokens above a long tail). Times are
-the best of alternating rounds; ``ratio`` = baseline / current.
+``inverse_cdf_draw`` (the tensor pipeline, what a GPU runs). Native: the C kernel the engine uses on a CPU
+(``engine/native/sampling.c``, one thread per core torch uses). Rows are peaked as a language model's (8
+likely tokens above a long tail). Times are the best of alternating rounds; ``ratio`` = baseline / current,
+``native ratio`` = current / native.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import time
 
 import torch
 
+from kvpilot.engine.model.registry import default_cache_dir
+from kvpilot.engine.native.ops import load_native_ops
+from kvpilot.engine.native.sampling_ops import SamplingKernels
 from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_top_k, apply_top_p, reference_top_k, reference_top_p
 
@@ -40,12 +45,23 @@ def current(z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
     return inverse_cdf_draw(probs, torch.rand(z.shape[0], generator=gen))
 
 
+def native(kernels: SamplingKernels, z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
+    rows = z.shape[0]
+    params = torch.zeros(rows, 5)
+    params[:, 0] = 0.8
+    params[:, 2] = -1 if k is None else k
+    params[:, 3] = 1.0 if p is None else p
+    params[:, 4] = 1.0
+    return kernels.draw(z, params, torch.rand(rows, generator=gen))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rows", type=int, default=128)
     args = parser.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
+    kernels = load_native_ops(default_cache_dir()).sampling
     rounds = 2 if args.quick else 5
     for vocab in (512,) if args.quick else (512, 49152):
         z = torch.randn(args.rows, vocab, generator=gen) * 2
@@ -58,16 +74,19 @@ def main(argv: list[str] | None = None) -> int:
         }
         for name, (k, p) in cases.items():
             repeat = 10 if vocab <= 4096 else 2
-            best = {"baseline": float("inf"), "current": float("inf")}
+            best = {"baseline": float("inf"), "current": float("inf"), "native": float("inf")}
+            runs = {"baseline": baseline, "current": current, "native": lambda *a: native(kernels, *a)}
             for _ in range(rounds):
-                for label, fn in (("baseline", baseline), ("current", current)):
+                for label, fn in runs.items():
                     start = time.perf_counter()
                     for _ in range(repeat):
                         fn(z, k, p, gen)
                     best[label] = min(best[label], (time.perf_counter() - start) / repeat * 1e3)
+            ratio, native_ratio = best["baseline"] / best["current"], best["current"] / best["native"]
             print(
                 f"{args.rows}x{vocab:<6d} {name:<26s} baseline {best['baseline']:8.2f} ms  current "
-                f"{best['current']:8.2f} ms  ratio {best['baseline'] / best['current']:5.1f}"
+                f"{best['current']:8.2f} ms  native {best['native']:8.2f} ms  ratio {ratio:5.1f}  "
+                f"native ratio {native_ratio:5.1f}"
             )
     return 0
 

@@ -8,6 +8,7 @@ from kvpilot.engine.config import (
     ATTENTION_BACKENDS,
     BATCHING_MODES,
     DTYPES,
+    KV_CACHE_DTYPES,
     LINEAR_BACKENDS,
     LOGPROBS_MODES,
     NATIVE_CPU_OPS,
@@ -34,7 +35,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=d.quantization,
         help=f"weights kept quantized, one of {', '.join(QUANTIZATIONS)}: auto keeps a GGUF's blocks "
-        "(Q4_0, Q4_1, Q8_0) where the CPU kernels run them; int8 quantizes any float model at load",
+        "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) where the CPU kernels run them; int8 quantizes any float model "
+        "at load",
     )
     g.add_argument(
         "--max-model-len",
@@ -71,6 +73,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=d.enable_prefix_caching
     )
     g.add_argument("--swap-space", type=float, default=d.swap_space, help="GiB of host memory for swapped KV")
+    g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        help=f"KV cache element, one of {', '.join(KV_CACHE_DTYPES)}: auto = the model's dtype; fp8 (e4m3) "
+        "and int8 store one byte per element with a scale per token and KV head (fp8: the checkpoint's "
+        "per-layer k_scale/v_scale when it has them)",
+    )
     g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most sequences per step")
     g.add_argument(
         "--max-num-batched-tokens",

@@ -28,6 +28,10 @@ _UNSUPPORTED_QUANTIZATIONS = {
     "awq": "AWQ int4 checkpoints are not supported yet (fp8 checkpoints and GGUF files are)",
     "gptq": "GPTQ int4 checkpoints are not supported yet (fp8 checkpoints and GGUF files are)",
 }
+#: KV cache element (docs/architecture.md#kv-cache-dtype): ``auto`` = the model's dtype; ``fp8`` = e4m3 codes
+#: with the checkpoint's per-layer k/v scales, else a float32 scale per (token, KV head); ``int8`` = int8
+#: codes with a float32 scale per (token, KV head)
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
 
@@ -71,6 +75,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     #: host memory (GiB) for swapped-out KV when ``preemption_mode`` is ``swap``
     swap_space: float = 0.0
+    #: what the KV cache stores (``KV_CACHE_DTYPES``): ``auto`` = the model's dtype, ``fp8`` (e4m3) or
+    #: ``int8``: one byte per element (+ 4 per token and KV head row of scales), so about 3.8x (fp32) or
+    #: 1.9x (bf16) the blocks in the same memory at head_dim 64
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -138,6 +146,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     swap_space: float = 0.0
+    kv_cache_dtype: str = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
@@ -216,6 +225,7 @@ class EngineArgs:
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}",
         )
         need(self.swap_space >= 0, f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        self._validate_kv_cache_dtype()
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(
             self.max_num_batched_tokens >= 1,
@@ -267,6 +277,15 @@ class EngineArgs:
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
         )
+
+    def _validate_kv_cache_dtype(self) -> None:
+        value = self.kv_cache_dtype
+        if value in KV_CACHE_DTYPES:
+            return
+        hint = ""
+        if isinstance(value, str) and value.startswith("fp8_"):
+            hint = " (the fp8 KV cache is e4m3, vLLM's default 'fp8'; other fp8 formats are not supported)"
+        raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {value!r}{hint}")
 
     def _validate_quantization(self) -> None:
         method = self.quantization

@@ -1,11 +1,13 @@
 """Incremental detokenization and stop-string handling for one generated sequence
 (docs/architecture.md#stop-conditions-and-streaming).
 
-``IncrementalDetokenizer`` turns each new token into a text delta without re-decoding the whole output:
-it decodes a short window (``prefix_offset`` … end) and emits what extends beyond the window's already
-emitted part. A byte-level token that ends inside a multi-byte UTF-8 character decodes to U+FFFD; such a
-delta is held back until the character completes, so the stream never contains a replacement character
-that the full text does not.
+``IncrementalDetokenizer`` turns each new token into a text delta without re-decoding the whole output,
+through the ``tokenizers`` library's own ``DecodeStream`` (one native call per token, as vLLM's fast
+detokenizer does): it decodes a short window of recent tokens and emits what extends beyond the window's
+already emitted part. A byte-level token that ends inside a multi-byte UTF-8 character decodes to U+FFFD;
+such a delta is held back until the character completes, so the stream never contains a replacement
+character that the full text does not. The stream is primed with the prompt's last tokens, so merges
+across the boundary resolve as in a full decode.
 
 ``StopStringBuffer`` holds back any text that could still become a stop string: only text that can no
 longer be part of a match is released. When a stop string appears (it may span several tokens), the text
@@ -14,11 +16,16 @@ is cut before it (or after it with ``include_stop_str_in_output``) and nothing o
 
 from __future__ import annotations
 
+from tokenizers.decoders import DecodeStream
+
 from kvpilot.engine.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 #: tokens decoded before the first new token, so merges across the boundary resolve like a full decode
 _CONTEXT_TOKENS = 5
+#: what ``DecodeStream.step`` raises when a window's decode does not extend the previous one (some
+#: tokenizers' decoders strip or merge at the window's start); the stream restarts from recent tokens
+_INVALID_PREFIX = "Invalid prefix"
 
 
 class IncrementalDetokenizer:
@@ -27,31 +34,68 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.tokens: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
+        # A context that ends inside a character (or on a token that decodes to nothing) would leave the
+        # stream holding prompt bytes that the first delta then shows: drop such trailing tokens.
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._stream, complete = self._primed(context)
+        while context and not complete:
+            context.pop()
+            self._stream, complete = self._primed(context)
+        self.tokens: list[int] = context
+        #: tokens whose text has been emitted (or is the prompt's)
         self.read_offset = len(self.tokens)
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _primed(self, context: list[int]) -> tuple[DecodeStream, bool]:
+        """A stream that has seen ``context``, and whether it holds none of it back."""
+        stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        complete = True
+        for token_id in context:
+            complete = self._step(stream, token_id) is not None
+        return stream, complete
+
+    def _step(self, stream: DecodeStream, token_id: int) -> str | None:
+        if token_id >= self.tokenizer.vocab_size:  # a padded embedding row: decodes to nothing, as in HF
+            return None
+        return stream.step(self.tokenizer.backend, token_id)
 
     def push(self, token_id: int) -> str:
         """Text newly completed by ``token_id`` (may be empty while a character is incomplete)."""
         self.tokens.append(token_id)
-        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full = self._decode(self.tokens[self.prefix_offset :])
-        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-            delta = full[len(prefix) :]
-            self.prefix_offset = self.read_offset
+        try:
+            chunk = self._step(self._stream, token_id)
+        except Exception as error:  # tokenizers raises a bare Exception for this
+            if not str(error).startswith(_INVALID_PREFIX):
+                raise
+            window = self.tokens[max(0, self.read_offset - _CONTEXT_TOKENS) : self.read_offset]
+            self._stream = self._primed(window)[0]
+            return self._pushed_after_restart()
+        if chunk is None:
+            return ""
+        self.read_offset = len(self.tokens)
+        return chunk
+
+    def _pushed_after_restart(self) -> str:
+        """The tokens after ``read_offset`` through the restarted stream; their text, if complete."""
+        text = ""
+        for token_id in self.tokens[self.read_offset :]:
+            chunk = self._step(self._stream, token_id)
+            text += chunk or ""
+        if text:
             self.read_offset = len(self.tokens)
-            return delta
-        return ""
+        return text
 
     def flush(self) -> str:
         """At the end: whatever is still undecided (an incomplete character decodes as U+FFFD)."""
-        prefix = self._decode(self.tokens[self.prefix_offset : self.read_offset])
-        full = self._decode(self.tokens[self.prefix_offset :])
-        self.prefix_offset = self.read_offset = len(self.tokens)
+        if self.read_offset == len(self.tokens):
+            return ""
+        start = max(0, self.read_offset - _CONTEXT_TOKENS)
+        prefix = self._decode(self.tokens[start : self.read_offset])
+        full = self._decode(self.tokens[start:])
+        self.read_offset = len(self.tokens)
         return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
 class StopStringBuffer:

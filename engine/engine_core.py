@@ -76,9 +76,7 @@ class LLMEngine(StepOutputs):
         memory = memory_baseline(config, self.device, device_memory)  # before any weights load
         #: ranks 1..tp-1 (docs/architecture.md#tensor-parallelism); None = one process holds the model
         self.tp_workers = start_workers(config, self.device)
-        if (
-            self.tp_workers is not None
-        ):  # an engine dropped without shutdown() (or a failed start) still stops them
+        if self.tp_workers is not None:  # stopped by an engine dropped without shutdown() too
             weakref.finalize(self, self.tp_workers.shutdown)
         try:
             target = load_served_model(
@@ -138,7 +136,11 @@ class LLMEngine(StepOutputs):
                 self.model, self.kv_cache, self.device, input_batch, self.tp_workers, kv_ops, arch.vocab_size
             )
         )
-        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed), config.logprobs_mode)
+        self.sampler = Sampler(
+            torch.Generator(device=self.device).manual_seed(mc.seed),
+            config.logprobs_mode,
+            native=None if self.native_ops is None else self.native_ops.sampling,
+        )
         self.eos_token_ids = frozenset(arch.eos_token_ids) | self.tokenizer.eos_token_ids
         #: structured outputs' grammars, compiled on their own threads
         #: (docs/architecture.md#structured-outputs)

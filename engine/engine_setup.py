@@ -22,8 +22,10 @@ from kvpilot.engine.kv.block_hash import root_hash
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.capacity import blocks_for_tokens, kv_bytes_per_token
+from kvpilot.engine.kv.checkpoint_scales import read_kv_scales
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
+from kvpilot.engine.kv.kv_quant import scale_bytes_per_element_row, storage_dtype
 from kvpilot.engine.kv.manager import KVCacheManager
 from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_budget, take_baseline
 from kvpilot.engine.model.arch import ModelArchConfig
@@ -47,18 +49,34 @@ class ServedModel:
     #: (docs/architecture.md#quantized-weights)
     quantization: str
     model: LlamaForCausalLM
-    #: activations and KV cache dtype
+    #: activations dtype (and the KV cache's for ``kv_cache_dtype="auto"``)
     dtype: torch.dtype
+    #: ``auto``, ``fp8`` or ``int8``: what the KV cache stores (docs/architecture.md#kv-cache-dtype)
+    kv_cache_dtype: str = "auto"
     #: this process's rank of a tensor-parallel model (docs/architecture.md#tensor-parallelism); None = whole
     tensor_parallel: TensorParallelRank | None = None
+    #: ``fp8_kv_scales``' result, read once
+    _fp8_scales: tuple[list[tuple[float, float]] | None] | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Of this process's KV heads (a tensor-parallel rank's share)."""
         local = self.model.arch
         return kv_bytes_per_token(
-            local.num_hidden_layers, local.num_key_value_heads, local.head_dim, self.dtype.itemsize
+            local.num_hidden_layers,
+            local.num_key_value_heads,
+            local.head_dim,
+            storage_dtype(self.kv_cache_dtype, self.dtype).itemsize,
+            scale_bytes_per_element_row(self.kv_cache_dtype, self.fp8_kv_scales() is not None),
         )
+
+    def fp8_kv_scales(self) -> list[tuple[float, float]] | None:
+        """The checkpoint's per-layer (k_scale, v_scale) for an fp8 cache (None: none, so scales per row)."""
+        if self.kv_cache_dtype != "fp8" or not any(self.model_dir.glob("*.safetensors")):
+            return None
+        if self._fp8_scales is None:
+            self._fp8_scales = (read_kv_scales(self.model_dir, self.arch.num_hidden_layers),)
+        return self._fp8_scales[0]
 
     def identity(self) -> str:
         """The model's prefix-cache identity: quantized weights compute other K/V than float ones, so their
@@ -115,7 +133,9 @@ def load_served_model(
     )
     if isinstance(backend, TorchAttentionBackend):
         backend.native = native_ops
-    return ServedModel(model_dir, arch, backend, resolved, model, dtype, tensor_parallel)
+    return ServedModel(
+        model_dir, arch, backend, resolved, model, dtype, config.cache.kv_cache_dtype, tensor_parallel
+    )
 
 
 @dataclass
@@ -166,15 +186,17 @@ def build_paged_kv(
                 max_model_len=mc.max_model_len or arch.max_position_embeddings,
                 kv_layout=target.backend.kv_cache_layout,
                 utilization=cc.gpu_memory_utilization,
+                kv_cache_dtype=cc.kv_cache_dtype,
             )
         sizing = "gpu_memory_utilization"
     per_token = target.kv_bytes_per_token
     num_blocks = plan_num_kv_blocks(cc, per_token + extra_bytes_per_token, profiled_budget)
     log.info(
-        "KV cache: %d blocks of %d tokens (%.2f GiB, sized by %s)",
+        "KV cache: %d blocks of %d tokens (%.2f GiB of %s, sized by %s)",
         num_blocks,
         cc.block_size,
         num_blocks * cc.block_size * per_token / (1 << 30),
+        cc.kv_cache_dtype,
         sizing,
     )
     max_model_len = plan_max_model_len(
@@ -182,10 +204,11 @@ def build_paged_kv(
     )
     layout = target.backend.kv_cache_layout
     shape = (arch.num_hidden_layers, num_blocks, cc.block_size, target.model.arch.num_key_value_heads)
+    options = {"layout": layout, "kv_cache_dtype": cc.kv_cache_dtype, "fp8_scales": target.fp8_kv_scales()}
     kv_cache = (
-        KVCache(*shape, arch.head_dim, dtype, device, layout=layout)
+        KVCache(*shape, arch.head_dim, dtype, device, **options)
         if kv_ops is None
-        else RecordingKVCache(*shape, arch.head_dim, dtype, device, layout=layout, ops=kv_ops)
+        else RecordingKVCache(*shape, arch.head_dim, dtype, device, ops=kv_ops, **options)
     )
     swap = None
     if cc.swap_space > 0:

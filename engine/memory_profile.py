@@ -138,6 +138,7 @@ def profile_step_memory(
     num_tokens: int,
     num_seqs: int,
     kv_layout: str,
+    kv_cache_dtype: str = "auto",
 ) -> MemoryProfile:
     """Run the largest step once and measure what it and the weights use (see the module docstring)."""
     arch = model.arch
@@ -153,6 +154,7 @@ def profile_step_memory(
         dtype,
         device,
         layout=kv_layout,
+        kv_cache_dtype=kv_cache_dtype,
     )
     probe = Request("memory-profile", [0] * num_tokens, SamplingParams(max_tokens=1))
     table = BlockTableTensor(1, num_blocks - 1, device)
@@ -210,6 +212,7 @@ def profiled_kv_budget(
     max_model_len: int,
     kv_layout: str,
     utilization: float,
+    kv_cache_dtype: str = "auto",
 ) -> int:
     """The KV budget in bytes for ``utilization``, from one profiled step of the largest size the engine
     runs."""
@@ -224,5 +227,6 @@ def profiled_kv_budget(
         num_tokens=num_tokens,
         num_seqs=max_num_seqs,
         kv_layout=kv_layout,
+        kv_cache_dtype=kv_cache_dtype,
     )
     return kv_budget_bytes(profile, utilization)

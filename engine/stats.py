@@ -100,6 +100,8 @@ def load_snapshot(engine) -> dict:
         "max_model_len": engine.max_model_len,
         "kv_cache_bytes": engine.kv_cache.total_bytes,
         "kv_cache_sizing": engine.kv_cache_sizing,
+        # what the cache stores: auto (activations' dtype), fp8 or int8 (docs/architecture.md#kv-cache-dtype)
+        "kv_cache_dtype": engine.kv_cache.kv_cache_dtype,
         # what the weights are kept as and the activations' dtype (docs/architecture.md#quantized-weights)
         "quantization": engine.quantization,
         "dtype": str(engine.dtype).removeprefix("torch."),

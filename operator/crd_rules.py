@@ -33,6 +33,7 @@ OPERATOR_OWNED_FLAGS = (
     "(no-)?enable-prefix-caching",
     "(no-)?enable-chunked-prefill",
     "speculative-config",
+    "kv-cache-dtype",
     "tensor-parallel-size",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"

@@ -104,6 +104,8 @@ def engine_args(isvc: InferenceService) -> list[str]:
     else:
         args += ["--kv-cache-memory-bytes", str(kv_bytes)]
     args += ["--slo-ttft", f"{spec.slo.ttft_seconds:g}", "--slo-tpot", f"{spec.slo.tpot_seconds:g}"]
+    if engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.speculative is not None:
         args += ["--speculative-config", json.dumps(dict(engine.speculative), sort_keys=True)]
     if spec.resources.gpus > 1:  # one rank per GPU (docs/architecture.md#tensor-parallelism)

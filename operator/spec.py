@@ -67,6 +67,8 @@ class EngineSpec:
     kv_cache_memory: str | None = None
     #: fraction of GPU memory the engine may use; sizes the KV cache of GPU pods without kv_cache_memory
     gpu_memory_utilization: float = 0.9
+    #: the engine's ``--kv-cache-dtype``: auto, fp8 or int8
+    kv_cache_dtype: str = "auto"
     #: the engine's ``--speculative-config`` (vLLM's keys), or None = off
     speculative: tuple[tuple[str, object], ...] | None = None
     extra_args: tuple[str, ...] = ()
@@ -184,6 +186,7 @@ class InferenceServiceSpec:
                 enable_chunked_prefill=engine["enableChunkedPrefill"],
                 kv_cache_memory=engine.get("kvCacheMemory"),
                 gpu_memory_utilization=float(engine["gpuMemoryUtilization"]),
+                kv_cache_dtype=engine["kvCacheDtype"],
                 speculative=_speculative_config(engine.get("speculative")),
                 extra_args=tuple(engine["extraArgs"]),
             ),

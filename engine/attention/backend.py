@@ -7,6 +7,10 @@ same layout), so per-step index arithmetic is not repeated 30 times.
 Layers of one model may attend differently (docs/architecture.md#model-families): Gemma's alternate a
 sliding window with global attention and soft-cap their logits. Each layer passes its ``LayerAttention``
 to ``forward``/``attend``; without one, the backend's own scale and window apply.
+
+A quantized cache (``kv_cache_dtype`` fp8/int8, docs/architecture.md#kv-cache-dtype) holds codes; the
+layer's ``KVQuant`` (its scales) goes with the caches to ``write_kv``/``attend``, which quantize on write and
+dequantize on read. None means the caches hold values in a float dtype.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.kv.kv_quant import KVQuant
 
 BACKEND_NAMES = ("auto", "torch", "triton")
 
@@ -90,8 +95,10 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        quant: KVQuant | None = None,
     ) -> None:
-        """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``meta.slot_mapping``."""
+        """Scatter ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``meta.slot_mapping``
+        (quantized with ``quant``'s scales, writing int8's per-slot scales, when given)."""
 
     @abstractmethod
     def attend(
@@ -103,10 +110,11 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         layer: LayerAttention | None = None,
+        quant: KVQuant | None = None,
     ) -> torch.Tensor:
         """Attention output ``[num_tokens, num_heads, head_dim]`` for ``query`` ``[num_tokens, num_heads,
         head_dim]``. ``key``/``value`` are this step's new K/V (already written to the cache); ``layer``
-        (default ``default_layer``) says how this layer attends."""
+        (default ``default_layer``) says how this layer attends; ``quant`` how the caches' codes read."""
 
     def forward(
         self,
@@ -117,9 +125,10 @@ class AttentionBackend(ABC):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         layer: LayerAttention | None = None,
+        quant: KVQuant | None = None,
     ) -> torch.Tensor:
-        self.write_kv(key, value, key_cache, value_cache, meta)
-        return self.attend(query, key, value, key_cache, value_cache, meta, layer)
+        self.write_kv(key, value, key_cache, value_cache, meta, quant)
+        return self.attend(query, key, value, key_cache, value_cache, meta, layer, quant)
 
 
 def resolve_backend_name(name: str, device: torch.device) -> str:

@@ -20,6 +20,11 @@ Per-layer attention (``LayerAttention``): the masks depend on the layer's window
 first layer of a step that uses that window and shared by the others (Gemma: two masks per step). SDPA has
 no soft-capping; a soft-capped layer without the C kernels runs the same math unfused (scores, cap, mask,
 softmax).
+
+A quantized cache (docs/architecture.md#kv-cache-dtype) is written as codes (``kv_quant``'s quantizers, or
+the C scatter) and its gathers are dequantized to the query's dtype before SDPA; the C kernels dequantize
+each K/V row as they read it. Every query then reads its sequence's K/V from the cache, its own step's
+tokens included, as the C and Triton kernels do, so all backends attend the same rounded keys.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.kv.kv_quant import KVQuant, as_bytes, dequantize, quantize_rows
 from kvpilot.engine.native.ops import PREFILL_HEAD_DIM_MULTIPLE, NativeOps
 
 #: start a new decode bucket when a context is this much longer than the bucket's shortest one
@@ -143,32 +149,35 @@ class TorchAttentionBackend(AttentionBackend):
         meta.extras["write_block"] = meta.slot_mapping // bs
         meta.extras["write_offset"] = meta.slot_mapping % bs
 
-    def _prefill_plans(self, meta: AttentionMetadata, window: int | None) -> list[_PrefillPlan]:
+    def _prefill_plans(
+        self, meta: AttentionMetadata, window: int | None, from_cache: bool
+    ) -> list[_PrefillPlan]:
         """One SDPA plan per prefill/extend sequence: its token range, the gather of its cached context, the
-        mask when the causal triangle alone does not say what each query sees."""
+        mask when the causal triangle alone does not say what each query sees. ``from_cache``: read the new
+        tokens' K/V from the (quantized) cache too."""
         if meta.extras["native_prefill"]:
             return []
-        cached: dict[int | None, list[_PrefillPlan]] = meta.extras["prefill_plans"]
-        if window in cached:
-            return cached[window]
+        cached: dict[tuple[int | None, bool], list[_PrefillPlan]] = meta.extras["prefill_plans"]
+        if (window, from_cache) in cached:
+            return cached[window, from_cache]
         bs, nd = meta.block_size, meta.num_decodes
         plans: list[_PrefillPlan] = []
         starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens_host[b], meta.seq_lens_host[b]
             ctx = seq_len - q_len
-            if ctx == 0 and window is None:
+            if ctx == 0 and window is None and not from_cache:
                 plans.append(_PrefillPlan(starts[b], starts[b + 1], None, 0, None))
                 continue
             num_blocks = -(-seq_len // bs)
             q_pos = torch.arange(ctx, seq_len, device=meta.block_tables.device)
-            if ctx:
+            if ctx or from_cache:
                 mask = _window_mask(q_pos, num_blocks * bs, window)
                 rows = self._gather_rows(meta.block_tables[b : b + 1, :num_blocks])
             else:  # sliding window over new tokens only
                 mask, rows = _window_mask(q_pos, seq_len, window), None
             plans.append(_PrefillPlan(starts[b], starts[b + 1], rows, num_blocks, mask))
-        cached[window] = plans
+        cached[window, from_cache] = plans
         return plans
 
     def _native_prefill(self) -> bool:
@@ -179,24 +188,66 @@ class TorchAttentionBackend(AttentionBackend):
             and self.head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
         )
 
-    def write_kv(self, key, value, key_cache, value_cache, meta) -> None:
-        if self.native is not None and key.dtype == key_cache.dtype == torch.float32:
+    def write_kv(self, key, value, key_cache, value_cache, meta, quant=None) -> None:
+        native_cache = quant is not None or key_cache.dtype == torch.float32
+        if self.native is not None and key.dtype == torch.float32 and native_cache:
             tokens = key.shape[0]
             self.native.write_kv(
-                key.reshape(tokens, -1), value.reshape(tokens, -1), key_cache, value_cache, meta.slot_mapping
+                key.reshape(tokens, -1),
+                value.reshape(tokens, -1),
+                key_cache,
+                value_cache,
+                meta.slot_mapping,
+                quant,
             )
             return
         blk, off = meta.extras["write_block"], meta.extras["write_offset"]
         # HND cache: [blocks, heads, bs, D]; advanced indices on dims 0 and 2 put tokens first
-        key_cache[blk, :, off] = key.to(key_cache.dtype)
-        value_cache[blk, :, off] = value.to(value_cache.dtype)
+        if quant is None:
+            key_cache[blk, :, off] = key.to(key_cache.dtype)
+            value_cache[blk, :, off] = value.to(value_cache.dtype)
+            return
+        for x, cache, scales, is_key in (
+            (key, key_cache, quant.key_scales, True),
+            (value, value_cache, quant.value_scales, False),
+        ):
+            codes, row_scales = quantize_rows(x, quant, is_key)
+            as_bytes(cache)[blk, :, off] = as_bytes(codes)  # fp8 indexing is not implemented everywhere
+            if scales is not None and row_scales is not None:
+                scales[blk, :, off] = row_scales
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, batch: int, num_blocks: int) -> torch.Tensor:
         _, kvh, bs, d = cache.shape
         flat = cache.view(-1, bs, d)
         return flat.index_select(0, rows).view(batch, kvh, num_blocks * bs, d)
 
-    def attend(self, query, key, value, key_cache, value_cache, meta, layer=None) -> torch.Tensor:
+    def _gather_kv(
+        self,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        quant: KVQuant | None,
+        rows: torch.Tensor,
+        batch: int,
+        num_blocks: int,
+        dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ``[batch, kv_heads, num_blocks * block_size, D]`` of the gathered rows, in ``dtype``."""
+        if quant is None:
+            k, v = (self._gather(c, rows, batch, num_blocks) for c in caches)
+            return k.to(dtype), v.to(dtype)
+        k, v = (self._gather(as_bytes(c), rows, batch, num_blocks).view(c.dtype) for c in caches)
+        out = []
+        for codes, tensor_scale, scales in (
+            (k, quant.k_scale, quant.key_scales),
+            (v, quant.v_scale, quant.value_scales),
+        ):
+            row_scales = None
+            if scales is not None:  # per-row scales, gathered like the codes
+                _, kvh, bs = scales.shape
+                row_scales = scales.view(-1, bs).index_select(0, rows).view(batch, kvh, num_blocks * bs)
+            out.append(dequantize(codes, tensor_scale, row_scales).to(dtype))
+        return out[0], out[1]
+
+    def attend(self, query, key, value, key_cache, value_cache, meta, layer=None, quant=None) -> torch.Tensor:
         layer = layer or self.default_layer
         window, scale = layer.sliding_window, layer.scale
         out = torch.empty_like(query)
@@ -212,11 +263,12 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
                 window,
                 layer.logit_softcap,
+                quant,
             )
+        caches = (key_cache, value_cache)
         for bucket in meta.extras["decode_buckets"]:
             n = bucket.rows.numel()
-            k = self._gather(key_cache, bucket.gather_rows, n, bucket.num_blocks).to(query.dtype)
-            v = self._gather(value_cache, bucket.gather_rows, n, bucket.num_blocks).to(query.dtype)
+            k, v = self._gather_kv(caches, quant, bucket.gather_rows, n, bucket.num_blocks, query.dtype)
             q = query.index_select(0, bucket.rows).view(n, kvh, group, d)  # GQA group as query length
             mask = bucket.mask(window, meta.block_size)
             if layer.logit_softcap is None:
@@ -238,15 +290,16 @@ class TorchAttentionBackend(AttentionBackend):
                 scale,
                 window,
                 layer.logit_softcap,
+                quant,
             )
-        for plan in self._prefill_plans(meta, window):
+        for plan in self._prefill_plans(meta, window, quant is not None):
             s, e = plan.token_start, plan.token_end
             q = query[s:e].transpose(0, 1)  # [Hq, n, D]
             if plan.gather_rows is None:
                 k, v = key[s:e].transpose(0, 1), value[s:e].transpose(0, 1)
             else:
-                k = self._gather(key_cache, plan.gather_rows, 1, plan.num_blocks)[0].to(query.dtype)
-                v = self._gather(value_cache, plan.gather_rows, 1, plan.num_blocks)[0].to(query.dtype)
+                k, v = self._gather_kv(caches, quant, plan.gather_rows, 1, plan.num_blocks, query.dtype)
+                k, v = k[0], v[0]
             # 4-D inputs: SDPA only dispatches to its fused CPU kernel with a batch dimension. GQA without
             # expanding K/V: with torch 2.13 ``enable_gqa`` stays on the fused kernel and measured faster
             # than repeat_interleave (140 new tokens: 825 vs 969 us; 32 after a 500-token prefix: 694 vs

@@ -20,10 +20,11 @@ import torch
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.kv.kv_quant import KVQuant
 
 _KERNEL_PACKAGE = "kvpilot.engine.attention.kernels"
 #: modules that define @triton.jit functions, in import order
-_JIT_MODULES = ("tile_ops", "split_kv", "kv_write", "decode", "prefill")
+_JIT_MODULES = ("kv_codes", "tile_ops", "split_kv", "kv_write", "decode", "prefill")
 #: the head sizes the kernels keep in registers (padded to a power of two)
 MAX_HEAD_DIM = 256
 #: values of TRITON_INTERPRET that Triton reads as "on"
@@ -66,6 +67,7 @@ def load_kernels(device: torch.device) -> TritonKernels:
     }
     tile_ops = modules["tile_ops"]
     jit_functions = (
+        modules["kv_codes"].fp8_e4m3_to_float,
         tile_ops.load_kv_tile,
         modules["split_kv"].merge_splits_kernel,
         modules["kv_write"].kv_write_kernel,
@@ -187,10 +189,11 @@ class TritonAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
+        quant: KVQuant | None = None,
     ) -> None:
         if "triton_decode_plan" not in meta.extras:
             self.prepare(meta)
-        self._check_caches(key_cache, value_cache, meta)
+        self._check_caches(key_cache, value_cache, meta, quant)
         expected = (meta.num_tokens, self.num_kv_heads, self.head_dim)
         for label, tensor in (("key", key), ("value", value)):
             if tuple(tensor.shape) != expected:
@@ -201,7 +204,7 @@ class TritonAttentionBackend(AttentionBackend):
             if tensor.device != key_cache.device:
                 raise ValueError(f"{label} is on {tensor.device} but the cache is on {key_cache.device}")
         self.kernels(key_cache.device).kv_write.write_kv(
-            key, value, key_cache, value_cache, meta.slot_mapping
+            key, value, key_cache, value_cache, meta.slot_mapping, quant
         )
 
     def attend(
@@ -213,10 +216,11 @@ class TritonAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
         layer: LayerAttention | None = None,
+        quant: KVQuant | None = None,
     ) -> torch.Tensor:
         layer = layer or self.default_layer
         windowed = layer.sliding_window is not None
-        self._check_caches(key_cache, value_cache, meta)
+        self._check_caches(key_cache, value_cache, meta, quant)
         expected = (meta.num_tokens, self.num_heads, self.head_dim)
         if tuple(query.shape) != expected:
             raise ValueError(
@@ -244,6 +248,7 @@ class TritonAttentionBackend(AttentionBackend):
                 plan.partials,
                 self._config("decode", key_cache, windowed),
                 layer.logit_softcap,
+                quant,
             )
         if meta.num_seqs > decodes:
             kernels.prefill.paged_prefill(
@@ -259,6 +264,7 @@ class TritonAttentionBackend(AttentionBackend):
                 layer.sliding_window,
                 self._config("prefill", key_cache, windowed),
                 layer.logit_softcap,
+                quant,
             )
         return out
 
@@ -270,9 +276,11 @@ class TritonAttentionBackend(AttentionBackend):
         max_num_batched_tokens: int,
         max_model_len: int,
     ) -> None:
-        """On CUDA, tune the kernels for this model's shapes; the interpreter has nothing to tune."""
+        """On CUDA, tune the kernels for this model's shapes; the interpreter has nothing to tune. A cache of
+        fp8/int8 codes keeps the default tile configs (the tuner times float caches only)."""
         kernels = self.kernels(key_cache.device)
-        if key_cache.device.type != "cuda" or kernels.interpreted:
+        quantized = key_cache.dtype in (torch.float8_e4m3fn, torch.int8)
+        if key_cache.device.type != "cuda" or kernels.interpreted or quantized:
             return
         kernels.warmup.tune_served_shapes(
             self._configs,
@@ -288,7 +296,11 @@ class TritonAttentionBackend(AttentionBackend):
         )
 
     def _check_caches(
-        self, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        quant: KVQuant | None = None,
     ) -> None:
         supported = self.kernels(key_cache.device).tile_ops.SUPPORTED_CACHE_DTYPES
         if key_cache.dim() != 4 or key_cache.shape[1:] != (meta.block_size, self.num_kv_heads, self.head_dim):
@@ -304,6 +316,17 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if key_cache.dtype not in supported:
             raise ValueError(f"cache dtype must be one of {supported}, got {key_cache.dtype}")
+        codes = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[quant and quant.dtype]
+        if (codes is None) != (key_cache.dtype not in (torch.float8_e4m3fn, torch.int8)) or (
+            codes is not None and key_cache.dtype != codes
+        ):
+            raise ValueError(
+                f"a {key_cache.dtype} cache cannot be read with kv quantization {quant and quant.dtype}"
+            )
+        if quant is not None and (quant.dtype == "int8" or quant.key_scales is not None):
+            for scales in (quant.key_scales, quant.value_scales):
+                if scales is None or scales.shape != key_cache.shape[:-1] or scales.dtype != torch.float32:
+                    raise ValueError(f"per-row KV scales must be float32 {list(key_cache.shape[:-1])}")
         if value_cache.device != key_cache.device:
             raise ValueError(f"key_cache is on {key_cache.device} but value_cache on {value_cache.device}")
 

@@ -114,6 +114,8 @@ def _serve(rank: int, spec: WorkerSpec, device: torch.device, group: TensorParal
         dtype,
         device,
         layout=served.backend.kv_cache_layout,
+        kv_cache_dtype=config.cache.kv_cache_dtype,
+        fp8_scales=served.fp8_kv_scales(),
     )
     swap = HostSwapSpace(kv_cache, swap_blocks) if swap_blocks else None
     model, block_size = served.model, config.cache.block_size

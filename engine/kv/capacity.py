@@ -1,8 +1,10 @@
 """KV capacity arithmetic (docs/architecture.md#kv-cache-sizing): bytes per token, blocks per budget, and
 internal fragmentation.
 
-``m_token = 2 · n_layer · n_kv_head · d_head · bytes_per_elem`` is the ideal payload (K and V); block
-allocation rounds every sequence up to whole blocks, so allocated slots exceed logical ones.
+``m_token = 2 · n_layer · n_kv_head · (d_head · bytes_per_elem + scale_bytes)`` is the ideal payload (K and
+V; ``scale_bytes`` is what a quantized cache keeps per (token, KV head) beside its codes: int8's float32
+scale, docs/architecture.md#kv-cache-dtype); block allocation rounds every sequence up to whole blocks, so
+allocated slots exceed logical ones.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 
-def kv_bytes_per_token(n_layer: int, n_kv_head: int, d_head: int, bytes_per_elem: int) -> int:
+def kv_bytes_per_token(
+    n_layer: int, n_kv_head: int, d_head: int, bytes_per_elem: int, scale_bytes: int = 0
+) -> int:
     for name, v in (
         ("n_layer", n_layer),
         ("n_kv_head", n_kv_head),
@@ -20,7 +24,9 @@ def kv_bytes_per_token(n_layer: int, n_kv_head: int, d_head: int, bytes_per_elem
     ):
         if v <= 0:
             raise ValueError(f"{name} must be positive, got {v}")
-    return 2 * n_layer * n_kv_head * d_head * bytes_per_elem
+    if scale_bytes < 0:
+        raise ValueError(f"scale_bytes must be >= 0, got {scale_bytes}")
+    return 2 * n_layer * n_kv_head * (d_head * bytes_per_elem + scale_bytes)
 
 
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:

@@ -4,6 +4,12 @@ Layout per layer, for K and for V, as the attention backend asks (see ``attentio
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` or "HND" ``[num_blocks, num_kv_heads, block_size,
 head_dim]``. Dimension 0 is always the block, so block copies and swaps do not depend on the layout.
 Tensors start zeroed: padded key positions are masked, but a masked NaN would still poison softmax·V.
+
+A quantized cache (``kv_cache_dtype`` fp8/int8, docs/architecture.md#kv-cache-dtype) holds codes, and each
+layer's ``LayerKV.quant`` their scales: fp8's per-tensor ``k_scale``/``v_scale`` from the checkpoint, or
+(int8, and fp8 without them) a float32 scale per (slot, KV head) in tensors shaped like the cache without
+its head_dim, which block copies and swaps move with the codes. fp8 tensors are copied through uint8
+views (PyTorch has no fp8 ``index_copy`` on CPU).
 """
 
 from __future__ import annotations
@@ -11,6 +17,16 @@ from __future__ import annotations
 import torch
 
 from kvpilot.engine.kv.capacity import kv_bytes_per_token
+from kvpilot.engine.kv.kv_quant import KVQuant, LayerKV, as_bytes, scale_bytes_per_element_row, storage_dtype
+
+
+def _tensors(layer: LayerKV) -> list[torch.Tensor]:
+    """Every per-block tensor of a layer: K and V codes, and int8's scales."""
+    out = [as_bytes(layer.key), as_bytes(layer.value)]
+    q = layer.quant
+    if q is not None and q.key_scales is not None and q.value_scales is not None:
+        out += [q.key_scales, q.value_scales]
+    return out
 
 
 class KVCache:
@@ -24,7 +40,11 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         layout: str = "NHD",
+        kv_cache_dtype: str = "auto",
+        fp8_scales: list[tuple[float, float]] | None = None,
     ) -> None:
+        """``dtype``: the model's (the cache's for ``kv_cache_dtype="auto"``); ``fp8_scales``: per layer
+        ``(k_scale, v_scale)`` from the checkpoint (fp8 only; without them fp8 keeps a scale per row)."""
         if layout not in ("NHD", "HND"):
             raise ValueError(f"KV cache layout must be 'NHD' or 'HND', got {layout!r}")
         shape = (
@@ -32,13 +52,39 @@ class KVCache:
             if layout == "NHD"
             else (num_blocks, num_kv_heads, block_size, head_dim)
         )
+        if fp8_scales is not None and (kv_cache_dtype != "fp8" or len(fp8_scales) != num_layers):
+            raise ValueError(
+                f"fp8_scales needs kv_cache_dtype='fp8' and one (k, v) pair for each of {num_layers} layers"
+            )
         self.layout = layout
+        self.kv_cache_dtype = kv_cache_dtype
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(num_layers)
-        ]
-        self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype.itemsize)
+        store = storage_dtype(kv_cache_dtype, dtype)
+        self.layers: list[LayerKV] = []
+        for i in range(num_layers):
+            quant = None
+            if kv_cache_dtype == "fp8" and fp8_scales is not None:
+                quant = KVQuant("fp8", k_scale=fp8_scales[i][0], v_scale=fp8_scales[i][1])
+            elif kv_cache_dtype in ("fp8", "int8"):  # scales per (slot, KV head)
+                quant = KVQuant(
+                    kv_cache_dtype,
+                    key_scales=torch.zeros(shape[:-1], dtype=torch.float32, device=device),
+                    value_scales=torch.zeros(shape[:-1], dtype=torch.float32, device=device),
+                )
+            self.layers.append(
+                LayerKV(
+                    torch.zeros(shape, dtype=store, device=device),
+                    torch.zeros(shape, dtype=store, device=device),
+                    quant,
+                )
+            )
+        self.bytes_per_token = kv_bytes_per_token(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            store.itemsize,
+            scale_bytes_per_element_row(kv_cache_dtype, fp8_scales is not None),
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -46,27 +92,23 @@ class KVCache:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks ``src[i]`` → ``dst[i]`` in every layer (copy-on-write of shared blocks)."""
-        s = torch.tensor(src, device=self.layers[0][0].device)
-        d = torch.tensor(dst, device=self.layers[0][0].device)
-        for k, v in self.layers:
-            k.index_copy_(0, d, k.index_select(0, s))
-            v.index_copy_(0, d, v.index_select(0, s))
+        s = torch.tensor(src, device=self.layers[0].key.device)
+        d = torch.tensor(dst, device=self.layers[0].key.device)
+        for layer in self.layers:
+            for t in _tensors(layer):
+                t.index_copy_(0, d, t.index_select(0, s))
 
 
 class HostSwapSpace:
-    """Host-memory blocks that hold swapped-out KV; blocks are handed out from a simple free list."""
+    """Host-memory blocks that hold swapped-out KV; blocks are handed out from a simple free list. A block
+    keeps the device cache's codes and int8 scales as they are (fp8 scales are per layer and stay put)."""
 
     def __init__(self, cache: KVCache, num_blocks: int) -> None:
-        k0 = cache.layers[0][0]
-        shape = (num_blocks, *k0.shape[1:])
-        pin = k0.device.type == "cuda"
+        pin = cache.layers[0].key.device.type == "cuda"
         self.cache = cache
         self.layers = [
-            (
-                torch.zeros(shape, dtype=k0.dtype, pin_memory=pin),
-                torch.zeros(shape, dtype=k0.dtype, pin_memory=pin),
-            )
-            for _ in cache.layers
+            [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for t in _tensors(layer)]
+            for layer in cache.layers
         ]
         self._free = list(range(num_blocks))
         self.num_blocks = num_blocks
@@ -89,19 +131,19 @@ class HostSwapSpace:
     def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Device blocks → the given host blocks, every layer (a tensor-parallel worker replays rank 0's
         choice of host blocks through it)."""
-        src = torch.tensor(device_blocks, device=self.cache.layers[0][0].device)
+        src = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
         dst = torch.tensor(host_blocks)
-        for (dk, dv), (hk, hv) in zip(self.cache.layers, self.layers, strict=True):
-            hk.index_copy_(0, dst, dk.index_select(0, src).cpu())
-            hv.index_copy_(0, dst, dv.index_select(0, src).cpu())
+        for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
+            for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
+                hst.index_copy_(0, dst, dev.index_select(0, src).cpu())
 
     def copy_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Host blocks → device blocks, every layer; the host blocks stay allocated."""
         src = torch.tensor(host_blocks)
-        dst = torch.tensor(device_blocks, device=self.cache.layers[0][0].device)
-        for (dk, dv), (hk, hv) in zip(self.cache.layers, self.layers, strict=True):
-            dk.index_copy_(0, dst, hk.index_select(0, src).to(dk.device, non_blocking=True))
-            dv.index_copy_(0, dst, hv.index_select(0, src).to(dv.device, non_blocking=True))
+        dst = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
+        for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
+            for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
+                dev.index_copy_(0, dst, hst.index_select(0, src).to(dev.device, non_blocking=True))
 
     def release(self, host_blocks: list[int]) -> None:
         self._free.extend(host_blocks)

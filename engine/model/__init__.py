@@ -6,12 +6,18 @@ Files (torch-free, except ``tiny``):
 - ``registry``       model spec (``smollm2-135m``, ``tiny-random``, a ``.gguf`` path, an HF directory) →
                      local HF-format directory, converted/written once into the cache; ``model_fingerprint``
                      (the root of the prefix-cache block hash)
-- ``gguf_convert``   llama/qwen2/qwen3 GGUF → config.json + float32 safetensors + generation_config.json
-                     (dequantize, llama.cpp tensor names → HF names, undo llama's Q/K RoPE row permutation)
+- ``gguf_convert``   GGUF (llama, qwen2/3, qwen2/3 MoE, phi3, gemma2/3) → config.json + float32 safetensors +
+                     generation_config.json (dequantize, rename, undo llama's Q/K RoPE row permutation)
 - ``gguf_config``    config.json / generation_config.json from a GGUF's metadata, per architecture
+- ``gguf_families``  the config keys of Phi-3 (LongRoPE factors, partial rotary) and Gemma 2/3 GGUFs
+                     (layer pattern, attention scale, local RoPE), as llama.cpp reads them
+- ``gguf_names``     llama.cpp tensor names → HF names per family (fused Phi-3 tensors, Gemma's ``+ 1`` norms,
+                     stacked and shared experts), and the tensors each family's file must hold
 - ``gguf_weights``   a GGUF's projection and embedding weights kept in their blocks (``quantization=gguf``)
-- ``gguf_tokenizer`` byte-level BPE tokenizer.json / tokenizer_config.json from GGUF metadata (and for
-                     ``tiny``)
+- ``gguf_tokenizer`` tokenizer.json / tokenizer_config.json from GGUF metadata: byte-level BPE (also for
+                     ``tiny``), or SentencePiece through ``gguf_spm``
+- ``gguf_spm``       SentencePiece BPE vocabularies (Gemma, Phi-3) as ``tokenizers`` BPE with byte fallback,
+                     merges ranked by piece score, llama.cpp's space prefix
 - ``tiny``           ``write_tiny_llama``: seeded random tiny Llama/Qwen2/Mistral + tokenizer for fast tests;
                      ``write_tiny_tokenizer`` for tiny models of the other families
 
@@ -32,6 +38,8 @@ Forward pass:
                      reference, and the sorted CPU path (one GEMM pair per non-empty expert)
 - ``moe``            ``SparseMoeBlock``: router + stacked experts (+ Qwen2-MoE's shared expert) replacing a
                      sparse layer's MLP; expert weights from either checkpoint naming
+- ``moe_quant``      ``QuantExperts``: a GGUF's routed experts kept in their blocks (``quantization=gguf``),
+                     the sorted path with each expert's GEMMs on ``QuantLinear``
 - ``fused_moe_triton`` the fused-MoE Triton kernel (tokens sorted and padded by expert, grouped GEMMs),
                      used beside the Triton attention backend; imported only once ``TRITON_INTERPRET`` is set
 - ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)

@@ -42,8 +42,8 @@ from kvpilot.engine.model.moe import SparseMoeBlock
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
 SUPPORTED = (
     "fp8 checkpoints (quant_method 'fp8', or 'compressed-tensors' with 8-bit float weights), GGUF files "
-    "(Q4_0/Q4_1/Q8_0 kept, other types dequantized) and float checkpoints (quantization='int8' quantizes "
-    "them at load, 'fp8' on CUDA)"
+    "(Q4_0/Q4_1/Q8_0/Q4_K/Q6_K kept, other types dequantized) and float checkpoints (quantization='int8' "
+    "quantizes them at load, 'fp8' on CUDA)"
 )
 
 

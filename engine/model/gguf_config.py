@@ -1,11 +1,12 @@
 """config.json and generation_config.json from a GGUF's metadata (no torch needed).
 
 Architectures whose llama.cpp tensor names and metadata keys are the standard ones convert:
-``llama``, ``qwen2`` (q/k/v biases) and ``qwen3`` (``attn_q_norm`` / ``attn_k_norm``), and the MoE ones:
-``llama`` with ``expert_count`` (Mixtral) and ``qwen3moe`` (Qwen3-MoE), whose experts llama.cpp stacks
-into ``ffn_{gate,up,down}_exps`` beside the router ``ffn_gate_inp``. Metadata keys are
-prefixed with the architecture (``qwen3.embedding_length``). llama.cpp permutes Q/K rows only for
-``llama`` (its RoPE rotates adjacent pairs there; Qwen's GGUFs keep HF's rotate-half layout,
+``llama``, ``qwen2`` (q/k/v biases) and ``qwen3`` (``attn_q_norm`` / ``attn_k_norm``), ``phi3`` and
+``gemma2`` / ``gemma3`` (their keys: ``gguf_families``), and the MoE ones: ``llama`` with
+``expert_count`` (Mixtral), ``qwen2moe`` (with a shared expert) and ``qwen3moe``, whose experts llama.cpp
+stacks into ``ffn_{gate,up,down}_exps`` beside the router ``ffn_gate_inp``. Metadata keys are prefixed
+with the architecture (``qwen3.embedding_length``). llama.cpp permutes Q/K rows only for ``llama`` (its
+RoPE rotates adjacent pairs there; the others' GGUFs keep HF's rotate-half layout,
 ``PERMUTED_ROPE_ARCHS``). docs/models.md#gguf.
 """
 
@@ -14,21 +15,34 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
+from kvpilot.engine.model.gguf_families import family_config, float_value
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+#: the HF model type of each GGUF architecture whose name differs (``llama`` with experts: ``mixtral``)
+_MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
+_MOE_ARCHS = ("qwen2moe", "qwen3moe")
 #: model types whose q/k rows llama.cpp's converter interleaved (undone on the way in): Mixtral's GGUFs
 #: are ``llama`` files
 PERMUTED_ROPE_ARCHS = ("llama", "mixtral")
 
 
-def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
-    """config.json for the model a GGUF of one of ``GGUF_ARCHITECTURES`` describes."""
+def hf_config(
+    metadata: Mapping[str, Any],
+    tensor_names: set[str],
+    vocab_rows: int,
+    rope_factors: Mapping[str, list[float]] | None = None,
+) -> dict[str, Any]:
+    """config.json for the model a GGUF of one of ``GGUF_ARCHITECTURES`` describes; ``rope_factors`` are
+    the values of Phi-3's LongRoPE factor tensors (``long_factor`` / ``short_factor``), if it has them."""
     arch = metadata.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
@@ -46,7 +60,7 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: i
     head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
     if int(metadata.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
         raise ValueError("GGUF has different key and value head sizes; the decoder needs them equal")
-    if int(metadata.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
+    if arch != "phi3" and int(metadata.get(f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise ValueError("GGUF applies RoPE to part of each head only; the decoder rotates the whole head")
     if heads % kv_heads:
         raise ValueError(f"GGUF head_count {heads} is not a multiple of head_count_kv {kv_heads}")
@@ -56,26 +70,29 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: i
     context = int(required("context_length"))
     bos, eos = metadata.get("tokenizer.ggml.bos_token_id"), metadata.get("tokenizer.ggml.eos_token_id")
     experts = int(metadata.get(f"{arch}.expert_count") or 0)
-    model_type = {"qwen3moe": "qwen3_moe"}.get(arch, "mixtral" if arch == "llama" and experts else arch)
+    model_type = _MODEL_TYPES.get(arch, "mixtral" if arch == "llama" and experts else arch)
     architecture = "MixtralForCausalLM" if model_type == "mixtral" else GGUF_ARCHITECTURES[arch]
     moe: dict[str, Any] = {}
     if experts:
         moe["num_experts_per_tok"] = int(required("expert_used_count"))
         if model_type == "mixtral":
             moe["num_local_experts"] = experts
-        else:  # llama.cpp's qwen3moe always renormalises the top-k weights
+        else:  # llama.cpp renormalises qwen3moe's top-k weights, never qwen2moe's; every layer is sparse
             ff = int(required("expert_feed_forward_length"))
-            moe.update(
-                num_experts=experts, moe_intermediate_size=ff, norm_topk_prob=True, decoder_sparse_step=1
+            moe.update(num_experts=experts, moe_intermediate_size=ff, norm_topk_prob=arch == "qwen3moe")
+            moe.update(decoder_sparse_step=1, mlp_only_layers=[])
+        if arch == "qwen2moe":  # llama.cpp's fallback for the shared expert's size: feed_forward_length
+            shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+            moe["shared_expert_intermediate_size"] = int(
+                shared if shared is not None else required("feed_forward_length")
             )
-            moe["mlp_only_layers"] = []
-    elif arch == "qwen3moe":
-        raise ValueError("GGUF architecture qwen3moe has no qwen3moe.expert_count")
+    elif arch in _MOE_ARCHS:
+        raise ValueError(f"GGUF architecture {arch} has no {arch}.expert_count")
     ff_default = moe.get("moe_intermediate_size")
     intermediate = metadata.get(f"{arch}.feed_forward_length", ff_default)
     if intermediate is None:
         raise ValueError(f"GGUF metadata lacks {arch}.feed_forward_length, which config.json needs")
-    return {
+    config = {
         "architectures": [architecture],
         "model_type": model_type,
         **moe,
@@ -87,8 +104,8 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: i
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": _float32_value(required("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _float32_value(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": float_value(required("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float_value(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": _rope_scaling(metadata, arch),
         "max_position_embeddings": context,
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
@@ -100,6 +117,8 @@ def hf_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: i
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "torch_dtype": "float32",
     }
+    config.update(family_config(arch, metadata, head_dim, rope_factors or {}))
+    return config
 
 
 def llama_config(metadata: Mapping[str, Any], tensor_names: set[str], vocab_rows: int) -> dict[str, Any]:
@@ -135,20 +154,14 @@ def _rope_scaling(metadata: Mapping[str, Any], arch: str) -> dict[str, Any] | No
     if factor is None:
         raise ValueError(f"GGUF RoPE scaling {kind!r} has no {arch}.rope.scaling.factor")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": _float32_value(factor)}
+        return {"rope_type": "linear", "factor": float_value(factor)}
     if kind == "yarn":
         original = metadata.get(f"{arch}.rope.scaling.original_context_length")
         if original is None:
             raise ValueError(f"GGUF YaRN RoPE scaling lacks {arch}.rope.scaling.original_context_length")
         return {
             "rope_type": "yarn",
-            "factor": _float32_value(factor),
+            "factor": float_value(factor),
             "original_max_position_embeddings": int(original),
         }
     raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported; supported: linear, yarn")
-
-
-def _float32_value(value: float) -> float:
-    # GGUF stores float32; its shortest decimal form (1e-05, not 9.999999747378752e-06) is what HF configs
-    # hold, and it rounds back to the same float32, so the model computes identically.
-    return float(str(np.float32(value)))

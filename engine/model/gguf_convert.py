@@ -1,13 +1,14 @@
-"""Convert a GGUF file (``gguf_config.GGUF_ARCHITECTURES``: llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE) into a
-Hugging Face model directory (float32 safetensors).
+"""Convert a GGUF file (``gguf_config.GGUF_ARCHITECTURES``: llama, Mixtral, Qwen2, Qwen3, Qwen2-MoE,
+Qwen3-MoE, Phi-3, Gemma 2, Gemma 3) into a Hugging Face model directory (float32 safetensors).
 
-The result is what transformers' ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM``
-``from_pretrained`` reads: config.json (``gguf_config``), model.safetensors (or shards plus an index),
-generation_config.json, tokenizer.json and tokenizer_config.json (with the GGUF's chat template).
+The result is what transformers' ``from_pretrained`` of the family's class reads: config.json
+(``gguf_config``), model.safetensors (or shards plus an index), generation_config.json, tokenizer.json and
+tokenizer_config.json (with the GGUF's chat template).
 
-Two things llama.cpp changed on the way in are undone here:
-- tensor names (``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj``, …), and the experts llama.cpp
-  stacks into one ``[experts, rows, columns]`` tensor per projection, split back into one per expert;
+What llama.cpp changed on the way in is undone here:
+- tensor names and layouts (``gguf_names``: ``blk.N.attn_q`` → ``model.layers.N.self_attn.q_proj``, the
+  stacked experts split back into one tensor per expert, Gemma's norms less the unit offset llama.cpp
+  added);
 - for ``llama`` only, the row order of q_proj/k_proj: llama.cpp's convert_hf_to_gguf.py interleaves each
   head's two rotary halves (``w.reshape(n_head, 2, d//2, ...).swapaxes(1, 2)``) because its RoPE rotates
   adjacent pairs while HF rotates halves. :func:`unpermute_rope_rows` applies the inverse.
@@ -19,7 +20,6 @@ representable in float32, so nothing is lost relative to the GGUF.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from kvpilot.engine.model.gguf_config import PERMUTED_ROPE_ARCHS, generation_config, hf_config, llama_config
+from kvpilot.engine.model.gguf_families import float_value
+from kvpilot.engine.model.gguf_names import ROPE_FACTOR_TENSORS, hf_tensor_name, hf_tensors, required_tensors
 from kvpilot.engine.model.gguf_tokenizer import tokenizer_files_from_gguf
 
 __all__ = ["convert_gguf", "convert_gguf_tokenizer", "hf_tensor_name", "llama_config", "unpermute_rope_rows"]
@@ -39,47 +41,6 @@ __all__ = ["convert_gguf", "convert_gguf_tokenizer", "hf_tensor_name", "llama_co
 CONVERTER_VERSION = 1
 # Shards bound the converter's peak memory to one shard of float32 tensors, not the whole model.
 DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
-
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",  # qwen3
-    "attn_k_norm": "self_attn.k_norm",
-}
-_QK_NORMS = ("attn_q_norm", "attn_k_norm")
-_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
-#: stacked experts' tensors → each expert's projection, by naming (docs/models.md)
-_EXPERT_TENSORS = {
-    "mixtral": {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"},
-    "qwen3_moe": {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"},
-}
-#: where the experts and their router live in each MoE family's HF names
-_MOE_MODULE = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
-
-
-def hf_tensor_name(gguf_name: str) -> str:
-    """The HF parameter name for a llama.cpp tensor name."""
-    layer = _LAYER_NAME.match(gguf_name)
-    if layer and layer.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{layer.group(1)}.{_LAYER_TENSORS[layer.group(2)]}.{layer.group(3)}"
-    other = _GLOBAL_NAME.match(gguf_name)
-    if other and other.group(1) in _GLOBAL_TENSORS:
-        return f"{_GLOBAL_TENSORS[other.group(1)]}.{other.group(2)}"
-    if gguf_name == "rope_freqs.weight":
-        raise ValueError(
-            "GGUF has a rope_freqs tensor (Llama-3.1-style RoPE scaling); converting it is not supported"
-        )
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Llama equivalent; is this a llama-architecture file?")
 
 
 def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -109,7 +70,13 @@ def _write_metadata_files(reader: GGUFReader, gguf_path: Path, out_dir: Path) ->
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ValueError(f"{gguf_path} has no token_embd.weight tensor")
-    config = hf_config(metadata, set(tensors), vocab_rows=int(tensors["token_embd.weight"].shape[-1]))
+    factors = {
+        key: [float_value(f) for f in _float32(tensors[name])]
+        for key, name in ROPE_FACTOR_TENSORS.items()
+        if name in tensors
+    }
+    rows = int(tensors["token_embd.weight"].shape[-1])
+    config = hf_config(metadata, set(tensors), vocab_rows=rows, rope_factors=factors)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", generation_config(metadata))
     tokenizer_files_from_gguf(metadata, model_max_length=config["max_position_embeddings"]).write(out_dir)
@@ -150,7 +117,7 @@ def _write_weights(
         for shard, file_name in zip(shards, names, strict=True):
             arrays: dict[str, np.ndarray] = {}
             for tensor in shard:
-                for hf_name, array in _hf_tensors(tensor, config):
+                for hf_name, array in hf_tensors(tensor.name, _float32_hf_tensor(tensor, config), config):
                     arrays[hf_name] = array
                     weight_map[hf_name] = file_name
                     total_bytes += array.nbytes
@@ -161,26 +128,13 @@ def _write_weights(
         _write_json(out_dir / "model.safetensors.index.json", index)
 
 
-def _hf_tensors(tensor: ReaderTensor, config: Mapping[str, Any]) -> list[tuple[str, np.ndarray]]:
-    """The HF tensors one GGUF tensor holds: itself renamed, or (stacked experts) one per expert."""
-    weight = _float32_hf_tensor(tensor, config)
-    layer = _LAYER_NAME.match(tensor.name)
-    moe = _MOE_MODULE.get(config["model_type"])
-    if moe is None or layer is None:
-        return [(hf_tensor_name(tensor.name), weight)]
-    index, part = layer.group(1), layer.group(2)
-    if part == "ffn_gate_inp":
-        return [(f"model.layers.{index}.{moe}.gate.weight", weight)]
-    expert_name = _EXPERT_TENSORS[config["model_type"]].get(part)
-    if expert_name is None:
-        return [(hf_tensor_name(tensor.name), weight)]
-    prefix = f"model.layers.{index}.{moe}.experts"
-    return [(f"{prefix}.{e}.{expert_name}.weight", np.ascontiguousarray(w)) for e, w in enumerate(weight)]
+def _float32(tensor: ReaderTensor) -> np.ndarray:
+    # dequantize() also widens F16/BF16 and passes F32 through; it returns the HF (row-major) shape.
+    return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
 def _float32_hf_tensor(tensor: ReaderTensor, config: Mapping[str, Any]) -> np.ndarray:
-    # dequantize() also widens F16/BF16 and passes F32 through; it returns the HF (row-major) shape.
-    weight = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    weight = _float32(tensor)
     permuted = config["model_type"] in PERMUTED_ROPE_ARCHS
     if permuted and ".attn_q." in tensor.name:
         weight = unpermute_rope_rows(weight, config["num_attention_heads"])
@@ -204,14 +158,7 @@ def _plan_shards(tensors: list[ReaderTensor], max_shard_bytes: int) -> Iterator[
 
 
 def _check_complete(tensor_names: set[str], config: Mapping[str, Any]) -> None:
-    expected = {"token_embd.weight", "output_norm.weight"}
-    model_type = config["model_type"]
-    for layer in range(config["num_hidden_layers"]):
-        parts = [p for p in _LAYER_TENSORS if p not in _QK_NORMS or model_type in ("qwen3", "qwen3_moe")]
-        if model_type in _EXPERT_TENSORS:  # every layer sparse (the files llama.cpp writes for these)
-            parts = [p for p in parts if p not in _DENSE_MLP] + ["ffn_gate_inp", *_EXPERT_TENSORS[model_type]]
-        expected.update(f"blk.{layer}.{part}.weight" for part in parts)
-    missing = sorted(expected - tensor_names)
+    missing = sorted(required_tensors(config) - tensor_names)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         family = "a Llama" if config["model_type"] == "llama" else f"a {config['model_type']}"

@@ -4,20 +4,23 @@ Two callers: the GGUF converter (vocabulary, merges and token types come from th
 ``tokenizer.ggml.*`` metadata) and the tiny test model (its own small vocabulary). Both produce the same
 shape of tokenizer, so the engine's :class:`kvpilot.engine.tokenizer.Tokenizer` loads either the same way.
 
-Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``) is supported, with the pre-tokenizers whose
-llama.cpp behaviour we can reproduce exactly in HF ``tokenizers``; anything else is refused with a clear
-error rather than converted into a tokenizer that silently splits text differently from the model's own.
+Byte-level BPE (``tokenizer.ggml.model == "gpt2"``) converts with the pre-tokenizers whose llama.cpp
+behaviour we can reproduce exactly in HF ``tokenizers``, and SentencePiece BPE (``llama``: Gemma, Phi-3)
+through ``gguf_spm``; anything else is refused with a clear error rather than converted into a tokenizer
+that silently splits text differently from the model's own.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from kvpilot.engine.model.gguf_spm import spm_tokenizer_from_gguf
 
 # llama.cpp's llama_token_type values (gguf.TokenType); only these two change how text is split.
 TOKEN_TYPE_CONTROL = 3
@@ -38,6 +41,7 @@ _SPLIT_REGEX_PRE = {
     r"\s*[\r\n]+|\s+(?!\S)|\s+",
 }
 SUPPORTED_PRE_TOKENIZERS = tuple(sorted(_DIGIT_SPLITTING_PRE | _GPT2_REGEX_PRE | set(_SPLIT_REGEX_PRE)))
+SUPPORTED_TOKENIZER_MODELS = ("gpt2", "llama")
 
 
 @dataclass(frozen=True)
@@ -141,20 +145,12 @@ def tokenizer_config(
 def tokenizer_files_from_gguf(metadata: Mapping[str, Any], model_max_length: int) -> TokenizerFiles:
     """Rebuild the tokenizer described by a GGUF's ``tokenizer.*`` metadata (already parsed to Python)."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in SUPPORTED_TOKENIZER_MODELS:
         raise ValueError(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') can be converted"
-        )
-    pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in SUPPORTED_PRE_TOKENIZERS:
-        raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+            f"GGUF tokenizer model {kind!r} is not supported; supported: 'gpt2' (byte-level BPE) and "
+            "'llama' (SentencePiece BPE)"
         )
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
-    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    if len(token_types) != len(tokens):
-        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
-    merges = [_split_merge(merge) for merge in metadata.get("tokenizer.ggml.merges", [])]
 
     def token_id(key: str) -> int | None:
         value = metadata.get(f"tokenizer.ggml.{key}")
@@ -164,7 +160,36 @@ def tokenizer_files_from_gguf(metadata: Mapping[str, Any], model_max_length: int
             raise ValueError(f"GGUF tokenizer.ggml.{key}={value} is outside the vocabulary of {len(tokens)}")
         return int(value)
 
-    bos_id, eos_id = token_id("bos_token_id"), token_id("eos_token_id")
+    if kind == "llama":
+        tokenizer, add_bos = spm_tokenizer_from_gguf(metadata, token_id)
+    else:
+        tokenizer, add_bos = _byte_level_from_gguf(metadata, tokens, token_id)
+    config = tokenizer_config(
+        tokens,
+        chat_template=metadata.get("tokenizer.chat_template"),
+        model_max_length=model_max_length,
+        bos_id=token_id("bos_token_id"),
+        eos_id=token_id("eos_token_id"),
+        pad_id=token_id("padding_token_id"),
+        unk_id=token_id("unknown_token_id"),
+        add_bos=add_bos,
+    )
+    return TokenizerFiles(tokenizer_json=tokenizer.to_str(pretty=True), tokenizer_config=config)
+
+
+def _byte_level_from_gguf(
+    metadata: Mapping[str, Any], tokens: list[str], token_id: Callable[[str], int | None]
+) -> tuple[Tokenizer, bool]:
+    pre = metadata.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in SUPPORTED_PRE_TOKENIZERS:
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE_TOKENIZERS)}"
+        )
+    token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
+    merges = [_split_merge(merge) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    bos_id = token_id("bos_token_id")
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
     tokenizer = build_byte_level_bpe(
         tokens,
@@ -176,17 +201,7 @@ def tokenizer_files_from_gguf(metadata: Mapping[str, Any], model_max_length: int
         add_bos=add_bos,
         split_regex=_SPLIT_REGEX_PRE.get(pre),
     )
-    config = tokenizer_config(
-        tokens,
-        chat_template=metadata.get("tokenizer.chat_template"),
-        model_max_length=model_max_length,
-        bos_id=bos_id,
-        eos_id=eos_id,
-        pad_id=token_id("padding_token_id"),
-        unk_id=token_id("unknown_token_id"),
-        add_bos=add_bos,
-    )
-    return TokenizerFiles(tokenizer_json=tokenizer.to_str(pretty=True), tokenizer_config=config)
+    return tokenizer, add_bos
 
 
 def _split_merge(merge: str) -> tuple[str, str]:

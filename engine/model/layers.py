@@ -23,6 +23,7 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rope import RotaryEmbedding
@@ -79,7 +80,7 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         rope: RopeTables,
         backend: AttentionBackend,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         q, k, v = self._heads(self.qkv_proj(hidden))
@@ -94,7 +95,7 @@ class Attention(nn.Module):
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
         native: NativeOps,
     ) -> torch.Tensor:
@@ -125,10 +126,10 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         backend: AttentionBackend,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        out = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.params)
+        out = backend.forward(q, k, v, kv_cache.key, kv_cache.value, meta, self.params, kv_cache.quant)
         return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 
@@ -181,7 +182,7 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerKV,
         meta: AttentionMetadata,
         native: NativeOps,
         next_norm: RMSNorm,

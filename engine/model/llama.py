@@ -21,6 +21,7 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.layers import MLP, Attention, DecoderLayer, RMSNorm
 from kvpilot.engine.model.rope import RotaryEmbedding
@@ -77,7 +78,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         self.backend.prepare(meta)
@@ -97,7 +98,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
         native: NativeOps,
     ) -> torch.Tensor:

@@ -5,7 +5,8 @@ The router is a plain ``[E, H]`` weight, not an ``nn.Linear``: int8 quantization
 replace ``nn.Linear`` layers, and a rounded router would choose other experts than the checkpoint's
 (vLLM keeps the gate unquantized too). The experts are stacked ``w13`` ``[E, 2I, H]`` / ``w2`` ``[E, H, I]``
 and run by ``kernel``: ``sorted`` (``moe_experts.sorted_moe``, the CPU path, also correct on a GPU) or
-``triton`` (``fused_moe_triton``, chosen by the loader when the attention backend is Triton).
+``triton`` (``fused_moe_triton``, chosen by the loader when the attention backend is Triton); or, kept in
+their GGUF blocks (``quantization=gguf``), by ``moe_quant.QuantExperts``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from kvpilot.engine.model.moe_arch import MoEArch
 from kvpilot.engine.model.moe_experts import select_experts, sorted_moe
+from kvpilot.engine.model.moe_quant import QuantExperts
 from kvpilot.engine.native.ops import NativeOps
 
 MOE_KERNELS = ("sorted", "triton")
@@ -55,10 +57,23 @@ class SparseMoeBlock(nn.Module):
         self.kernel = "sorted"
         #: fused C kernels for the SiLU-and-multiply of the sorted path (float32 on CPU); None = PyTorch
         self.native: NativeOps | None = None
+        #: the routed experts on their GGUF blocks (``keep_quantized_experts``), replacing w13/w2
+        self.quant_experts: QuantExperts | None = None
+
+    def keep_quantized_experts(self, experts: QuantExperts) -> None:
+        """Serve the routed experts from ``experts`` (``quantization=gguf``): w13/w2 are dropped, and the
+        checkpoint's expert tensors are checked present but not read."""
+        if (experts.num_experts, experts.inter) != (self.moe.num_experts, self.moe.intermediate_size):
+            raise ValueError(f"{experts.num_experts} quantized experts of {experts.inter} for {self.moe}")
+        self.quant_experts = experts
+        self.w13 = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(F.linear(x, self.gate_weight), self.moe.top_k, self.moe.renormalize)
-        if self.kernel == "triton":
+        if self.quant_experts is not None:
+            out = self.quant_experts(x, weights, ids, self.native)
+        elif self.kernel == "triton":
             # imported here: TRITON_INTERPRET must be decided before the kernel module loads
             from kvpilot.engine.model.fused_moe_triton import fused_moe
 
@@ -80,16 +95,25 @@ class SparseMoeBlock(nn.Module):
         _put(self.gate_weight, take(p + "gate.weight"), p + "gate.weight")
         for e in range(self.moe.num_experts):
             q = f"{p}experts.{e}."
+            if self.quant_experts is not None:  # held as blocks: present, never read
+                for name in (gate, up, down):
+                    take(f"{q}{name}.weight")
+                continue
             fused = torch.cat([take(f"{q}{gate}.weight"), take(f"{q}{up}.weight")])
             _put(self.w13[e], fused, f"{q}{gate}+{up}.weight")
             _put(self.w2[e], take(f"{q}{down}.weight"), f"{q}{down}.weight")
         if self.shared_expert is not None:
             s = p + "shared_expert."
             fused = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
-            _put(self.shared_expert.gate_up_proj.weight, fused, s + "gate_up_proj.weight")
-            _put(self.shared_expert.down_proj.weight, take(s + "down_proj.weight"), s + "down_proj.weight")
+            _put_linear(self.shared_expert.gate_up_proj, fused, s + "gate_up_proj.weight")
+            _put_linear(self.shared_expert.down_proj, take(s + "down_proj.weight"), s + "down_proj.weight")
             gate_name = p + "shared_expert_gate.weight"
             _put(self.shared_expert.shared_expert_gate.weight, take(gate_name), gate_name)
+
+
+def _put_linear(layer: nn.Module, value: torch.Tensor, name: str) -> None:
+    if isinstance(layer, nn.Linear):  # else a quantized layer already holding the GGUF's blocks
+        _put(layer.weight, value, name)
 
 
 def _put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:

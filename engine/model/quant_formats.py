@@ -5,7 +5,8 @@ Formats (``kvpilot.engine.native.quant_ops.FORMATS``): GGUF's ``Q4_0``, ``Q4_1``
 stores them, rows of 32-weight blocks with an fp16 scale ``d`` first (and for ``Q4_1`` an fp16 minimum
 ``m``): weight ``j`` of a block is ``d * (q_j - 8)``, ``d * q_j + m`` and ``d * q_j`` (a signed byte); a Q4
 block holds weight ``j < 16`` in the low nibble of byte ``j`` and weight ``j + 16`` in its high nibble.
-``int8`` is symmetric per output row: ``w = scale[row] * q`` with ``q`` in [-127, 127].
+``int8`` is symmetric per output row: ``w = scale[row] * q`` with ``q`` in [-127, 127]. llama.cpp's
+K-quants ``Q4_K`` and ``Q6_K`` are rows of 256-weight super-blocks (layout: ``engine/native/quant_blocks.h``).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
 
-from kvpilot.engine.native.quant_ops import BLOCK, FORMATS, QuantFormat
+from kvpilot.engine.native.quant_ops import BLOCK, FORMATS, K_FORMATS, QuantFormat
 
 
 @dataclass
@@ -60,8 +63,13 @@ def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torc
     """``(q, d, offset)`` with ``w[n, 32 b + j] = d[n, b] * q[n, b, j] + offset[n, b]``: ``q`` float32
     ``[N, blocks, 32]`` (Q4_0's already minus 8), ``d`` and ``offset`` ``[N, blocks]`` (offset: Q4_1's
     minimum, else 0). An int8 row whose length is not a multiple
-    of 32 is zero-padded to whole blocks."""
+    of 32 is zero-padded to whole blocks. K-quants have no such form (Q6_K scales every 16 weights):
+    ``dequantize`` reads them."""
     fmt, data, n = weight.format, weight.data, weight.out_features
+    if fmt.name in K_FORMATS:
+        raise ValueError(
+            f"{fmt.name} super-blocks do not unpack to one scale per 32 weights; dequantize them"
+        )
     if fmt.row_scales:
         blocks = -(-weight.in_features // BLOCK)
         q = torch.zeros(n, blocks * BLOCK, device=data.device)
@@ -84,7 +92,11 @@ def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The ``[out_features, in_features]`` weight in ``dtype``."""
+    """The ``[out_features, in_features]`` weight in ``dtype`` (K-quants through gguf's own numpy
+    dequantization, the reference the C kernels are held to)."""
+    if weight.format.name in K_FORMATS:
+        values = gguf_dequantize(weight.data.cpu().numpy(), GGMLQuantizationType[weight.format.name])
+        return torch.from_numpy(values).to(weight.data.device, dtype)
     q, d, offset = unpack_blocks(weight)
     w = q * d[..., None] + offset[..., None] if weight.format.name == "Q4_1" else q * d[..., None]
     return w.reshape(weight.out_features, -1)[:, : weight.in_features].to(dtype)

@@ -99,6 +99,10 @@ def quant_linear(
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; the kernels run {sorted(FORMATS)}")
     form = FORMATS[fmt]
+    if form.block_weights != 32:
+        raise ValueError(
+            f"the Triton GEMM runs 32-weight blocks; {fmt} super-blocks run on the CPU kernels only"
+        )
     rows, in_features = x.shape
     out_features = data.shape[0]
     if x.stride(1) != 1 or data.dtype != torch.uint8 or not data.is_contiguous():

@@ -2,8 +2,9 @@
 (docs/architecture.md#quantized-weights).
 
 - ``none``: float weights in ``dtype`` (a GGUF is dequantized, as its conversion wrote it);
-- ``gguf``: the projections and the embedding keep the GGUF's own blocks (Q4_0, Q4_1, Q8_0); a tensor in
-  another format keeps float weights, and the log names it;
+- ``gguf``: the projections, the embedding and MoE layers' routed experts (``moe_quant``) keep the GGUF's
+  own blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K); a tensor in another format keeps float weights, and the log
+  names it;
 - ``int8``: every projection, the LM head and the embedding quantized at load, per output row, from the
   float checkpoint (any model);
 - ``fp8`` (CUDA): the decoder's projections as e4m3 with scales (``fp8_linear``): an fp8 checkpoint's own
@@ -25,6 +26,7 @@ from torch import nn
 
 from kvpilot.engine.model.fp8_checkpoint import read_checkpoint_quantization
 from kvpilot.engine.model.gguf_weights import GGUFWeights
+from kvpilot.engine.model.moe_quant import QuantExperts
 from kvpilot.engine.model.quant_formats import quantize_int8
 from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear
 from kvpilot.engine.native.ops import NativeOps
@@ -117,6 +119,8 @@ def install_gguf_weights(model: nn.Module, weights: GGUFWeights, native: NativeO
             setattr(parent, name, QuantEmbedding(weight))
         else:
             setattr(parent, name, QuantLinear(weight, old.bias is not None, native))
+    for path, (gate_up, down) in weights.experts.items():
+        model.get_submodule(path).keep_quantized_experts(QuantExperts(gate_up, down, native))
     if weights.dequantized:
         shown = ", ".join(f"{p} ({t})" for p, t in list(weights.dequantized.items())[:6])
         more = len(weights.dequantized) - 6

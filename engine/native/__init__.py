@@ -1,10 +1,14 @@
-"""kvpilot.engine.native — fused float32 CPU kernels in C, for the CPU decode/prefill hot loop.
+"""kvpilot.engine.native — fused float32 CPU kernels in C, for the CPU decode/prefill hot loop (the KV
+cache may hold fp8/int8 codes instead, docs/architecture.md#kv-cache-dtype).
 
 Package map:
 - ``vec.h``              shared inline helpers: a vectorizable exp (AVX2), dot products, lane reductions,
                          the 6 x 16 register tile of the GEMM-shaped kernels
-- ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, the K/V scatter into the
-                         paged (HND) cache, SiLU-and-multiply
+- ``elementwise.c``      RMSNorm with the residual add fused in, RoPE in place, SiLU-and-multiply
+- ``kv_codes.h``         the KV cache's element formats (``kv_cache_dtype``): fp8 e4m3 codes (a 256-entry
+                         table to read, bit operations to write) and int8 codes, with per-tensor or
+                         per-row scales
+- ``kv_write.c``         the K/V scatter into the paged (HND) cache, as values or codes (+ row scales)
 - ``decode_attention.c`` paged decode attention reading K/V blocks in place with an online softmax
 - ``prefill_attention.c`` causal attention of prefill/extend tokens over the paged cache: tiles of 24 query
                          rows, register-blocked score and value products, an online softmax (flash style)
@@ -12,14 +16,20 @@ Package map:
                          16-column panels (a 6 x 16 register tile)
 - ``quant_blocks.h``     the quantized formats' blocks: scales, scalar and in-register dequantization
                          (AVX2, or AVX-512 where the compiler targets it)
-- ``quant_gemm.c``       the GEMM on quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks, int8 rows): dot
-                         products for up to 4 rows, dequantized L1 slabs beyond; dequantization to float32
+- ``quant_gemm.c``       the GEMM on quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 blocks, Q4_K / Q6_K
+                         super-blocks, int8 rows): dot products for up to 4 rows, dequantized L1 slabs
+                         beyond; dequantization to float32
 - ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
                          validating wrappers of ``quant_gemm.c``
+- ``sampling.c``         the sampler's temperature, min-p, top-k, top-p and inverse-CDF draw, one row at a
+                         time (a heap of the first k tokens, not a sort of the vocabulary)
+- ``sampling_ops``       ``SamplingKernels`` (``NativeOps.sampling``): the validating wrapper of
+                         ``sampling.c``
 - ``build``              compiles the sources once per host (``-O3 -march=native``, plus any extra flags:
                          tests build the portable fallbacks with ``-mno-avx2``) into one library in the
                          cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
 - ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C
+- ``kv_args``            the checks and C arguments of a float32, fp8 or int8 KV cache and its scales
 - ``reference``          the PyTorch reference each kernel is tested against
 
 Conventions of the C side: row-major float32 (quantized weights: their stored bytes, ``quant_ops``);

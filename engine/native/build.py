@@ -44,7 +44,9 @@ LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 # Flags one source adds after the common ones. quant_gemm.c's fully inlined format x tile specialisations
 # take gcc 45 s at -O3 and 10 s at -O2, for kernels 3-9 % slower at decode sizes
 # (bench/results/native_build.md): the start-up time of every fresh pod is worth more.
-SOURCE_FLAGS = {"quant_gemm.c": ("-O2",)}
+# sampling.c divides logits by the temperature exactly as the PyTorch reference does: -ffast-math's
+# reciprocal math would multiply by 1/T and round differently.
+SOURCE_FLAGS = {"quant_gemm.c": ("-O2",), "sampling.c": ("-fno-reciprocal-math",)}
 _TIMEOUT_S = 180
 
 log = logging.getLogger(__name__)

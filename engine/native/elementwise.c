@@ -1,5 +1,5 @@
-/* Per-token fused ops: RMSNorm with the residual add, rotate-half RoPE in place, the K/V scatter into the
- * paged (HND) cache, SiLU-and-multiply. Each replaces a chain of small PyTorch ops on the decode path. */
+/* Per-token fused ops: RMSNorm with the residual add, rotate-half RoPE in place, SiLU-and-multiply (the K/V
+ * scatter is kv_write.c). Each replaces a chain of small PyTorch ops on the decode path. */
 #include "vec.h"
 
 /* out = weight * x * rsqrt(mean(x^2) + eps), after residual += delta when delta is not NULL.
@@ -39,26 +39,6 @@ void kvp_rope_inplace(float *x, int64_t xs, int64_t T, int64_t num_heads, int64_
                 float a = x1[i], b = x2[i];
                 x1[i] = a * c[i] - b * s[i];
                 x2[i] = b * c[half + i] + a * s[half + i];
-            }
-        }
-    }
-}
-
-/* Scatter token t's K/V heads ([Hkv, D] rows at k + t*ks, v + t*vs) into cache slot slots[t] (HND);
- * a negative slot means "padding, do not write". */
-void kvp_write_kv(const float *k, int64_t ks, const float *v, int64_t vs, float *key_cache, float *value_cache,
-                  const int64_t *slots, int64_t T, int64_t Hkv, int64_t D, int64_t block_size, int nthreads) {
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (T > 16)
-    for (int64_t t = 0; t < T; t++) {
-        int64_t slot = slots[t];
-        if (slot < 0) continue;
-        int64_t block = slot / block_size, off = slot % block_size;
-        for (int64_t h = 0; h < Hkv; h++) {
-            int64_t dst = ((block * Hkv + h) * block_size + off) * D;
-            const float *ksrc = k + t * ks + h * D, *vsrc = v + t * vs + h * D;
-            for (int64_t i = 0; i < D; i++) {
-                key_cache[dst + i] = ksrc[i];
-                value_cache[dst + i] = vsrc[i];
             }
         }
     }

@@ -15,22 +15,27 @@ from pathlib import Path
 
 import torch
 
+from kvpilot.engine.kv.kv_quant import KVQuant
 from kvpilot.engine.native.build import load_library
+from kvpilot.engine.native.kv_args import kv_cache_args
 from kvpilot.engine.native.quant_ops import QuantKernels, check_float_rows
+from kvpilot.engine.native.sampling_ops import SamplingKernels
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 _F = ctypes.c_float
 _T = ctypes.c_int
+#: the KV cache's kind, row scales and per-tensor scales (``kv_args.kv_cache_args``)
+_KV = (_T, _P, _P, _F, _F)
 _SIGNATURES = {
     "kvp_add_rms_norm": (_P, _I, _P, _I, _P, _P, _I, _I, _F, _T),
     "kvp_rope_inplace": (_P, _I, _I, _I, _I, _I, _P, _P, _P, _T),
-    "kvp_write_kv": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _T),
+    "kvp_write_kv": (_P, _I, _P, _I, _P, _P, _P, _I, _I, _I, _I, _T, _P, _P, _F, _F, _T),
     "kvp_silu_mul": (_P, _P, _I, _I, _T),
     "kvp_gelu_tanh_mul": (_P, _P, _I, _I, _T),
-    "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, _T),
+    "kvp_paged_decode": (_P, _P, _I, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _F, _I, _F, *_KV, _T),
     "kvp_linear": (_P, _I, _P, _P, _P, _I, _I, _I, _T),
-    "kvp_paged_prefill": (_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, _T),
+    "kvp_paged_prefill": (_P, _P, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _I, _F, _I, _F, *_KV, _T),
 }
 #: output columns per panel of ``linear``'s packed weight layout (small_gemm.c's PANEL)
 LINEAR_PANEL = 16
@@ -76,8 +81,6 @@ def _paged_attention_layout(
             f"{num_heads} query heads over {kv_heads} KV heads of size {head_dim} "
             f"(group <= {MAX_GROUP}, head_dim {multiple}<= {MAX_HEAD_DIM})"
         )
-    _contiguous(key_cache, "key_cache", torch.float32)
-    _contiguous(value_cache, "value_cache", torch.float32)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.stride(1) != 1:
         raise ValueError("block_tables must be int32 [sequences, max_blocks] with contiguous rows")
     return qs, num_heads, head_dim
@@ -101,13 +104,17 @@ class NativeOps:
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = None
         lib.kvp_has_avx2.restype = ctypes.c_int
-        lib.kvp_paged_prefill.restype = ctypes.c_int  # 0, or -1 when its scratch memory was not allocated
+        # 0, or -1 when their scratch memory was not allocated
+        lib.kvp_paged_prefill.restype = ctypes.c_int
+        lib.kvp_paged_decode.restype = ctypes.c_int
         #: whether ``linear`` has its vector kernel (else a scalar loop: callers should keep their GEMM)
         self.has_fast_linear = bool(lib.kvp_has_avx2())
         #: whether ``paged_prefill`` has its kernel (AVX2; else callers keep their own prefill attention)
         self.has_prefill_attention = self.has_fast_linear
         #: the quantized-weight GEMM (``quant_ops``)
         self.quant = QuantKernels(lib)
+        #: the sampler's temperature, truncation and draw for sampled rows (``sampling_ops``)
+        self.sampling = SamplingKernels(lib)
 
     @staticmethod
     def _threads() -> int:
@@ -185,12 +192,13 @@ class NativeOps:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slots: torch.Tensor,
+        quant: KVQuant | None = None,
     ) -> None:
-        """Scatter ``key``/``value`` ``[T, Hkv * D]`` rows into HND caches at ``slots`` (< 0: skip)."""
+        """Scatter ``key``/``value`` ``[T, Hkv * D]`` rows into HND caches at ``slots`` (< 0: skip), as
+        ``quant``'s codes (and int8's row scales) when given."""
         num_blocks, kv_heads, block_size, head_dim = key_cache.shape
         ks, vs = _rows(key, "key", kv_heads * head_dim), _rows(value, "value", kv_heads * head_dim)
-        _contiguous(key_cache, "key_cache", torch.float32)
-        _contiguous(value_cache, "value_cache", torch.float32)
+        kv = kv_cache_args(key_cache, value_cache, quant)
         _contiguous(slots, "slots", torch.int64)
         if (
             value_cache.shape != key_cache.shape
@@ -214,6 +222,7 @@ class NativeOps:
             kv_heads,
             head_dim,
             block_size,
+            *kv,
             self._threads(),
         )
 
@@ -290,12 +299,14 @@ class NativeOps:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        quant: KVQuant | None = None,
     ) -> torch.Tensor:
         """Attention of each sequence's one new query (``query`` ``[B, Hq * D]`` rows) over its paged
         context, reading K/V blocks in place; returns ``[B, Hq, D]``. ``softcap`` soft-caps the scaled
-        scores (``cap * tanh(s / cap)``)."""
+        scores (``cap * tanh(s / cap)``); ``quant`` says how a quantized cache's codes read."""
         batch = query.shape[0]
         qs, num_heads, head_dim = _paged_attention_layout(query, key_cache, value_cache, block_tables, 1)
+        kv = kv_cache_args(key_cache, value_cache, quant)
         _, kv_heads, block_size, _ = key_cache.shape
         _contiguous(seq_lens, "seq_lens", torch.int32)
         if block_tables.shape[0] < batch or seq_lens.numel() < batch:
@@ -305,7 +316,7 @@ class NativeOps:
         if batch:
             _check_block_tables(block_tables[:batch], int(seq_lens[:batch].max()), key_cache)
         out = torch.empty(batch, num_heads, head_dim)
-        self._lib.kvp_paged_decode(
+        status = self._lib.kvp_paged_decode(
             out.data_ptr(),
             query.data_ptr(),
             qs,
@@ -322,8 +333,11 @@ class NativeOps:
             scale,
             sliding_window or 0,
             softcap or 0.0,
+            *kv,
             self._threads(),
         )
+        if status:
+            raise MemoryError("paged_decode could not allocate its row buffers")
         return out
 
     def paged_prefill(
@@ -337,17 +351,19 @@ class NativeOps:
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        quant: KVQuant | None = None,
     ) -> torch.Tensor:
         """Causal attention of prefill/extend tokens over their paged context (their own K/V already
         written): sequence ``s`` owns query rows ``[query_start_loc[s], query_start_loc[s + 1])`` (``query``
         ``[rows, Hq * D]``), the last of its ``seq_lens[s]`` positions, and block table row ``s``. Returns
-        ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``; ``softcap`` as in ``paged_decode``. Needs
-        ``has_prefill_attention``."""
+        ``[query_start_loc[-1] - query_start_loc[0], Hq, D]``; ``softcap`` and ``quant`` as in
+        ``paged_decode``. Needs ``has_prefill_attention``."""
         if not self.has_prefill_attention:
             raise ValueError("paged_prefill needs AVX2; keep the PyTorch attention on this CPU")
         qs, num_heads, head_dim = _paged_attention_layout(
             query, key_cache, value_cache, block_tables, PREFILL_HEAD_DIM_MULTIPLE
         )
+        kv = kv_cache_args(key_cache, value_cache, quant)
         _, kv_heads, block_size, _ = key_cache.shape
         _contiguous(query_start_loc, "query_start_loc", torch.int32)
         _contiguous(seq_lens, "seq_lens", torch.int32)
@@ -386,6 +402,7 @@ class NativeOps:
                 scale,
                 sliding_window or 0,
                 softcap or 0.0,
+                *kv,
                 self._threads(),
             )
             if status:

@@ -1,6 +1,8 @@
 /* Causal attention of a step's prefill/extend tokens over the paged HND cache
- * ([num_blocks, num_kv_heads, block_size, head_dim]); the tokens' own K/V are already written to it. */
+ * ([num_blocks, num_kv_heads, block_size, head_dim]); the tokens' own K/V are already written to it. A
+ * quantized cache (kv_codes.h) is dequantized one 16-key chunk at a time into the task's scratch. */
 #include <stdlib.h>
+#include "kv_codes.h"
 #include "vec.h"
 
 #define KEYS 16       /* keys per chunk: one 16-column tile of scores */
@@ -110,13 +112,14 @@ static inline void softmax_chunk(float *s, float *m, float *l, float *corr) {
 /* Buffers of one thread's tasks. */
 struct prefill_scratch {
     float q[MAX_ROWS * MAX_DIM], o[MAX_ROWS * MAX_DIM], kt[MAX_DIM * KEYS], s[MAX_ROWS * KEYS];
+    float k[KEYS * MAX_DIM], v[KEYS * MAX_DIM]; /* a quantized chunk's rows as floats */
     float m[MAX_ROWS], l[MAX_ROWS], corr[MAX_ROWS];
 };
 
 /* Rows of one task: tokens [i0, i0 + nq) of a sequence (positions pos0 + i), each with the G query heads
  * of KV head kh; row r = token r / G, head r % G. */
 static void prefill_task(struct prefill_scratch *w, float *out, const float *q, int64_t qs, int64_t q_row0,
-                         int64_t out_row0, const float *key_cache, const float *value_cache, const int32_t *table,
+                         int64_t out_row0, const struct kv_view *K, const struct kv_view *V, const int32_t *table,
                          int64_t pos0, int64_t nq, int64_t kh, int64_t G, int64_t Hq, int64_t Hkv, int64_t D,
                          int64_t block_size, float scale, int64_t window, float softcap) {
     int64_t R = nq * G, p_last = pos0 + nq - 1;
@@ -131,11 +134,11 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
     for (int64_t first = kfirst - kfirst % block_size; first < kend; first += block_size) {
         int64_t block = table[first / block_size];
         int64_t j0 = first < kfirst ? kfirst - first : 0, j1 = kend - first < block_size ? kend - first : block_size;
-        const float *kb = key_cache + (block * Hkv + kh) * block_size * D;
-        const float *vb = value_cache + (block * Hkv + kh) * block_size * D;
+        int64_t row0 = (block * Hkv + kh) * block_size;
         for (int64_t c0 = j0; c0 < j1; c0 += KEYS) {
             int64_t n = j1 - c0 < KEYS ? j1 - c0 : KEYS, k0 = first + c0; /* positions k0 .. k0 + n - 1 */
-            transpose_keys(kb + c0 * D, n, D, w->kt);
+            const float *kc = kv_rows(K, row0 + c0, n, D, w->k), *vc = kv_rows(V, row0 + c0, n, D, w->v);
+            transpose_keys(kc, n, D, w->kt);
             rows16(R, w->q, D, w->kt, KEYS, D, w->s, KEYS, 0);
             /* Gemma 2: cap * tanh(s / cap) on the scaled scores, before the mask */
             if (softcap > 0.0f) softcap_rows(w->s, R * KEYS, softcap);
@@ -151,7 +154,7 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
                 softmax_chunk(s, w->m + r, w->l + r, w->corr + r);
             }
             /* o[r][c:c+16] = corr_r * o[r][c:c+16] + sum_j s[r][j] v[j][c:c+16] */
-            for (int64_t c = 0; c < D; c += 16) rows16(R, w->s, KEYS, vb + c0 * D + c, D, n, w->o + c, D, w->corr);
+            for (int64_t c = 0; c < D; c += 16) rows16(R, w->s, KEYS, vc + c, D, n, w->o + c, D, w->corr);
         }
     }
     for (int64_t r = 0; r < R; r++) {
@@ -166,14 +169,17 @@ static void prefill_task(struct prefill_scratch *w, float *out, const float *q, 
  * query_start[s + 1]) of q (row stride qs; heads [Hq, D]), at positions seq_lens[s] - its token count + i,
  * and block table row s (stride bts). Token at position p attends keys [p + 1 - window, p] (from 0 without
  * a window); softcap > 0 soft-caps the scaled scores. out [query_start[S] - query_start[0], Hq, D]
- * contiguous. D must be a multiple of 16 and at most 256, Hq / Hkv at most 64. Returns 0, or -1 when scratch memory could not be allocated (out is then
- * incomplete). Needs AVX2 (kvp_has_avx2): without it this returns -2 at once and callers keep their own
- * attention. */
-int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_cache, const float *value_cache,
-                       const int32_t *block_tables, int64_t bts, const int32_t *query_start, const int32_t *seq_lens,
-                       int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
-                       float softcap, int nthreads) {
+ * contiguous. D must be a multiple of 16 and at most 256, Hq / Hkv at most 64. kind, k_rows/v_rows and
+ * k_scale/v_scale say how the caches hold K/V (struct kv_view). Returns 0, or -1 when scratch memory could
+ * not be allocated (out is then incomplete). Needs AVX2 (kvp_has_avx2): without it this returns -2 at once
+ * and callers keep their own attention. */
+int kvp_paged_prefill(float *out, const float *q, int64_t qs, const void *key_cache, const void *value_cache,
+                      const int32_t *block_tables, int64_t bts, const int32_t *query_start, const int32_t *seq_lens,
+                      int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t block_size, float scale, int64_t window,
+                      float softcap, int kind, const float *k_rows, const float *v_rows, float k_scale,
+                      float v_scale, int nthreads) {
 #ifdef HAVE_AVX2
+    struct kv_view K = {key_cache, kind, k_rows, k_scale}, V = {value_cache, kind, v_rows, v_scale};
     int64_t G = Hq / Hkv, per_task = G >= TILE_ROWS ? 1 : TILE_ROWS / G;
     int64_t *tile_seq = malloc(sizeof(int64_t) * 2 * (size_t)(query_start[S] - query_start[0] + 1));
     if (!tile_seq) return -1;
@@ -198,8 +204,8 @@ int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_c
             int64_t t = tiles - 1 - task / Hkv, kh = task % Hkv, s = tile_seq[t], i0 = tile_first[t];
             int64_t q_len = query_start[s + 1] - query_start[s];
             int64_t nq = q_len - i0 < per_task ? q_len - i0 : per_task;
-            prefill_task(w, out, q, qs, query_start[s] + i0, query_start[s] + i0 - query_start[0], key_cache,
-                         value_cache, block_tables + s * bts, seq_lens[s] - q_len + i0, nq, kh, G, Hq, Hkv, D,
+            prefill_task(w, out, q, qs, query_start[s] + i0, query_start[s] + i0 - query_start[0], &K, &V,
+                         block_tables + s * bts, seq_lens[s] - q_len + i0, nq, kh, G, Hq, Hkv, D,
                          block_size, scale, window, softcap);
         }
         free(w);
@@ -209,7 +215,8 @@ int kvp_paged_prefill(float *out, const float *q, int64_t qs, const float *key_c
 #else
     (void)out, (void)q, (void)qs, (void)key_cache, (void)value_cache, (void)block_tables, (void)bts;
     (void)query_start, (void)seq_lens, (void)S, (void)Hq, (void)Hkv, (void)D, (void)block_size, (void)scale;
-    (void)window, (void)softcap, (void)nthreads;
+    (void)window, (void)softcap, (void)kind, (void)k_rows, (void)v_rows, (void)k_scale, (void)v_scale;
+    (void)nthreads;
     return -2;
 #endif
 }

@@ -1,5 +1,6 @@
 /* y[M, N] = x[M, K] @ W^T (+ bias) with W kept quantized: GGUF blocks as llama.cpp stores them (Q4_0, Q4_1,
- * Q8_0: rows of 32-weight blocks, an fp16 scale in front of each) or int8 rows with one float scale per
+ * Q8_0: rows of 32-weight blocks, an fp16 scale in front of each; Q4_K, Q6_K: rows of 256-weight super-blocks,
+ * each 32-weight sub-block with its own scales, quant_blocks.h) or int8 rows with one float scale per
  * output row. The weights are dequantized in registers, never written out as a float matrix.
  *
  * Two schedules (docs/architecture.md#quantized-weights):
@@ -41,7 +42,7 @@ static inline __attribute__((always_inline)) void dot_rows(const int fmt, const 
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             vecf w[BV];
-            dequant_block(fmt, row + (blk + h) * BLOCK_BYTES[fmt], row_scale, w);
+            dequant_block_at(fmt, row, blk + h, row_scale, w);
             const float *xb = x + (blk + h) * QK;
 #pragma GCC unroll 4
             for (int i = 0; i < mr; i++)
@@ -54,7 +55,7 @@ static inline __attribute__((always_inline)) void dot_rows(const int fmt, const 
     }
     if (blk < blocks) {
         vecf w[BV];
-        dequant_block(fmt, row + blk * BLOCK_BYTES[fmt], row_scale, w);
+        dequant_block_at(fmt, row, blk, row_scale, w);
         const float *xb = x + blk * QK;
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++)
@@ -63,7 +64,7 @@ static inline __attribute__((always_inline)) void dot_rows(const int fmt, const 
     }
     float tail[QK];
     int64_t rest = K - blocks * QK;
-    if (rest) dequant_block_scalar(fmt, row + blocks * BLOCK_BYTES[fmt], row_scale, rest, tail);
+    if (rest) dequant_at_scalar(fmt, row, blocks, row_scale, rest, tail);
 #pragma GCC unroll 4
     for (int i = 0; i < mr; i++) {
         vecf sum = acc[i][0];
@@ -80,7 +81,7 @@ static inline __attribute__((always_inline)) void dot_output(const int fmt, cons
                                                             const uint8_t *w, const float *scales,
                                                             const float *bias, float *y, int64_t M, int64_t N,
                                                             int64_t K, int64_t n) {
-    int64_t row_bytes = fmt == FMT_INT8 ? K : K / QK * BLOCK_BYTES[fmt];
+    int64_t row_bytes = row_bytes_of(fmt, K);
     const uint8_t *row = w + n * row_bytes;
     float s = scales ? scales[n] : 0.0f, out[DOT_TILE], b = bias ? bias[n] : 0.0f;
     for (int64_t m = 0; m < M; m += DOT_TILE) {
@@ -103,6 +104,8 @@ static inline __attribute__((always_inline)) void dot_output(const int fmt, cons
         case FMT_Q4_0: CALL(FMT_Q4_0); break;       \
         case FMT_Q4_1: CALL(FMT_Q4_1); break;       \
         case FMT_Q8_0: CALL(FMT_Q8_0); break;       \
+        case FMT_Q4_K: CALL(FMT_Q4_K); break;       \
+        case FMT_Q6_K: CALL(FMT_Q6_K); break;       \
         default: CALL(FMT_INT8); break;             \
     }
 
@@ -121,15 +124,15 @@ static inline __attribute__((always_inline)) void dequant_slab(const int fmt, co
                                                               int64_t n0, int64_t rows, int64_t k0,
                                                               int64_t kc, float *buf) {
     for (int64_t r = 0; r < rows; r++) {
-        const uint8_t *src = w + (n0 + r) * row_bytes + k0 / QK * BLOCK_BYTES[fmt];
+        const uint8_t *row = w + (n0 + r) * row_bytes;
         float s = scales ? scales[n0 + r] : 0.0f, *dst = buf + r * (KC + QK);
-        int64_t kb = 0;
-        for (; kb + QK <= kc; kb += QK, src += BLOCK_BYTES[fmt]) {
+        int64_t kb = 0, b0 = k0 / QK;
+        for (; kb + QK <= kc; kb += QK) {
             vecf v[BV];
-            dequant_block(fmt, src, s, v);
+            dequant_block_at(fmt, row, b0 + kb / QK, s, v);
             for (int c = 0; c < BV; c++) v_store(dst + kb + VL * c, v[c]);
         }
-        if (kb < kc) dequant_block_scalar(fmt, src, s, kc - kb, dst + kb);
+        if (kb < kc) dequant_at_scalar(fmt, row, b0 + kb / QK, s, kc - kb, dst + kb);
     }
 }
 
@@ -190,7 +193,7 @@ static inline __attribute__((always_inline)) void slab_rows(const int fmt, const
                                                            const uint8_t *w, const float *scales,
                                                            const float *bias, float *y, int64_t M, int64_t N,
                                                            int64_t K, int64_t p) {
-    int64_t row_bytes = fmt == FMT_INT8 ? K : K / QK * BLOCK_BYTES[fmt];
+    int64_t row_bytes = row_bytes_of(fmt, K);
     float buf[SLAB * (KC + QK)];
     int64_t n0 = p * SLAB, rows = N - n0 < SLAB ? N - n0 : SLAB;
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
@@ -231,15 +234,14 @@ static void slab_schedule(int fmt, const float *x, int64_t xs, const uint8_t *w,
 /* The scalar version: per output, block by block, the same products (any CPU). */
 static void scalar_schedule(int fmt, const float *x, int64_t xs, const uint8_t *w, const float *scales,
                             const float *bias, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-    int64_t row_bytes = fmt == FMT_INT8 ? K : K / QK * BLOCK_BYTES[fmt];
+    int64_t row_bytes = row_bytes_of(fmt, K);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         float vals[QK];
         for (int64_t m = 0; m < M; m++) y[m * N + n] = bias ? bias[n] : 0.0f;
         for (int64_t k0 = 0; k0 < K; k0 += QK) {
             int64_t count = K - k0 < QK ? K - k0 : QK;
-            dequant_block_scalar(fmt, w + n * row_bytes + k0 / QK * BLOCK_BYTES[fmt], scales ? scales[n] : 0.0f,
-                                 count, vals);
+            dequant_at_scalar(fmt, w + n * row_bytes, k0 / QK, scales ? scales[n] : 0.0f, count, vals);
             for (int64_t m = 0; m < M; m++) y[m * N + n] += dot(vals, x + m * xs + k0, count);
         }
     }
@@ -251,7 +253,7 @@ static void scalar_schedule(int fmt, const float *x, int64_t xs, const uint8_t *
  * (or 16-row panels). Returns 0, or -1 for an unknown format. */
 int kvp_quant_linear(const float *x, int64_t xs, const uint8_t *w, const float *scales, int fmt,
                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, int nthreads) {
-    if (fmt < FMT_Q4_0 || fmt > FMT_INT8) return -1;
+    if (fmt < FMT_Q4_0 || fmt > FMT_LAST) return -1;
     if (M <= 0 || N <= 0) return 0;
 #ifdef HAVE_AVX2
     if (M <= DOT_MAX_ROWS)
@@ -268,25 +270,25 @@ int kvp_quant_linear(const float *x, int64_t xs, const uint8_t *w, const float *
  * schedule; callers dequantize a slice of rows at a time). Returns 0, or -1 for an unknown format. */
 int kvp_quant_dequantize(const uint8_t *w, const float *scales, int fmt, float *y, int64_t N, int64_t K,
                          int nthreads) {
-    if (fmt < FMT_Q4_0 || fmt > FMT_INT8) return -1;
-    int64_t row_bytes = fmt == FMT_INT8 ? K : K / QK * BLOCK_BYTES[fmt];
+    if (fmt < FMT_Q4_0 || fmt > FMT_LAST) return -1;
+    int64_t row_bytes = row_bytes_of(fmt, K);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *src = w + n * row_bytes;
         float s = scales ? scales[n] : 0.0f, *dst = y + n * K;
-        for (int64_t k = 0; k < K; k += QK, src += BLOCK_BYTES[fmt]) {
+        for (int64_t k = 0; k < K; k += QK) {
             int64_t count = K - k < QK ? K - k : QK;
 #ifdef HAVE_AVX2
             if (count == QK) {
                 vecf v[BV];
-#define DEQUANT_BLOCK(F) dequant_block(F, src, s, v)
+#define DEQUANT_BLOCK(F) dequant_block_at(F, src, k / QK, s, v)
                 FORMAT_LITERAL(DEQUANT_BLOCK)
 #undef DEQUANT_BLOCK
                 for (int c = 0; c < BV; c++) v_store(dst + k + VL * c, v[c]);
                 continue;
             }
 #endif
-            dequant_block_scalar(fmt, src, s, count, dst + k);
+            dequant_at_scalar(fmt, src, k / QK, s, count, dst + k);
         }
     }
     return 0;

@@ -23,22 +23,27 @@ class QuantFormat:
     name: str
     #: quant_gemm.c's format number
     code: int
-    #: bytes per block of 32 weights
+    #: bytes per block of ``block_weights`` weights
     block_bytes: int
     #: True: one float32 scale per output row beside the data (int8); False: fp16 scales inside each block
     row_scales: bool
+    #: weights per block: 32, or 256 for the K-quants' super-blocks (eight 32-weight sub-blocks, their
+    #: scales packed in the super-block's header)
+    block_weights: int = BLOCK
 
     def row_bytes(self, in_features: int) -> int:
         if self.row_scales:
             return in_features
-        if in_features % BLOCK:
+        if in_features % self.block_weights:
             raise ValueError(
-                f"{self.name} rows hold blocks of {BLOCK} weights; {in_features} inputs do not fit"
+                f"{self.name} rows hold blocks of {self.block_weights} weights; "
+                f"{in_features} inputs do not fit"
             )
-        return in_features // BLOCK * self.block_bytes
+        return in_features // self.block_weights * self.block_bytes
 
 
-#: the formats the kernels run, by name (GGUF's type names; ``int8`` is kvpilot's own)
+#: the formats the kernels run, by name (GGUF's type names; ``int8`` is kvpilot's own). Q4_K and Q6_K are
+#: what llama.cpp's Q4_K_M / Q6_K files hold (their layout: ``quant_blocks.h``).
 FORMATS = {
     f.name: f
     for f in (
@@ -46,8 +51,12 @@ FORMATS = {
         QuantFormat("Q4_1", 1, 20, False),
         QuantFormat("Q8_0", 2, 34, False),
         QuantFormat("int8", 3, BLOCK, True),
+        QuantFormat("Q4_K", 4, 144, False, 256),
+        QuantFormat("Q6_K", 5, 210, False, 256),
     )
 }
+#: the K-quants (256-weight super-blocks)
+K_FORMATS = frozenset(name for name, f in FORMATS.items() if f.block_weights > BLOCK)
 
 
 def check_float_rows(x: torch.Tensor, name: str, width: int | None = None) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvpilot.engine.model.quant_formats import QuantWeight, unpack_blocks
+from kvpilot.engine.kv.kv_quant import KVQuant, dequantize_caches, quantize_rows
+from kvpilot.engine.model.quant_formats import QuantWeight, dequantize, unpack_blocks
+from kvpilot.engine.native.quant_ops import K_FORMATS
 
 
 def reference_add_rms_norm(
@@ -40,12 +42,26 @@ def reference_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slots: torch.Tensor,
+    quant: KVQuant | None = None,
 ) -> None:
+    """Token ``t``'s heads into slot ``slots[t]`` of the HND caches: values, or ``quant``'s codes (and int8
+    scales) of them."""
     _, kv_heads, block_size, head_dim = key_cache.shape
     for t, slot in enumerate(slots.tolist()):
-        if slot >= 0:
-            key_cache[slot // block_size, :, slot % block_size] = key[t].view(kv_heads, head_dim)
-            value_cache[slot // block_size, :, slot % block_size] = value[t].view(kv_heads, head_dim)
+        if slot < 0:
+            continue
+        blk, off = slot // block_size, slot % block_size
+        for x, cache, is_key in ((key, key_cache, True), (value, value_cache, False)):
+            rows = x[t].view(kv_heads, head_dim)
+            if quant is None:
+                cache[blk, :, off] = rows
+                continue
+            codes, scales = quantize_rows(rows, quant, is_key)
+            cache[blk, :, off] = codes
+            if scales is not None:
+                row_scales = quant.key_scales if is_key else quant.value_scales
+                assert row_scales is not None
+                row_scales[blk, :, off] = scales
 
 
 def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -67,7 +83,10 @@ def reference_paged_decode(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:
+    """Decode attention over the HND caches' values (``quant``: their codes, dequantized first)."""
+    key_cache, value_cache = dequantize_caches(key_cache, value_cache, quant)
     _, kv_heads, block_size, head_dim = key_cache.shape
     num_heads = query.shape[1] // head_dim
     out = torch.empty(query.shape[0], num_heads, head_dim)
@@ -100,6 +119,7 @@ def reference_paged_prefill(
     scale: float,
     sliding_window: int | None,
     softcap: float | None = None,
+    quant: KVQuant | None = None,
 ) -> torch.Tensor:
     """Each new token as its own query of ``reference_paged_decode`` over the positions up to its own."""
     starts = query_start_loc.tolist()
@@ -120,13 +140,17 @@ def reference_paged_prefill(
         scale,
         sliding_window,
         softcap,
+        quant,
     )
 
 
 def reference_quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """``quant_gemm.c``'s math, block by block: each 32-input block contributes
     ``d * (q . x_block) + offset * sum(x_block)``, summed over blocks (tests also hold this to
-    dequantize-then-matmul)."""
+    dequantize-then-matmul). K-quants: dequantize-then-matmul in float64."""
+    if weight.format.name in K_FORMATS:
+        y = (x.double() @ dequantize(weight).double().T).float()
+        return y if bias is None else y + bias
     q, d, offset = unpack_blocks(weight)  # [N, B, 32], [N, B], [N, B]
     blocks = q.shape[1]
     xb = F.pad(x.float(), (0, blocks * q.shape[2] - x.shape[1])).view(x.shape[0], blocks, q.shape[2])

@@ -6,7 +6,8 @@ softmax renormalises. Rows are filtered only where their parameter is active. Ti
 (lower id first) everywhere: sorts are stable over the vocabulary order.
 
 - top-k: the k largest logits, ties at the boundary by (-logit, token id).
-- top-p: by probability descending, the smallest prefix whose mass reaches p; the boundary token stays.
+- top-p: by probability descending, the smallest prefix whose mass reaches p; the boundary token stays
+  (and the first token, however small p is).
 - min-p: p_i >= min_p * p_max, i.e. z_i >= z_max + T log(min_p) on the temperature-scaled logits.
 - typical: by |-log p_i - H(p)| ascending, the smallest prefix whose mass reaches typical_p.
 A prefix "reaches" a mass when it is within ``MASS_TOLERANCE`` of it, so a boundary that is exact in real
@@ -115,6 +116,7 @@ def _prefix_reaching(probs_sorted: torch.Tensor, order: torch.Tensor, mass: torc
     """The keep mask (in vocabulary order) of the shortest prefix in ``order`` reaching ``mass``."""
     mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
     keep_sorted = mass_before < mass.unsqueeze(1) - MASS_TOLERANCE
+    keep_sorted[:, 0] = True  # a mass below the tolerance still keeps the most likely token
     return torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
 
 
@@ -146,6 +148,7 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor | 
         values, order = values.sort(dim=-1, descending=True, stable=True)
         ids = by_id.values.gather(1, order)
         kept = (values.cumsum(dim=-1) - values) < mass.index_select(0, todo).unsqueeze(1) - MASS_TOLERANCE
+        kept[:, 0] = True
         exact = ((kept & (values > values[:, -1:])).sum(dim=-1) == kept.sum(dim=-1)) | inactive[todo]
         done = todo[exact]
         keep[done] = torch.zeros_like(keep[done]).scatter_(1, ids[exact], kept[exact])

@@ -12,8 +12,11 @@
 
 Fast paths: an all-greedy batch without constraints, penalties or logprobs is a single argmax; steps
 2–4 run only for the rows whose parameters use them, chosen on the host (``row_params.FilterRows``): the
-pipeline asks the device nothing until the sampled ids come back. The per-row parameters come as tensors
-(``SamplingTensors``), gathered by the engine from its persistent batch.
+pipeline asks the device nothing until the sampled ids come back. On a CPU with the native kernels, steps
+3–5 of the sampled rows run in C (``engine/native/sampling.c``: the same support sets and draw, one pass
+per row instead of full-vocabulary sorts and masks) unless a row needs typical-p, a near-zero temperature
+or its processed distribution (processed logprobs, beams); the tensor pipeline is its reference. The
+per-row parameters come as tensors (``SamplingTensors``), gathered by the engine from its persistent batch.
 
 Logprobs: ``raw_logprobs`` report the model's own distribution (log-softmax of the raw logits);
 ``processed_logprobs`` report the distribution the token was drawn from (after steps 1–4; for greedy rows
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.native.sampling_ops import SamplingKernels
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
@@ -94,11 +98,47 @@ def _stages_needed(states: Sequence[RowState]) -> tuple[bool, bool]:
     return constraints, any(st.params.needs_penalties for st in states)
 
 
+@dataclass
+class _SampledRows:
+    """The rows of a batch that sample (temperature > 0) and their parameters."""
+
+    #: ascending row numbers
+    indices: list[int]
+    #: ``indices`` on the device; None when every row samples
+    idx: torch.Tensor | None
+    #: the sampled rows' parameters, in ``indices`` order
+    row_params: SamplingTensors
+
+    @classmethod
+    def of(
+        cls, states: Sequence[RowState], row_params: SamplingTensors | None, device: torch.device
+    ) -> _SampledRows | None:
+        indices = [i for i, st in enumerate(states) if not st.params.is_greedy]
+        if not indices:
+            return None
+        idx = None if len(indices) == len(states) else to_device(indices, torch.long, device)
+        if row_params is None:
+            row_params = SamplingTensors.from_params([states[i].params for i in indices], device)
+        elif idx is not None:
+            row_params = row_params.select(idx)
+        return cls(indices, idx, row_params)
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.idx is None else rows.index_select(0, self.idx)
+
+
 class Sampler:
-    def __init__(self, generator: torch.Generator, logprobs_mode: str = "raw_logprobs") -> None:
+    def __init__(
+        self,
+        generator: torch.Generator,
+        logprobs_mode: str = "raw_logprobs",
+        native: SamplingKernels | None = None,
+    ) -> None:
         #: draws noise for rows without their own generator
         self.generator = generator
         self.logprobs_mode = logprobs_mode
+        #: steps 3-5 in C for float32 CPU logits (``engine/native/sampling.c``); None: tensor ops only
+        self.native = native
         #: the grammar-mask stage of every step, with its cost counters
         self.grammar_masks = GrammarMasks()
 
@@ -107,25 +147,14 @@ class Sampler:
     ) -> Distributions:
         """Steps 1-4 of the pipeline for every row of ``logits`` [N, V]: what each row is drawn from (or,
         for greedy rows, the argmax of), without drawing. Speculative verification scores drafts with it."""
-        need_constraints, need_penalties = _stages_needed(states)
-        proc = logits.clone() if (need_constraints or need_penalties) else logits
-        if need_constraints:
-            apply_constraints(proc, states, self.grammar_masks)
-        if need_penalties:
-            apply_penalties(proc, states)
-        sample_rows = [i for i, st in enumerate(states) if not st.params.is_greedy]
-        if not sample_rows:
-            return Distributions(proc, sample_rows, None, None)
-        dev = logits.device
-        idx = None if len(sample_rows) == len(states) else to_device(sample_rows, torch.long, dev)
-        pick = [states[i].params for i in sample_rows]
-        if row_params is None:
-            row_params = SamplingTensors.from_params(pick, dev)
-        elif idx is not None:
-            row_params = row_params.select(idx)
-        plan = FilterRows.of(pick, logits.shape[-1], dev)
+        proc = self._constrained(logits, states)
+        rows = _SampledRows.of(states, row_params, logits.device)
+        if rows is None:
+            return Distributions(proc, [], None, None)
+        row_params, pick = rows.row_params, [states[i].params for i in rows.indices]
+        plan = FilterRows.of(pick, logits.shape[-1], logits.device)
         temps = row_params.temperature.unsqueeze(1)
-        scaled = (proc if idx is None else proc.index_select(0, idx)) / temps.clamp(min=NEAR_ZERO_TEMPERATURE)
+        scaled = rows.take(proc) / temps.clamp(min=NEAR_ZERO_TEMPERATURE)
         if plan.near_zero_temperature:
             # the T -> 0 limit: all mass on the maximal logits, split evenly between ties
             at_max = scaled == scaled.max(dim=-1, keepdim=True).values
@@ -139,7 +168,17 @@ class Sampler:
             apply_top_p(scaled, row_params.top_p, plan.top_p_rows)
         if plan.use_typical_p:
             apply_typical_p(scaled, row_params.typical_p, plan.typical_p_rows)
-        return Distributions(proc, sample_rows, idx, scaled)
+        return Distributions(proc, rows.indices, rows.idx, scaled)
+
+    def _constrained(self, logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
+        """Steps 1-2: ``logits`` itself when no row has constraints or penalties, else a changed copy."""
+        need_constraints, need_penalties = _stages_needed(states)
+        proc = logits.clone() if (need_constraints or need_penalties) else logits
+        if need_constraints:
+            apply_constraints(proc, states, self.grammar_masks)
+        if need_penalties:
+            apply_penalties(proc, states)
+        return proc
 
     def sample(
         self,
@@ -165,6 +204,10 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * n, [None] * n, {})
 
         raw_lp = logits.log_softmax(dim=-1) if self.logprobs_mode == "raw_logprobs" and any(want_lp) else None
+        # the kernel gives tokens only: not for rows that report or score the processed distribution
+        needs_processed = (raw_lp is None and any(want_lp)) or any(want_full)
+        if not needs_processed and (native := self._draw_natively(logits, states, row_params)) is not None:
+            return self._outputs(native, states, want_lp, want_full, raw_lp, None)
         dist = self.distributions(logits, states, row_params)
         final = dist.proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
         tokens = None if dist.every_row_samples else dist.proc.argmax(dim=-1)
@@ -182,12 +225,49 @@ class Sampler:
             if any(want_lp) or any(want_full):
                 final = dist.drawn_from()
         assert tokens is not None  # every row is greedy or sampled
-        token_list = tokens.tolist()
+        proc_lp = final.log_softmax(dim=-1) if (raw_lp is None and any(want_lp)) or any(want_full) else None
+        return self._outputs(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
 
+    def _draw_natively(
+        self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None
+    ) -> list[int] | None:
+        """Every row's token with steps 3-5 of the sampled rows in the C kernel, or None where the kernel
+        does not apply: no kernel, not float32 CPU logits, no sampled row, or a row with typical-p or a
+        near-zero temperature. The uniform numbers are drawn as the tensor path draws them."""
+        if self.native is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
+            return None
+        if any(
+            not st.params.is_greedy
+            and (st.params.typical_p < 1.0 or st.params.temperature < NEAR_ZERO_TEMPERATURE)
+            for st in states
+        ):
+            return None
+        rows = _SampledRows.of(states, row_params, logits.device)
+        if rows is None:
+            return None
+        proc = self._constrained(logits, states)
+        gens = [states[i].generator for i in rows.indices]
+        uniform = uniform_numbers(gens, 1, self.generator, logits.device)[:, 0]
+        drawn = self.native.draw(rows.take(proc).contiguous(), rows.row_params.values.contiguous(), uniform)
+        if rows.idx is None:
+            return drawn.tolist()
+        tokens = proc.argmax(dim=-1)
+        tokens.index_copy_(0, rows.idx, drawn)
+        return tokens.tolist()
+
+    @staticmethod
+    def _outputs(
+        token_list: list[int],
+        states: Sequence[RowState],
+        want_lp: Sequence[bool],
+        want_full: Sequence[bool],
+        raw_lp: torch.Tensor | None,
+        proc_lp: torch.Tensor | None,
+    ) -> SamplerOutput:
+        n = len(token_list)
         sampled_lp: list[float | None] = [None] * n
         top: list[dict[int, Logprob] | None] = [None] * n
         full: dict[int, torch.Tensor] = {}
-        proc_lp = final.log_softmax(dim=-1) if (raw_lp is None and any(want_lp)) or any(want_full) else None
         for i, st in enumerate(states):
             if want_full[i]:
                 assert proc_lp is not None  # computed whenever a row wants its full distribution

@@ -84,6 +84,7 @@ def placeholder_load(config: EngineConfig) -> dict:
         "max_model_len": 0,
         "kv_cache_bytes": 0,
         "kv_cache_sizing": "",
+        "kv_cache_dtype": "",
         "quantization": "",
         "dtype": "",
         "max_num_seqs": sc.max_num_seqs,

@@ -336,7 +336,7 @@ class _LoadGauges(Collector):
         info = GaugeMetricFamily(
             "kvpilot_cache_config_info",
             "KV cache configuration (value 1).",
-            labels=["model_name", "block_size", "num_gpu_blocks", "kv_cache_sizing"],
+            labels=["model_name", "block_size", "num_gpu_blocks", "kv_cache_sizing", "cache_dtype"],
         )
         if snap.get("block_size"):
             info.add_metric(
@@ -345,6 +345,7 @@ class _LoadGauges(Collector):
                     str(snap["block_size"]),
                     str(snap.get("kv_blocks_total", 0)),
                     snap.get("kv_cache_sizing", ""),
+                    snap.get("kv_cache_dtype", ""),
                 ],
                 1,
             )

@@ -58,10 +58,10 @@ def run_warmup(
     tuning."""
     if engine.device.type == "cuda":
         start = time.monotonic()
-        key_cache, value_cache = engine.kv_cache.layers[0]
+        first = engine.kv_cache.layers[0]
         sc = engine.config.scheduler
         engine.backend.warmup(
-            key_cache, value_cache, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len
+            first.key, first.value, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len
         )
         on_kernel_tuning(time.monotonic() - start)
     out_tokens = 2

@@ -58,6 +58,10 @@ class DraftModel:
             )
         #: what the draft's cache costs per token (the engine sizes its blocks for both caches)
         self.kv_bytes_per_token = served.kv_bytes_per_token
+        #: the draft's cache stores what the target's does (docs/architecture.md#kv-cache-dtype), with the
+        #: draft checkpoint's own fp8 scales if it has them (``kv_bytes_per_token`` counts on the same)
+        self.kv_cache_dtype = served.kv_cache_dtype
+        self._fp8_scales = served.fp8_kv_scales()
         self.cache: KVCache | None = None
 
     def check_context(self, max_model_len: int) -> None:
@@ -79,6 +83,8 @@ class DraftModel:
             self.dtype,
             self.device,
             layout=layout,
+            kv_cache_dtype=self.kv_cache_dtype,
+            fp8_scales=self._fp8_scales,
         )
 
     def observe(self, batch: StepBatch) -> None:

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
+from kvpilot.engine import detokenizer
 from kvpilot.engine.detokenizer import REPLACEMENT, IncrementalDetokenizer, StopStringBuffer
 from kvpilot.engine.tokenizer import Tokenizer
 
@@ -71,3 +74,44 @@ def test_include_stop_string_and_earliest_match_wins():
     buf = StopStringBuffer(["world", "lo w"], include_stop=True)
     buf.push("hello world")
     assert buf.matched == "lo w" and buf.released == "hello w"
+
+
+def test_random_tokens_stream_to_exactly_their_full_decode(tiny_tok):
+    """Byte-level pieces in any order, many ending inside a character: the deltas plus the flush are the
+    full decode, and a prompt that ends mid-character leaves no fragment of it in the output."""
+    rng = random.Random(0)
+    vocab = tiny_tok.vocab_size
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 24))]
+        detok = IncrementalDetokenizer(tiny_tok, [])
+        assert "".join(detok.push(t) for t in ids) + detok.flush() == tiny_tok.decode(ids)
+    split = tiny_tok.encode("日", add_special_tokens=False)
+    assert len(split) > 1  # the character spans tokens: a prompt of its first ones ends inside it
+    detok = IncrementalDetokenizer(tiny_tok, tiny_tok.encode("ok ", add_special_tokens=False) + split[:1])
+    ids = tiny_tok.encode("done", add_special_tokens=False)
+    assert "".join(detok.push(t) for t in ids) + detok.flush() == "done"
+
+
+def test_a_stream_whose_window_stops_extending_restarts_without_losing_text(tiny_tok, monkeypatch):
+    """``DecodeStream.step`` raises "Invalid prefix" when a window's decode stops extending the previous
+    one (seen with some decoders); the detokenizer restarts the stream from recent tokens and the text
+    comes out whole."""
+    text = "héllo wörld, again"
+    ids = tiny_tok.encode(text, add_special_tokens=False)
+    calls = {"n": 0}
+
+    class FlakyStream:
+        def __init__(self, skip_special_tokens):
+            self.inner = real_stream(skip_special_tokens=skip_special_tokens)
+
+        def step(self, tokenizer, token_id):
+            calls["n"] += 1
+            if calls["n"] == 9:
+                raise Exception("Invalid prefix encountered")  # what tokenizers raises
+            return self.inner.step(tokenizer, token_id)
+
+    real_stream = detokenizer.DecodeStream
+    monkeypatch.setattr(detokenizer, "DecodeStream", FlakyStream)
+    detok = IncrementalDetokenizer(tiny_tok, [])
+    assert "".join(detok.push(t) for t in ids) + detok.flush() == text
+    assert calls["n"] > 9  # the failure happened mid-stream

@@ -167,8 +167,8 @@ def test_llama_config_reads_rope_scaling_and_rejects_what_it_cannot_convert() ->
     }
     errors = [
         (
-            {**base, "general.architecture": "gemma2"},
-            "architecture 'gemma2' is not supported; supported: llama",
+            {**base, "general.architecture": "mamba"},
+            "architecture 'mamba' is not supported; supported: llama",
         ),
         (
             {**base, "llama.rope.scaling.type": "longrope", "llama.rope.scaling.factor": 2.0},

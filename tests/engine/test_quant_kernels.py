@@ -1,7 +1,8 @@
 """The quantized GEMM (``quant_gemm.c``) against its PyTorch reference, and the reference against
 dequantize-then-matmul with gguf's own (llama.cpp-faithful) dequantizer.
 
-Every format (GGUF Q4_0 / Q4_1 / Q8_0 blocks made by gguf's quantizer, kvpilot's int8 rows), both
+Every format (GGUF Q4_0 / Q4_1 / Q8_0 blocks made by gguf's quantizer, Q4_K / Q6_K super-blocks made by
+tests/support/k_quants.py, kvpilot's int8 rows), both
 schedules of the kernel (1-4 rows: dot products; more: dequantized slabs, K split in 512-input slices),
 outputs that are not a multiple of its 12-row slab or 3-row tile, int8 rows whose length is not a multiple
 of 32, strided input rows, with and without bias; each on this host's build (AVX-512 where it has it), an
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
+from gguf_files import K_QUANTIZERS
 
 from kvpilot.engine.model.quant_formats import (
     QuantWeight,
@@ -53,6 +55,8 @@ def make_weight(fmt: str, out_features: int, in_features: int, seed: int) -> tup
     w[min(1, out_features - 1)] = 0.0
     if fmt == "int8":
         return quantize_int8(w), w
+    if fmt in K_QUANTIZERS:
+        return QuantWeight(FORMATS[fmt], torch.from_numpy(K_QUANTIZERS[fmt](w.numpy())), None, in_features), w
     blocks = gguf_quantize(w.numpy(), GGMLQuantizationType[fmt])
     return QuantWeight(FORMATS[fmt], torch.from_numpy(blocks), None, in_features), w
 
@@ -144,8 +148,8 @@ def test_concat_rows_fuses_projections():
 def test_linear_refuses_what_it_would_misread(kernels):
     weight, _ = make_weight("Q4_1", 16, 64, seed=5)
     x = torch.zeros(2, 64)
-    with pytest.raises(ValueError, match="unknown quantized format 'Q4_K'"):
-        kernels.linear(x, weight.data, None, "Q4_K", None)
+    with pytest.raises(ValueError, match="unknown quantized format 'Q5_K'"):
+        kernels.linear(x, weight.data, None, "Q5_K", None)
     with pytest.raises(ValueError, match=r"must be contiguous uint8 \[out, 20\]"):
         kernels.linear(torch.zeros(2, 32), weight.data, None, "Q4_1", None)
     with pytest.raises(ValueError, match="blocks of 32 weights; 40 inputs"):
@@ -175,3 +179,46 @@ def test_kernel_agrees_with_float_linear_on_dequantized_weights(kernels):
         atol=2e-5,
         rtol=2e-5,
     )
+
+
+# K-quants: 256-weight super-blocks (eight of the kernels' 32-weight blocks each); 1280 and 1536 inputs
+# cross the slab schedule's 512-input slices mid-super-block
+K_SHAPES = [
+    (1, 33, 256),
+    (2, 8, 512),
+    (3, 7, 768),
+    (4, 17, 256),
+    (5, 16, 512),
+    (13, 40, 1280),
+    (64, 24, 1536),
+]
+
+
+@pytest.mark.parametrize("fmt", sorted(K_QUANTIZERS))
+@pytest.mark.parametrize("rows, out_features, in_features", K_SHAPES)
+def test_k_quant_kernel_matches_gguf_dequantization(kernels, fmt, rows, out_features, in_features):
+    """Q4_K / Q6_K products equal x @ W^T with W dequantized by gguf (llama.cpp's formulas in numpy), in
+    both schedules and every build."""
+    weight, source = make_weight(fmt, out_features, in_features, seed=rows + in_features)
+    dense = torch.from_numpy(gguf_dequantize(weight.data.numpy(), GGMLQuantizationType[fmt]))
+    assert (dense - source).abs().max() < 0.1 * source.abs().max()  # the test's writer made valid blocks
+    g = _gen(rows)
+    x = torch.randn(rows, in_features + 3, generator=g)[:, :in_features]
+    bias = torch.randn(out_features, generator=g)
+    expected = (x.double() @ dense.double().T + bias.double()).float()
+    torch.testing.assert_close(
+        kernels.linear(x, weight.data, None, fmt, bias), expected, atol=2e-5, rtol=2e-5
+    )
+    torch.testing.assert_close(reference_quant_linear(x, weight, bias), expected, atol=2e-5, rtol=2e-5)
+    out = torch.empty(out_features, in_features)
+    kernels.dequantize(weight.data, None, fmt, in_features, out)
+    assert torch.equal(out, dense)  # the C dequantization is gguf's, bit for bit
+    assert torch.equal(dequantize(weight), dense)
+
+
+def test_k_quant_rows_must_hold_whole_super_blocks(kernels):
+    weight, _ = make_weight("Q4_K", 4, 256, seed=1)
+    with pytest.raises(ValueError, match="blocks of 256 weights; 288 inputs do not fit"):
+        FORMATS["Q4_K"].row_bytes(288)
+    with pytest.raises(ValueError, match="Q4_K data for 512 inputs"):
+        kernels.linear(torch.randn(1, 512), weight.data, None, "Q4_K", None)

@@ -62,7 +62,9 @@ def test_triton_quant_linear_matches_reference(fmt, dtype, rows, out_features, i
 def test_triton_quant_linear_refuses_what_it_would_misread():
     weight = make_weight("Q4_1", 16, 64, seed=1)
     with pytest.raises(ValueError, match="unknown quantized format"):
-        quant_triton.quant_linear(torch.zeros(1, 64), weight.data, None, "Q6_K", None)
+        quant_triton.quant_linear(torch.zeros(1, 64), weight.data, None, "Q5_K", None)
+    with pytest.raises(ValueError, match="Q6_K super-blocks run on the CPU kernels only"):
+        quant_triton.quant_linear(torch.zeros(1, 256), weight.data, None, "Q6_K", None)
     with pytest.raises(ValueError, match="rows of 32 inputs are 20 bytes"):
         quant_triton.quant_linear(torch.zeros(1, 32), weight.data, None, "Q4_1", None)
     with pytest.raises(ValueError, match="takes no row scales"):

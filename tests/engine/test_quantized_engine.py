@@ -158,3 +158,35 @@ def test_auto_dequantizes_where_the_kernels_cannot_run(caplog):
     assert resolve_quantization("none", path, cpu, torch.float32, native=object()) == "none"
     with pytest.raises(ValueError, match=r"got torch\.float32 on cuda"):
         resolve_quantization("int8", None, torch.device("cuda"), torch.float32, native=None)
+
+
+@pytest.fixture(scope="module")
+def k_quant_gguf(tmp_path_factory) -> Path:
+    """A tiny llama whose every input width is a multiple of 256 (what K-quant super-blocks need), its
+    projections in llama.cpp's Q4_K_M mix: Q4_K, with Q6_K value and down projections and embedding."""
+    root = tmp_path_factory.mktemp("k-quants")
+    source = write_tiny_llama(root / "hf", seed=6, hidden_size=256, intermediate_size=512, head_dim=64)
+    path = root / "tiny-q4_k_m.gguf"
+    k_types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K"}
+    k_types |= {"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
+    types = {f"blk.{i}.{part}.weight": t for i in range(2) for part, t in k_types.items()}
+    write_llama_gguf(path, source, types=types | {"token_embd.weight": "Q6_K"})
+    return path
+
+
+def test_k_quants_keep_their_super_blocks_and_compute_the_float_path(k_quant_gguf):
+    quant, quant_tokens, quant_logits = run(str(k_quant_gguf))
+    float_llm, float_tokens, float_logits = run(str(k_quant_gguf), quantization="none")
+    model = quant.engine.model
+    assert quant.engine.quantization == "gguf"
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    # Q4_K q/k with a Q6_K v: the fused projection's parts differ, so it keeps float weights (as any mix)
+    assert not isinstance(attn.qkv_proj, QuantLinear)
+    assert isinstance(mlp.gate_up_proj, QuantLinear) and mlp.gate_up_proj.format == "Q4_K"
+    assert isinstance(mlp.down_proj, QuantLinear) and mlp.down_proj.format == "Q6_K"
+    assert isinstance(attn.o_proj, QuantLinear) and attn.o_proj.format == "Q4_K"
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.packed_lm_head.format == "Q6_K"
+    assert weights_bytes(model) < weights_bytes(float_llm.engine.model) / 3
+    assert quant_tokens == float_tokens
+    for ours, reference in zip(quant_logits, float_logits, strict=True):
+        torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)

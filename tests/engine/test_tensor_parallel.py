@@ -112,6 +112,30 @@ def test_tp2_generation_matches_tp1_with_prefix_cache_chunked_prefill_swaps_and_
     _assert_same(got, ref)
 
 
+def test_tp2_int8_kv_cache_with_swaps_matches_tp1(tiny_model_dir):
+    """kv_cache_dtype int8 keeps a scale per (slot, KV head): each rank's cache holds its heads' codes and
+    scales, and swaps move both (docs/architecture.md#kv-cache-dtype)."""
+    args = dict(
+        device="cpu",
+        num_kv_blocks=12,
+        max_num_batched_tokens=24,
+        max_num_seqs=6,
+        swap_space=0.01,
+        preemption_mode="swap",
+        kv_cache_dtype="int8",
+    )
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True)
+    ref_llm = LLM(str(tiny_model_dir), **args)
+    ref = _tokens_and_logprobs(run_checked(ref_llm, PROMPTS, params))
+    assert ref_llm.engine.stats.preemptions > 0
+    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **args)
+    try:
+        got = _tokens_and_logprobs(run_checked(llm, PROMPTS, params))
+    finally:
+        llm.engine.shutdown()
+    _assert_same(got, ref)
+
+
 @pytest.mark.slow
 def test_tp2_recompute_preemption_matches_tp1(tiny_model_dir):
     args = dict(device="cpu", num_kv_blocks=12, max_num_batched_tokens=32, max_num_seqs=4)

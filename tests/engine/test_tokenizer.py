@@ -278,7 +278,8 @@ def test_gguf_tokenizer_metadata_errors() -> None:
     }
     assert json.loads(tokenizer_files_from_gguf(base, 64).tokenizer_json)["model"]["merges"] == [["a", "b"]]
     cases = [
-        ({"tokenizer.ggml.model": "llama"}, "tokenizer model 'llama' is not supported"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer model 'bert' is not supported; supported: 'gpt2'"),
+        ({"tokenizer.ggml.model": "llama"}, "SentencePiece vocabulary has no tokenizer.ggml.scores"),
         (
             {"tokenizer.ggml.pre": "llama-bpe"},
             "pre-tokenizer 'llama-bpe' is not supported; supported: codeshell",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from kvpilot.operator.children import build_children
 from kvpilot.operator.spec import InferenceService
 
@@ -178,6 +180,22 @@ def test_cpu_pods_keep_a_fixed_kv_size():
     )
     assert set_size[16:18] == ["--kv-cache-memory-bytes", "536870912"]
     assert "--gpu-memory-utilization" not in set_size
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
+def test_kv_cache_dtype_reaches_the_engine_and_auto_adds_no_flag(kv_cache_dtype):
+    from kvpilot.engine.arg_utils import engine_args_from_namespace
+    from kvpilot.engine.config import KV_CACHE_DTYPES
+    from kvpilot.engine.server.cli import build_parser
+    from kvpilot.operator.crd_schema import KV_CACHE_DTYPES as CRD_KV_CACHE_DTYPES
+
+    assert CRD_KV_CACHE_DTYPES == KV_CACHE_DTYPES  # the CRD's enum is the engine's
+    base = {"model": {"source": "tiny-random"}}
+    assert "--kv-cache-dtype" not in engine_args(base)
+    args = engine_args({**base, "engine": {"kvCacheDtype": kv_cache_dtype}})
+    assert args[args.index("--kv-cache-dtype") + 1] == kv_cache_dtype
+    ns = build_parser().parse_args(args)  # what kvpilot serve makes of the operator's command line
+    assert engine_args_from_namespace(ns).create_config().cache.kv_cache_dtype == kv_cache_dtype
 
 
 def test_a_router_token_secret_is_owned_and_both_containers_read_it():

@@ -178,6 +178,16 @@ def test_defaults_fill_the_spec():
             "must not repeat a flag",
         ),
         (
+            {"model": {"source": "smollm2-135m"}, "engine": {"extraArgs": ["--kv-cache-dtype", "int8"]}},
+            "spec.engine.extraArgs",
+            "must not repeat a flag",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"kvCacheDtype": "fp8_e5m2"}},
+            "spec.engine.kvCacheDtype",
+            "'fp8_e5m2' is not one of ['auto', 'fp8', 'int8']",
+        ),
+        (
             {"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}},
             "spec.router.weights",
             "Prefill",

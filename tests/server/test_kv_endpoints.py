@@ -31,6 +31,7 @@ LOAD_FIELDS = {
     "max_model_len": int,
     "kv_cache_bytes": int,
     "kv_cache_sizing": str,
+    "kv_cache_dtype": str,
     "quantization": str,
     "dtype": str,
     "max_num_seqs": int,

@@ -130,7 +130,8 @@ def test_gauges_follow_the_load_snapshot(tiny_server):
     assert samples[f'kvpilot_kv_cache_blocks{{{M},state="total"}}'] == load["kv_blocks_total"] == 511
     assert (
         samples[
-            f'kvpilot_cache_config_info{{block_size="16",kv_cache_sizing="num_kv_blocks",{M},num_gpu_blocks="511"}}'
+            f'kvpilot_cache_config_info{{block_size="16",cache_dtype="auto",kv_cache_sizing="num_kv_blocks",'
+            f'{M},num_gpu_blocks="511"}}'
         ]
         == 1
     )

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+from k_quants import quantize_q4_k, quantize_q6_k
 from safetensors.numpy import load_file
 
 # llama.cpp tensor names, written out independently of the converter's own table.
@@ -84,6 +85,10 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{_LLAMA_CPP_NAMES[module]}.{suffix}"
 
 
+#: gguf-py cannot write K-quants: tests/support/k_quants.py does
+K_QUANTIZERS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
+
+
 def write_llama_gguf(
     path: Path,
     model_dir: Path,
@@ -143,7 +148,10 @@ def write_llama_gguf(
             writer.add_tensor(name, array.astype(np.float16))
         elif name in types:
             qtype = gguf.GGMLQuantizationType[types[name]]
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            blocks = K_QUANTIZERS[types[name]](array) if types[name] in K_QUANTIZERS else None
+            writer.add_tensor(
+                name, gguf.quants.quantize(array, qtype) if blocks is None else blocks, raw_dtype=qtype
+            )
         else:
             writer.add_tensor(name, array)
     writer.write_header_to_file()

@@ -68,13 +68,15 @@ FAMILIES = {
 }
 
 
-def write_moe_model(directory: Path, family: str, seed: int = 0) -> Path:
+def write_moe_model(directory: Path, family: str, seed: int = 0, **overrides: object) -> Path:
+    """``family``'s tiny model (``FAMILIES``, with config ``overrides``) saved by transformers into
+    ``directory``, with the tiny tokenizer."""
     write_tiny_llama(directory, seed=seed, vocab_size=VOCAB)  # for its tokenizer files
     (directory / "model.safetensors").unlink()
     (directory / "config.json").unlink()
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(seed)
-    model_cls(config_cls(**COMMON, **extra)).save_pretrained(directory)
+    model_cls(config_cls(**COMMON, **{**extra, **overrides})).save_pretrained(directory)
     return directory
 
 

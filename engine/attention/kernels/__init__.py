@@ -1,7 +1,10 @@
 """Triton kernels for paged attention, one kernel per module.
 
-- ``tile_ops``   device functions the attention kernels share: paged K/V tile gather, dot, online softmax
-- ``kv_write``   scatter each step's new K/V into their cache slots
+- ``kv_codes``   fp8/int8 KV codes (``kv_cache_dtype``): bit-exact e4m3 decode/encode, int8 rounding, and
+                 the host-side arguments that describe a cache and its scales to the kernels
+- ``tile_ops``   device functions the attention kernels share: paged K/V tile gather (dequantizing codes),
+                 dot, online softmax
+- ``kv_write``   scatter each step's new K/V into their cache slots (as codes and scales when quantized)
 - ``decode``     paged decode attention (one query token per sequence, GQA-aware, split-KV)
 - ``split_kv``   how many KV splits a decode launch uses, and the kernel that merges the split results
 - ``prefill``    varlen prefill/extend attention over a cached paged prefix plus the new tokens

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.kv_codes import compute_dtype, kernel_cache_args
 from kvpilot.engine.attention.kernels.split_kv import merge_splits
 from kvpilot.engine.attention.kernels.tile_ops import (
     ceil_div,
@@ -32,6 +33,7 @@ from kvpilot.engine.attention.kernels.tile_ops import (
     tile_dot,
 )
 from kvpilot.engine.attention.kernels.tuning import DECODE_DEFAULT, KernelConfig
+from kvpilot.engine.kv.kv_quant import KVQuant
 
 
 @triton.jit
@@ -42,6 +44,13 @@ def paged_decode_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scales_ptr,
+    value_scales_ptr,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
+    k_scale,
+    v_scale,
     block_tables_ptr,
     seq_lens_ptr,
     scale_log2,
@@ -78,6 +87,7 @@ def paged_decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     WRITE_PARTIALS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -107,7 +117,8 @@ def paged_decode_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    query = query.to(key_cache_ptr.dtype.element_ty)
+    if KV_KIND == 0:  # codes are dequantized to the query's dtype instead
+        query = query.to(key_cache_ptr.dtype.element_ty)
 
     block_table_row = block_tables_ptr + seq * stride_bt_seq
     acc = tl.full((GROUP_PADDED, HEAD_DIM_PADDED), 0.0, dtype=tl.float32)
@@ -129,7 +140,13 @@ def paged_decode_kernel(
             dims,
             dim_valid,
             BLOCK_SIZE,
-        )
+            key_scales_ptr,
+            stride_s_block,
+            stride_s_slot,
+            stride_s_head,
+            k_scale,
+            KV_KIND,
+        ).to(query.dtype)
         values = load_kv_tile(
             value_cache_ptr,
             block_table_row,
@@ -143,7 +160,13 @@ def paged_decode_kernel(
             dims,
             dim_valid,
             BLOCK_SIZE,
-        )
+            value_scales_ptr,
+            stride_s_block,
+            stride_s_slot,
+            stride_s_head,
+            v_scale,
+            KV_KIND,
+        ).to(query.dtype)
         scores = tile_dot(query, tl.trans(keys), DOT_FP32) * scale_log2
         if HAS_SOFTCAP:
             scores = soft_cap_log2(scores, softcap)
@@ -190,6 +213,7 @@ def paged_decode(
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: KernelConfig = DECODE_DEFAULT,
     softcap: float | None = None,
+    quant: KVQuant | None = None,
 ) -> None:
     """Decode attention for ``query`` ``[num_seqs, num_heads, head_dim]`` (token ``b`` is sequence
     ``b``'s only new token) into ``out`` of the same shape.
@@ -218,13 +242,13 @@ def paged_decode(
         partial_out, partial_lse = out, out
     partial_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2]) if write_partials else (0,) * 5
 
+    cache_args, kind = kernel_cache_args(key_cache, value_cache, quant)
     paged_decode_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         out,
         partial_out,
         partial_lse,
         query,
-        key_cache,
-        value_cache,
+        *cache_args,
         block_tables,
         seq_lens,
         scale * math.log2(math.e),
@@ -246,7 +270,10 @@ def paged_decode(
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
         WRITE_PARTIALS=write_partials,
-        DOT_FP32=dot_in_fp32(key_cache.dtype, runs_in_interpreter(paged_decode_kernel)),
+        DOT_FP32=dot_in_fp32(
+            compute_dtype(key_cache.dtype, query.dtype, kind), runs_in_interpreter(paged_decode_kernel)
+        ),
+        KV_KIND=kind,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -4,6 +4,10 @@ One program per new token moves all of that token's KV heads (a ``[heads, head_d
 K and V, so a token's slot and block address are computed once. Slot ``s`` is row ``s % block_size``
 of block ``s // block_size``. Negative slots are padding (e.g. a batch padded to a captured size) and
 are skipped.
+
+A quantized cache (``kv_codes``) gets codes: fp8 of ``x * (1 / scale)`` with the layer's per-tensor scale;
+int8 (fp8) of ``x * (1 / s)`` with ``s = absmax * (1/127)`` (``* (1/448)``) over each head's row, written
+beside the codes.
 """
 
 from __future__ import annotations
@@ -12,6 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.kv_codes import (
+    INV_FP8_MAX,
+    INV_INT8_MAX,
+    float_to_fp8_e4m3,
+    kernel_cache_args,
+    round_half_even,
+)
+from kvpilot.engine.attention.kernels.tile_ops import reduce_max
+from kvpilot.engine.kv.kv_quant import KVQuant
+
 
 @triton.jit
 def kv_write_kernel(
@@ -19,6 +33,13 @@ def kv_write_kernel(
     value_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scales_ptr,
+    value_scales_ptr,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
+    k_scale,
+    v_scale,
     slot_mapping_ptr,
     num_kv_heads,
     stride_k_token,
@@ -39,6 +60,7 @@ def kv_write_kernel(
     HEAD_DIM_PADDED: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -73,8 +95,41 @@ def kv_write_kernel(
         + heads[:, None] * stride_vc_head
         + dims[None, :] * stride_vc_dim
     )
-    tl.store(key_dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if KV_KIND == 0:
+        tl.store(key_dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(value_dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    elif KV_KIND == 1:
+        key_codes = float_to_fp8_e4m3(key.to(tl.float32) * (1.0 / k_scale))
+        value_codes = float_to_fp8_e4m3(value.to(tl.float32) * (1.0 / v_scale))
+        tl.store(key_dst, key_codes.to(tl.uint8), mask=mask)
+        tl.store(value_dst, value_codes.to(tl.uint8), mask=mask)
+    else:
+        scale_offsets = block * stride_s_block + row * stride_s_slot + heads * stride_s_head
+        head_valid = heads < num_kv_heads
+        _store_scaled_rows(
+            key.to(tl.float32), key_dst, key_scales_ptr + scale_offsets, mask, head_valid, KV_KIND
+        )
+        _store_scaled_rows(
+            value.to(tl.float32), value_dst, value_scales_ptr + scale_offsets, mask, head_valid, KV_KIND
+        )
+
+
+@triton.jit
+def _store_scaled_rows(x, dst, scale_dst, mask, head_valid, KV_KIND: tl.constexpr):
+    """Codes of each head's row of ``x`` and its scale: int8 (``KV_KIND`` 2) ``absmax * (1/127)``, fp8 (3)
+    ``absmax * (1/448)`` (0 for a zero row)."""
+    if KV_KIND == 2:
+        scale = reduce_max(tl.abs(x), 1) * INV_INT8_MAX
+    else:
+        scale = reduce_max(tl.abs(x), 1) * INV_FP8_MAX
+    inv = 1.0 / tl.where(scale > 0.0, scale, 1.0)
+    if KV_KIND == 2:
+        codes = round_half_even(x * inv[:, None])
+        codes = tl.minimum(tl.maximum(codes, -127.0), 127.0)
+        tl.store(dst, codes.to(tl.int8), mask=mask)
+    else:
+        tl.store(dst, float_to_fp8_e4m3(x * inv[:, None]).to(tl.uint8), mask=mask)
+    tl.store(scale_dst, scale, mask=head_valid)
 
 
 def write_kv(
@@ -83,10 +138,11 @@ def write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    quant: KVQuant | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``[num_blocks, block_size,
-    num_kv_heads, head_dim]`` caches at ``slot_mapping`` (int64 ``[num_tokens]``). Shapes are checked
-    by the caller (the backend validates once per step)."""
+    num_kv_heads, head_dim]`` caches at ``slot_mapping`` (int64 ``[num_tokens]``), as ``quant``'s codes
+    when given. Shapes are checked by the caller (the backend validates once per step)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -94,11 +150,11 @@ def write_kv(
     # one program moves every head of a token; more warps once the tile outgrows one warp's registers
     tile_elements = triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim)
     num_warps = 1 if tile_elements <= 512 else (4 if tile_elements <= 4096 else 8)
+    cache_args, kind = kernel_cache_args(key_cache, value_cache, quant)
     kv_write_kernel[(num_tokens,)](
         key,
         value,
-        key_cache,
-        value_cache,
+        *cache_args,
         slot_mapping,
         num_kv_heads,
         *key.stride(),
@@ -109,5 +165,6 @@ def write_kv(
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         BLOCK_SIZE=block_size,
+        KV_KIND=kind,
         num_warps=num_warps,
     )

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.kv_codes import compute_dtype, kernel_cache_args
 from kvpilot.engine.attention.kernels.tile_ops import (
     dot_in_fp32,
     load_kv_tile,
@@ -30,6 +31,7 @@ from kvpilot.engine.attention.kernels.tile_ops import (
     tile_dot,
 )
 from kvpilot.engine.attention.kernels.tuning import PREFILL_DEFAULT, KernelConfig
+from kvpilot.engine.kv.kv_quant import KVQuant
 
 
 @triton.jit
@@ -38,6 +40,13 @@ def paged_prefill_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scales_ptr,
+    value_scales_ptr,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
+    k_scale,
+    v_scale,
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
@@ -68,6 +77,7 @@ def paged_prefill_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    KV_KIND: tl.constexpr,
 ):
     TOKENS_PER_PROGRAM: tl.constexpr = BLOCK_M // QUERY_GROUP
     query_tile = tl.program_id(0)
@@ -98,7 +108,8 @@ def paged_prefill_kernel(
         mask=row_valid[:, None] & dim_valid[None, :],
         other=0.0,
     )
-    query = query.to(key_cache_ptr.dtype.element_ty)
+    if KV_KIND == 0:  # codes are dequantized to the query's dtype instead
+        query = query.to(key_cache_ptr.dtype.element_ty)
 
     # keys this program can see: up to its last query position; from its first query's window start
     key_end = context_len + tl.minimum(first_token + TOKENS_PER_PROGRAM, query_len)
@@ -126,7 +137,13 @@ def paged_prefill_kernel(
             dims,
             dim_valid,
             BLOCK_SIZE,
-        )
+            key_scales_ptr,
+            stride_s_block,
+            stride_s_slot,
+            stride_s_head,
+            k_scale,
+            KV_KIND,
+        ).to(query.dtype)
         values = load_kv_tile(
             value_cache_ptr,
             block_table_row,
@@ -140,7 +157,13 @@ def paged_prefill_kernel(
             dims,
             dim_valid,
             BLOCK_SIZE,
-        )
+            value_scales_ptr,
+            stride_s_block,
+            stride_s_slot,
+            stride_s_head,
+            v_scale,
+            KV_KIND,
+        ).to(query.dtype)
         scores = tile_dot(query, tl.trans(keys), DOT_FP32) * scale_log2
         if HAS_SOFTCAP:
             scores = soft_cap_log2(scores, softcap)
@@ -175,14 +198,15 @@ def paged_prefill(
     sliding_window: int | None = None,
     config: KernelConfig = PREFILL_DEFAULT,
     softcap: float | None = None,
+    quant: KVQuant | None = None,
 ) -> None:
     """Attention for the new tokens of ``len(seq_lens)`` sequences.
 
     ``query``/``out`` ``[num_tokens, num_heads, head_dim]`` are indexed through ``query_start_loc``
     (int32 ``[num_seqs + 1]``, absolute offsets into ``query``), so a slice of the step's metadata
     (``query_start_loc[num_decodes:]``, ``seq_lens[num_decodes:]``, ``block_tables[num_decodes:]``)
-    attends only the prefill sequences. ``softcap`` as in ``decode.paged_decode``. Shapes are validated by
-    the caller.
+    attends only the prefill sequences. ``softcap`` and ``quant`` as in ``decode.paged_decode``. Shapes are
+    validated by the caller.
     """
     num_seqs = seq_lens.shape[0]
     if num_seqs == 0 or max_query_len == 0:
@@ -194,12 +218,12 @@ def paged_prefill(
     block_m = max(config.block_m, padded_dim(query_group))
     tokens_per_program = block_m // query_group
 
+    cache_args, kind = kernel_cache_args(key_cache, value_cache, quant)
     grid = (triton.cdiv(max_query_len, tokens_per_program), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
         out,
         query,
-        key_cache,
-        value_cache,
+        *cache_args,
         block_tables,
         seq_lens,
         query_start_loc,
@@ -219,7 +243,10 @@ def paged_prefill(
         TILE_N=config.tile_n,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
-        DOT_FP32=dot_in_fp32(key_cache.dtype, runs_in_interpreter(paged_prefill_kernel)),
+        DOT_FP32=dot_in_fp32(
+            compute_dtype(key_cache.dtype, query.dtype, kind), runs_in_interpreter(paged_prefill_kernel)
+        ),
+        KV_KIND=kind,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

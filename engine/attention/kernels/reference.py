@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from kvpilot.engine.kv.kv_quant import KVQuant, quantize_rows
+
 
 def reference_write_kv(
     key: torch.Tensor,
@@ -14,15 +16,27 @@ def reference_write_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    quant: KVQuant | None = None,
 ) -> None:
-    """Copy token ``t``'s K/V into row ``slot % block_size`` of block ``slot // block_size``;
-    negative slots are padding and skipped."""
+    """Copy token ``t``'s K/V into row ``slot % block_size`` of block ``slot // block_size`` (as ``quant``'s
+    codes and int8 row scales when given); negative slots are padding and skipped."""
     block_size = key_cache.shape[1]
     for token, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
-        key_cache[slot // block_size, slot % block_size] = key[token].to(key_cache.dtype)
-        value_cache[slot // block_size, slot % block_size] = value[token].to(value_cache.dtype)
+        at = (slot // block_size, slot % block_size)
+        if quant is None:
+            key_cache[at] = key[token].to(key_cache.dtype)
+            value_cache[at] = value[token].to(value_cache.dtype)
+            continue
+        for x, cache, scales, is_key in (
+            (key, key_cache, quant.key_scales, True),
+            (value, value_cache, quant.value_scales, False),
+        ):
+            codes, row_scales = quantize_rows(x[token], quant, is_key)
+            cache[at] = codes
+            if scales is not None and row_scales is not None:
+                scales[at] = row_scales
 
 
 def gather_sequence_kv(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -14,8 +14,10 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-#: cache dtypes the kernels accept
-SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from kvpilot.engine.attention.kernels.kv_codes import dequantize_tile
+
+#: cache dtypes the kernels accept: values, or the codes of ``kv_cache_dtype`` fp8/int8 (``kv_codes``)
+SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
 #: tl.dot needs every dimension >= 16
 MIN_DOT_DIM = 16
 
@@ -78,19 +80,39 @@ def load_kv_tile(
     dim_offsets,
     dim_valid,
     BLOCK_SIZE: tl.constexpr,
+    scales_ptr,
+    stride_s_block,
+    stride_s_slot,
+    stride_s_head,
+    tensor_scale,
+    KV_KIND: tl.constexpr,
 ):
-    """Gather the ``[TILE_N, HEAD_DIM_PADDED]`` K or V rows of one KV head at logical ``token_pos``.
+    """Gather the ``[TILE_N, HEAD_DIM_PADDED]`` K or V rows of one KV head at logical ``token_pos``: the
+    cache's values, or for codes (``KV_KIND`` 1 fp8, 2 int8, 3 fp8 with row scales) their float32
+    dequantization with the tensor scale or the rows' scales at ``scales_ptr``.
 
     Invalid tokens and padded dims read 0; their scores are masked by the caller.
     """
     physical_block = tl.load(block_table_row_ptr + token_pos // BLOCK_SIZE, mask=token_valid, other=0)
+    slot = (token_pos % BLOCK_SIZE).to(tl.int64)
     row_offset = (
-        physical_block.to(tl.int64) * stride_block
-        + (token_pos % BLOCK_SIZE).to(tl.int64) * stride_slot
-        + kv_head.to(tl.int64) * stride_head
+        physical_block.to(tl.int64) * stride_block + slot * stride_slot + kv_head.to(tl.int64) * stride_head
     )
     ptrs = cache_ptr + row_offset[:, None] + dim_offsets.to(tl.int64)[None, :] * stride_dim
-    return tl.load(ptrs, mask=token_valid[:, None] & dim_valid[None, :], other=0.0)
+    raw = tl.load(ptrs, mask=token_valid[:, None] & dim_valid[None, :], other=0)
+    if KV_KIND == 0:
+        tile = raw
+    else:
+        row_scales = tl.full((raw.shape[0],), 0.0, dtype=tl.float32)
+        if KV_KIND >= 2:
+            scale_offset = (
+                physical_block.to(tl.int64) * stride_s_block
+                + slot * stride_s_slot
+                + kv_head.to(tl.int64) * stride_s_head
+            )
+            row_scales = tl.load(scales_ptr + scale_offset, mask=token_valid, other=0.0)
+        tile = dequantize_tile(raw, row_scales, tensor_scale, KV_KIND)
+    return tile
 
 
 @triton.jit
