@@ -327,3 +327,38 @@ def test_gguf_block_slices_dequantize_to_slices_of_the_full_weight():
     # tp=4 leaves each rank 16 of o_proj's 64 input columns: half a block
     with pytest.raises(ConfigError, match="Q8_0 blocks hold 32 input columns, and this rank's 16 columns"):
         shard_quant_weight("layers.0.self_attn.o_proj", q8(64, 64), TensorShard(arch, 1, 4))
+
+
+@pytest.mark.parametrize("tokens", [5, 3000])
+def test_a_step_message_round_trips_inline_and_with_its_overflow(tokens):
+    """Small steps travel in the one fixed-size message; a long prefill sends the rest after it."""
+    from kvpilot.engine.distributed.step_message import (
+        COPY,
+        INLINE_LEN,
+        SWAP_OUT,
+        KVOp,
+        StepInputs,
+        decode_step,
+        encode_step,
+    )
+
+    ids = torch.arange(tokens, dtype=torch.int64)
+    inputs = StepInputs(
+        ids + 7,
+        ids,
+        ids + 16,
+        torch.tensor([tokens - 1]),
+        torch.tensor([0, tokens], dtype=torch.int32),
+        torch.tensor([tokens], dtype=torch.int32),
+        torch.arange(1, 1 + -(-tokens // 16), dtype=torch.int32).view(1, -1),
+        0,
+        [KVOp(SWAP_OUT, [3, 4], [0, 1]), KVOp(COPY, [5], [3])],
+    )
+    message, rest = encode_step(inputs)
+    assert (rest is None) == (3 * tokens + 4 + -(-tokens // 16) + 10 <= INLINE_LEN)
+    got = decode_step(message, rest)
+    for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "query_start_loc", "seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(inputs, name)), name
+    assert torch.equal(got.block_tables, inputs.block_tables) and got.kv_ops == inputs.kv_ops
+    meta = got.metadata(16)
+    assert (meta.query_lens_host, meta.seq_lens_host, meta.num_decodes) == ([tokens], [tokens], 0)
