@@ -76,9 +76,7 @@ class LLMEngine(StepOutputs):
         memory = memory_baseline(config, self.device, device_memory)  # before any weights load
         #: ranks 1..tp-1 (docs/architecture.md#tensor-parallelism); None = one process holds the model
         self.tp_workers = start_workers(config, self.device)
-        if (
-            self.tp_workers is not None
-        ):  # an engine dropped without shutdown() (or a failed start) still stops them
+        if self.tp_workers is not None:  # stopped by an engine dropped without shutdown() too
             weakref.finalize(self, self.tp_workers.shutdown)
         try:
             target = load_served_model(

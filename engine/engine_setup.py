@@ -204,11 +204,11 @@ def build_paged_kv(
     )
     layout = target.backend.kv_cache_layout
     shape = (arch.num_hidden_layers, num_blocks, cc.block_size, target.model.arch.num_key_value_heads)
-    quant = {"kv_cache_dtype": cc.kv_cache_dtype, "fp8_scales": target.fp8_kv_scales()}
+    options = {"layout": layout, "kv_cache_dtype": cc.kv_cache_dtype, "fp8_scales": target.fp8_kv_scales()}
     kv_cache = (
-        KVCache(*shape, arch.head_dim, dtype, device, layout=layout, **quant)
+        KVCache(*shape, arch.head_dim, dtype, device, **options)
         if kv_ops is None
-        else RecordingKVCache(*shape, arch.head_dim, dtype, device, layout=layout, ops=kv_ops, **quant)
+        else RecordingKVCache(*shape, arch.head_dim, dtype, device, ops=kv_ops, **options)
     )
     swap = None
     if cc.swap_space > 0:

@@ -29,7 +29,7 @@ from kvpilot.engine.distributed.step_message import (
     STOP,
     KVOp,
     StepInputs,
-    control_header,
+    control_message,
     encode_step,
 )
 from kvpilot.engine.distributed.worker import WorkerSpec, worker_main
@@ -113,15 +113,16 @@ class TensorParallelWorkers:
     def allocate(self, kv_cache: KVCache, swap_blocks: int) -> None:
         """Tell the workers the KV cache's block count (and swap blocks): they allocate theirs."""
         self.check()
-        header = control_header(ALLOCATE, kv_cache.num_blocks, swap_blocks)
-        self.group.broadcast_control(header, LOAD_TIMEOUT_S)
+        message = control_message(ALLOCATE, kv_cache.num_blocks, swap_blocks)
+        self.group.broadcast_control(message, LOAD_TIMEOUT_S)
 
     def send(self, inputs: StepInputs) -> None:
-        """Broadcast one step's inputs (the header, then the payload)."""
+        """Broadcast one step's inputs (one message; a payload too long for it sends its rest after)."""
         self.check()
-        header, payload = encode_step(inputs)
-        self.group.broadcast_control(header, self.group.collective_timeout_s)
-        self.group.broadcast_control(payload, self.group.collective_timeout_s)
+        message, rest = encode_step(inputs)
+        self.group.broadcast_control(message, self.group.collective_timeout_s)
+        if rest is not None:
+            self.group.broadcast_control(rest, self.group.collective_timeout_s)
 
     def fail(self, err: BaseException) -> TensorParallelError:
         """The error to raise for ``err`` from a collective; the workers are unusable from now on."""
@@ -137,7 +138,7 @@ class TensorParallelWorkers:
         self._stopping = True
         if self.failure is None and all(p.is_alive() for p in self.processes):
             try:
-                self.group.broadcast_control(control_header(STOP), self.group.collective_timeout_s)
+                self.group.broadcast_control(control_message(STOP), self.group.collective_timeout_s)
             except Exception as err:  # a worker died meanwhile: it is killed below
                 log.warning("tensor-parallel STOP failed: %s", err)
         for p in self.processes:

@@ -1,11 +1,12 @@
 """A tensor-parallel rank's slice of GGUF blocks kept as stored (docs/architecture.md#tensor-parallelism).
 
-GGUF blocks run along a row's input dimension (32 weights each), so the shards of
+GGUF blocks run along a row's input dimension, so the shards of
 ``distributed.sharding`` are byte slices of the stored rows: a column-parallel weight (q/k/v, gate/up, the
 embedding and an untied LM head) keeps whole rows — the rank's heads, MLP columns or vocabulary rows, the
 last vocabulary shard padded with zero rows (a zero scale dequantizes to zeros) — and a row-parallel one
 (o_proj, down_proj) keeps the byte range of its input columns, which must start and end on a block
-boundary: a width that does not is refused naming the format.
+boundary (32 columns, 256 for the K-quants' super-blocks): a width that does not is refused naming the
+format.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch
 from kvpilot.engine.config import ConfigError
 from kvpilot.engine.distributed.sharding import TensorShard
 from kvpilot.engine.model.quant_formats import QuantWeight, concat_rows
-from kvpilot.engine.native.quant_ops import BLOCK
 
 
 def _rows(weight: QuantWeight, pick: Callable[[torch.Tensor], torch.Tensor]) -> QuantWeight:
@@ -31,9 +31,10 @@ def _part(weight: QuantWeight, start: int, stop: int) -> QuantWeight:
 
 def _columns(weight: QuantWeight, start: int, width: int, path: str) -> QuantWeight:
     fmt = weight.format
-    if not fmt.row_scales and (start % BLOCK or width % BLOCK):
+    block = fmt.block_weights
+    if not fmt.row_scales and (start % block or width % block):
         raise ConfigError(
-            f"{path}: {fmt.name} blocks hold {BLOCK} input columns, and this rank's {width} columns from "
+            f"{path}: {fmt.name} blocks hold {block} input columns, and this rank's {width} columns from "
             f"{start} do not fall on block boundaries; use another tensor_parallel_size or "
             "quantization='none'"
         )

@@ -1,10 +1,12 @@
 """What rank 0 broadcasts to the workers: each step's flat model inputs and the KV block operations the
 scheduler ran since the last step (docs/architecture.md#tensor-parallelism).
 
-One message per step, whatever the number of layers: a fixed ``[HEADER_LEN]`` int64 header (the command
-and the sizes), then — for a step — one int64 payload holding, in order, the input ids, positions and
-slot mapping (``[tokens]`` each), the logits rows, ``query_start_loc`` and ``seq_lens``, the block tables
-(``[seqs, width]``, row-major) and the KV operations. Each KV operation is ``kind, n, src × n, dst × n``:
+One broadcast per step, whatever the number of layers: a fixed ``[MESSAGE_LEN]`` int64 message, the
+``HEADER_LEN`` header (the command and the sizes) followed by the first ``INLINE_LEN`` words of the
+payload; only a payload longer than that (a large prefill batch) sends its rest in a second broadcast.
+The payload holds, in order, the input ids, positions and slot mapping (``[tokens]`` each), the logits
+rows, ``query_start_loc`` and ``seq_lens``, the block tables (``[seqs, width]``, row-major) and the KV
+operations. Each KV operation is ``kind, n, src × n, dst × n``:
 a block copy (copy-on-write), a swap-out to host blocks or a swap-in from them, in the order rank 0 ran
 them — a block freed by a swap-out may be the destination of a later copy in the same step.
 """
@@ -19,6 +21,10 @@ import torch
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 HEADER_LEN = 8
+#: payload words carried in the message itself: a decode step of 64 sequences with tables of 40 blocks
+#: fits (32 KiB per broadcast)
+INLINE_LEN = 4088
+MESSAGE_LEN = HEADER_LEN + INLINE_LEN
 #: header commands
 STEP, STOP, ALLOCATE = 1, 2, 3
 #: KV operation kinds
@@ -79,8 +85,8 @@ class StepInputs:
         return StepInputs(*move, num_decodes=self.num_decodes, kv_ops=self.kv_ops)
 
 
-def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a step, both int64 CPU tensors."""
+def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(message, the payload's rest beyond the message or None), int64 CPU tensors."""
     ops: list[int] = []
     for op in inputs.kv_ops:
         ops += [op.kind, len(op.src), *op.src, *op.dst]
@@ -96,7 +102,8 @@ def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     ]
     payload = torch.cat([p.cpu().to(torch.int64) for p in parts])
     seqs, width = inputs.block_tables.shape
-    header = torch.tensor(
+    message = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
+    message[:HEADER_LEN] = torch.tensor(
         [
             STEP,
             payload.numel(),
@@ -109,12 +116,22 @@ def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         ],
         dtype=torch.int64,
     )
-    return header, payload
+    inline = min(payload.numel(), INLINE_LEN)
+    message[HEADER_LEN : HEADER_LEN + inline] = payload[:inline]
+    return message, (payload[INLINE_LEN:] if payload.numel() > INLINE_LEN else None)
 
 
-def decode_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
-    """The step ``encode_step`` made ``(header, payload)`` of (CPU tensors)."""
-    _, _, tokens, seqs, width, logits, num_decodes, num_ops = header.tolist()
+def payload_length(message: torch.Tensor) -> int:
+    return int(message[1])
+
+
+def decode_step(message: torch.Tensor, rest: torch.Tensor | None) -> StepInputs:
+    """The step ``encode_step`` made ``(message, rest)`` of (CPU tensors)."""
+    _, length, tokens, seqs, width, logits, num_decodes, num_ops = message[:HEADER_LEN].tolist()
+    # a copy: the worker receives the next message into the same buffer
+    payload = message[HEADER_LEN : HEADER_LEN + min(length, INLINE_LEN)].clone()
+    if rest is not None:
+        payload = torch.cat([payload, rest])
     sizes = [tokens, tokens, tokens, logits, seqs + 1, seqs, seqs * width, num_ops]
     ids, pos, slots, rows, qsl, lens, tables, ops = payload.split(sizes)
     return StepInputs(
@@ -139,9 +156,9 @@ def _decode_ops(flat: list[int]) -> list[KVOp]:
     return out
 
 
-def control_header(command: int, *values: int) -> torch.Tensor:
-    """A header-only message (``STOP``; ``ALLOCATE`` with the KV cache's sizes)."""
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0] = command
-    header[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.int64)
-    return header
+def control_message(command: int, *values: int) -> torch.Tensor:
+    """A message without payload (``STOP``; ``ALLOCATE`` with the KV cache's sizes)."""
+    message = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
+    message[0] = command
+    message[2 : 2 + len(values)] = torch.tensor(values, dtype=torch.int64)
+    return message

@@ -25,7 +25,15 @@ from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.distributed.groups import TensorParallelGroup
 from kvpilot.engine.distributed.kv_replica import replay
 from kvpilot.engine.distributed.sharding import TensorParallelRank, TensorShard
-from kvpilot.engine.distributed.step_message import ALLOCATE, HEADER_LEN, STEP, STOP, decode_step
+from kvpilot.engine.distributed.step_message import (
+    ALLOCATE,
+    INLINE_LEN,
+    MESSAGE_LEN,
+    STEP,
+    STOP,
+    decode_step,
+    payload_length,
+)
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 
 log = logging.getLogger(__name__)
@@ -98,12 +106,12 @@ def _serve(rank: int, spec: WorkerSpec, device: torch.device, group: TensorParal
         mc.quantization,
         TensorParallelRank(TensorShard(arch, rank, spec.size), group),
     )
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    group.broadcast_control(header)
-    if int(header[0]) == STOP:
+    message = torch.zeros(MESSAGE_LEN, dtype=torch.int64)
+    group.broadcast_control(message)
+    if int(message[0]) == STOP:
         return  # rank 0 gave up during start-up
-    assert int(header[0]) == ALLOCATE, f"expected the KV cache's sizes, got command {int(header[0])}"
-    num_blocks, swap_blocks = int(header[2]), int(header[3])
+    assert int(message[0]) == ALLOCATE, f"expected the KV cache's sizes, got command {int(message[0])}"
+    num_blocks, swap_blocks = int(message[2]), int(message[3])
     local = served.model.arch
     kv_cache = KVCache(
         local.num_hidden_layers,
@@ -115,19 +123,21 @@ def _serve(rank: int, spec: WorkerSpec, device: torch.device, group: TensorParal
         device,
         layout=served.backend.kv_cache_layout,
         kv_cache_dtype=config.cache.kv_cache_dtype,
-        fp8_scales=served.fp8_kv_scales(),  # per layer, so the same on every rank
+        fp8_scales=served.fp8_kv_scales(),
     )
     swap = HostSwapSpace(kv_cache, swap_blocks) if swap_blocks else None
     model, block_size = served.model, config.cache.block_size
     while True:
-        group.broadcast_control(header)
-        command = int(header[0])
+        group.broadcast_control(message)
+        command = int(message[0])
         if command == STOP:
             return
         assert command == STEP, f"unknown command {command}"
-        payload = torch.empty(int(header[1]), dtype=torch.int64)
-        group.broadcast_control(payload)
-        step = decode_step(header, payload)
+        rest = None
+        if payload_length(message) > INLINE_LEN:
+            rest = torch.empty(payload_length(message) - INLINE_LEN, dtype=torch.int64)
+            group.broadcast_control(rest)
+        step = decode_step(message, rest)
         replay(step.kv_ops, kv_cache, swap)
         inputs = step.to(device) if device.type != "cpu" else step
         hidden = model(inputs.input_ids, inputs.positions, kv_cache.layers, inputs.metadata(block_size))
