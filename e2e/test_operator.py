@@ -191,13 +191,13 @@ def test_invalid_specs_are_refused_or_reported(cluster, kubectl, namespace):
     assert refused.returncode != 0
     assert "spec.scaling.spare" in refused.stderr
     assert cluster.get(ISVC, namespace, "bad") is None
-    # One engine drives one GPU until tensor parallelism exists: the CRD's maximum refuses more.
+    # A replica's GPUs are one node's, split by tensor parallelism: the CRD's maximum (8) refuses more.
     refused = kubectl(
         "apply",
         "-f",
         "-",
         check=False,
-        stdin=manifest(namespace, "tp", "{replicas: 1}", "  resources: {gpus: 2}\n"),
+        stdin=manifest(namespace, "tp", "{replicas: 1}", "  resources: {gpus: 9}\n"),
     )
     assert refused.returncode != 0
     assert "spec.resources.gpus" in refused.stderr

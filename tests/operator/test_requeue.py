@@ -68,7 +68,8 @@ async def test_follow_ups_keep_the_earliest_and_can_be_forgotten():
     queue.trigger(A, delay=0.05)  # earlier: replaces the 60 s one
     queue.trigger(A, delay=30)  # later than the pending one: ignored
     await async_wait_until(lambda: recorder.calls == [A], timeout_s=5, what="the 0.05 s follow-up")
-    assert queue.pending == 0
+    # the pass is recorded when it starts; the follow-up leaves the queue when the pass returns
+    await async_wait_until(lambda: queue.pending == 0, what="the queue drained")
     queue.trigger(B, delay=0.05)
     queue.forget(B)  # deleted meanwhile: its follow-up is cancelled, nothing left to run
     assert queue.pending == 0 and recorder.calls == [A]
