@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 from quantization import (
     PERPLEXITY_TEXT,
+    agreement,
+    agreement_text,
     decode_step_seconds,
-    first_divergence,
     greedy,
     perplexity,
     real_prompts,
-    teacher_forced_agreement,
 )
 
 import kvpilot  # noqa: F401 - sets OpenMP defaults before torch loads
@@ -112,24 +112,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"auto: perplexity {entry['perplexity']} on the fixed text", flush=True)
             continue
         change = 100 * (entry["perplexity"] / report["dtypes"]["auto"]["perplexity"] - 1)
-        agree, total = teacher_forced_agreement(llm, prompts, reference)
-        free = [
-            first_divergence(ours, ref)
-            for ours, ref in zip(greedy(llm, prompts, args.tokens), reference, strict=True)
-        ]
-        entry |= {
-            "perplexity_change_pct": round(change, 2),
-            "teacher_forced_agree": agree,
-            "teacher_forced_positions": total,
-            "free_running_identical_prompts": sum(d == args.tokens for d in free),
-            "free_running_mean_first_divergence": round(sum(free) / len(free), 1),
-            "prompts": len(prompts),
-        }
+        entry["perplexity_change_pct"] = round(change, 2)
+        entry |= agreement(llm, prompts, reference, args.tokens)
         print(
-            f"{kv}: perplexity {entry['perplexity']} ({change:+.2f}%); teacher-forced argmax agreement "
-            f"{agree}/{total} ({100 * agree / total:.1f}%); free-running: "
-            f"{entry['free_running_identical_prompts']}/{len(prompts)} prompts identical over {args.tokens} "
-            f"tokens, mean first divergence {entry['free_running_mean_first_divergence']}",
+            f"{kv}: perplexity {entry['perplexity']} ({change:+.2f}%); {agreement_text(entry, args.tokens)}",
             flush=True,
         )
     ranges = report["auto_kv_ranges"] = kv_value_ranges(engines["auto"])

@@ -102,6 +102,31 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
 
 
+def agreement(llm: LLM, prompts: list[list[int]], reference: list[list[int]], tokens: int) -> dict:
+    """Teacher-forced argmax agreement and free-running first divergence of ``llm`` against the greedy
+    ``reference`` continuations (what the accuracy tables report)."""
+    agree, total = teacher_forced_agreement(llm, prompts, reference)
+    free = [
+        first_divergence(ours, ref) for ours, ref in zip(greedy(llm, prompts, tokens), reference, strict=True)
+    ]
+    return {
+        "teacher_forced_agree": agree,
+        "teacher_forced_positions": total,
+        "free_running_identical_prompts": sum(d == tokens for d in free),
+        "free_running_mean_first_divergence": round(sum(free) / len(free), 1),
+        "prompts": len(prompts),
+    }
+
+
+def agreement_text(entry: dict, tokens: int) -> str:
+    agree, total = entry["teacher_forced_agree"], entry["teacher_forced_positions"]
+    return (
+        f"teacher-forced argmax agreement {agree}/{total} ({100 * agree / total:.1f}%); free-running: "
+        f"{entry['free_running_identical_prompts']}/{entry['prompts']} prompts identical over {tokens} "
+        f"tokens, mean first divergence {entry['free_running_mean_first_divergence']}"
+    )
+
+
 def decode_step_seconds(llm: LLM, batch: int, steps: int, seed: int, clock) -> float:
     """Mean seconds of one decode-only step of ``batch`` sequences (prefill excluded)."""
     engine = llm.engine
@@ -161,25 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         change = 100 * (entry["perplexity"] / report["methods"]["none"]["perplexity"] - 1)
         entry["perplexity_change_pct"] = round(change, 2)
-        agree, total = teacher_forced_agreement(llm, prompts, reference)
-        free = [
-            first_divergence(ours, ref)
-            for ours, ref in zip(greedy(llm, prompts, args.tokens), reference, strict=True)
-        ]
-        entry |= {
-            "teacher_forced_agree": agree,
-            "teacher_forced_positions": total,
-            "free_running_identical_prompts": sum(d == args.tokens for d in free),
-            "free_running_mean_first_divergence": round(sum(free) / len(free), 1),
-            "prompts": len(prompts),
-        }
-        print(
-            f"{method}: teacher-forced argmax agreement {agree}/{total} ({100 * agree / total:.1f}%); "
-            f"free-running: {entry['free_running_identical_prompts']}/{len(prompts)} prompts identical over "
-            f"{args.tokens} tokens, mean first divergence {entry['free_running_mean_first_divergence']}; "
-            f"perplexity {entry['perplexity']} ({change:+.2f}%)",
-            flush=True,
-        )
+        entry |= agreement(llm, prompts, reference, args.tokens)
+        ppl = f"perplexity {entry['perplexity']} ({change:+.2f}%)"
+        print(f"{method}: {agreement_text(entry, args.tokens)}; {ppl}", flush=True)
     # one thread: the thread's CPU time, which other processes on a shared host cannot stretch
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     best = {(m, b): float("inf") for m in engines for b in args.batches}
