@@ -16,7 +16,7 @@ from typing import Any
 
 import gguf
 import numpy as np
-from gguf_files import stack_experts
+from gguf_files import add_typed_tensor, finish, stack_experts
 from safetensors.numpy import load_file
 
 GGUF_ARCH = {"phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "qwen2_moe": "qwen2moe"}
@@ -87,17 +87,8 @@ def write_family_gguf(
         name = llama_cpp_name(hf, model_type)
         if model_type.startswith("gemma") and name.endswith("norm.weight"):
             array = array + np.float32(1.0)  # convert_hf_to_gguf.py's Gemma modify_tensors
-        if types.get(name) == "F16":
-            writer.add_tensor(name, array.astype(np.float16))
-        elif name in types:
-            qtype = gguf.GGMLQuantizationType[types[name]]
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_typed_tensor(writer, name, array, types.get(name))
+    finish(writer)
 
 
 def _rope(config: Mapping[str, Any], layer_type: str = "full_attention") -> dict[str, Any]:

@@ -144,16 +144,28 @@ def write_llama_gguf(
             array = llama_cpp_permute(array, config["num_attention_heads"])
         elif arch == "llama" and ".attn_k." in name:
             array = llama_cpp_permute(array, config["num_key_value_heads"])
-        if types.get(name) == "F16":
-            writer.add_tensor(name, array.astype(np.float16))
-        elif name in types:
-            qtype = gguf.GGMLQuantizationType[types[name]]
-            blocks = K_QUANTIZERS[types[name]](array) if types[name] in K_QUANTIZERS else None
-            writer.add_tensor(
-                name, gguf.quants.quantize(array, qtype) if blocks is None else blocks, raw_dtype=qtype
-            )
-        else:
-            writer.add_tensor(name, array)
+        add_typed_tensor(writer, name, array, types.get(name))
+    finish(writer)
+
+
+def add_typed_tensor(writer: gguf.GGUFWriter, name: str, array: np.ndarray, type_name: str | None) -> None:
+    """``array`` as tensor ``name`` in the GGUF type ``type_name`` (None: as it is; ``F16``; a quantized
+    type by gguf's quantizer, K-quants by ``k_quants``)."""
+    if type_name is None:
+        writer.add_tensor(name, array)
+    elif type_name == "F16":
+        writer.add_tensor(name, array.astype(np.float16))
+    else:
+        qtype = gguf.GGMLQuantizationType[type_name]
+        blocks = (
+            K_QUANTIZERS[type_name](array)
+            if type_name in K_QUANTIZERS
+            else gguf.quants.quantize(array, qtype)
+        )
+        writer.add_tensor(name, blocks, raw_dtype=qtype)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
