@@ -7,9 +7,10 @@ The result maps module paths of ``LlamaForCausalLM`` (``layers.3.self_attn.qkv_p
 rows keeps every block intact. Fused projections (q/k/v, gate/up) concatenate their parts' rows (Phi-3's
 file holds them fused already). A sparse layer's stacked experts (``ffn_{gate,up,down}_exps``, data
 ``[experts, rows, row_bytes]``) become one gate/up and one down weight per expert (``experts``, for
-``moe_quant.QuantExperts``). A module whose tensors are in a format the kernels do not run (F16, Q5_K,
-…), or whose parts differ in format, is listed in ``dequantized`` instead: it keeps the float weights
-of the converted checkpoint.
+``moe_quant.QuantExperts``). A fused module whose parts differ in format (llama.cpp's Q4_K_M stores some
+layers' ``attn_v`` as Q6_K beside Q4_K q/k) keeps each part in its own format (``split``). A module with a
+tensor in a format the kernels do not run (F16, Q5_K, …) is listed in ``dequantized`` instead: it keeps
+the float weights of the converted checkpoint.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ RUNNABLE_TYPES = tuple(name for name, fmt in FORMATS.items() if not fmt.row_scal
 class GGUFWeights:
     #: module path → its weight in GGUF blocks
     weights: dict[str, QuantWeight] = field(default_factory=dict)
-    #: module path → the GGUF types that keep it in float (no kernel for them, or mixed parts)
+    #: module path → the GGUF types that keep it in float (no kernel for one of them)
     dequantized: dict[str, str] = field(default_factory=dict)
+    #: fused module path → its parts in their own formats (they differ; each one runs)
+    split: dict[str, list[QuantWeight]] = field(default_factory=dict)
     #: sparse block path (``layers.3.mlp``) → its experts' (gate/up, down) weights in blocks, one per expert
     experts: dict[str, tuple[list[QuantWeight], list[QuantWeight]]] = field(default_factory=dict)
 
@@ -82,11 +85,14 @@ def read_gguf_weights(gguf_path: Path, arch: ModelArchConfig) -> GGUFWeights:
         if missing:
             raise ValueError(f"{gguf_path} lacks {missing[0]}, which {module} needs")
         types = [tensors[n].tensor_type.name for n in names]
-        if len(set(types)) != 1 or types[0] not in RUNNABLE_TYPES:
+        if any(t not in RUNNABLE_TYPES for t in types):
             result.dequantized[module] = "+".join(dict.fromkeys(types))
             continue
         parts = [_blocks(tensors[n], arch) for n in names]
-        result.weights[module] = parts[0] if len(parts) == 1 else concat_rows(parts)
+        if len(set(types)) > 1:  # e.g. Q4_K_M's Q6_K attn_v beside Q4_K q/k
+            result.split[module] = parts
+        else:
+            result.weights[module] = parts[0] if len(parts) == 1 else concat_rows(parts)
     sparse = arch.moe.sparse_layers if arch.moe is not None else ()
     for layer in [i for i, is_sparse in enumerate(sparse) if is_sparse]:
         _read_experts(result, tensors, layer, gguf_path)

@@ -177,6 +177,11 @@ def load_model(
         gguf = read_gguf_weights(gguf_path, full_arch)
         if tensor_parallel is not None:  # the rank's rows and block columns of the stored blocks
             gguf.weights = shard_quant_weights(gguf.weights, tensor_parallel.shard)
+            # mixed-format fused parts are not sharded as blocks: their float copies are
+            gguf.dequantized |= {
+                path: "+".join(p.format.name for p in parts) for path, parts in gguf.split.items()
+            }
+            gguf.split = {}
         install_gguf_weights(model, gguf, native)
     fp8_quant = read_checkpoint_quantization(model_dir)
     checkpoint = SafetensorsCheckpoint(model_dir)

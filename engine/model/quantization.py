@@ -28,7 +28,7 @@ from kvpilot.engine.model.fp8_checkpoint import read_checkpoint_quantization
 from kvpilot.engine.model.gguf_weights import GGUFWeights
 from kvpilot.engine.model.moe_quant import QuantExperts
 from kvpilot.engine.model.quant_formats import quantize_int8
-from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear
+from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear, SplitQuantLinear
 from kvpilot.engine.native.ops import NativeOps
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,9 @@ def install_gguf_weights(model: nn.Module, weights: GGUFWeights, native: NativeO
             setattr(parent, name, QuantEmbedding(weight))
         else:
             setattr(parent, name, QuantLinear(weight, old.bias is not None, native))
+    for path, parts in weights.split.items():
+        parent, name = _parent(model, path)
+        setattr(parent, name, SplitQuantLinear(parts, getattr(parent, name).bias is not None, native))
     for path, (gate_up, down) in weights.experts.items():
         model.get_submodule(path).keep_quantized_experts(QuantExperts(gate_up, down, native))
     if weights.dequantized:

@@ -15,15 +15,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize as gguf_quantize
 from gguf_files import write_llama_gguf
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
 from kvpilot.engine.config import ConfigError, EngineArgs
-from kvpilot.engine.model.quant_formats import dequantize, quantize_int8
-from kvpilot.engine.model.quant_linear import QUANT_NATIVE_MAX_ROWS, QuantEmbedding, QuantLinear
+from kvpilot.engine.model.quant_formats import QuantWeight, dequantize, quantize_int8
+from kvpilot.engine.model.quant_linear import (
+    QUANT_NATIVE_MAX_ROWS,
+    QuantEmbedding,
+    QuantLinear,
+    SplitQuantLinear,
+)
 from kvpilot.engine.model.quantization import resolve_quantization, weights_bytes
 from kvpilot.engine.model.tiny import write_tiny_llama
+from kvpilot.engine.native.quant_ops import FORMATS
 
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 400, "max_num_batched_tokens": 320, "max_num_seqs": 6}
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1"}
@@ -180,13 +188,32 @@ def test_k_quants_keep_their_super_blocks_and_compute_the_float_path(k_quant_ggu
     model = quant.engine.model
     assert quant.engine.quantization == "gguf"
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
-    # Q4_K q/k with a Q6_K v: the fused projection's parts differ, so it keeps float weights (as any mix)
-    assert not isinstance(attn.qkv_proj, QuantLinear)
+    # Q4_K q/k with a Q6_K v: the fused projection keeps each part in its own format
+    assert isinstance(attn.qkv_proj, SplitQuantLinear) and attn.qkv_proj.formats == ["Q4_K", "Q4_K", "Q6_K"]
     assert isinstance(mlp.gate_up_proj, QuantLinear) and mlp.gate_up_proj.format == "Q4_K"
     assert isinstance(mlp.down_proj, QuantLinear) and mlp.down_proj.format == "Q6_K"
     assert isinstance(attn.o_proj, QuantLinear) and attn.o_proj.format == "Q4_K"
     assert isinstance(model.embed_tokens, QuantEmbedding) and model.packed_lm_head.format == "Q6_K"
-    assert weights_bytes(model) < weights_bytes(float_llm.engine.model) / 3
+    assert weights_bytes(model) < weights_bytes(float_llm.engine.model) / 4
     assert quant_tokens == float_tokens
     for ours, reference in zip(quant_logits, float_logits, strict=True):
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_split_projection_is_its_parts_side_by_side_plus_the_bias():
+    """Each part in its own format (here Q4_0 and Q8_0 rows over the same inputs), the fused bias added
+    once over all of them; parts with other input widths are refused."""
+    g = torch.Generator().manual_seed(3)
+    dense = [torch.randn(n, 64, generator=g) / 8 for n in (24, 8)]
+    parts = [
+        QuantWeight(FORMATS[f], torch.from_numpy(gguf_quantize(w.numpy(), GGMLQuantizationType[f])), None, 64)
+        for f, w in zip(("Q4_0", "Q8_0"), dense, strict=True)
+    ]
+    layer = SplitQuantLinear(parts, has_bias=True, native=None)
+    layer.bias.copy_(torch.arange(32, dtype=torch.float32))
+    x = torch.randn(3, 64, generator=g)
+    expected = torch.cat([x @ dequantize(p).T for p in parts], dim=-1) + layer.bias
+    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    assert layer.formats == ["Q4_0", "Q8_0"] and layer.out_features == 32
+    with pytest.raises(ValueError, match="share their inputs"):
+        SplitQuantLinear([parts[0], quantize_int8(torch.randn(4, 32))], has_bias=False, native=None)
