@@ -5,7 +5,8 @@ under ``quantization=gguf`` (docs/models.md#gguf).
 The kernel cases: Q4_0, Q4_1 and Q8_0; 8 experts top-2 and 64 experts top-8; with the native kernels
 (their quantized GEMM for an expert's first 64 rows, dequantized slices and torch's GEMM beyond: the hot
 expert of the 150-token case has more) and without (PyTorch dequantization); uneven token counts and
-experts no token chose, whose blocks are poisoned with NaN scales so reading one would show.
+experts no token chose, whose blocks are poisoned with NaN scales so reading one would show; and the
+K-quants Q4_K / Q6_K on layers of whole 256-weight super-blocks.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from gguf_family_files import write_family_gguf
-from gguf_files import write_llama_gguf
+from gguf_files import K_QUANTIZERS, write_llama_gguf
 from moe_models import PROMPT, STEPS, write_moe_model
 
 from kvpilot.engine import LLM, SamplingParams
@@ -129,3 +130,24 @@ def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str)
             assert (shared == "QuantLinear") == (mode == "gguf")
         tokens[mode] = llm.generate([PROMPT], params)[0].outputs[0].token_ids
     assert tokens["gguf"] == tokens["none"]
+
+
+@pytest.mark.parametrize("with_native", [True, False], ids=["native", "pytorch"])
+@pytest.mark.parametrize("fmt", sorted(K_QUANTIZERS))
+def test_k_quant_experts_match_the_dequantized_reference(native, fmt, with_native):
+    """Q4_K / Q6_K experts (llama.cpp's Q4_K_M MoE files): widths of whole 256-weight super-blocks."""
+    hidden, inter, experts, top_k, tokens = 256, 512, 8, 2, 37
+    ops = native if with_native else None
+    g = torch.Generator().manual_seed(9)
+
+    def k_blocks(weight: torch.Tensor) -> QuantWeight:
+        data = torch.from_numpy(K_QUANTIZERS[fmt](weight.numpy()))
+        return QuantWeight(FORMATS[fmt], data, None, weight.shape[1])
+
+    gate_up = [k_blocks(torch.randn(2 * inter, hidden, generator=g) / hidden**0.5) for _ in range(experts)]
+    down = [k_blocks(torch.randn(hidden, inter, generator=g) / inter**0.5) for _ in range(experts)]
+    layer = QuantExperts(gate_up, down, ops)
+    w13, w2 = layer.dequantized()
+    x = torch.randn(tokens, hidden, generator=g)
+    weights, ids, _ = routing(tokens, experts, top_k, seed=5)
+    assert (layer(x, weights, ids, ops) - reference_moe(x, w13, w2, weights, ids)).abs().max() < TOLERANCE
