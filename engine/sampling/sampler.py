@@ -14,8 +14,9 @@ Fast paths: an all-greedy batch without constraints, penalties or logprobs is a 
 2–4 run only for the rows whose parameters use them, chosen on the host (``row_params.FilterRows``): the
 pipeline asks the device nothing until the sampled ids come back. On a CPU with the native kernels, steps
 3–5 of the sampled rows run in C (``engine/native/sampling.c``: the same support sets and draw, one pass
-per row instead of full-vocabulary sorts and masks) unless a row needs typical-p, a near-zero temperature
-or its processed distribution (processed logprobs, beams); the tensor pipeline is its reference. The
+per row instead of full-vocabulary sorts and masks; rows with typical-p or a near-zero temperature take the
+tensor steps beside it) unless a row needs its processed distribution (processed logprobs, beams); the
+tensor pipeline is its reference. The
 per-row parameters come as tensors (``SamplingTensors``), gathered by the engine from its persistent batch.
 
 Logprobs: ``raw_logprobs`` report the model's own distribution (log-softmax of the raw logits);
@@ -147,12 +148,17 @@ class Sampler:
     ) -> Distributions:
         """Steps 1-4 of the pipeline for every row of ``logits`` [N, V]: what each row is drawn from (or,
         for greedy rows, the argmax of), without drawing. Speculative verification scores drafts with it."""
-        proc = self._constrained(logits, states)
-        rows = _SampledRows.of(states, row_params, logits.device)
+        return self._truncated(self._constrained(logits, states), states, row_params)
+
+    def _truncated(
+        self, proc: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None
+    ) -> Distributions:
+        """Steps 3-4 on ``proc``, the rows' logits after steps 1-2."""
+        rows = _SampledRows.of(states, row_params, proc.device)
         if rows is None:
             return Distributions(proc, [], None, None)
         row_params, pick = rows.row_params, [states[i].params for i in rows.indices]
-        plan = FilterRows.of(pick, logits.shape[-1], logits.device)
+        plan = FilterRows.of(pick, proc.shape[-1], proc.device)
         temps = row_params.temperature.unsqueeze(1)
         scaled = rows.take(proc) / temps.clamp(min=NEAR_ZERO_TEMPERATURE)
         if plan.near_zero_temperature:
@@ -232,15 +238,10 @@ class Sampler:
         self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None
     ) -> list[int] | None:
         """Every row's token with steps 3-5 of the sampled rows in the C kernel, or None where the kernel
-        does not apply: no kernel, not float32 CPU logits, no sampled row, or a row with typical-p or a
-        near-zero temperature. The uniform numbers are drawn as the tensor path draws them."""
+        does not apply (no kernel, not float32 CPU logits, no sampled row). Rows with typical-p or a
+        near-zero temperature, which the kernel does not take, are truncated by the tensor pipeline and
+        drawn with the same uniform numbers, drawn once for all rows as the tensor path draws them."""
         if self.native is None or logits.device.type != "cpu" or logits.dtype != torch.float32:
-            return None
-        if any(
-            not st.params.is_greedy
-            and (st.params.typical_p < 1.0 or st.params.temperature < NEAR_ZERO_TEMPERATURE)
-            for st in states
-        ):
             return None
         rows = _SampledRows.of(states, row_params, logits.device)
         if rows is None:
@@ -248,7 +249,29 @@ class Sampler:
         proc = self._constrained(logits, states)
         gens = [states[i].generator for i in rows.indices]
         uniform = uniform_numbers(gens, 1, self.generator, logits.device)[:, 0]
-        drawn = self.native.draw(rows.take(proc).contiguous(), rows.row_params.values.contiguous(), uniform)
+        sampled, values = rows.take(proc), rows.row_params.values
+        rest = [
+            j
+            for j, i in enumerate(rows.indices)
+            if states[i].params.typical_p < 1.0 or states[i].params.temperature < NEAR_ZERO_TEMPERATURE
+        ]
+        if not rest:
+            drawn = self.native.draw(sampled.contiguous(), values.contiguous(), uniform)
+        else:
+            drawn = torch.empty(len(rows.indices), dtype=torch.long)
+            tensor_rows = set(rest)
+            kernel = [j for j in range(len(rows.indices)) if j not in tensor_rows]
+            if kernel:
+                k = torch.tensor(kernel)
+                drawn[k] = self.native.draw(
+                    sampled[k].contiguous(), values[k].contiguous(), uniform[k].contiguous()
+                )
+            t = torch.tensor(rest)
+            dist = self._truncated(
+                sampled[t], [states[rows.indices[j]] for j in rest], SamplingTensors(values[t])
+            )
+            assert dist.scaled is not None  # every one of these rows samples
+            drawn[t] = inverse_cdf_draw(dist.scaled.softmax(dim=-1), uniform[t])
         if rows.idx is None:
             return drawn.tolist()
         tokens = proc.argmax(dim=-1)

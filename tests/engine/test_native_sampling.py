@@ -144,8 +144,8 @@ def test_strided_rows_and_bad_layouts(kernels):
 
 def test_the_sampler_draws_the_same_tokens_with_and_without_the_kernel(kernels):
     """The whole ``Sampler.sample``: greedy rows beside sampled ones, penalties, seeded rows with their own
-    generators and raw logprobs give the same tokens and logprobs either way; typical-p rows make the
-    sampler keep the tensor path."""
+    generators and raw logprobs give the same tokens and logprobs either way, also with typical-p and
+    near-zero-temperature rows, which take the tensor steps beside the kernel's rows."""
     logits = _logits(12, 700, 4.0, seed=11)
     params = [
         SamplingParams(temperature=0.0),
@@ -163,7 +163,8 @@ def test_the_sampler_draws_the_same_tokens_with_and_without_the_kernel(kernels):
         ]
         return sampler.sample(logits, states, want_sampled_logprob=[True] * len(rows_params))
 
-    for rows_params in (params, [*params[:-1], SamplingParams(temperature=0.9, typical_p=0.8)]):
+    mixed = [*params[:-2], SamplingParams(temperature=0.9, typical_p=0.8), SamplingParams(temperature=1e-7)]
+    for rows_params in (params, mixed):
         with_kernel, without = run(kernels, rows_params), run(None, rows_params)
         assert with_kernel.token_ids == without.token_ids
         assert with_kernel.sampled_logprobs == without.sampled_logprobs
