@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from polling import wait_until
+from polling import process_alive, wait_until
 
 from kvpilot.bench.cli import main as bench_main
 from kvpilot.bench.compare import side_by_side
@@ -256,14 +256,6 @@ def _spec(tmp_path: Path, code: str, timeout_s: float = 5.0) -> ServerSpec:
     )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_stopping_a_server_ends_its_whole_process_group(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (
@@ -276,9 +268,11 @@ def test_stopping_a_server_ends_its_whole_process_group(tmp_path):
     with ManagedServer(spec, tmp_path / "toy.log") as server:
         leader = server.process.pid
         child = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), 10, "the child's pid"))
-        assert _alive(child)
-    assert server.process is None and not _alive(leader)
-    wait_until(lambda: not _alive(child), 5, "the child to end")  # reaped by init once the group is killed
+        assert process_alive(child)
+    assert server.process is None and not process_alive(leader)
+    wait_until(
+        lambda: not process_alive(child), 5, "the child to end"
+    )  # reaped by init once the group is killed
 
 
 def test_a_server_that_dies_or_never_gets_ready_is_a_clear_error(tmp_path):

@@ -12,7 +12,7 @@ import signal
 import time
 
 import pytest
-from polling import wait_until
+from polling import process_alive, wait_until
 
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.distributed.executor import TensorParallelError
@@ -38,14 +38,6 @@ def finish(engine: LLMEngine, rid: str) -> None:
         engine.step()
 
 
-def gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def test_a_killed_worker_fails_the_engine_and_no_process_remains(tiny_model_dir):
     engine = tp2_engine()
     try:
@@ -67,7 +59,7 @@ def test_a_killed_worker_fails_the_engine_and_no_process_remains(tiny_model_dir)
             engine.step()
     finally:
         engine.shutdown()
-    assert gone(pid) and multiprocessing.active_children() == []
+    assert not process_alive(pid) and multiprocessing.active_children() == []
 
 
 @pytest.mark.slow
@@ -87,7 +79,7 @@ def test_a_step_right_after_the_kill_raises_instead_of_hanging(tiny_model_dir):
         assert time.monotonic() - start < DETECT_S
     finally:
         engine.shutdown()
-    assert gone(pid) and multiprocessing.active_children() == []
+    assert not process_alive(pid) and multiprocessing.active_children() == []
 
 
 def test_a_hung_worker_fails_the_step_at_the_collective_timeout(tiny_model_dir, monkeypatch):
@@ -110,7 +102,7 @@ def test_a_hung_worker_fails_the_step_at_the_collective_timeout(tiny_model_dir, 
             engine.check_health()
     finally:
         engine.shutdown()
-    assert gone(pid) and multiprocessing.active_children() == []
+    assert not process_alive(pid) and multiprocessing.active_children() == []
 
 
 def test_shutdown_stops_the_workers_cleanly_and_is_idempotent(tiny_model_dir):

@@ -9,6 +9,7 @@ Importable because ``tests/conftest.py`` puts this folder on ``sys.path``.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -45,3 +46,12 @@ async def async_wait_until(
             raise _timed_out(what, timeout_s, value)
         await asyncio.sleep(interval_s)
     return value
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0 checks without sending anything)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
