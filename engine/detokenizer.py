@@ -76,12 +76,12 @@ class IncrementalDetokenizer:
 
     def _pushed_after_restart(self) -> str:
         """The tokens after ``read_offset`` through the restarted stream; their text, if complete."""
-        text = ""
-        for token_id in self.tokens[self.read_offset :]:
-            chunk = self._step(self._stream, token_id)
-            text += chunk or ""
-        if text:
-            self.read_offset = len(self.tokens)
+        text, start = "", self.read_offset
+        for position in range(start, len(self.tokens)):
+            chunk = self._step(self._stream, self.tokens[position])
+            if chunk is not None:  # everything up to this token is out; a later one may still be held
+                text += chunk
+                self.read_offset = position + 1
         return text
 
     def flush(self) -> str:

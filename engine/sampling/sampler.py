@@ -16,8 +16,8 @@ pipeline asks the device nothing until the sampled ids come back. On a CPU with 
 3–5 of the sampled rows run in C (``engine/native/sampling.c``: the same support sets and draw, one pass
 per row instead of full-vocabulary sorts and masks; rows with typical-p or a near-zero temperature take the
 tensor steps beside it) unless a row needs its processed distribution (processed logprobs, beams); the
-tensor pipeline is its reference. The
-per-row parameters come as tensors (``SamplingTensors``), gathered by the engine from its persistent batch.
+tensor pipeline is its reference. The per-row parameters come as tensors (``SamplingTensors``), gathered
+by the engine from its persistent batch.
 
 Logprobs: ``raw_logprobs`` report the model's own distribution (log-softmax of the raw logits);
 ``processed_logprobs`` report the distribution the token was drawn from (after steps 1–4; for greedy rows
@@ -231,7 +231,7 @@ class Sampler:
             if any(want_lp) or any(want_full):
                 final = dist.drawn_from()
         assert tokens is not None  # every row is greedy or sampled
-        proc_lp = final.log_softmax(dim=-1) if (raw_lp is None and any(want_lp)) or any(want_full) else None
+        proc_lp = final.log_softmax(dim=-1) if needs_processed else None
         return self._outputs(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
 
     def _draw_natively(
