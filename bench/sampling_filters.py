@@ -24,6 +24,8 @@ from kvpilot.engine.native.ops import load_native_ops
 from kvpilot.engine.native.sampling_ops import SamplingKernels
 from kvpilot.engine.sampling.draw import inverse_cdf_draw
 from kvpilot.engine.sampling.filters import apply_top_k, apply_top_p, reference_top_k, reference_top_p
+from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sampling.row_params import SamplingTensors
 
 
 def truncated_probs(z: torch.Tensor, k, p, top_k_fn, top_p_fn) -> torch.Tensor:
@@ -45,14 +47,18 @@ def current(z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
     return inverse_cdf_draw(probs, torch.rand(z.shape[0], generator=gen))
 
 
-def native(kernels: SamplingKernels, z: torch.Tensor, k, p, gen: torch.Generator) -> torch.Tensor:
-    rows = z.shape[0]
-    params = torch.zeros(rows, 5)
-    params[:, 0] = 0.8
-    params[:, 2] = -1 if k is None else k
-    params[:, 3] = 1.0 if p is None else p
-    params[:, 4] = 1.0
-    return kernels.draw(z, params, torch.rand(rows, generator=gen))
+def native(
+    kernels: SamplingKernels, values: torch.Tensor, z: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
+    """``values``: the rows' ``SamplingTensors`` columns (the same T, top-k and top-p as the other runs)."""
+    return kernels.draw(z, values, torch.rand(z.shape[0], generator=gen))
+
+
+def row_values(rows: int, k, p) -> torch.Tensor:
+    params = SamplingParams(
+        temperature=0.8, top_k=-1 if k is None else int(k[0]), top_p=1.0 if p is None else float(p[0])
+    )
+    return SamplingTensors.from_params([params] * rows, torch.device("cpu")).values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, (k, p) in cases.items():
             repeat = 10 if vocab <= 4096 else 2
             best = {"baseline": float("inf"), "current": float("inf"), "native": float("inf")}
-            runs = {"baseline": baseline, "current": current, "native": lambda *a: native(kernels, *a)}
+            values = row_values(args.rows, k, p)
+            runs = {
+                "baseline": baseline,
+                "current": current,
+                "native": lambda z, k, p, gen, values=values: native(kernels, values, z, gen),
+            }
             for _ in range(rounds):
                 for label, fn in runs.items():
                     start = time.perf_counter()
