@@ -44,10 +44,20 @@ def make_loop(**config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
 wait_for = async_wait_until
 
 
+async def wait_ready(lifecycle: Lifecycle) -> None:
+    """The loop's start-up: on a cold cache (this file run alone) it compiles the native kernels first,
+    ~13 s on 2 cores, so the deadline is the start-up's, not a step's."""
+    await wait_for(lambda: lifecycle.phase is Phase.READY, timeout_s=120.0, what="the engine to be ready")
+
+
 def request(
-    loop: EngineLoop, rid: str, max_tokens: int, prompt: tuple[int, ...] = (5, 6, 7, 8, 9)
+    loop: EngineLoop,
+    rid: str,
+    max_tokens: int,
+    prompt: tuple[int, ...] = (5, 6, 7, 8, 9),
+    capacity: int = CAPACITY,
 ) -> ServingRequest:
-    stream = RequestStream(asyncio.get_running_loop(), CAPACITY, RESUME, lambda: loop.resume(rid))
+    stream = RequestStream(asyncio.get_running_loop(), capacity, RESUME, lambda: loop.resume(rid))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
     return ServingRequest(rid, list(prompt), params, None, 0, time.monotonic(), stream, NO_SPAN)
 
@@ -71,15 +81,16 @@ def test_slow_consumer_is_backpressured_then_resumes(tiny_model_dir):
     async def main() -> None:
         loop, lifecycle, metrics = make_loop()
         loop.start()
-        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        await wait_ready(lifecycle)
         req = request(loop, "slow", 60)
         loop.submit([req])
         await wait_for(lambda: loop.load["backpressured"] == 1)
         # paused: the buffer stays bounded and no more tokens are generated while nobody reads, though
-        # the engine keeps stepping: a second request, read at once, runs 20 decode steps meanwhile
+        # the engine keeps stepping: a second request, read at once, runs 20 decode steps meanwhile (its
+        # buffer holds all 20, so a reader that lags on a loaded host cannot pause it too)
         depth = req.stream.depth
         assert CAPACITY <= depth <= CAPACITY + 1
-        fast = request(loop, "fast", 20, prompt=(11, 12, 13, 14, 15))
+        fast = request(loop, "fast", 20, prompt=(11, 12, 13, 14, 15), capacity=32)
         loop.submit([fast])
         assert (await read_all(fast))[0] == 20
         assert req.stream.depth == depth and req.stream.backpressured
@@ -103,7 +114,7 @@ def test_abort_reclaims_blocks_in_the_next_snapshot(tiny_model_dir):
     async def main() -> None:
         loop, lifecycle, _ = make_loop()
         loop.start()
-        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        await wait_ready(lifecycle)
         reqs = [request(loop, f"r{i}", 400) for i in range(3)]
         loop.submit(reqs)
         for req in reqs:
@@ -145,7 +156,7 @@ def test_a_client_that_never_reads_is_cancelled_after_the_backpressure_timeout(t
     async def main() -> None:
         loop, lifecycle, _ = make_loop(backpressure_timeout_s=0.3)
         loop.start()
-        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        await wait_ready(lifecycle)
         req = request(loop, "stalled", 200)
         loop.submit([req])
         await wait_for(lambda: loop.load["backpressured"] == 1)
@@ -202,7 +213,7 @@ def test_an_engine_failure_reclaims_every_request_as_failed_with_one_record_each
             reasons.append,
         )
         loop.start()
-        await wait_for(lambda: lifecycle.phase is Phase.READY)
+        await wait_ready(lifecycle)
         engine = engines[0]
         engine.terminal_records = kept = KeptRecords()  # telemetry consumes (clears) the engine's list
         reqs = [request(loop, f"r{i}", 400) for i in range(2)]
