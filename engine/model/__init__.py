@@ -31,6 +31,8 @@ Forward pass:
 - ``layers``         the decoder layer (RMSNorm, GQA attention with optional q/k norm through the attention
                      backend, SwiGLU/GeGLU MLP, Gemma's sandwich norms), PyTorch and fused-C paths
 - ``llama``          the model: embedding, per-layer-type rotary tables, the layers, final norm, LM head
+- ``native_decode``  ``NativeDecodeStep``: a decode-only step's layers in one C call (the fused-C path's
+                     kernels in its order, bound once), for dense llama-shaped models on native projections
 - ``weights``        HF checkpoint tensors into the model (q/k/v and gate/up fused, or already fused: Phi-3)
 - ``moe_arch``       ``MoEArch``: experts, top-k, renormalisation and sparse layers of Mixtral / Qwen2-MoE /
                      Qwen3-MoE configs, and the dense family each one's attention reads as

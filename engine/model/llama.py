@@ -8,12 +8,14 @@ needs the per-sequence layout (``AttentionMetadata``) and the paged KV cache. Th
 bases), the final norm and the LM head (soft-capped for Gemma 2).
 
 With ``native`` set (float32 on CPU, ``kvpilot.engine.native``), the same computation runs through fused
-C kernels (``DecoderLayer.forward_native``). Every dense family runs there.
+C kernels (``DecoderLayer.forward_native``). Every dense family runs there. A decode-only step of a
+llama-shaped model goes further: all its layers in one C call (``native_decode``), bit for bit the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.layers import MLP, Attention, DecoderLayer, RMSNorm
+from kvpilot.engine.model.native_decode import NativeDecodeStep
 from kvpilot.engine.model.rope import RotaryEmbedding
 from kvpilot.engine.model.weights import load_hf_weights
 from kvpilot.engine.native.ops import NativeOps
@@ -64,6 +67,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None
         #: fused C kernels (float32 on CPU); None = PyTorch ops
         self.native: NativeOps | None = None
+        #: decode-only steps' layers in one C call (``native_decode``): None until the first native step
+        #: binds it, False when this model is not a shape it runs
+        self.decode_step: NativeDecodeStep | Literal[False] | None = None
         #: a tensor-parallel rank's logits → the full vocabulary's on rank 0, no rows elsewhere
         #: (``distributed.layers.LogitsGather``); None = this model is the whole model
         self.logits_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -105,6 +111,10 @@ class LlamaForCausalLM(nn.Module):
         """``forward`` through the fused kernels: ``residual`` accumulates the sublayer outputs in place and
         every RMSNorm reads it right after the add (the next layer's input norm, finally ``self.norm``)."""
         residual = self._embed(input_ids).contiguous()
+        if self.decode_step is None:  # bound on the first step: the backend gets its kernels after loading
+            self.decode_step = NativeDecodeStep.build(self, native) or False
+        if self.decode_step and self.decode_step.accepts(meta):
+            return self.decode_step.run(residual, positions, kv_caches, meta)
         first = self.layers[0].input_layernorm
         hidden = native.add_rms_norm(residual, None, first.scale(), first.eps)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):

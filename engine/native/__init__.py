@@ -21,6 +21,10 @@ Package map:
                          beyond; dequantization to float32
 - ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
                          validating wrappers of ``quant_gemm.c``
+- ``kernels.h``          prototypes of the exported kernels other kernels call (their files include it too)
+- ``decode_step.c``      a decode step's decoder layers in one call: the kernels above in the fused-C path's
+                         order on preallocated buffers (split projections: parts side by side, then bias)
+- ``decode_step_ops``    ``DecodeStepKernels`` (``NativeOps.decode_step``): ctypes mirror of its structs
 - ``sampling.c``         the sampler's temperature, min-p, top-k, top-p and inverse-CDF draw, one row at a
                          time (a heap of the first k tokens, not a sort of the vocabulary)
 - ``sampling_ops``       ``SamplingKernels`` (``NativeOps.sampling``): the validating wrapper of

@@ -2,6 +2,7 @@
  * K/V blocks in place with an online softmax. A quantized cache (kv_codes.h) is dequantized a chunk of
  * rows at a time, once for the whole GQA group that reads it. */
 #include <stdlib.h>
+#include "kernels.h"
 #include "kv_codes.h"
 #include "vec.h"
 

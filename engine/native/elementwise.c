@@ -1,5 +1,6 @@
 /* Per-token fused ops: RMSNorm with the residual add, rotate-half RoPE in place, SiLU-and-multiply (the K/V
  * scatter is kv_write.c). Each replaces a chain of small PyTorch ops on the decode path. */
+#include "kernels.h"
 #include "vec.h"
 
 /* out = weight * x * rsqrt(mean(x^2) + eps), after residual += delta when delta is not NULL.

@@ -1,5 +1,6 @@
 /* The K/V scatter of a step's new tokens into the paged (HND) cache, as float values or as the codes of
  * a quantized cache (kv_codes.h). */
+#include "kernels.h"
 #include "kv_codes.h"
 
 /* one head's D values x into the cache row at dst (element index), with its scale when scaled per row */

@@ -17,6 +17,7 @@ import torch
 
 from kvpilot.engine.kv.kv_quant import KVQuant
 from kvpilot.engine.native.build import load_library
+from kvpilot.engine.native.decode_step_ops import DecodeStepKernels
 from kvpilot.engine.native.kv_args import kv_cache_args
 from kvpilot.engine.native.quant_ops import QuantKernels, check_float_rows
 from kvpilot.engine.native.sampling_ops import SamplingKernels
@@ -86,7 +87,7 @@ def _paged_attention_layout(
     return qs, num_heads, head_dim
 
 
-def _check_block_tables(block_tables: torch.Tensor, longest: int, key_cache: torch.Tensor) -> None:
+def check_block_tables(block_tables: torch.Tensor, longest: int, key_cache: torch.Tensor) -> None:
     """Every sequence fits its table row (``longest`` tokens) and every block id names a cache block."""
     num_blocks, _, block_size, _ = key_cache.shape
     if longest > block_tables.shape[1] * block_size:
@@ -115,6 +116,8 @@ class NativeOps:
         self.quant = QuantKernels(lib)
         #: the sampler's temperature, truncation and draw for sampled rows (``sampling_ops``)
         self.sampling = SamplingKernels(lib)
+        #: a decode step's layers in one call (``decode_step_ops``, used by ``model.native_decode``)
+        self.decode_step = DecodeStepKernels(lib)
 
     @staticmethod
     def _threads() -> int:
@@ -314,7 +317,7 @@ class NativeOps:
                 f"{batch} queries but {block_tables.shape[0]} block tables, {seq_lens.numel()} lengths"
             )
         if batch:
-            _check_block_tables(block_tables[:batch], int(seq_lens[:batch].max()), key_cache)
+            check_block_tables(block_tables[:batch], int(seq_lens[:batch].max()), key_cache)
         out = torch.empty(batch, num_heads, head_dim)
         status = self._lib.kvp_paged_decode(
             out.data_ptr(),
@@ -381,7 +384,7 @@ class NativeOps:
         if any(n > length for n, length in zip(q_lens, lens, strict=True)):
             raise ValueError("a sequence has more new tokens than its length")
         if seqs:
-            _check_block_tables(block_tables, max(lens), key_cache)
+            check_block_tables(block_tables, max(lens), key_cache)
         out = torch.empty(starts[-1] - starts[0] if seqs else 0, num_heads, head_dim)
         if seqs:
             status = self._lib.kvp_paged_prefill(

@@ -13,6 +13,7 @@
  *   run every x row over it:
  *   the dequantization is paid once per weight per call and the FMAs run from L1.
  * Without AVX2/FMA a scalar loop computes the same sums (block by block). */
+#include "kernels.h"
 #include "quant_blocks.h"
 
 /* At most this many x rows take the dot-product schedule, in tiles of up to DOT_TILE rows (measured on

@@ -129,7 +129,7 @@ class QuantKernels:
         ``fmt``; see the module docstring); returns a new ``[M, N]`` float32 tensor."""
         check_float_rows(x, "x")
         rows, in_features = x.shape
-        form = _check_weight(data, scales, fmt, in_features)
+        form = check_weight(data, scales, fmt, in_features)
         out_features = data.shape[0]
         if bias is not None:
             _check_vector(bias, "bias", out_features)
@@ -155,7 +155,7 @@ class QuantKernels:
         self, data: torch.Tensor, scales: torch.Tensor | None, fmt: str, in_features: int, out: torch.Tensor
     ) -> torch.Tensor:
         """The weight as float32 into ``out`` (contiguous ``[N, in_features]``); returns ``out``."""
-        form = _check_weight(data, scales, fmt, in_features)
+        form = check_weight(data, scales, fmt, in_features)
         if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (data.shape[0], in_features):
             raise ValueError(f"out must be a contiguous float32 [{data.shape[0]}, {in_features}] tensor")
         self._dequantize(
@@ -170,7 +170,7 @@ class QuantKernels:
         return out
 
 
-def _check_weight(data: torch.Tensor, scales: torch.Tensor | None, fmt: str, in_features: int) -> QuantFormat:
+def check_weight(data: torch.Tensor, scales: torch.Tensor | None, fmt: str, in_features: int) -> QuantFormat:
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; the kernels run {sorted(FORMATS)}")
     form = FORMATS[fmt]

@@ -1,5 +1,6 @@
 /* The GEMM of decode steps and small mixed steps (the engine sends it up to 256 rows), on weights packed
  * into column panels. */
+#include "kernels.h"
 #include "vec.h"
 
 /* Panel layout: the [N, K] weight of nn.Linear as ceil(N / 16) panels of [K][16] floats (output columns
