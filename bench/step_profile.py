@@ -10,7 +10,10 @@ by a synchronize so that GPU time is charged here, not to the next stage's first
 (sampler, appending tokens, stop checks, detokenizing) and ``outputs``. ``other`` is the rest of the tick.
 With ``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra
 synchronize: the union of the GPU kernels' intervals over the steps' wall time is the fraction of time
-the GPU was busy. Prints a table and, with ``--output-json``, writes the figures.
+the GPU was busy. With ``--ab-native-decode N`` (CPU, native kernels) N rounds then alternate decode steps
+with the one-call C decode step (``model.native_decode``) on and off, in the same process; each side's
+best round median counts. ``--cpu-time`` times steps in the thread's CPU time (with ``--threads 1``: robust
+on a shared host). Prints a table and, with ``--output-json``, writes the figures.
 """
 
 from __future__ import annotations
@@ -75,14 +78,18 @@ def sampling_params(sampling: bool, max_tokens: int) -> SamplingParams:
 
 
 def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    decode_steps = args.warmup + args.steps + 2 + args.ab_native_decode * 2 * 15
     llm = LLM(
         args.model,
         device=args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         max_num_seqs=args.batch,
         max_num_batched_tokens=max(args.batch, 2048),
         block_size=16,
-        num_kv_blocks=args.batch * (-(-(args.prompt_len + args.warmup + args.steps + 2) // 16)) + 8,
+        num_kv_blocks=args.batch * (-(-(args.prompt_len + decode_steps) // 16)) + 8,
         enable_prefix_caching=False,
     )
     engine = llm.engine
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
     rng = random.Random(args.seed)
     vocab = engine.arch.vocab_size
-    params = sampling_params(args.sampling, args.warmup + args.steps + 2)
+    params = sampling_params(args.sampling, decode_steps)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -102,10 +109,10 @@ def run(args: argparse.Namespace) -> dict:
     def timed_steps(timer: StageTimer | None, count: int) -> tuple[list[float], list[dict[str, float]]]:
         walls, stages = [], []
         for _ in range(count):
-            start = time.perf_counter()
+            start = clock()
             engine.step()
             sync()
-            walls.append(time.perf_counter() - start)
+            walls.append(clock() - start)
             if timer is not None:
                 stages.append(timer.take())
         return walls, stages
@@ -135,7 +142,26 @@ def run(args: argparse.Namespace) -> dict:
     }
     if args.gpu_busy and cuda:
         result["gpu_busy_fraction"] = profile_gpu_busy(engine, sync, args.steps)
+    if args.ab_native_decode:
+        result["native_decode_ab_ms"] = native_decode_ab(engine, args.ab_native_decode, timed_steps)
     return result
+
+
+def native_decode_ab(engine, rounds: int, timed_steps) -> dict[str, float]:
+    """Best round median step (ms) with the one-call C decode step on and off, rounds alternating."""
+    model = engine.model
+    fused = model.decode_step
+    if not fused:
+        raise SystemExit("the C decode step does not run this model here (see the engine log)")
+    best = {"on": float("inf"), "off": float("inf")}
+    for _ in range(rounds):
+        for side in best:
+            model.decode_step = fused if side == "on" else False
+            timed_steps(None, 3)  # settle
+            walls, _ = timed_steps(None, 12)
+            best[side] = min(best[side], statistics.median(walls) * 1e3)
+    model.decode_step = fused
+    return best
 
 
 def profile_gpu_busy(engine, sync: Callable[[], None], steps: int) -> float:
@@ -163,6 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: the default)")
+    parser.add_argument("--cpu-time", action="store_true", help="time steps in the thread's CPU time")
+    parser.add_argument("--ab-native-decode", type=int, default=0, metavar="ROUNDS")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=50)
@@ -189,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     for stage, ms in result["stage_ms_p50"].items():
         print(f"  {stage:<12} {ms:8.3f} ms  {ms / result['step_ms_p50']:6.1%}")
+    ab = result.get("native_decode_ab_ms")
+    if ab:
+        print(
+            f"  one-call C decode step: on {ab['on']:.2f} ms, off (layer by layer) {ab['off']:.2f} ms, "
+            f"x{ab['off'] / ab['on']:.2f}"
+        )
     if "gpu_busy_fraction" in result:
         print(f"  GPU busy {result['gpu_busy_fraction']:.1%} of the steps' wall time")
     if args.output_json:
