@@ -44,3 +44,11 @@ def test_bad_sizes_are_refused(capsys):
     with pytest.raises(SystemExit):
         step_profile.main(["--batch", "0"])
     assert "--batch, --prompt-len and --steps must be >= 1" in capsys.readouterr().err
+
+
+def test_ab_rounds_time_the_c_decode_step_on_and_off(tmp_path, tiny_model_dir):
+    out = tmp_path / "ab.json"
+    argv = ["--batch", "3", "--prompt-len", "5", "--steps", "2", "--warmup", "1", "--cpu-time"]
+    assert step_profile.main([*argv, "--ab-native-decode", "1", "--output-json", str(out)]) == 0
+    ab = json.loads(out.read_text())["native_decode_ab_ms"]
+    assert set(ab) == {"on", "off"} and min(ab.values()) > 0
