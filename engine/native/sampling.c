@@ -27,15 +27,41 @@ typedef struct {
 /* a comes before b in the sampling order */
 static inline int before(cand_t a, cand_t b) { return a.s > b.s || (a.s == b.s && a.id < b.id); }
 
-static int cmp_order(const void *x, const void *y) {
-    cand_t a = *(const cand_t *)x, b = *(const cand_t *)y;
-    return before(a, b) ? -1 : (before(b, a) ? 1 : 0);
+static inline int less(cand_t a, cand_t b, const int by_id) { return by_id ? a.id < b.id : before(a, b); }
+
+/* Sorts a[0..n) in the sampling order or by id (by_id a literal): insertion-sorted runs of 8, merged
+ * bottom-up through tmp (n entries). Keys are unique (ids are), so the result is the one order there is;
+ * an inlined comparison instead of qsort's call per comparison (the candidate sorts were most of a small
+ * vocabulary's per-row cost). */
+static inline __attribute__((always_inline)) void sort_cands(cand_t *a, int64_t n, cand_t *tmp, const int by_id) {
+    enum { RUN = 8 };
+    for (int64_t s = 0; s < n; s += RUN) {
+        int64_t e = s + RUN < n ? s + RUN : n;
+        for (int64_t i = s + 1; i < e; i++) {
+            cand_t x = a[i];
+            int64_t j = i;
+            for (; j > s && less(x, a[j - 1], by_id); j--) a[j] = a[j - 1];
+            a[j] = x;
+        }
+    }
+    cand_t *src = a, *dst = tmp;
+    for (int64_t width = RUN; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            int64_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) dst[k++] = less(src[j], src[i], by_id) ? src[j++] : src[i++];
+            while (i < mid) dst[k++] = src[i++];
+            while (j < hi) dst[k++] = src[j++];
+        }
+        cand_t *t = src;
+        src = dst;
+        dst = t;
+    }
+    if (src != a) memcpy(a, src, (size_t)n * sizeof(cand_t));
 }
 
-static int cmp_id(const void *x, const void *y) {
-    int32_t a = ((const cand_t *)x)->id, b = ((const cand_t *)y)->id;
-    return (a > b) - (a < b);
-}
+static void sort_by_order(cand_t *a, int64_t n, cand_t *tmp) { sort_cands(a, n, tmp, 0); }
+static void sort_by_id(cand_t *a, int64_t n, cand_t *tmp) { sort_cands(a, n, tmp, 1); }
 
 /* heap[0] is the last of the heap in the sampling order */
 static void sift_down(cand_t *heap, int64_t n, int64_t i) {
@@ -76,7 +102,7 @@ static inline void offer(cand_t *heap, int64_t *n, int64_t cap, float v, int64_t
 /* The first min(cap, kept) tokens in the sampling order among the kept ones (s > -inf and s >= lo), sorted
  * in that order; returns their count. *kept_total gets how many tokens are kept. Once the heap is full, a
  * token can only enter above its last element, so blocks of 8 with none above it are skipped at once. */
-static int64_t first_in_order(const float *s, int64_t V, float lo, int64_t cap, cand_t *out,
+static int64_t first_in_order(const float *s, int64_t V, float lo, int64_t cap, cand_t *out, cand_t *tmp,
                               int64_t *kept_total) {
     int64_t n = 0, kept = 0, i = 0;
     for (; i < V && n < cap; i++) {
@@ -105,7 +131,7 @@ static int64_t first_in_order(const float *s, int64_t V, float lo, int64_t cap, 
             offer(out, &n, cap, s[i], i);
         }
     }
-    qsort(out, (size_t)n, sizeof(cand_t), cmp_order);
+    sort_by_order(out, n, tmp);
     *kept_total = kept;
     return n;
 }
@@ -245,9 +271,11 @@ static int64_t draw_by_id(const cand_t *cands, int64_t n, float m, float u, floa
     return cands[walk_cdf(w, n, (double)u * total)].id;
 }
 
-/* One row: s is z / T (scratch, V floats), cands V entries, w V floats. */
+/* One row: s is z / T (scratch, V floats), cands 3 V entries (candidates, sort scratch, an id-ordered
+ * copy), w V floats. */
 static int64_t sample_row(const float *z, int64_t V, const float *param, float u, float *s, cand_t *cands,
                           float *w) {
+    cand_t *tmp = cands + V, *in_id_order = cands + 2 * V;
     float T = param[0], min_p = param[1], top_p = param[3];
     int64_t top_k = (int64_t)param[2];
     float m = -INFINITY;
@@ -278,10 +306,12 @@ static int64_t sample_row(const float *z, int64_t V, const float *param, float u
     if (use_top_k && V <= SELECT_MAX_VOCAB) {
         n = top_k_by_select(s, V, lo, top_k, cands, w);
         if (!use_top_p) return draw_by_id(cands, n, m, u, w);
-        qsort(cands, (size_t)n, sizeof(cand_t), cmp_order);
+        memcpy(in_id_order, cands, (size_t)n * sizeof(cand_t));
+        sort_by_order(cands, n, tmp);
     } else if (use_top_k) {
-        n = first_in_order(s, V, lo, top_k, cands, &kept);
+        n = first_in_order(s, V, lo, top_k, cands, tmp, &kept);
     }
+    int64_t selected = use_top_k && V <= SELECT_MAX_VOCAB ? n : 0; /* entries of in_id_order */
     if (use_top_p) {
         double total = 0.0;
         if (use_top_k) {
@@ -290,7 +320,7 @@ static int64_t sample_row(const float *z, int64_t V, const float *param, float u
             total = kept_mass(s, V, lo, m, w);
         }
         double reach = ((double)top_p - TOP_P_TOLERANCE) * total;
-        if (!use_top_k) n = first_in_order(s, V, lo, NUCLEUS_CANDIDATES, cands, &kept);
+        if (!use_top_k) n = first_in_order(s, V, lo, NUCLEUS_CANDIDATES, cands, tmp, &kept);
         /* the prefix: every token whose mass before it is below p (the first token always stays) */
         double before_mass = 0.0;
         int64_t j = 0;
@@ -303,7 +333,14 @@ static int64_t sample_row(const float *z, int64_t V, const float *param, float u
         }
         n = j;
     }
-    qsort(cands, (size_t)n, sizeof(cand_t), cmp_id);
+    if (selected) { /* the nucleus in id order: the selection's tokens up to its last one in the order */
+        cand_t last = cands[n - 1];
+        int64_t kept_ids = 0;
+        for (int64_t j = 0; j < selected; j++)
+            if (!before(last, in_id_order[j])) in_id_order[kept_ids++] = in_id_order[j];
+        return draw_by_id(in_id_order, kept_ids, m, u, w);
+    }
+    sort_by_id(cands, n, tmp);
     return draw_by_id(cands, n, m, u, w);
 }
 
@@ -316,7 +353,7 @@ int kvp_sample_rows(const float *logits, int64_t rows, int64_t V, int64_t ls, co
 #pragma omp parallel num_threads(nthreads) if (rows > 1)
     {
         float *s = malloc((size_t)V * sizeof(float)), *w = malloc((size_t)V * sizeof(float));
-        cand_t *cands = malloc((size_t)V * sizeof(cand_t));
+        cand_t *cands = malloc(3 * (size_t)V * sizeof(cand_t));
         if (!s || !w || !cands) {
 #pragma omp atomic write
             failed = 1;
