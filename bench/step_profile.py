@@ -47,19 +47,20 @@ def busy_fraction(intervals: Iterable[tuple[float, float]], wall: float) -> floa
 class StageTimer:
     """Wraps engine methods so each call's wall time accumulates under a stage name for the current step."""
 
-    def __init__(self, sync: Callable[[], None]) -> None:
+    def __init__(self, sync: Callable[[], None], clock: Callable[[], float] = time.perf_counter) -> None:
         self.sync = sync
+        self.clock = clock
         self.current: dict[str, float] = dict.fromkeys(STAGES, 0.0)
 
     def wrap(self, owner: object, method: str, stage: str, sync_after: bool = False) -> None:
         inner = getattr(owner, method)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             result = inner(*args, **kwargs)
             if sync_after:
                 self.sync()
-            self.current[stage] += time.perf_counter() - start
+            self.current[stage] += self.clock() - start
             return result
 
         setattr(owner, method, timed)
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                 stages.append(timer.take())
         return walls, stages
 
-    timer = StageTimer(sync)
+    timer = StageTimer(sync, clock)
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "build_batch", "build_batch")
     timer.wrap(engine.runner, "execute", "forward", sync_after=cuda)
