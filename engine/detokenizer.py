@@ -99,14 +99,39 @@ class IncrementalDetokenizer:
 
 
 class StopStringBuffer:
-    """Accumulates text; releases only what cannot become (part of) a stop string."""
+    """Accumulates text; releases only what cannot become (part of) a stop string.
+
+    Released text is kept as pieces: ``take_released`` hands out what is new since its last call without
+    joining the whole text (a delta output's cost does not grow with the completion's length);
+    ``released`` joins it all (cumulative outputs)."""
 
     def __init__(self, stops: list[str], include_stop: bool = False) -> None:
         self.stops = [s for s in stops if s]
         self.include_stop = include_stop
-        self.released = ""  # text safe to show
+        self._pieces: list[str] = []  # text safe to show
+        self._joined = ""  # the first _num_joined pieces, joined
+        self._num_joined = 0
+        self._num_taken = 0
         self.pending = ""  # text that might still start a stop string
         self.matched: str | None = None
+
+    @property
+    def released(self) -> str:
+        """All the text safe to show so far."""
+        if self._num_joined < len(self._pieces):
+            self._joined += "".join(self._pieces[self._num_joined :])
+            self._num_joined = len(self._pieces)
+        return self._joined
+
+    def take_released(self) -> str:
+        """The text released since the previous call."""
+        new = "".join(self._pieces[self._num_taken :])
+        self._num_taken = len(self._pieces)
+        return new
+
+    def _release(self, text: str) -> None:
+        if text:
+            self._pieces.append(text)
 
     def push(self, delta: str) -> str | None:
         """Add ``delta``; returns the matched stop string when one completes (then ``released`` is final)."""
@@ -114,7 +139,7 @@ class StopStringBuffer:
             return self.matched
         text = self.pending + delta
         if not self.stops:
-            self.released += text
+            self._release(text)
             self.pending = ""
             return None
         # earliest complete match across all stop strings (search includes the pending tail)
@@ -125,12 +150,12 @@ class StopStringBuffer:
                 best = (pos, stop)
         if best is not None:
             pos, stop = best
-            self.released += text[: pos + len(stop)] if self.include_stop else text[:pos]
+            self._release(text[: pos + len(stop)] if self.include_stop else text[:pos])
             self.pending = ""
             self.matched = stop
             return stop
         hold = self._holdback(text)
-        self.released += text[: len(text) - hold]
+        self._release(text[: len(text) - hold])
         self.pending = text[len(text) - hold :]
         return None
 
@@ -145,8 +170,9 @@ class StopStringBuffer:
         return longest
 
     def flush(self) -> str:
-        """The request ended for another reason: the held-back text is safe after all."""
+        """The request ended for another reason: the held-back text is safe after all; returns all the
+        released text."""
         if self.matched is None:
-            self.released += self.pending
+            self._release(self.pending)
         self.pending = ""
         return self.released

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -57,8 +58,10 @@ class LLM:
             raise ValueError(f"got {len(items)} prompts but {len(params)} sampling params")
         if priority is not None and len(priority) != len(items):
             raise ValueError(f"got {len(items)} prompts but {len(priority)} priorities")
+        # only each request's last output is returned: the engine need not build the others
+        final = {id(p): replace(p, output_kind="final_only") for p in params}
         order: dict[str, int] = {}
-        for i, (item, p) in enumerate(zip(items, params, strict=True)):
+        for i, (item, p) in enumerate(zip(items, (final[id(p)] for p in params), strict=True)):
             rid = f"gen-{next(self._ids)}"
             prompt = item.get("prompt_token_ids", item.get("prompt")) if isinstance(item, dict) else item
             if prompt is None:

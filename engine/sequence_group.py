@@ -1,7 +1,8 @@
 """A user request and its sequences: one for plain sampling, ``best_of`` parallel samples, or the beams of
 a beam search. Samples share the prompt's KV blocks by reference count (forked after the prompt's
 prefill); each keeps its own detokenizer, stop-string buffer and logprobs. The group builds the
-``RequestOutput`` the caller sees (cumulative, stop-safe text).
+``RequestOutput`` the caller sees (stop-safe text): cumulative, only what is new since the previous output
+(``output_kind="delta"``), or one output at the end (``final_only``).
 """
 
 from __future__ import annotations
@@ -30,10 +31,32 @@ class SampleState:
     num_emitted: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    #: delta outputs: tokens (and their logprobs) already handed out, and whether the finish was
+    sent_tokens: int = 0
+    finish_sent: bool = False
 
     @property
     def text(self) -> str:
         return self.stops.released
+
+    def delta(self, index: int, with_scores: bool) -> CompletionOutput | None:
+        """What is new since this sample's previous delta (None: nothing, and its finish already sent)."""
+        tokens = self.seq.output_token_ids
+        new_tokens, text = tokens[self.sent_tokens :], self.stops.take_released()
+        finished = self.finish_reason is not None
+        if not (new_tokens or text or (finished and not self.finish_sent)):
+            return None
+        logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
+        self.sent_tokens, self.finish_sent = len(tokens), finished
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=new_tokens,
+            cumulative_logprob=self.cumulative_logprob if with_scores else None,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason.value if finished else None,
+            stop_reason=self.stop_reason,
+        )
 
 
 @dataclass
@@ -141,7 +164,16 @@ class SequenceGroup:
         p = self.params
         return p.logprobs is not None or p.num_samples > p.n
 
-    def make_output(self, num_cached_tokens: int) -> RequestOutput:
+    def make_output(self, num_cached_tokens: int) -> RequestOutput | None:
+        """This step's output as ``params.output_kind`` asks (None: ``final_only`` before the end)."""
+        kind = self.params.output_kind
+        if kind == "final_only" and not self.finished:
+            return None
+        if kind == "delta" and not self.hides_samples:
+            deltas = (s.delta(i, self.wants_scores) for i, s in enumerate(self.samples))
+            outputs = [d for d in deltas if d is not None]
+        else:  # cumulative; best_of and beams give their n kept outputs once, at the end, in every kind
+            outputs = self.completions()
         t = self.primary.times
         last = max((s.seq.times.last_token or 0.0 for s in self.samples), default=0.0) or None
         metrics = RequestMetrics(
@@ -155,7 +187,7 @@ class SequenceGroup:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=self.completions(),
+            outputs=outputs,
             finished=self.finished,
             num_cached_tokens=num_cached_tokens,
             metrics=metrics,

@@ -302,4 +302,4 @@ class StepOutputs:
     def _drain_outputs(self) -> list[RequestOutput]:
         outs = [g.make_output(g.primary.num_cached_tokens) for g in self._pending_outputs.values()]
         self._pending_outputs = {}
-        return outs
+        return [o for o in outs if o is not None]

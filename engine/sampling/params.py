@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 
 from kvpilot.engine.structured.params import StructuredOutputsParams
 
+#: what each ``RequestOutput`` of a request holds (vLLM's ``RequestOutputKind``): ``cumulative`` everything so
+#: far (each output copies the whole completion: a cost that grows with its length), ``delta`` only what is
+#: new since the request's previous output (what the server streams), ``final_only`` one output, at the end
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 #: below this temperature a row is drawn from the T -> 0 limit (uniform over the maximal logits) instead of
 #: dividing by T, which would overflow; T = 0 exactly is the greedy branch (lowest id among ties)
 NEAR_ZERO_TEMPERATURE = 1e-5
@@ -85,6 +90,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     #: vLLM's older name for ``structured_outputs`` (either may be given, not both)
     guided_decoding: StructuredOutputsParams | None = None
+    #: what each output of the request holds: ``OUTPUT_KINDS`` (``LLM.generate`` asks for ``final_only``)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         stop: object = self.stop  # typed as normalised below; a caller may pass one string (vLLM does)
@@ -146,6 +153,10 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         need(is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        need(
+            self.output_kind in OUTPUT_KINDS,
+            f"output_kind must be one of {', '.join(OUTPUT_KINDS)}, got {self.output_kind!r}",
+        )
         need(
             self.best_of is None or (is_int(self.best_of) and self.best_of >= self.n),
             f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}",

@@ -1,5 +1,5 @@
-"""Cumulative engine outputs → the deltas a client is sent (computed on the engine thread, so a buffered
-chunk holds only new tokens, never a copy of the whole output).
+"""The engine's delta outputs (``output_kind="delta"``: each holds only what is new) → the chunks a client
+is sent (on the engine thread; a buffered chunk holds only new tokens, never a copy of the whole output).
 
 A sample's new tokens ride with the text they produce: tokens whose text is still held back (a possible
 stop string, an incomplete UTF-8 character) wait for the next chunk that carries text, or for the
@@ -67,35 +67,36 @@ def max_json_bytes(chunk: OutputChunk) -> int:
 
 
 class DeltaTracker:
-    """What of each sample has been sent; one per request, used by the engine thread only."""
+    """Chunks from the engine's delta outputs (``output_kind="delta"``): a sample's new tokens and their
+    logprobs wait here while their text is held back; one per request, used by the engine thread only."""
 
     def __init__(self, detokenize: bool) -> None:
         self._detokenize = detokenize
-        self._sent_text: dict[int, int] = {}
-        self._sent_tokens: dict[int, int] = {}
-        self._done: set[int] = set()
+        #: per sample index: tokens (and logprobs) received whose text has not come out yet
+        self._held: dict[int, tuple[list[int], list[dict[int, Logprob]]]] = {}
         self._prompt_logprobs_sent = False
 
     def update(self, out: RequestOutput) -> OutputChunk | None:
         """The chunk to send for this output, or None when nothing is ready to show."""
         samples = []
         for c in out.outputs:
-            if c.index in self._done:
-                continue
-            text_from = self._sent_text.get(c.index, 0)
-            tok_from = self._sent_tokens.get(c.index, 0)
-            new_text = c.text[text_from:]
-            new_tokens = c.token_ids[tok_from:]
+            tokens, logprobs = self._held.setdefault(c.index, ([], []))
+            tokens.extend(c.token_ids)
+            if c.logprobs is not None:
+                logprobs.extend(c.logprobs)
             finished = c.finish_reason is not None
-            if not (new_text or finished or (new_tokens and not self._detokenize)):
+            if not (c.text or finished or (tokens and not self._detokenize)):
                 continue
-            self._sent_text[c.index] = len(c.text)
-            self._sent_tokens[c.index] = len(c.token_ids)
-            if finished:
-                self._done.add(c.index)
-            logprobs = tuple(c.logprobs[tok_from:]) if c.logprobs is not None else None
+            del self._held[c.index]
             samples.append(
-                SampleDelta(c.index, new_text, tuple(new_tokens), logprobs, c.finish_reason, c.stop_reason)
+                SampleDelta(
+                    c.index,
+                    c.text,
+                    tuple(tokens),
+                    tuple(logprobs) if c.logprobs is not None else None,
+                    c.finish_reason,
+                    c.stop_reason,
+                )
             )
         if not samples and not out.finished:
             return None

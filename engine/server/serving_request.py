@@ -6,7 +6,7 @@ below the marker belong to the engine thread, and the handler only reads the req
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.server.errors import APIError
@@ -50,6 +50,9 @@ class ServingRequest:
     deltas: DeltaTracker = field(init=False)
 
     def __post_init__(self) -> None:
+        # the stream is built from what is new each step: outputs that copy the whole completion every
+        # step would cost more the longer it gets
+        self.params = replace(self.params, output_kind="delta")
         self.deltas = DeltaTracker(self.params.detokenize)
 
     @property
