@@ -1,15 +1,18 @@
-"""Triton GEMM on quantized weights with 16/32-bit activations (W4A16 / W8A16): ``y = x Wᵀ (+ b)`` reading
-the very bytes the CPU kernels read (docs/architecture.md#quantized-weights): GGUF Q4_0 / Q4_1 / Q8_0
-blocks, or int8 rows with per-row float32 scales.
+"""Triton GEMM on quantized weights with 16/32-bit activations (W4A16 / W6A16 / W8A16): ``y = x Wᵀ (+ b)``
+reading the very bytes the CPU kernels read (docs/architecture.md#quantized-weights): GGUF Q4_0 / Q4_1 /
+Q8_0 blocks, the K-quants Q4_K / Q6_K (256-weight super-blocks, layout in ``native/quant_blocks.h``), or
+int8 rows with per-row float32 scales.
 
 Each program computes a ``BLOCK_M x BLOCK_N`` tile of y over K in steps of ``BLOCK_K`` (a multiple of 32,
-so a step covers whole blocks): it gathers the step's quantized bytes, dequantizes them in registers into
-x's dtype (Q4: the nibble of byte ``j % 16`` chosen by ``j // 16``; the fp16 scale assembled from its two
-bytes) and accumulates ``tl.dot`` in float32. All dot dimensions are >= 16 (a tile of fewer rows is
+so a step covers whole blocks, or whole sub-blocks of a super-block): it gathers the step's quantized
+bytes, dequantizes them in registers into x's dtype (Q4: the nibble of byte ``j % 16`` chosen by
+``j // 16``; fp16 scales assembled from their two bytes; K-quants: the sub-block's packed scale and min
+too) and accumulates ``tl.dot`` in float32. All dot dimensions are >= 16 (a tile of fewer rows is
 masked); offsets are int64, since ``rows x row_bytes`` can pass 2^31.
 
-Not yet used by the engine (``quantization`` runs on CPU); it is tested against the block-wise PyTorch
-reference in the Triton interpreter (float32 and float16 inputs) and compiles the same way on a GPU.
+``QuantLinear`` runs it with ``linear_backend='triton'`` (the default on CUDA); its reference is
+``native.reference.reference_quant_linear`` (K-quants: ``quant_formats.dequantize_k`` then a float64
+matmul), held to it in the Triton interpreter (float32 and float16 inputs) and on a GPU alike.
 Import this module only after ``TRITON_INTERPRET`` is decided, as for the attention kernels.
 """
 
@@ -31,6 +34,40 @@ def _fp16_at(data_ptr, offsets, mask):
     lo = tl.load(data_ptr + offsets, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(data_ptr + offsets + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_weights(data_ptr, w_row, ks, w_ok):
+    """Q4_K weights ``ks`` [BK] of rows ``w_row`` [1, BN] (144-byte super-blocks: fp16 d and dmin, 12 bytes
+    of 6-bit sub-block scales and mins, 128 of nibbles): ``d sc_t q - dmin m_t`` for sub-block t."""
+    t, j = ((ks % 256) // 32)[:, None], (ks % 32)[:, None]
+    start = w_row + ((ks // 256) * 144)[:, None]
+    d, dmin = _fp16_at(data_ptr, start, w_ok), _fp16_at(data_ptr, start + 2, w_ok)
+    low = t < 4
+    # llama.cpp's get_scale_min_k4: s[t], s[t + 4] for t < 4; else also the top bits of s[t - 4], s[t]
+    a = tl.load(data_ptr + start + 4 + t, mask=w_ok, other=0).to(tl.int32)
+    b = tl.load(data_ptr + start + 8 + t, mask=w_ok, other=0).to(tl.int32)
+    c = tl.load(data_ptr + start + tl.where(low, t, t - 4) + 4, mask=w_ok, other=0).to(tl.int32)
+    sc = tl.where(low, a & 63, (b & 0xF) | ((c >> 6) << 4)).to(tl.float32)
+    m = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+    byte = tl.load(data_ptr + start + 16 + 32 * (t // 2) + j, mask=w_ok, other=0).to(tl.int32)
+    q = ((byte >> (4 * (t % 2))) & 0xF).to(tl.float32)
+    return (d * sc) * q - dmin * m
+
+
+@triton.jit
+def _q6_k_weights(data_ptr, w_row, ks, w_ok):
+    """Q6_K weights ``ks`` [BK] of rows ``w_row`` [1, BN] (210-byte super-blocks: 128 bytes of low nibbles,
+    64 of high bit pairs, 16 int8 scales of 16 weights each, fp16 d): ``d sc (q - 32)``."""
+    t, j = ((ks % 256) // 32)[:, None], (ks % 32)[:, None]
+    half, g = t // 4, t % 4
+    start = w_row + ((ks // 256) * 210)[:, None]
+    lo = tl.load(data_ptr + start + 64 * half + 32 * (g % 2) + j, mask=w_ok, other=0).to(tl.int32)
+    hi = tl.load(data_ptr + start + 128 + 32 * half + j, mask=w_ok, other=0).to(tl.int32)
+    q = (((lo >> tl.where(g >= 2, 4, 0)) & 0xF) | (((hi >> (2 * g)) & 3) << 4)) - 32
+    sc = tl.load(data_ptr + start + 192 + 8 * half + 2 * g + j // 16, mask=w_ok, other=0)
+    d = _fp16_at(data_ptr, start + 208, w_ok)
+    return (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32)
 
 
 @triton.jit
@@ -68,6 +105,10 @@ def quant_linear_kernel(
         if FMT == 3:  # int8 rows: one signed byte per weight, the row scale applied after the dot
             q = tl.load(data_ptr + w_row + ks[:, None], mask=w_ok, other=0).to(tl.int8, bitcast=True)
             w = q.to(tl.float32)
+        elif FMT == 4:
+            w = _q4_k_weights(data_ptr, w_row, ks, w_ok)
+        elif FMT == 5:
+            w = _q6_k_weights(data_ptr, w_row, ks, w_ok)
         else:
             block, j = ks // 32, ks % 32  # [BK]
             start = w_row + (block * BLOCK_BYTES)[:, None]  # [BK, BN]: each weight's block
@@ -99,10 +140,8 @@ def quant_linear(
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; the kernels run {sorted(FORMATS)}")
     form = FORMATS[fmt]
-    if form.block_weights != 32:
-        raise ValueError(
-            f"the Triton GEMM runs 32-weight blocks; {fmt} super-blocks run on the CPU kernels only"
-        )
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be 2-D float32, float16 or bfloat16, got {x.dtype} {tuple(x.shape)}")
     rows, in_features = x.shape
     out_features = data.shape[0]
     if x.stride(1) != 1 or data.dtype != torch.uint8 or not data.is_contiguous():

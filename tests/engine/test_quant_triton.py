@@ -1,5 +1,6 @@
 """The Triton quantized GEMM (``quant_triton``) against the block-wise PyTorch reference, in the Triton
-interpreter (or on a GPU with ``KVPILOT_TEST_DEVICE=cuda``): every format, float32 and float16 inputs,
+interpreter (or on a GPU with ``KVPILOT_TEST_DEVICE=cuda``): every format (the K-quants' super-blocks
+too), float32 and float16 inputs,
 tiles with fewer rows / columns than the 16 x 32 tile, several K steps, int8 rows whose length is not a
 multiple of 32, with and without bias."""
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
+from gguf_files import K_QUANTIZERS
 
 from kvpilot.engine.model import quant_triton
 from kvpilot.engine.model.quant_formats import QuantWeight, quantize_int8
@@ -29,7 +31,10 @@ def make_weight(fmt: str, out_features: int, in_features: int, seed: int) -> Qua
     )
     if fmt == "int8":
         return quantize_int8(w)
-    blocks = gguf_quantize(w.numpy(), GGMLQuantizationType[fmt])
+    if fmt in K_QUANTIZERS:
+        blocks = K_QUANTIZERS[fmt](w.numpy())
+    else:
+        blocks = gguf_quantize(w.numpy(), GGMLQuantizationType[fmt])
     return QuantWeight(FORMATS[fmt], torch.from_numpy(blocks), None, in_features)
 
 
@@ -41,6 +46,12 @@ CASES = [
     ("int8", torch.float16, 2, 20, 45, True),
     ("int8", torch.float32, 18, 48, 70, False),
     ("Q8_0", torch.float16, 16, 32, 32, False),
+    # K-quants: every sub-block of a super-block (its 6-bit scale packing differs below and above 4),
+    # two super-blocks per row, a partial tile of columns
+    ("Q4_K", torch.float32, 3, 40, 512, True),
+    ("Q4_K", torch.float16, 17, 32, 256, False),
+    ("Q6_K", torch.float32, 1, 24, 512, False),
+    ("Q6_K", torch.float16, 5, 48, 256, True),
 ]
 
 
@@ -63,8 +74,10 @@ def test_triton_quant_linear_refuses_what_it_would_misread():
     weight = make_weight("Q4_1", 16, 64, seed=1)
     with pytest.raises(ValueError, match="unknown quantized format"):
         quant_triton.quant_linear(torch.zeros(1, 64), weight.data, None, "Q5_K", None)
-    with pytest.raises(ValueError, match="Q6_K super-blocks run on the CPU kernels only"):
-        quant_triton.quant_linear(torch.zeros(1, 256), weight.data, None, "Q6_K", None)
+    with pytest.raises(ValueError, match="Q6_K rows hold blocks of 256 weights; 64 inputs do not fit"):
+        quant_triton.quant_linear(torch.zeros(1, 64), weight.data, None, "Q6_K", None)
+    with pytest.raises(ValueError, match=r"x must be 2-D float32, float16 or bfloat16, got torch\.int32"):
+        quant_triton.quant_linear(torch.zeros(1, 64, dtype=torch.int32), weight.data, None, "Q4_1", None)
     with pytest.raises(ValueError, match="rows of 32 inputs are 20 bytes"):
         quant_triton.quant_linear(torch.zeros(1, 32), weight.data, None, "Q4_1", None)
     with pytest.raises(ValueError, match="takes no row scales"):
