@@ -25,7 +25,7 @@ import triton.language as tl
 from kvpilot.engine.native.quant_ops import FORMATS
 
 #: tile sizes: every ``tl.dot`` dimension >= 16; BLOCK_K a multiple of the 32-weight block
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
 @triton.jit

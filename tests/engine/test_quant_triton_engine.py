@@ -1,0 +1,103 @@
+"""The engine serving a GGUF's blocks through the Triton GEMM (``linear_backend='triton'``: what CUDA runs
+by default; here in the Triton interpreter, or on a GPU with ``KVPILOT_TEST_DEVICE=cuda``) generates the
+dequantized float path's greedy tokens, with its logits within summation-order tolerance.
+
+Both bundled tiny GGUFs: every 32-weight format (Q4_0 q/k/v, Q4_1, Q8_0 and a tied Q8_0 head) and the
+Q4_K_M mix (Q4_K with Q6_K value/down projections and head, the fused q/k/v split by format). The
+weights are the same values either way (the kernel dequantizes in gguf's float32 order), so float32
+logits agree to 1e-4; a prompt of 20 tokens makes the prefill GEMMs span two 16-row tiles.
+"""
+
+# Before any kernel module is imported: sets TRITON_INTERPRET=1 on CPU (collection imports this first).
+from triton_device import DEVICE  # isort: skip
+
+from pathlib import Path
+
+import pytest
+import torch
+from quantized_ggufs import write_k_quant_gguf, write_mixed_gguf
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model.loader import resolve_linear_backend
+from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear, SplitQuantLinear
+from kvpilot.engine.model.quantization import resolve_quantization
+
+pytestmark = pytest.mark.triton
+
+ENGINE_ARGS = {
+    "device": DEVICE.type,
+    "dtype": "float32",
+    "block_size": 16,
+    "num_kv_blocks": 16,
+    "max_num_batched_tokens": 32,
+    "max_num_seqs": 2,
+    "native_cpu_ops": "off",  # PyTorch ops on both sides: no C build in this file's cost
+}
+PROMPTS = [[(7 * i + 3) % 250 + 5 for i in range(20)], [11, 12, 13]]
+#: float32 logits of magnitude ~1, the same weights summed in another order
+LOGIT_TOLERANCE = 1e-4
+
+
+def greedy(model: Path, **kwargs) -> tuple[LLM, list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of ``PROMPTS`` and the logits of every step."""
+    llm = LLM(str(model), **ENGINE_ARGS, **kwargs)
+    logits = []
+    execute = llm.engine.runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        logits.append(out.detach().float().cpu().clone())
+        return out
+
+    llm.engine.runner.execute = recording
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    return llm, [o.outputs[0].token_ids for o in outs], logits
+
+
+def quant_layers(llm: LLM) -> list[QuantLinear]:
+    return [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory) -> dict[str, Path]:
+    return {
+        "mixed": write_mixed_gguf(tmp_path_factory.mktemp("mixed")),
+        "q4_k_m": write_k_quant_gguf(tmp_path_factory.mktemp("q4_k_m")),
+    }
+
+
+@pytest.mark.parametrize(
+    "name, formats",
+    [("mixed", {"Q4_0", "Q4_1", "Q8_0"}), ("q4_k_m", {"Q4_K", "Q6_K"})],
+)
+def test_triton_gemm_on_gguf_blocks_generates_the_float_paths_tokens(ggufs, name, formats):
+    quant, tokens, logits = greedy(ggufs[name], quantization="gguf", linear_backend="triton")
+    reference, ref_tokens, ref_logits = greedy(ggufs[name], quantization="none", linear_backend="torch")
+    assert quant.engine.quantization == "gguf" and reference.engine.quantization == "none"
+    layers = quant_layers(quant)
+    assert {layer.format for layer in layers} == formats and all(layer.triton for layer in layers)
+    model = quant.engine.model
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.packed_lm_head.triton
+    if name == "q4_k_m":
+        assert isinstance(model.layers[0].self_attn.qkv_proj, SplitQuantLinear)
+    assert all(len(t) == 3 for t in tokens) and tokens == ref_tokens
+    assert len(logits) == len(ref_logits)
+    for ours, expected in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, expected, atol=LOGIT_TOLERANCE, rtol=0)
+
+
+def test_the_triton_gemm_is_chosen_by_the_linear_backend(ggufs, monkeypatch):
+    """``linear_backend`` picks the kernel: ``auto`` is ``triton`` on CUDA, where ``quantization='auto'``
+    then keeps a GGUF's blocks at any float dtype; without it a bfloat16 GGUF is refused or dequantized.
+    On CPU, ``triton`` needs the interpreter."""
+    path, cpu, cuda = ggufs["mixed"], torch.device("cpu"), torch.device("cuda")
+    assert resolve_linear_backend("auto", cuda, torch.bfloat16) == "triton"
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert resolve_quantization("auto", path, cuda, dtype, None, linear_backend="triton") == "gguf"
+    assert resolve_quantization("auto", path, cuda, torch.bfloat16, None, linear_backend="torch") == "none"
+    assert resolve_quantization("int8", None, cuda, torch.bfloat16, None, linear_backend="triton") == "int8"
+    with pytest.raises(ValueError, match="use linear_backend='triton'"):
+        resolve_quantization("gguf", path, cuda, torch.bfloat16, None, linear_backend="torch")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="linear_backend 'triton' on CPU runs only in Triton's interpreter"):
+        resolve_linear_backend("triton", cpu, torch.float32)
