@@ -85,6 +85,7 @@ def quant_linear_kernel(
     FMT: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -124,7 +125,10 @@ def quant_linear_kernel(
                     w = d * nibble + _fp16_at(data_ptr, start + 2, w_ok)
                 else:  # Q4_0: d * (q - 8)
                     w = d * (nibble - 8.0)
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        if IEEE:  # float32 activations: a float32 product, not the TF32 a GPU's dot defaults to
+            acc += tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
     if FMT == 3:
         acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -166,6 +170,7 @@ def quant_linear(
         FMT=form.code,
         BLOCK_BYTES=form.block_bytes,
         HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
         BM=BLOCK_M,
         BN=BLOCK_N,
         BK=BLOCK_K,

@@ -14,7 +14,8 @@ from gguf.quants import quantize as gguf_quantize
 from gguf_files import K_QUANTIZERS
 
 from kvpilot.engine.model import quant_triton
-from kvpilot.engine.model.quant_formats import QuantWeight, quantize_int8
+from kvpilot.engine.model.quant_formats import QuantWeight, dequantize, quantize_int8
+from kvpilot.engine.model.quant_linear import QuantEmbedding, SplitQuantLinear
 from kvpilot.engine.native.quant_ops import FORMATS
 from kvpilot.engine.native.reference import reference_quant_linear
 
@@ -82,3 +83,34 @@ def test_triton_quant_linear_refuses_what_it_would_misread():
         quant_triton.quant_linear(torch.zeros(1, 32), weight.data, None, "Q4_1", None)
     with pytest.raises(ValueError, match="takes no row scales"):
         quant_triton.quant_linear(torch.zeros(1, 64), weight.data, torch.ones(16), "Q4_1", None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quant_layers_on_the_triton_gemm_match_the_reference(dtype):
+    """The layers the engine builds with ``linear_backend='triton'``: a fused projection of a Q4_K and a
+    Q6_K part with one bias over both, fed 3-D activations in ``dtype``, and a tied LM head over a Q8_0
+    embedding whose rows come back in the model's dtype."""
+    parts = [make_weight("Q4_K", 40, 256, seed=1), make_weight("Q6_K", 24, 256, seed=2)]
+    fused = SplitQuantLinear(parts, has_bias=True, native=None, triton=True)
+    fused.bias.copy_(torch.linspace(-1, 1, 64))
+    table = make_weight("Q8_0", 48, 64, seed=3)
+    embedding = QuantEmbedding(table, dtype)
+    head = embedding.as_linear(None, triton=True)
+    fused, embedding, head = fused.to(DEVICE), embedding.to(DEVICE), head.to(DEVICE)
+    x = torch.randn(2, 9, 256, generator=torch.Generator().manual_seed(4)).to(dtype)
+    expected = torch.cat([reference_quant_linear(x.view(18, 256).float(), p, None) for p in parts], dim=-1)
+    got = fused(x.to(DEVICE))
+    assert got.dtype == dtype and got.shape == (2, 9, 64)
+    torch.testing.assert_close(got.view(18, 64).float().cpu(), expected + fused.bias.cpu(), **close(dtype))
+    ids = torch.tensor([0, 47, 5])
+    rows = embedding(ids.to(DEVICE))
+    assert rows.dtype == dtype
+    torch.testing.assert_close(rows.cpu(), dequantize(table)[ids].to(dtype), atol=0, rtol=0)
+    logits = head(rows)
+    expected = reference_quant_linear(rows.float().cpu(), table, None)
+    torch.testing.assert_close(logits.float().cpu(), expected, **close(dtype))
+
+
+def close(dtype: torch.dtype) -> dict[str, float]:
+    """Tolerance on sums of 64-256 products of magnitude ~1 (float16: the inputs round to 11 bits)."""
+    return {"atol": 2e-4 if dtype == torch.float32 else 5e-2, "rtol": 0}
