@@ -3,12 +3,13 @@ reading the very bytes the CPU kernels read (docs/architecture.md#quantized-weig
 Q8_0 blocks, the K-quants Q4_K / Q6_K (256-weight super-blocks, layout in ``native/quant_blocks.h``), or
 int8 rows with per-row float32 scales.
 
-Each program computes a ``BLOCK_M x BLOCK_N`` tile of y over K in steps of ``BLOCK_K`` (a multiple of 32,
-so a step covers whole blocks, or whole sub-blocks of a super-block): it gathers the step's quantized
-bytes, dequantizes them in registers into x's dtype (Q4: the nibble of byte ``j % 16`` chosen by
-``j // 16``; fp16 scales assembled from their two bytes; K-quants: the sub-block's packed scale and min
-too) and accumulates ``tl.dot`` in float32. All dot dimensions are >= 16 (a tile of fewer rows is
-masked); offsets are int64, since ``rows x row_bytes`` can pass 2^31.
+Each program computes a ``block_m(rows) x BLOCK_N`` tile of y over K in steps of ``BLOCK_K`` (a multiple
+of 32, so a step covers whole blocks, or whole sub-blocks of a super-block): it gathers the step's
+quantized bytes, dequantizes them in registers into x's dtype (Q4: the nibble of byte ``j % 16`` chosen
+by ``j // 16``; fp16 scales assembled from their two bytes; K-quants: the sub-block's packed scale and
+min too) and accumulates ``tl.dot`` in float32 (IEEE products for float32 x). All dot dimensions are
+>= 16 (a tile of fewer rows is masked); offsets are int64, since ``rows x row_bytes`` can pass 2^31.
+Untuned: one tile shape per row bucket, no split-K for single-row decodes.
 
 ``QuantLinear`` runs it with ``linear_backend='triton'`` (the default on CUDA); its reference is
 ``native.reference.reference_quant_linear`` (K-quants: ``quant_formats.dequantize_k`` then a float64
@@ -25,7 +26,15 @@ import triton.language as tl
 from kvpilot.engine.native.quant_ops import FORMATS
 
 #: tile sizes: every ``tl.dot`` dimension >= 16; BLOCK_K a multiple of the 32-weight block
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
+BLOCK_N, BLOCK_K = 64, 64
+#: most rows of one tile: every row tile dequantizes its columns of W again, so a prefill-sized batch
+#: takes 64-row tiles (a quarter of the dequantization 16-row tiles would repeat)
+MAX_BLOCK_M = 64
+
+
+def block_m(rows: int) -> int:
+    """Rows per tile: the batch rounded up to a power of two, within [16, ``MAX_BLOCK_M``]."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
 @triton.jit
@@ -155,7 +164,10 @@ def quant_linear(
     if form.row_scales != (scales is not None):
         raise ValueError(f"{fmt} {'needs' if form.row_scales else 'takes no'} row scales")
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out_features, BLOCK_N))
+    if rows == 0:  # a grid of no programs is not launchable
+        return y
+    tile_m = block_m(rows)
+    grid = (triton.cdiv(rows, tile_m), triton.cdiv(out_features, BLOCK_N))
     quant_linear_kernel[grid](
         x,
         data,
@@ -171,7 +183,7 @@ def quant_linear(
         BLOCK_BYTES=form.block_bytes,
         HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32,
-        BM=BLOCK_M,
+        BM=tile_m,
         BN=BLOCK_N,
         BK=BLOCK_K,
     )

@@ -1,8 +1,8 @@
 """The Triton quantized GEMM (``quant_triton``) against the block-wise PyTorch reference, in the Triton
 interpreter (or on a GPU with ``KVPILOT_TEST_DEVICE=cuda``): every format (the K-quants' super-blocks
-too), float32 and float16 inputs,
-tiles with fewer rows / columns than the 16 x 32 tile, several K steps, int8 rows whose length is not a
-multiple of 32, with and without bias."""
+too), float32 and float16 inputs, tiles with fewer rows / columns than the tile (16 to 64 rows by batch,
+64 columns), several K steps, int8 rows whose length is not a multiple of 32, with and without bias; and
+the engine's quantized layers on it."""
 
 # Before any kernel module is imported: sets TRITON_INTERPRET=1 on CPU (collection imports this first).
 from triton_device import DEVICE  # isort: skip
@@ -21,8 +21,11 @@ from kvpilot.engine.native.reference import reference_quant_linear
 
 pytestmark = pytest.mark.triton
 
-#: absolute tolerance on outputs of magnitude ~1 (float16: the inputs and the dequantized weights round)
-TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2}
+#: absolute tolerance on outputs of magnitude ~1 (float16 / bfloat16: the inputs and the dequantized
+#: weights round to 11 / 8 significant bits)
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+#: the interpreter's bfloat16 ``tl.dot`` is wrong: those cases run on a GPU only
+ON_GPU = pytest.mark.skipif(DEVICE.type != "cuda", reason="bfloat16 tl.dot needs a GPU")
 
 
 def make_weight(fmt: str, out_features: int, in_features: int, seed: int) -> QuantWeight:
@@ -53,6 +56,13 @@ CASES = [
     ("Q4_K", torch.float16, 17, 32, 256, False),
     ("Q6_K", torch.float32, 1, 24, 512, False),
     ("Q6_K", torch.float16, 5, 48, 256, True),
+    ("Q4_1", torch.float32, 0, 16, 64, True),  # an empty batch: no launch, an empty result
+    # prefill-sized batches: 32- and 64-row tiles, the last one partial
+    ("Q4_K", torch.float32, 40, 64, 256, False),
+    ("Q8_0", torch.float16, 150, 16, 64, True),
+    pytest.param("Q4_K", torch.bfloat16, 7, 64, 512, True, marks=ON_GPU),
+    pytest.param("Q6_K", torch.bfloat16, 70, 40, 256, False, marks=ON_GPU),
+    pytest.param("Q4_0", torch.bfloat16, 1, 32, 96, False, marks=ON_GPU),
 ]
 
 
