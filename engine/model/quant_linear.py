@@ -83,7 +83,8 @@ class QuantLinear(_QuantWeightBuffers):
     ) -> None:
         super().__init__(weight)
         self.register_buffer("bias", torch.zeros(self.out_features) if has_bias else None)
-        self.native = native
+        #: the native kernels this layer runs on; None on the Triton GEMM, so no C path takes it over
+        self.native = None if triton else native
         self.triton = triton
 
     def extra_repr(self) -> str:
