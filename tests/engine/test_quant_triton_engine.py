@@ -102,6 +102,24 @@ def test_triton_gemm_on_gguf_blocks_generates_the_float_paths_tokens(ggufs, name
         torch.testing.assert_close(ours, expected, atol=tolerance, rtol=0)
 
 
+def test_int8_on_the_triton_gemm_computes_the_cpu_paths_int8(tiny_model_dir):
+    """``quantization='int8'`` quantizes at load the same way under either backend; the Triton GEMM on
+    those rows gives the PyTorch int8 path's tokens and logprobs (float32)."""
+    quant, tokens, logprobs, logits = greedy(
+        tiny_model_dir, dtype="float32", quantization="int8", linear_backend="triton"
+    )
+    reference, ref_tokens, ref_logprobs, ref_logits = greedy(
+        tiny_model_dir, dtype="float32", quantization="int8", linear_backend="torch"
+    )
+    layers = quant_layers(quant)
+    assert layers and all(layer.format == "int8" and layer.triton for layer in layers)
+    assert not any(layer.triton for layer in quant_layers(reference))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=0)
+    for ours, expected in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
 def test_the_triton_gemm_is_chosen_by_the_linear_backend(ggufs, monkeypatch):
     """``linear_backend`` picks the kernel: ``auto`` is ``triton`` on CUDA, where ``quantization='auto'``
     then keeps a GGUF's blocks at any float dtype; without it a bfloat16 GGUF is refused or dequantized.
