@@ -5,7 +5,7 @@
 ``down[e]`` (``ffn_down_exps``), in a format the kernels run (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K). A Q4_0 expert of
 Mixtral-8x7B is ~4.5 bits a weight where float32 is 32.
 
-Its forward is ``moe_experts.sorted_moe``'s CPU path with each GEMM on the blocks: the ``T * k`` (token,
+Its forward is ``moe_experts.sorted_moe``'s path with each GEMM on the blocks: the ``T * k`` (token,
 expert) assignments sorted by expert, so each expert some token chose runs its two ``QuantLinear``
 products once over its contiguous rows (the Triton GEMM with ``triton``; else the native quantized GEMM up
 to ``QUANT_NATIVE_MAX_ROWS`` rows, beyond per slice dequantized and torch's GEMM; PyTorch dequantization
