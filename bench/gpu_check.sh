@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on a CUDA machine, at most ~8 minutes, each step under its own limit.
+# The GPU check: one prepared run on a CUDA machine, at most ~10 minutes, each step under its own limit.
 #
 #   bash bench/gpu_wheels.sh                        # here: wheels the device image lacks -> .whl/
 #   bash bench/gpu_check.sh OUT_DIR [STEPS]         # there, with .whl carried; STEPS: comma list of
-#                                                   # env,tests,kernels,models,profile,offline,serve
+#                                                   # env,tests,kernels,models,profile,offline,serve,quant
 #
-# Runs on the image's torch/triton/transformers (the project's pins do not apply there). Steps and limits:
+# Runs on the image's torch/triton/transformers (the project's pins do not apply there). Steps and limits
+# (~9.6 minutes if every step ran to its limit; each usually ends well before):
 #   env      15 s  device, versions, C compiler and Python.h, the Triton start-up check     -> env.log
 #   tests   150 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements), the Triton engine,
 #                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
@@ -15,16 +16,22 @@
 #   models   60 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
 #   profile  60 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16: host time per
 #                  stage and the GPU-busy fraction from torch.profiler                       -> profile.log
-#   offline  50 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline)
-#                                                                                -> offline.json/.log
+#   offline  50 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline), its
+#                  JSON report appended                                                       -> offline.log
 #   serve    75 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
 #                  /load, one streamed chat and one n=2 completion                            -> serve.log
+#   quant   120 s  GGUF blocks on the Triton GEMM (quantization=gguf): the kernel's tests on CUDA, bf16
+#                  included (40 s); a random-weight Q4_K_M GGUF written (Q4_K + Q6_K; 1024 hidden, 8
+#                  layers; 20 s); bench/quantization.py on it, gguf against none (dequantized to bf16):
+#                  greedy agreement, perplexity, weight bytes, decode tok/s at batch 1 and 16, its JSON
+#                  report appended (60 s)                                                      -> quant.log
 # At most 8 files come back from the device, so every step writes one log (summary.log: each step's exit).
 # Rehearsal on a machine without a GPU (checks the plumbing, not the figures):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_MODEL=tiny-random bash bench/gpu_check.sh /tmp/rehearsal tests,profile,serve
+# (quant on CPU: a tiny K-quant GGUF on the C kernels, the Triton tests in the interpreter)
 set -uo pipefail
-out=${1:?usage: bench/gpu_check.sh OUT_DIR [env,tests,kernels,models,profile,offline,serve]}
-steps=",${2:-env,tests,kernels,models,profile,offline,serve},"
+out=${1:?usage: bench/gpu_check.sh OUT_DIR [env,tests,kernels,models,profile,offline,serve,quant]}
+steps=",${2:-env,tests,kernels,models,profile,offline,serve,quant},"
 want() { [[ $steps == *",$1,"* ]]; }
 mkdir -p "$out"
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -114,11 +121,14 @@ fi
 
 if want offline; then
     t=$(date +%s)
+    rm -f /tmp/offline.json
     timeout 50 bash -c "$(declare -f kvpilot); kvpilot bench offline --model $model --dtype $dtype \
         --device $dev --attention-backend triton --num-requests 128 --input-len 128:1024 --output-len 128:256 \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.5 \
-        --output-json $out/offline.json" >"$out/offline.log" 2>&1
-    record offline $? "$t"
+        --output-json /tmp/offline.json" >"$out/offline.log" 2>&1
+    rc=$?
+    cat /tmp/offline.json >>"$out/offline.log" 2>/dev/null  # in the log: at most 8 files come back
+    record offline $rc "$t"
     tail -20 "$out/offline.log"
 fi
 
@@ -153,6 +163,27 @@ if want serve; then
     kill "$server" 2>/dev/null
     wait "$server" 2>/dev/null
     record serve $rc "$t"
+    tail -25 "$log"
+fi
+
+if want quant; then
+    t=$(date +%s)
+    log="$out/quant.log"
+    KVPILOT_TEST_DEVICE=$dev timeout 40 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
+        -c "$repo/pyproject.toml" "$repo/tests/engine/test_quant_triton.py" >"$log" 2>&1
+    rc=$?
+    # a Q4_K_M GGUF (what most users bring) written from random weights; tiny on a CPU rehearsal
+    gguf=$(timeout 20 python3 "$repo/bench/write_k_quant_gguf.py" "$models" "$dev" 2>>"$log") || rc=1
+    sizes=(--tokens 16 --batches 1 16 --steps 16 --rounds 2)
+    if [ "$dev" = cpu ]; then sizes=(--tokens 4 --batches 2 --steps 2 --rounds 1); fi
+    if [ -n "$gguf" ]; then
+        rm -f /tmp/quant.json
+        timeout 60 python3 "$repo/bench/quantization.py" --model "$gguf" --device "$dev" --dtype "$dtype" \
+            --methods none gguf "${sizes[@]}" --kv-cache-mib 1024 --output-json /tmp/quant.json >>"$log" 2>&1 \
+            || rc=1
+        cat /tmp/quant.json >>"$log" 2>/dev/null
+    fi
+    record quant $rc "$t"
     tail -25 "$log"
 fi
 cat "$summary"

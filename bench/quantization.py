@@ -3,6 +3,7 @@ one process (so the ratios share one stretch of this host's drifting speed).
 
     python bench/quantization.py                       # none / gguf / int8, agreement and decode speed
     python bench/quantization.py --batches 1 16 64 --rounds 3 --output-json bench/results/quantization.json
+    python bench/quantization.py --device cuda --dtype bfloat16 --methods none gguf   # the Triton GEMM
 
 1. Agreement with ``quantization=none`` (the GGUF dequantized to float32: kvpilot's path before issue 21),
    on real prompts (chat-templated questions, raw openings), ``--tokens`` greedy tokens each:
@@ -15,7 +16,10 @@ one process (so the ratios share one stretch of this host's drifting speed).
    prefilled, then ``--steps`` decode-only engine steps are timed. ``--rounds`` rounds alternate the
    engines; each engine's best round counts; tok/s = B / step time, ratio = engine / ``none``. With
    ``--threads 1`` steps are timed in the thread's CPU time (robust on a shared host), else wall clock.
-Also prints each engine's weight bytes. All engines: float32 activations on CPU, native C kernels.
+Also prints each engine's weight bytes. All engines share ``--device``, ``--dtype`` and
+``--linear-backend`` (the engine's defaults: on CPU float32 with the native C kernels; on CUDA bfloat16,
+the quantized GEMMs in Triton on the blocks). CUDA steps return their tokens to the host, so the wall clock
+times the GPU's work.
 """
 
 from __future__ import annotations
@@ -161,6 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--kv-cache-mib", type=int, default=512, help="each engine's KV cache")
+    parser.add_argument("--device", default="auto", help="the engines' device (engine default: auto)")
+    parser.add_argument("--dtype", default="auto", help="the engines' dtype (engine default: auto)")
+    parser.add_argument(
+        "--linear-backend", default="auto", help="the engines' linear backend (auto: triton on CUDA)"
+    )
     parser.add_argument("--output-json", type=Path)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -172,10 +181,22 @@ def main(argv: list[str] | None = None) -> int:
             quantization=m,
             kv_cache_memory_bytes=args.kv_cache_mib << 20,
             max_num_seqs=max(args.batches),
+            device=args.device,
+            dtype=args.dtype,
+            linear_backend=args.linear_backend,
         )
         for m in args.methods
     }
-    report: dict = {"model": args.model, "threads": args.threads, "methods": {}}
+    ref = engines["none"].engine
+    report: dict = {
+        "model": args.model,
+        "threads": args.threads,
+        "device": str(ref.device),
+        "dtype": str(ref.dtype).removeprefix("torch."),
+        "linear_backend": ref.linear_backend,
+        "methods": {},
+    }
+    print(f"{args.model} on {report['device']}, {report['dtype']}, linear backend {ref.linear_backend}")
     prompts = real_prompts(engines["none"])
     reference = greedy(engines["none"], prompts, args.tokens)
     for method, llm in engines.items():

@@ -104,7 +104,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--linear-backend",
         default=d.linear_backend,
         choices=LINEAR_BACKENDS,
-        help="auto = oneDNN-packed weights for float32 on CPU",
+        help="auto = oneDNN-packed weights for float32 on CPU, triton on CUDA (the GEMMs of quantized "
+        "weights, quantization gguf/int8, in the Triton kernel on their blocks)",
     )
     g.add_argument(
         "--native-cpu-ops",

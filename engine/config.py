@@ -17,7 +17,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "torch", "onednn")
+LINEAR_BACKENDS = ("auto", "torch", "onednn", "triton")
 NATIVE_CPU_OPS = ("auto", "on", "off")
 #: weight quantization (docs/architecture.md#quantized-weights): ``auto`` keeps a GGUF's blocks where the
 #: engine runs them and an fp8 checkpoint's e4m3 weights on CUDA; ``none``; ``gguf``; ``int8`` (weight-only,
@@ -108,8 +108,10 @@ class EngineConfig:
     scheduler: SchedulerConfig
     #: ``auto`` (triton on CUDA, torch on CPU), ``torch`` or ``triton``
     attention_backend: str = "auto"
-    #: GEMMs of the decoder layers: ``auto`` (oneDNN-packed weights for float32 on CPU, torch otherwise),
-    #: ``torch`` (plain ``F.linear``) or ``onednn``
+    #: GEMMs of the decoder layers: ``auto`` (oneDNN-packed weights for float32 on CPU, triton on CUDA,
+    #: torch otherwise), ``torch`` (plain ``F.linear``), ``onednn``, or ``triton`` (quantized weights'
+    #: GEMMs in the Triton kernel on their blocks, float ones ``F.linear``; on CPU only in Triton's
+    #: interpreter, ``TRITON_INTERPRET=1``)
     linear_backend: str = "auto"
     #: fused C kernels for float32 on CPU (RMSNorm+residual, RoPE, K/V write, SiLU-mul, paged decode
     #: attention, and with oneDNN linears the GEMM of steps up to 256 rows; compiled once per host into the

@@ -109,14 +109,17 @@ def load_served_model(
         scale=arch.head_dim**-0.5,
         sliding_window=arch.sliding_window,
     )
-    if device.type == "cuda" and backend.name == "triton":
+    gguf_path = gguf_source(name)
+    resolved = resolve_quantization(
+        quantization, gguf_path, device, dtype, native_ops, model_dir, linear_backend
+    )
+    triton_gemm = linear_backend == "triton" and resolved in ("gguf", "int8")
+    if device.type == "cuda" and (backend.name == "triton" or triton_gemm):
         # before the weights load and the first forward: an image without a C compiler (or Python.h,
         # libcuda) fails start-up in seconds, with a message naming what is missing
         from kvpilot.engine.attention.gpu_preflight import check_triton_launch
 
         check_triton_launch(device)
-    gguf_path = gguf_source(name)
-    resolved = resolve_quantization(quantization, gguf_path, device, dtype, native_ops, model_dir)
     if tensor_parallel is not None:
         check_tensor_parallel(arch, tensor_parallel.shard.size, resolved)
     model = load_model(

@@ -46,11 +46,13 @@ Forward pass:
                      used beside the Triton attention backend; imported only once ``TRITON_INTERPRET`` is set
 - ``cpu_linear``     oneDNN-packed linear layers for float32 on CPU (the short, wide GEMMs of decoding)
 - ``quant_formats``  ``QuantWeight`` (GGUF blocks or int8 rows, as the kernels read them): unpacking,
-                     dequantization, int8 quantization, fusing rows
-- ``quant_linear``   ``QuantLinear`` / ``QuantEmbedding``: layers on quantized weights (C kernels, sliced
+                     dequantization (K-quants in torch ops on any device), int8 quantization, fusing rows
+- ``quant_linear``   ``QuantLinear`` / ``QuantEmbedding``: layers on quantized weights (the Triton GEMM with
+                     ``linear_backend='triton'``, the CUDA default; else C kernels, sliced
                      dequantize-and-GEMM for long prefills, PyTorch ops without the native kernels)
-- ``quant_triton``   the Triton W4A16/W8A16 GEMM on the same bytes (tested in the interpreter; not yet used
-                     by the engine, which quantizes on CPU); imported only once ``TRITON_INTERPRET`` is set
+- ``quant_triton``   the Triton W4A16/W6A16/W8A16 GEMM on the same bytes (Q4_0/Q4_1/Q8_0, Q4_K/Q6_K, int8)
+                     that ``QuantLinear`` runs on CUDA; imported at its first call, once
+                     ``TRITON_INTERPRET`` is set
 - ``fp8_linear``     ``Fp8Weight`` (e4m3 + per-row/block scales), fp8 quantization and dequantization,
                      ``Fp8Linear`` (W8A16: e4m3 kept, dequantized per call)
 - ``fp8_checkpoint`` HF checkpoints' ``quantization_config``: fp8 (vLLM ``fp8``, compressed-tensors float8)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,19 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto`` = oneDNN-packed weights for float32 on CPU (when torch has oneDNN), plain torch otherwise."""
+    """``auto`` = oneDNN-packed weights for float32 on CPU (when torch has oneDNN), ``triton`` on CUDA (the
+    quantized weights' GEMMs; float ones are plain torch there too), plain torch otherwise."""
     if name == "auto":
+        if device.type == "cuda":
+            return "triton"
         return "onednn" if device.type == "cpu" and dtype == torch.float32 and onednn_available() else "torch"
     if name == "onednn" and (device.type != "cpu" or not onednn_available()):
         raise ValueError("linear_backend 'onednn' needs a CPU device and a torch build with oneDNN")
+    if name == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "linear_backend 'triton' on CPU runs only in Triton's interpreter (TRITON_INTERPRET=1 set before "
+            "Triton is imported, as the tests do); use 'auto' on CPU, or a CUDA device"
+        )
     return name
 
 
@@ -163,9 +172,11 @@ def load_model(
 ) -> LlamaForCausalLM:
     """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
     forward pass and, with oneDNN linears, serves their small batches. ``quantization`` is a resolved
-    ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``.
+    ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``; with
+    ``linear_backend='triton'`` the quantized layers' GEMMs run the Triton kernel.
     ``tensor_parallel``: build and fill only that rank's shard (docs/architecture.md#tensor-parallelism)."""
     full_arch = arch = ModelArchConfig.from_dir(model_dir)
+    triton = linear_backend == "triton"
     if tensor_parallel is not None:
         arch = tensor_parallel.shard.local_arch()
     # parameters are allocated on the device and filled tensor by tensor from the open files: the host
@@ -182,7 +193,7 @@ def load_model(
                 path: "+".join(p.format.name for p in parts) for path, parts in gguf.split.items()
             }
             gguf.split = {}
-        install_gguf_weights(model, gguf, native)
+        install_gguf_weights(model, gguf, native, triton)
     fp8_quant = read_checkpoint_quantization(model_dir)
     checkpoint = SafetensorsCheckpoint(model_dir)
     # an fp8 checkpoint's e4m3 weights read dequantized, except those Fp8Linear layers keep as stored
@@ -198,11 +209,11 @@ def load_model(
     finally:
         checkpoint.close()
     if quantization == "int8":
-        quantize_linears_int8(model, native)
+        quantize_linears_int8(model, native, triton)
     elif quantization == "fp8" and fp8_quant is None:
         quantize_linears_fp8(model)
     model.to(device)  # the RoPE tables, built on the CPU
-    head = quantized_lm_head(model, native)
+    head = quantized_lm_head(model, native, triton)
     if head is not None:
         model.packed_lm_head = head
     if tensor_parallel is not None:  # before packing: the packed linears are the shards' own

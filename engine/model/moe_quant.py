@@ -1,14 +1,15 @@
-"""Routed experts kept in their GGUF blocks (``quantization=gguf`` on CPU; docs/models.md#gguf).
+"""Routed experts kept in their GGUF blocks (``quantization=gguf``; docs/models.md#gguf).
 
 ``QuantExperts`` holds each expert's two projections as ``QuantLinear`` layers on the file's own bytes:
 ``gate_up[e]`` (the expert's ``ffn_gate_exps`` rows, then its ``ffn_up_exps`` rows: ``w13``'s layout) and
 ``down[e]`` (``ffn_down_exps``), in a format the kernels run (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K). A Q4_0 expert of
 Mixtral-8x7B is ~4.5 bits a weight where float32 is 32.
 
-Its forward is ``moe_experts.sorted_moe``'s CPU path with each GEMM on the blocks: the ``T * k`` (token,
+Its forward is ``moe_experts.sorted_moe``'s path with each GEMM on the blocks: the ``T * k`` (token,
 expert) assignments sorted by expert, so each expert some token chose runs its two ``QuantLinear``
-products once over its contiguous rows (the native quantized GEMM up to ``QUANT_NATIVE_MAX_ROWS`` rows,
-else per slice dequantized and torch's GEMM; PyTorch dequantization without the native kernels), and
+products once over its contiguous rows (the Triton GEMM with ``triton``; else the native quantized GEMM up
+to ``QUANT_NATIVE_MAX_ROWS`` rows, beyond per slice dequantized and torch's GEMM; PyTorch dequantization
+without the native kernels), and
 experts no token chose are never read. The result equals ``moe_experts.reference_moe`` on the dequantized
 weights up to float32 summation order (``tests/engine/test_moe_quant.py``).
 """
@@ -28,7 +29,13 @@ class QuantExperts(nn.Module):
     """The routed experts of one sparse layer on quantized weights: ``gate_up[e]`` ``[2I, H]`` and
     ``down[e]`` ``[H, I]`` per expert."""
 
-    def __init__(self, gate_up: list[QuantWeight], down: list[QuantWeight], native: NativeOps | None) -> None:
+    def __init__(
+        self,
+        gate_up: list[QuantWeight],
+        down: list[QuantWeight],
+        native: NativeOps | None,
+        triton: bool = False,
+    ) -> None:
         super().__init__()
         if len(gate_up) != len(down) or not gate_up:
             raise ValueError(f"{len(gate_up)} gate/up and {len(down)} down expert weights")
@@ -45,8 +52,8 @@ class QuantExperts(nn.Module):
                     f"{dn.in_features}] do not fit hidden {hidden} and expert size {inter}"
                 )
         self.hidden, self.inter = hidden, inter
-        self.gate_up = nn.ModuleList(QuantLinear(w, False, native) for w in gate_up)
-        self.down = nn.ModuleList(QuantLinear(w, False, native) for w in down)
+        self.gate_up = nn.ModuleList(QuantLinear(w, False, native, triton) for w in gate_up)
+        self.down = nn.ModuleList(QuantLinear(w, False, native, triton) for w in down)
 
     @property
     def num_experts(self) -> int:
@@ -70,7 +77,7 @@ class QuantExperts(nn.Module):
         if len(counts) > self.num_experts:
             raise ValueError(f"routing names expert {len(counts) - 1} of {self.num_experts}")
         gathered = x.index_select(0, order // top_k)  # [T*k, H], expert by expert
-        out = torch.empty(tokens * top_k, self.hidden, dtype=x.dtype)
+        out = torch.empty(tokens * top_k, self.hidden, dtype=x.dtype, device=x.device)
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
 
 from kvpilot.engine.native.quant_ops import BLOCK, FORMATS, K_FORMATS, QuantFormat
 
@@ -64,7 +62,7 @@ def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torc
     ``[N, blocks, 32]`` (Q4_0's already minus 8), ``d`` and ``offset`` ``[N, blocks]`` (offset: Q4_1's
     minimum, else 0). An int8 row whose length is not a multiple
     of 32 is zero-padded to whole blocks. K-quants have no such form (Q6_K scales every 16 weights):
-    ``dequantize`` reads them."""
+    ``dequantize_k`` reads them."""
     fmt, data, n = weight.format, weight.data, weight.out_features
     if fmt.name in K_FORMATS:
         raise ValueError(
@@ -78,28 +76,52 @@ def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torc
         return q.view(n, blocks, BLOCK), d, torch.zeros_like(d)
     raw = data.view(n, -1, fmt.block_bytes)
 
-    def half(start: int) -> torch.Tensor:
-        return raw[..., start : start + 2].contiguous().view(torch.float16).float().squeeze(-1)
-
-    d = half(0)
+    d = _half(raw, 0).squeeze(-1)
     if fmt.name == "Q8_0":
         return raw[..., 2:].contiguous().view(torch.int8).float(), d, torch.zeros_like(d)
     nibbles = raw[..., 4:] if fmt.name == "Q4_1" else raw[..., 2:]
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()
     if fmt.name == "Q4_1":
-        return q, d, half(2)
+        return q, d, _half(raw, 2).squeeze(-1)
     return q - 8.0, d, torch.zeros_like(d)  # Q4_0: d * (q - 8), as llama.cpp rounds it
 
 
 def dequantize(weight: QuantWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The ``[out_features, in_features]`` weight in ``dtype`` (K-quants through gguf's own numpy
-    dequantization, the reference the C kernels are held to)."""
+    """The ``[out_features, in_features]`` weight in ``dtype``, on the weight's device."""
     if weight.format.name in K_FORMATS:
-        values = gguf_dequantize(weight.data.cpu().numpy(), GGMLQuantizationType[weight.format.name])
-        return torch.from_numpy(values).to(weight.data.device, dtype)
+        return dequantize_k(weight).to(dtype)
     q, d, offset = unpack_blocks(weight)
     w = q * d[..., None] + offset[..., None] if weight.format.name == "Q4_1" else q * d[..., None]
     return w.reshape(weight.out_features, -1)[:, : weight.in_features].to(dtype)
+
+
+def _half(raw: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at bytes ``start, start + 1`` of each block of ``raw`` [..., block_bytes], as float32."""
+    return raw[..., start : start + 2].contiguous().view(torch.float16).float()
+
+
+def dequantize_k(weight: QuantWeight) -> torch.Tensor:
+    """A Q4_K / Q6_K weight in float32 with torch ops on its own device, in gguf-py's order of float
+    operations (so equal to ``gguf.quants.dequantize`` bit for bit; layout: ``quant_blocks.h``)."""
+    n, name = weight.out_features, weight.format.name
+    raw = weight.data.view(n, -1, weight.format.block_bytes)  # [N, super-blocks, bytes]
+    if name == "Q4_K":
+        s = raw[..., 4:16].int()
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 2) & 0x30)], dim=-1)
+        m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 2) & 0x30)], dim=-1)
+        d, dm = _half(raw, 0) * sc.float(), _half(raw, 2) * m.float()  # [N, S, 8]: one per sub-block
+        qs = raw[..., 16:144].reshape(n, -1, 4, 1, 32).int()  # sub-block 2p: low nibbles, 2p + 1: high
+        q = ((qs >> torch.tensor([0, 4], device=qs.device).view(2, 1)) & 0xF).reshape(n, -1, 8, 32).float()
+        return (d[..., None] * q - dm[..., None]).reshape(n, -1)
+    if name != "Q6_K":
+        raise ValueError(f"{name} is not a K-quant")
+    ql = raw[..., :128].reshape(n, -1, 2, 1, 64).int()  # [N, S, half, nibble, 64]
+    ql = ((ql >> torch.tensor([0, 4], device=ql.device).view(2, 1)) & 0xF).reshape(n, -1, 2, 4, 32)
+    qh = raw[..., 128:192].reshape(n, -1, 2, 1, 32).int()
+    qh = (qh >> torch.tensor([0, 2, 4, 6], device=qh.device).view(4, 1)) & 3  # [N, S, half, group, 32]
+    q = ((ql | (qh << 4)) - 32).reshape(n, -1, 16, 16).float()  # 16 groups of 16 weights, one scale each
+    d = _half(raw, 208) * raw[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
+    return (d[..., None] * q).reshape(n, -1)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:

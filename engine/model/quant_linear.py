@@ -1,22 +1,27 @@
 """Linear and embedding layers on quantized weights (docs/architecture.md#quantized-weights).
 
 ``QuantLinear`` keeps its weight as a ``QuantWeight`` (GGUF blocks or int8 rows) in buffers and computes
-``x Wᵀ + b`` with float32 activations:
-- with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (decode steps of up to 64 sequences) in
-  ``quant_gemm.c``, which dequantizes in registers;
+``x Wᵀ + b``:
+- with ``triton`` (``linear_backend='triton'``, the default on CUDA) in the Triton GEMM on the blocks
+  (``quant_triton``), activations in float32, float16 or bfloat16, any row count; on CPU it runs in
+  Triton's interpreter (tests);
+- else with float32 activations: with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (decode
+  steps of up to 64 sequences) in ``quant_gemm.c``, which dequantizes in registers;
 - beyond (prefill chunks, bigger batches) by dequantizing slices of output rows into a float32 scratch
   buffer (C kernel) and multiplying each with torch's GEMM, whose AVX-512 blocking is ahead there
   (``bench/quant_kernels.py``: ×1.4 at 256 rows on 30 SmolLM2 layers, ×0.35 at 1 row);
 - without the native kernels (or off the CPU) with PyTorch ops: the whole weight dequantized per call.
 
 ``SplitQuantLinear`` is a fused projection whose parts are stored in different formats, one
-``QuantLinear`` each. ``QuantEmbedding`` looks rows up in the same format and dequantizes only those; a
-tied LM head is a ``QuantLinear`` over the embedding's own buffers (one copy in memory).
+``QuantLinear`` each. ``QuantEmbedding`` looks rows up in the same format and dequantizes only those (torch
+ops, on the table's device) into the model's dtype; a tied LM head is a ``QuantLinear`` over the
+embedding's own buffers (one copy in memory).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +37,14 @@ QUANT_NATIVE_MAX_ROWS = 64
 #: floats of one dequantized slice of a large-batch product (8 MiB: a few slices of L2-sized work)
 _SLICE_FLOATS = 1 << 21
 _scratch = threading.local()
+
+
+def _triton_gemm() -> Callable[..., torch.Tensor]:
+    """``quant_triton.quant_linear``, imported at the first call: Triton reads ``TRITON_INTERPRET`` when
+    the kernel module loads, which must not happen when this module is imported."""
+    from kvpilot.engine.model import quant_triton
+
+    return quant_triton.quant_linear
 
 
 def _scratch_floats(count: int) -> torch.Tensor:
@@ -62,14 +75,26 @@ class _QuantWeightBuffers(nn.Module):
 
 
 class QuantLinear(_QuantWeightBuffers):
-    """``y = x Wᵀ + b`` on a quantized ``W``; ``bias`` (float32, loaded later) when ``has_bias``."""
+    """``y = x Wᵀ + b`` on a quantized ``W``; ``bias`` (float32, loaded later) when ``has_bias``; ``triton``:
+    the Triton GEMM computes it (else the native kernels, or PyTorch ops without them)."""
 
-    def __init__(self, weight: QuantWeight, has_bias: bool, native: NativeOps | None) -> None:
+    def __init__(
+        self, weight: QuantWeight, has_bias: bool, native: NativeOps | None, triton: bool = False
+    ) -> None:
         super().__init__(weight)
         self.register_buffer("bias", torch.zeros(self.out_features) if has_bias else None)
-        self.native = native
+        #: the native kernels this layer runs on; None on the Triton GEMM, so no C path takes it over
+        self.native = None if triton else native
+        self.triton = triton
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kernel={'triton' if self.triton else 'cpu'}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            y = _triton_gemm()(flat, self.qweight, self.scales, self.format, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         native = self.native
         if native is None or x.device.type != "cpu" or x.dtype != torch.float32:
             return F.linear(x, dequantize(self.weight_q, x.dtype), self.bias)
@@ -96,11 +121,13 @@ class SplitQuantLinear(nn.Module):
     """A fused projection (q/k/v, gate/up) whose parts are stored in different formats: one ``QuantLinear``
     per part, their outputs side by side; ``bias`` (float32, loaded later) spans all of them."""
 
-    def __init__(self, parts: list[QuantWeight], has_bias: bool, native: NativeOps | None) -> None:
+    def __init__(
+        self, parts: list[QuantWeight], has_bias: bool, native: NativeOps | None, triton: bool = False
+    ) -> None:
         super().__init__()
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("the parts of a fused projection must share their inputs")
-        self.parts = nn.ModuleList(QuantLinear(p, False, native) for p in parts)
+        self.parts = nn.ModuleList(QuantLinear(p, False, native, triton) for p in parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.register_buffer("bias", torch.zeros(self.out_features) if has_bias else None)
@@ -111,15 +138,20 @@ class SplitQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([part(x) for part in self.parts], dim=-1)
-        return out if self.bias is None else out.add_(self.bias)
+        return out if self.bias is None else out.add_(self.bias.to(out.dtype))
 
 
 class QuantEmbedding(_QuantWeightBuffers):
-    """Token embedding rows from a quantized ``[vocab, hidden]`` table; ``as_linear`` is its tied head."""
+    """Token embedding rows from a quantized ``[vocab, hidden]`` table, in ``dtype`` (the model's);
+    ``as_linear`` is its tied head."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(weight)
+        self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.weight_q.rows(ids))
+        return dequantize(self.weight_q.rows(ids), self.dtype)
 
-    def as_linear(self, native: NativeOps | None) -> QuantLinear:
+    def as_linear(self, native: NativeOps | None, triton: bool = False) -> QuantLinear:
         """An LM head over this table's buffers (no copy)."""
-        return QuantLinear(self.weight_q, False, native)
+        return QuantLinear(self.weight_q, False, native, triton)

@@ -1,15 +1,19 @@
-"""Triton GEMM on quantized weights with 16/32-bit activations (W4A16 / W8A16): ``y = x Wᵀ (+ b)`` reading
-the very bytes the CPU kernels read (docs/architecture.md#quantized-weights): GGUF Q4_0 / Q4_1 / Q8_0
-blocks, or int8 rows with per-row float32 scales.
+"""Triton GEMM on quantized weights with 16/32-bit activations (W4A16 / W6A16 / W8A16): ``y = x Wᵀ (+ b)``
+reading the very bytes the CPU kernels read (docs/architecture.md#quantized-weights): GGUF Q4_0 / Q4_1 /
+Q8_0 blocks, the K-quants Q4_K / Q6_K (256-weight super-blocks, layout in ``native/quant_blocks.h``), or
+int8 rows with per-row float32 scales.
 
-Each program computes a ``BLOCK_M x BLOCK_N`` tile of y over K in steps of ``BLOCK_K`` (a multiple of 32,
-so a step covers whole blocks): it gathers the step's quantized bytes, dequantizes them in registers into
-x's dtype (Q4: the nibble of byte ``j % 16`` chosen by ``j // 16``; the fp16 scale assembled from its two
-bytes) and accumulates ``tl.dot`` in float32. All dot dimensions are >= 16 (a tile of fewer rows is
-masked); offsets are int64, since ``rows x row_bytes`` can pass 2^31.
+Each program computes a ``block_m(rows) x BLOCK_N`` tile of y over K in steps of ``BLOCK_K`` (a multiple
+of 32, so a step covers whole blocks, or whole sub-blocks of a super-block): it gathers the step's
+quantized bytes, dequantizes them in registers into x's dtype (Q4: the nibble of byte ``j % 16`` chosen
+by ``j // 16``; fp16 scales assembled from their two bytes; K-quants: the sub-block's packed scale and
+min too) and accumulates ``tl.dot`` in float32 (IEEE products for float32 x). All dot dimensions are
+>= 16 (a tile of fewer rows is masked); offsets are int64, since ``rows x row_bytes`` can pass 2^31.
+Untuned: one tile shape per row bucket, no split-K for single-row decodes.
 
-Not yet used by the engine (``quantization`` runs on CPU); it is tested against the block-wise PyTorch
-reference in the Triton interpreter (float32 and float16 inputs) and compiles the same way on a GPU.
+``QuantLinear`` runs it with ``linear_backend='triton'`` (the default on CUDA); its reference is
+``native.reference.reference_quant_linear`` (K-quants: ``quant_formats.dequantize_k`` then a float64
+matmul), held to it in the Triton interpreter (float32 and float16 inputs) and on a GPU alike.
 Import this module only after ``TRITON_INTERPRET`` is decided, as for the attention kernels.
 """
 
@@ -22,7 +26,15 @@ import triton.language as tl
 from kvpilot.engine.native.quant_ops import FORMATS
 
 #: tile sizes: every ``tl.dot`` dimension >= 16; BLOCK_K a multiple of the 32-weight block
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+BLOCK_N, BLOCK_K = 64, 64
+#: most rows of one tile: every row tile dequantizes its columns of W again, so a prefill-sized batch
+#: takes 64-row tiles (a quarter of the dequantization 16-row tiles would repeat)
+MAX_BLOCK_M = 64
+
+
+def block_m(rows: int) -> int:
+    """Rows per tile: the batch rounded up to a power of two, within [16, ``MAX_BLOCK_M``]."""
+    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
 @triton.jit
@@ -31,6 +43,40 @@ def _fp16_at(data_ptr, offsets, mask):
     lo = tl.load(data_ptr + offsets, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(data_ptr + offsets + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _q4_k_weights(data_ptr, w_row, ks, w_ok):
+    """Q4_K weights ``ks`` [BK] of rows ``w_row`` [1, BN] (144-byte super-blocks: fp16 d and dmin, 12 bytes
+    of 6-bit sub-block scales and mins, 128 of nibbles): ``d sc_t q - dmin m_t`` for sub-block t."""
+    t, j = ((ks % 256) // 32)[:, None], (ks % 32)[:, None]
+    start = w_row + ((ks // 256) * 144)[:, None]
+    d, dmin = _fp16_at(data_ptr, start, w_ok), _fp16_at(data_ptr, start + 2, w_ok)
+    low = t < 4
+    # llama.cpp's get_scale_min_k4: s[t], s[t + 4] for t < 4; else also the top bits of s[t - 4], s[t]
+    a = tl.load(data_ptr + start + 4 + t, mask=w_ok, other=0).to(tl.int32)
+    b = tl.load(data_ptr + start + 8 + t, mask=w_ok, other=0).to(tl.int32)
+    c = tl.load(data_ptr + start + tl.where(low, t, t - 4) + 4, mask=w_ok, other=0).to(tl.int32)
+    sc = tl.where(low, a & 63, (b & 0xF) | ((c >> 6) << 4)).to(tl.float32)
+    m = tl.where(low, b & 63, (b >> 4) | ((a >> 6) << 4)).to(tl.float32)
+    byte = tl.load(data_ptr + start + 16 + 32 * (t // 2) + j, mask=w_ok, other=0).to(tl.int32)
+    q = ((byte >> (4 * (t % 2))) & 0xF).to(tl.float32)
+    return (d * sc) * q - dmin * m
+
+
+@triton.jit
+def _q6_k_weights(data_ptr, w_row, ks, w_ok):
+    """Q6_K weights ``ks`` [BK] of rows ``w_row`` [1, BN] (210-byte super-blocks: 128 bytes of low nibbles,
+    64 of high bit pairs, 16 int8 scales of 16 weights each, fp16 d): ``d sc (q - 32)``."""
+    t, j = ((ks % 256) // 32)[:, None], (ks % 32)[:, None]
+    half, g = t // 4, t % 4
+    start = w_row + ((ks // 256) * 210)[:, None]
+    lo = tl.load(data_ptr + start + 64 * half + 32 * (g % 2) + j, mask=w_ok, other=0).to(tl.int32)
+    hi = tl.load(data_ptr + start + 128 + 32 * half + j, mask=w_ok, other=0).to(tl.int32)
+    q = (((lo >> tl.where(g >= 2, 4, 0)) & 0xF) | (((hi >> (2 * g)) & 3) << 4)) - 32
+    sc = tl.load(data_ptr + start + 192 + 8 * half + 2 * g + j // 16, mask=w_ok, other=0)
+    d = _fp16_at(data_ptr, start + 208, w_ok)
+    return (d * sc.to(tl.int8, bitcast=True).to(tl.float32)) * q.to(tl.float32)
 
 
 @triton.jit
@@ -48,6 +94,7 @@ def quant_linear_kernel(
     FMT: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -68,6 +115,10 @@ def quant_linear_kernel(
         if FMT == 3:  # int8 rows: one signed byte per weight, the row scale applied after the dot
             q = tl.load(data_ptr + w_row + ks[:, None], mask=w_ok, other=0).to(tl.int8, bitcast=True)
             w = q.to(tl.float32)
+        elif FMT == 4:
+            w = _q4_k_weights(data_ptr, w_row, ks, w_ok)
+        elif FMT == 5:
+            w = _q6_k_weights(data_ptr, w_row, ks, w_ok)
         else:
             block, j = ks // 32, ks % 32  # [BK]
             start = w_row + (block * BLOCK_BYTES)[:, None]  # [BK, BN]: each weight's block
@@ -83,7 +134,10 @@ def quant_linear_kernel(
                     w = d * nibble + _fp16_at(data_ptr, start + 2, w_ok)
                 else:  # Q4_0: d * (q - 8)
                     w = d * (nibble - 8.0)
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        if IEEE:  # float32 activations: a float32 product, not the TF32 a GPU's dot defaults to
+            acc += tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
     if FMT == 3:
         acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
@@ -99,10 +153,8 @@ def quant_linear(
     if fmt not in FORMATS:
         raise ValueError(f"unknown quantized format {fmt!r}; the kernels run {sorted(FORMATS)}")
     form = FORMATS[fmt]
-    if form.block_weights != 32:
-        raise ValueError(
-            f"the Triton GEMM runs 32-weight blocks; {fmt} super-blocks run on the CPU kernels only"
-        )
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be 2-D float32, float16 or bfloat16, got {x.dtype} {tuple(x.shape)}")
     rows, in_features = x.shape
     out_features = data.shape[0]
     if x.stride(1) != 1 or data.dtype != torch.uint8 or not data.is_contiguous():
@@ -112,7 +164,10 @@ def quant_linear(
     if form.row_scales != (scales is not None):
         raise ValueError(f"{fmt} {'needs' if form.row_scales else 'takes no'} row scales")
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(out_features, BLOCK_N))
+    if rows == 0:  # a grid of no programs is not launchable
+        return y
+    tile_m = block_m(rows)
+    grid = (triton.cdiv(rows, tile_m), triton.cdiv(out_features, BLOCK_N))
     quant_linear_kernel[grid](
         x,
         data,
@@ -127,7 +182,8 @@ def quant_linear(
         FMT=form.code,
         BLOCK_BYTES=form.block_bytes,
         HAS_BIAS=bias is not None,
-        BM=BLOCK_M,
+        IEEE=x.dtype == torch.float32,
+        BM=tile_m,
         BN=BLOCK_N,
         BK=BLOCK_K,
     )

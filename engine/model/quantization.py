@@ -7,11 +7,13 @@
   names it;
 - ``int8``: every projection, the LM head and the embedding quantized at load, per output row, from the
   float checkpoint (any model);
+- ``gguf`` and ``int8`` GEMMs run the Triton kernel with ``linear_backend='triton'`` (the default on
+  CUDA; float32/float16/bfloat16 activations), else the C kernels (float32 on CPU);
 - ``fp8`` (CUDA): the decoder's projections as e4m3 with scales (``fp8_linear``): an fp8 checkpoint's own
   bytes, or a float checkpoint quantized per row at load;
-- ``auto`` (default): ``gguf`` for a GGUF model where the kernels run (float32 on CPU with the native
-  kernels), ``fp8`` for an fp8 checkpoint on CUDA, else ``none``, saying why in the log (an fp8 checkpoint
-  is then dequantized to ``dtype`` at load).
+- ``auto`` (default): ``gguf`` for a GGUF model where the kernels run (``linear_backend='triton'``, or
+  float32 on CPU with the native kernels), ``fp8`` for an fp8 checkpoint on CUDA, else ``none``, saying
+  why in the log (an fp8 checkpoint is then dequantized to ``dtype`` at load).
 
 A checkpoint quantized otherwise (AWQ, GPTQ, …) is refused by ``fp8_checkpoint.read_checkpoint_quantization``.
 """
@@ -41,10 +43,12 @@ def resolve_quantization(
     dtype: torch.dtype,
     native: NativeOps | None,
     model_dir: Path | None = None,
+    linear_backend: str = "torch",
 ) -> str:
     """``none``, ``gguf``, ``int8`` or ``fp8`` for the engine argument ``requested`` and the model in
-    ``model_dir`` (the module docstring); ``ValueError`` when an explicit choice cannot run here, or the
-    checkpoint's own quantization cannot be loaded."""
+    ``model_dir`` (the module docstring), with the resolved ``linear_backend`` (``triton``: the quantized
+    GEMMs run the Triton kernel, any float dtype); ``ValueError`` when an explicit choice cannot run here,
+    or the checkpoint's own quantization cannot be loaded."""
     checkpoint = read_checkpoint_quantization(model_dir) if model_dir is not None else None
     if checkpoint is not None:
         return _resolve_for_fp8_checkpoint(requested, checkpoint.describe(), device, dtype)
@@ -54,16 +58,18 @@ def resolve_quantization(
         return "fp8"
     if requested == "none":
         return "none"
-    runnable = device.type == "cpu" and dtype == torch.float32
+    triton = linear_backend == "triton"
+    on_cpu_kernels = device.type == "cpu" and dtype == torch.float32
     if requested == "auto":
         if gguf_path is None:
             return "none"
-        if runnable and native is not None:
+        if triton or (on_cpu_kernels and native is not None):
             return "gguf"
         why = (
             "the C kernels could not be built"
-            if runnable
-            else f"they run float32 on CPU, not {dtype} on {device}"
+            if on_cpu_kernels
+            else f"the C kernels run float32 on CPU, not {dtype} on {device}, and the Triton GEMM needs "
+            f"linear_backend='triton' (got {linear_backend!r})"
         )
         log.info("GGUF weights dequantized to %s: the quantized kernels are unavailable (%s)", dtype, why)
         return "none"
@@ -72,10 +78,13 @@ def resolve_quantization(
             "quantization='gguf' needs a GGUF model (a .gguf path or smollm2-135m); "
             "use quantization='int8' to quantize a float checkpoint"
         )
-    if not runnable:
+    if triton:
+        return requested
+    if not on_cpu_kernels:
         raise ValueError(
-            f"quantization={requested!r} runs float32 activations on CPU (the C kernels); got {dtype} on "
-            f"{device}: use dtype='float32' and device='cpu', or quantization='none'"
+            f"quantization={requested!r} with linear_backend={linear_backend!r} runs float32 activations on "
+            f"CPU (the C kernels); got {dtype} on {device}: use linear_backend='triton' (the default on "
+            "CUDA), dtype='float32' and device='cpu', or quantization='none'"
         )
     if native is None:
         log.warning(
@@ -109,21 +118,25 @@ def _resolve_for_fp8_checkpoint(
     return "none"
 
 
-def install_gguf_weights(model: nn.Module, weights: GGUFWeights, native: NativeOps | None) -> None:
+def install_gguf_weights(
+    model: nn.Module, weights: GGUFWeights, native: NativeOps | None, triton: bool = False
+) -> None:
     """Replace the model's projections and embedding by quantized layers on ``weights``' blocks, before the
-    float checkpoint is loaded (which then skips them); a tied LM head shares the embedding's blocks."""
+    float checkpoint is loaded (which then skips them); a tied LM head shares the embedding's blocks.
+    ``triton``: their GEMMs run the Triton kernel (``linear_backend='triton'``)."""
     for path, weight in weights.weights.items():
         parent, name = _parent(model, path)
         old = getattr(parent, name)
         if isinstance(old, nn.Embedding):
-            setattr(parent, name, QuantEmbedding(weight))
+            setattr(parent, name, QuantEmbedding(weight, old.weight.dtype))
         else:
-            setattr(parent, name, QuantLinear(weight, old.bias is not None, native))
+            setattr(parent, name, QuantLinear(weight, old.bias is not None, native, triton))
     for path, parts in weights.split.items():
         parent, name = _parent(model, path)
-        setattr(parent, name, SplitQuantLinear(parts, getattr(parent, name).bias is not None, native))
+        fused = SplitQuantLinear(parts, getattr(parent, name).bias is not None, native, triton)
+        setattr(parent, name, fused)
     for path, (gate_up, down) in weights.experts.items():
-        model.get_submodule(path).keep_quantized_experts(QuantExperts(gate_up, down, native))
+        model.get_submodule(path).keep_quantized_experts(QuantExperts(gate_up, down, native, triton))
     if weights.dequantized:
         shown = ", ".join(f"{p} ({t})" for p, t in list(weights.dequantized.items())[:6])
         more = len(weights.dequantized) - 6
@@ -134,31 +147,31 @@ def install_gguf_weights(model: nn.Module, weights: GGUFWeights, native: NativeO
         )
 
 
-def quantize_linears_int8(model: nn.Module, native: NativeOps | None) -> int:
+def quantize_linears_int8(model: nn.Module, native: NativeOps | None, triton: bool = False) -> int:
     """Replace every float projection and the embedding (and an untied LM head) by int8 layers quantized
     from their loaded weights; returns how many."""
     count = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                layer = QuantLinear(quantize_int8(child.weight), child.bias is not None, native)
+                layer = QuantLinear(quantize_int8(child.weight), child.bias is not None, native, triton)
                 if child.bias is not None:
                     layer.bias.copy_(child.bias.detach())
                 setattr(module, name, layer)
                 count += 1
             elif isinstance(child, nn.Embedding):
-                setattr(module, name, QuantEmbedding(quantize_int8(child.weight)))
+                setattr(module, name, QuantEmbedding(quantize_int8(child.weight), child.weight.dtype))
                 count += 1
     return count
 
 
-def quantized_lm_head(model: nn.Module, native: NativeOps | None) -> nn.Module | None:
+def quantized_lm_head(model: nn.Module, native: NativeOps | None, triton: bool = False) -> nn.Module | None:
     """The quantized LM head the logits use: the untied ``lm_head`` if quantized, else a head over the
     quantized embedding when tied; None when the head's weight is float."""
     if isinstance(getattr(model, "lm_head", None), QuantLinear):
         return model.lm_head
     if getattr(model, "lm_head", None) is None and isinstance(model.embed_tokens, QuantEmbedding):
-        return model.embed_tokens.as_linear(native)
+        return model.embed_tokens.as_linear(native, triton)
     return None
 
 

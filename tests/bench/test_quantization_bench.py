@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from bench_scripts import bench_script
 from gguf_files import write_llama_gguf
+from quantized_ggufs import write_mixed_gguf
 
 from kvpilot.engine.model.tiny import write_tiny_llama
 
@@ -37,3 +39,22 @@ def test_quantization_bench_reports_every_method(tmp_path, capsys):
     assert methods["none"]["decode"]["1"]["x_none"] == 1.0
     printed = capsys.readouterr().out
     assert "gguf: teacher-forced argmax agreement" in printed and "decode, best of 1 rounds" in printed
+
+
+@pytest.mark.triton
+@pytest.mark.slow  # the bench's real prompts (~1,000 tokens) through the Triton interpreter: ~40 s
+def test_quantization_bench_runs_the_triton_gemm(tmp_path, capsys):
+    """What ``bench/gpu_check.sh``'s ``quant`` step runs on CUDA, here in the Triton interpreter: ``none``
+    against the GGUF's blocks on the Triton GEMM, the device and backend in the report."""
+    gguf = write_mixed_gguf(tmp_path)
+    out = tmp_path / "quant.json"
+    argv = ["--model", str(gguf), "--methods", "none", "gguf", "--tokens", "2", "--batches", "2"]
+    argv += ["--steps", "1", "--rounds", "1", "--kv-cache-mib", "8", "--output-json", str(out)]
+    argv += ["--device", "cpu", "--dtype", "float32", "--linear-backend", "triton"]
+    assert bench_script("quantization").main(argv) == 0
+    report = json.loads(out.read_text())
+    assert (report["device"], report["dtype"], report["linear_backend"]) == ("cpu", "float32", "triton")
+    assert list(report["methods"]) == ["none", "gguf"]
+    assert report["methods"]["gguf"]["weights_mib"] < report["methods"]["none"]["weights_mib"] / 2
+    assert report["methods"]["gguf"]["decode"]["2"]["tok_s"] > 0
+    assert "on cpu, float32, linear backend triton" in capsys.readouterr().out

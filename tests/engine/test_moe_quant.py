@@ -151,3 +151,24 @@ def test_k_quant_experts_match_the_dequantized_reference(native, fmt, with_nativ
     x = torch.randn(tokens, hidden, generator=g)
     weights, ids, _ = routing(tokens, experts, top_k, seed=5)
     assert (layer(x, weights, ids, ops) - reference_moe(x, w13, w2, weights, ids)).abs().max() < TOLERANCE
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_quantized_experts_on_the_triton_gemm_match_the_reference(fmt):
+    """``linear_backend='triton'``: each chosen expert's two GEMMs on the Triton kernel (the Triton
+    interpreter here, as ``tests/support/triton_device.py`` sets it), unused experts still never read."""
+    from triton_device import DEVICE
+
+    g = torch.Generator().manual_seed(9)
+    gate_up = [blocks(torch.randn(2 * INTER, HIDDEN, generator=g) / HIDDEN**0.5, fmt) for _ in range(8)]
+    down = [blocks(torch.randn(HIDDEN, INTER, generator=g) / INTER**0.5, fmt) for _ in range(8)]
+    layer = QuantExperts(gate_up, down, None, triton=True)
+    w13, w2 = layer.dequantized()
+    x = torch.randn(21, HIDDEN, generator=g)
+    weights, ids, unused = routing(21, 8, 2, seed=5)
+    poison(layer, unused)
+    want = reference_moe(x, w13, w2, weights, ids)
+    got = layer.to(DEVICE)(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() < TOLERANCE

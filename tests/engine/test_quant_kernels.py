@@ -24,6 +24,7 @@ from kvpilot.engine.model.quant_formats import (
     QuantWeight,
     concat_rows,
     dequantize,
+    dequantize_k,
     quantize_int8,
     unpack_blocks,
 )
@@ -119,6 +120,19 @@ def test_dequantize_equals_gguf_bit_for_bit(fmt):
     weight, _ = make_weight(fmt, 24, 128, seed=3)
     expected = gguf_dequantize(weight.data.numpy(), GGMLQuantizationType[fmt])
     assert np.array_equal(dequantize(weight).numpy(), expected)
+
+
+@pytest.mark.parametrize("fmt", sorted(K_QUANTIZERS))
+def test_k_quant_dequantize_equals_gguf_bit_for_bit(fmt):
+    """``dequantize_k`` (torch ops, on the weight's device: the embedding lookups and the reference of the
+    Triton GEMM) against gguf's numpy formulas, on quantized weights and on arbitrary bytes (every bit of
+    the scale packing, including fp16 scales that are inf or NaN)."""
+    weight, _ = make_weight(fmt, 6, 512, seed=5)
+    noise = torch.randint(0, 256, tuple(weight.data.shape), generator=torch.Generator().manual_seed(2))
+    for data in (weight.data, noise.to(torch.uint8)):
+        ours = dequantize_k(QuantWeight(FORMATS[fmt], data, None, 512)).numpy()
+        expected = gguf_dequantize(data.numpy(), GGMLQuantizationType[fmt])
+        assert np.array_equal(ours, expected, equal_nan=True)
 
 
 def test_int8_rows_round_to_their_scale():

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
-from gguf_files import write_llama_gguf
+from quantized_ggufs import write_k_quant_gguf, write_mixed_gguf
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
@@ -30,23 +30,14 @@ from kvpilot.engine.model.quant_linear import (
     SplitQuantLinear,
 )
 from kvpilot.engine.model.quantization import resolve_quantization, weights_bytes
-from kvpilot.engine.model.tiny import write_tiny_llama
 from kvpilot.engine.native.quant_ops import FORMATS
 
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 400, "max_num_batched_tokens": 320, "max_num_seqs": 6}
-TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_0", "attn_v": "Q4_0", "attn_output": "Q4_1"}
-TYPES |= {"ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_1"}
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("quantized")
-    source = write_tiny_llama(root / "hf", seed=4)
-    path = root / "tiny-mixed.gguf"
-    types = {f"blk.{i}.{part}.weight": t for i in range(2) for part, t in TYPES.items()}
-    types |= {"token_embd.weight": "Q8_0", "blk.1.ffn_down.weight": "F16"}
-    write_llama_gguf(path, source, types=types)
-    return path
+    return write_mixed_gguf(tmp_path_factory.mktemp("quantized"))
 
 
 def prompts() -> list[list[int]]:
@@ -170,16 +161,7 @@ def test_auto_dequantizes_where_the_kernels_cannot_run(caplog):
 
 @pytest.fixture(scope="module")
 def k_quant_gguf(tmp_path_factory) -> Path:
-    """A tiny llama whose every input width is a multiple of 256 (what K-quant super-blocks need), its
-    projections in llama.cpp's Q4_K_M mix: Q4_K, with Q6_K value and down projections and embedding."""
-    root = tmp_path_factory.mktemp("k-quants")
-    source = write_tiny_llama(root / "hf", seed=6, hidden_size=256, intermediate_size=512, head_dim=64)
-    path = root / "tiny-q4_k_m.gguf"
-    k_types = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K"}
-    k_types |= {"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"}
-    types = {f"blk.{i}.{part}.weight": t for i in range(2) for part, t in k_types.items()}
-    write_llama_gguf(path, source, types=types | {"token_embd.weight": "Q6_K"})
-    return path
+    return write_k_quant_gguf(tmp_path_factory.mktemp("k-quants"))
 
 
 def test_k_quants_keep_their_super_blocks_and_compute_the_float_path(k_quant_gguf):
