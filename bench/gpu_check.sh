@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check: one prepared run on a CUDA machine, at most ~10 minutes, each step under its own limit.
+# The GPU check: one prepared run on a CUDA machine, at most 8 minutes, each step under its own limit.
 #
 #   bash bench/gpu_wheels.sh                        # here: wheels the device image lacks -> .whl/
 #   bash bench/gpu_check.sh OUT_DIR [STEPS]         # there, with .whl carried; STEPS: comma list of
 #                                                   # env,tests,kernels,models,profile,offline,serve,quant
 #
 # Runs on the image's torch/triton/transformers (the project's pins do not apply there). Steps and limits
-# (~9.6 minutes if every step ran to its limit; each usually ends well before):
+# (8 minutes if every step ran to its limit; each usually ends well before, leaving a session's 15 minutes
+# of device time room for one rerun):
 #   env      15 s  device, versions, C compiler and Python.h, the Triton start-up check     -> env.log
-#   tests   150 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements), the Triton engine,
+#   tests   110 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements), the Triton engine,
 #                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
 #                  greedy equivalence with HF, lifecycle; with the SmolLM2 GGUF also real-model sampling
 #                  and bf16-on-CUDA vs fp32-on-CPU agreement                                  -> tests.log
-#   kernels  45 s  bench/kernels.py, Triton vs SDPA                                          -> kernels.log
-#   models   60 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
+#   kernels  35 s  bench/kernels.py, Triton vs SDPA                                          -> kernels.log
+#   models   45 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
 #   profile  60 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16: host time per
 #                  stage and the GPU-busy fraction from torch.profiler                       -> profile.log
-#   offline  50 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline), its
+#   offline  45 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline), its
 #                  JSON report appended                                                       -> offline.log
-#   serve    75 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
+#   serve    60 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
 #                  /load, one streamed chat and one n=2 completion                            -> serve.log
-#   quant   120 s  GGUF blocks on the Triton GEMM (quantization=gguf): the kernel's tests on CUDA, bf16
-#                  included (40 s); a random-weight Q4_K_M GGUF written (Q4_K + Q6_K; 1024 hidden, 8
-#                  layers; 20 s); bench/quantization.py on it, gguf against none (dequantized to bf16):
+#   quant   110 s  GGUF blocks on the Triton GEMM (quantization=gguf): the kernel's tests on CUDA, bf16
+#                  included (35 s); a random-weight Q4_K_M GGUF written (Q4_K + Q6_K; 1024 hidden, 8
+#                  layers; 15 s); bench/quantization.py on it, gguf against none (dequantized to bf16):
 #                  greedy agreement, perplexity, weight bytes, decode tok/s at batch 1 and 16, its JSON
 #                  report appended (60 s)                                                      -> quant.log
 # At most 8 files come back from the device, so every step writes one log (summary.log: each step's exit).
@@ -79,7 +80,7 @@ if want tests; then
     files=(test_triton_kernels.py test_triton_large_cache.py test_triton_engine.py test_gpu_preflight.py
            test_request_shapes.py test_parallel_samples.py test_engine_greedy_equivalence.py test_lifecycle.py)
     if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
-    KVPILOT_TEST_DEVICE=$dev timeout 150 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
+    KVPILOT_TEST_DEVICE=$dev timeout 110 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
         -c "$repo/pyproject.toml" "${files[@]/#/$repo/tests/engine/}" >"$out/tests.log" 2>&1
     record tests $? "$t"
     tail -15 "$out/tests.log"
@@ -87,14 +88,14 @@ fi
 
 if want kernels; then
     t=$(date +%s)
-    timeout 45 python3 "$repo/bench/kernels.py" --max-err 0.05 >"$out/kernels.log" 2>&1
+    timeout 35 python3 "$repo/bench/kernels.py" --max-err 0.05 >"$out/kernels.log" 2>&1
     record kernels $? "$t"
     cat "$out/kernels.log"
 fi
 
 if want models; then
     t=$(date +%s)
-    timeout 60 python3 - "$models" <<'EOF'
+    timeout 45 python3 - "$models" <<'EOF'
 import sys
 from pathlib import Path
 
@@ -122,7 +123,7 @@ fi
 if want offline; then
     t=$(date +%s)
     rm -f /tmp/offline.json
-    timeout 50 bash -c "$(declare -f kvpilot); kvpilot bench offline --model $model --dtype $dtype \
+    timeout 45 bash -c "$(declare -f kvpilot); kvpilot bench offline --model $model --dtype $dtype \
         --device $dev --attention-backend triton --num-requests 128 --input-len 128:1024 --output-len 128:256 \
         --max-num-seqs 256 --max-num-batched-tokens 8192 --gpu-memory-utilization 0.5 \
         --output-json /tmp/offline.json" >"$out/offline.log" 2>&1
@@ -141,13 +142,13 @@ if want serve; then
         --device "$dev" --port 8011 --host 127.0.0.1 >"$log" 2>&1 &
     server=$!
     rc=1
-    for _ in $(seq 1 60); do
+    for _ in $(seq 1 45); do
         if curl -sf localhost:8011/ready >/dev/null; then rc=0; break; fi
         kill -0 "$server" 2>/dev/null || break
         sleep 1
     done
     if [ "$rc" = 0 ]; then
-        MODEL="$model" timeout 30 bash -c '
+        MODEL="$model" timeout 15 bash -c '
             echo "== /load"; curl -s localhost:8011/load; echo
             echo "== streamed chat"
             curl -sN localhost:8011/v1/chat/completions -H "Content-Type: application/json" -d "{\"model\": \"$MODEL\",
@@ -169,11 +170,11 @@ fi
 if want quant; then
     t=$(date +%s)
     log="$out/quant.log"
-    KVPILOT_TEST_DEVICE=$dev timeout 40 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
+    KVPILOT_TEST_DEVICE=$dev timeout 35 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
         -c "$repo/pyproject.toml" "$repo/tests/engine/test_quant_triton.py" >"$log" 2>&1
     rc=$?
     # a Q4_K_M GGUF (what most users bring) written from random weights; tiny on a CPU rehearsal
-    gguf=$(timeout 20 python3 "$repo/bench/write_k_quant_gguf.py" "$models" "$dev" 2>>"$log") || rc=1
+    gguf=$(timeout 15 python3 "$repo/bench/write_k_quant_gguf.py" "$models" "$dev" 2>>"$log") || rc=1
     sizes=(--tokens 16 --batches 1 16 --steps 16 --rounds 2)
     if [ "$dev" = cpu ]; then sizes=(--tokens 4 --batches 2 --steps 2 --rounds 1); fi
     if [ -n "$gguf" ]; then
