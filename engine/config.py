@@ -291,10 +291,11 @@ class EngineArgs:
 
     def _validate_quantization(self) -> None:
         method = self.quantization
-        if method == "fp8" and self.device == "cpu":
+        if method == "fp8" and self.device == "cpu" and self.linear_backend != "triton":
             raise ConfigError(
-                "quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs); on CPU use 'auto' (an "
-                "fp8 checkpoint loads dequantized), 'none', 'gguf' or 'int8'"
+                "quantization='fp8' needs a CUDA device (e4m3 weights run on GPUs; on CPU only the Triton "
+                "interpreter runs them, linear_backend='triton'); on CPU use 'auto' (an fp8 checkpoint loads "
+                "dequantized), 'none', 'gguf' or 'int8'"
             )
         if method in QUANTIZATIONS:
             return

@@ -54,7 +54,9 @@ Forward pass:
                      that ``QuantLinear`` runs on CUDA; imported at its first call, once
                      ``TRITON_INTERPRET`` is set
 - ``fp8_linear``     ``Fp8Weight`` (e4m3 + per-row/block scales), fp8 quantization and dequantization,
-                     ``Fp8Linear`` (W8A16: e4m3 kept, dequantized per call)
+                     ``Fp8Linear`` (W8A16: e4m3 kept; the Triton GEMM, or dequantized per call)
+- ``fp8_triton``     the Triton W8A16 GEMM on e4m3 bytes (decoded in registers, per-row/block scales) that
+                     ``Fp8Linear`` runs with ``linear_backend='triton'``; imported at its first call
 - ``fp8_checkpoint`` HF checkpoints' ``quantization_config``: fp8 (vLLM ``fp8``, compressed-tensors float8)
                      read dequantized or into ``Fp8Linear``; AWQ/GPTQ/int4 refused by name
 - ``quantization``   the ``quantization`` engine argument resolved (auto/none/gguf/int8/fp8) and applied

@@ -198,10 +198,15 @@ def projection_tensors(model: nn.Module) -> dict[str, list[str]]:
 
 
 def install_fp8_weights(
-    model: nn.Module, checkpoint: Fp8Checkpoint, device: torch.device, dtype: torch.dtype
+    model: nn.Module,
+    checkpoint: Fp8Checkpoint,
+    device: torch.device,
+    dtype: torch.dtype,
+    triton: bool = False,
 ) -> int:
     """Replace every projection whose checkpoint weights are all e4m3 by an ``Fp8Linear`` on ``device``,
-    before the rest loads (which then skips it); returns how many."""
+    before the rest loads (which then skips it); returns how many. ``triton``: their GEMMs run the Triton
+    W8A16 kernel."""
     count = 0
     for path, names in projection_tensors(model).items():
         missing = [n for n in names if n not in checkpoint]
@@ -214,20 +219,21 @@ def install_fp8_weights(
         parent = model.get_submodule(head)
         old = getattr(parent, name)
         weight = concat_fp8_rows([p for p in parts if p is not None]).to(device)
-        setattr(parent, name, Fp8Linear(weight, old.bias is not None, dtype))
+        setattr(parent, name, Fp8Linear(weight, old.bias is not None, dtype, triton))
         count += 1
     return count
 
 
-def quantize_linears_fp8(model: nn.Module) -> int:
+def quantize_linears_fp8(model: nn.Module, triton: bool = False) -> int:
     """Replace every float projection of the decoder layers by an ``Fp8Linear`` quantized per row from its
     loaded weight (a float checkpoint under ``quantization=fp8``); the embedding and LM head stay in float,
-    as vLLM keeps them. Returns how many."""
+    as vLLM keeps them. Returns how many. ``triton``: their GEMMs run the Triton W8A16 kernel."""
     count = 0
     for module in list(model.layers.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                layer = Fp8Linear(quantize_fp8(child.weight), child.bias is not None, child.weight.dtype)
+                weight = quantize_fp8(child.weight)
+                layer = Fp8Linear(weight, child.bias is not None, child.weight.dtype, triton)
                 if child.bias is not None:
                     layer.bias.copy_(child.bias.detach())
                 setattr(module, name, layer)

@@ -8,9 +8,11 @@ maps onto it: per-tensor (``G = 1``, the one value on every row), per-channel (`
 row lets fused projections (q/k/v, gate/up) concatenate parts with different scales even where a part's row
 count is no multiple of ``bn``; it costs ``4 G`` bytes a row (3% of the e4m3 bytes at ``bk = 128``).
 
-``Fp8Linear`` dequantizes its weight into the activation dtype on every call and runs ``F.linear``: the
-simple path (memory holds e4m3, half of bf16; there is no fp8 GEMM kernel yet). Activations stay in their
-dtype (W8A16): a checkpoint's static ``input_scale`` is not used.
+``Fp8Linear`` runs the Triton W8A16 GEMM on the e4m3 bytes (``fp8_triton``) with ``linear_backend='triton'``
+(the default on CUDA): each weight is read as one byte and decoded in registers. Otherwise it dequantizes its
+weight into the activation dtype on every call and runs ``F.linear`` (memory still holds e4m3, half of bf16,
+but every call writes and reads a dequantized copy). Activations stay in their dtype (W8A16): a checkpoint's
+static ``input_scale`` is not used.
 """
 
 from __future__ import annotations
@@ -121,10 +123,11 @@ def concat_fp8_rows(parts: list[Fp8Weight]) -> Fp8Weight:
 
 class Fp8Linear(nn.Module):
     """``y = x Wᵀ + b`` on an e4m3 ``W`` (buffers ``qweight`` and ``scales``); ``bias`` in ``dtype`` (loaded
-    later from the checkpoint) when ``has_bias``."""
+    later from the checkpoint) when ``has_bias``; ``triton``: the Triton W8A16 GEMM computes it."""
 
-    def __init__(self, weight: Fp8Weight, has_bias: bool, dtype: torch.dtype) -> None:
+    def __init__(self, weight: Fp8Weight, has_bias: bool, dtype: torch.dtype, triton: bool = False) -> None:
         super().__init__()
+        self.triton = triton
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.block_k = weight.block_k
         self.register_buffer("qweight", weight.data)
@@ -137,7 +140,18 @@ class Fp8Linear(nn.Module):
         return Fp8Weight(self.qweight, self.scales, self.block_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize_fp8(self.weight_fp8, x.dtype), self.bias)
+        if not self.triton:
+            return F.linear(x, dequantize_fp8(self.weight_fp8, x.dtype), self.bias)
+        # imported at the first call: Triton reads TRITON_INTERPRET when the kernel module loads
+        from kvpilot.engine.model.fp8_triton import fp8_linear
+
+        flat = x.reshape(-1, self.in_features).contiguous()
+        y = fp8_linear(flat, self.qweight, self.scales, self.block_k, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, block_k={self.block_k}"
+        kernel = "triton" if self.triton else "dequantize"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, block_k={self.block_k}, "
+            f"kernel={kernel}"
+        )

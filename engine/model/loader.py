@@ -204,14 +204,14 @@ def load_model(
         tensors = ShardedCheckpoint(tensors, tensor_parallel.shard)
     try:
         if quantization == "fp8" and isinstance(tensors, Fp8Checkpoint):
-            install_fp8_weights(model, tensors, device, dtype)
+            install_fp8_weights(model, tensors, device, dtype, triton)
         model.load_hf_weights(tensors)
     finally:
         checkpoint.close()
     if quantization == "int8":
         quantize_linears_int8(model, native, triton)
     elif quantization == "fp8" and fp8_quant is None:
-        quantize_linears_fp8(model)
+        quantize_linears_fp8(model, triton)
     model.to(device)  # the RoPE tables, built on the CPU
     head = quantized_lm_head(model, native, triton)
     if head is not None:

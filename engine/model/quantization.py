@@ -50,15 +50,21 @@ def resolve_quantization(
     GEMMs run the Triton kernel, any float dtype); ``ValueError`` when an explicit choice cannot run here,
     or the checkpoint's own quantization cannot be loaded."""
     checkpoint = read_checkpoint_quantization(model_dir) if model_dir is not None else None
+    triton = linear_backend == "triton"
+    # e4m3 weights run the Triton W8A16 GEMM (on CPU: in the interpreter, tests) or, on CUDA with another
+    # backend, dequantized per call
+    fp8_runs = device.type == "cuda" or triton
     if checkpoint is not None:
-        return _resolve_for_fp8_checkpoint(requested, checkpoint.describe(), device, dtype)
+        return _resolve_for_fp8_checkpoint(requested, checkpoint.describe(), device, dtype, fp8_runs)
     if requested == "fp8":
-        if device.type != "cuda":
-            raise ValueError(f"quantization='fp8' keeps e4m3 weights on CUDA; the device is {device}")
+        if not fp8_runs:
+            raise ValueError(
+                f"quantization='fp8' keeps e4m3 weights on CUDA (or with linear_backend='triton'); the "
+                f"device is {device}"
+            )
         return "fp8"
     if requested == "none":
         return "none"
-    triton = linear_backend == "triton"
     on_cpu_kernels = device.type == "cpu" and dtype == torch.float32
     if requested == "auto":
         if gguf_path is None:
@@ -96,7 +102,7 @@ def resolve_quantization(
 
 
 def _resolve_for_fp8_checkpoint(
-    requested: str, described: str, device: torch.device, dtype: torch.dtype
+    requested: str, described: str, device: torch.device, dtype: torch.dtype, fp8_runs: bool
 ) -> str:
     """An fp8 checkpoint keeps its e4m3 bytes on CUDA (``fp8``), else loads dequantized (``none``)."""
     if requested in ("gguf", "int8"):
@@ -104,12 +110,12 @@ def _resolve_for_fp8_checkpoint(
             f"quantization={requested!r}: the checkpoint is already quantized ({described}); use "
             "quantization='auto' (e4m3 kept on CUDA, dequantized elsewhere) or 'none'"
         )
-    if requested == "fp8" and device.type != "cuda":
+    if requested == "fp8" and not fp8_runs:
         raise ValueError(
             f"quantization='fp8' keeps e4m3 weights on CUDA; on {device} use 'auto' or 'none' to load this "
             f"checkpoint ({described}) dequantized to {dtype}"
         )
-    if requested != "none" and device.type == "cuda":
+    if requested != "none" and fp8_runs:
         return "fp8"
     why = (
         "quantization='none'" if requested == "none" else f"e4m3 weights are kept on CUDA only, not {device}"

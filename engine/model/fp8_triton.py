@@ -1,0 +1,127 @@
+"""Triton GEMM on e4m3 weights with 16/32-bit activations (W8A16): ``y = x Wᵀ (+ b)`` for an
+``Fp8Weight`` (``fp8_linear``: e4m3 ``data`` ``[N, K]``, float32 ``scales`` ``[N, G]``, ``block_k`` inputs
+per scale), reading one byte per weight instead of the two of a bf16 copy
+(docs/architecture.md#fp8-checkpoints).
+
+Each program computes a ``block_m(rows) x BLOCK_N`` tile of y over K in steps of ``BLOCK_K``: it loads the
+step's e4m3 bytes, decodes them in registers (sign, 4-bit exponent biased by 7, 3-bit mantissa; the
+exponent-0 subnormals and the one NaN code of ``float8_e4m3fn``, no infinities) by integer operations, so
+the same code runs in the Triton interpreter, multiplies each weight by its row's scale for its group of
+``block_k`` inputs, and accumulates ``tl.dot`` in float32 (IEEE products for float32 x). All dot dimensions
+are >= 16 (a tile of fewer rows is masked); offsets are int64.
+
+``Fp8Linear`` runs it with ``linear_backend='triton'`` (the default on CUDA); its reference is
+``fp8_linear.dequantize_fp8`` then a float64 matmul (``tests/engine/test_fp8_triton.py``). Import this module
+only after ``TRITON_INTERPRET`` is decided, as for the attention kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvpilot.engine.model.fp8_linear import FP8_DTYPE
+from kvpilot.engine.model.quant_triton import BLOCK_K, BLOCK_N, block_m
+
+
+@triton.jit
+def _e4m3_to_float(byte):
+    """float32 values of e4m3fn codes (uint8): ±(1 + m/8) 2^(e-7), subnormals ±m 2^-9, 0x7f/0xff NaN."""
+    b = byte.to(tl.uint32)
+    sign, e, m = b >> 7, (b >> 3) & 0xF, b & 0x7
+    normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    subnormal = m.to(tl.float32) * (1.0 / 512.0) * (1.0 - 2.0 * sign.to(tl.float32))
+    value = tl.where(e == 0, subnormal, normal)
+    return tl.where((e == 15) & (m == 7), float("nan"), value)
+
+
+@triton.jit
+def fp8_linear_kernel(
+    x_ptr,
+    data_ptr,
+    scales_ptr,
+    bias_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    num_groups,
+    block_k,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        ks = k0 + tl.arange(0, BK).to(tl.int64)
+        k_ok = ks < K
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        codes = tl.load(data_ptr + cols[None, :] * K + ks[:, None], mask=w_ok, other=0)
+        groups = cols[None, :] * num_groups + (ks // block_k)[:, None]
+        scale = tl.load(scales_ptr + groups, mask=w_ok, other=0.0)
+        w = _e4m3_to_float(codes) * scale  # [BK, BN]
+        if IEEE:  # float32 activations: a float32 product, not the TF32 a GPU's dot defaults to
+            acc += tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
+        else:
+            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    block_k: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x @ W.T + bias`` in x's dtype (float32, float16 or bfloat16) for W = ``data`` (e4m3 ``[N, K]``) times
+    ``scales`` (float32 ``[N, ceil(K / block_k)]``)."""
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.stride(1) != 1:
+        raise ValueError(f"x must be 2-D float32, float16 or bfloat16 with contiguous rows, got {x.dtype}")
+    rows, in_features = x.shape
+    if data.dtype != FP8_DTYPE or data.dim() != 2 or not data.is_contiguous() or data.shape[1] != in_features:
+        raise ValueError(f"data must be contiguous float8_e4m3fn [out, {in_features}], got {data.dtype}")
+    out_features = data.shape[0]
+    groups = -(-in_features // block_k) if block_k > 0 else 0
+    if scales.dtype != torch.float32 or not scales.is_contiguous() or scales.shape != (out_features, groups):
+        raise ValueError(f"scales must be contiguous float32 [{out_features}, {groups}] (block_k {block_k})")
+    if bias is not None and bias.shape != (out_features,):
+        raise ValueError(f"bias must be [{out_features}], got {tuple(bias.shape)}")
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
+    if rows == 0:  # a grid of no programs is not launchable
+        return y
+    tile_m = block_m(rows)
+    grid = (triton.cdiv(rows, tile_m), triton.cdiv(out_features, BLOCK_N))
+    fp8_linear_kernel[grid](
+        x,
+        data.view(torch.uint8),
+        scales,
+        scales if bias is None else bias,
+        y,
+        rows,
+        out_features,
+        in_features,
+        x.stride(0),
+        groups,
+        block_k,
+        HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32,
+        BM=tile_m,
+        BN=BLOCK_N,
+        BK=BLOCK_K,
+    )
+    return y
