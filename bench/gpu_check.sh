@@ -21,8 +21,8 @@
 #                  JSON report appended                                                       -> offline.log
 #   serve    60 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
 #                  /load, one streamed chat and one n=2 completion                            -> serve.log
-#   quant   110 s  GGUF blocks on the Triton GEMM (quantization=gguf): the kernel's tests on CUDA, bf16
-#                  included (35 s); a random-weight Q4_K_M GGUF written (Q4_K + Q6_K; 1024 hidden, 8
+#   quant   110 s  GGUF blocks on the Triton GEMM (quantization=gguf): its and the fp8 W8A16 GEMM's tests
+#                  on CUDA, bf16 included (35 s); a random-weight Q4_K_M GGUF written (Q4_K + Q6_K; 1024 hidden, 8
 #                  layers; 15 s); bench/quantization.py on it, gguf against none (dequantized to bf16):
 #                  greedy agreement, perplexity, weight bytes, decode tok/s at batch 1 and 16, its JSON
 #                  report appended (60 s)                                                      -> quant.log
@@ -171,7 +171,8 @@ if want quant; then
     t=$(date +%s)
     log="$out/quant.log"
     KVPILOT_TEST_DEVICE=$dev timeout 35 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
-        -c "$repo/pyproject.toml" "$repo/tests/engine/test_quant_triton.py" >"$log" 2>&1
+        -c "$repo/pyproject.toml" "$repo/tests/engine/test_quant_triton.py" "$repo/tests/engine/test_fp8_triton.py" \
+        >"$log" 2>&1
     rc=$?
     # a Q4_K_M GGUF (what most users bring) written from random weights; tiny on a CPU rehearsal
     gguf=$(timeout 15 python3 "$repo/bench/write_k_quant_gguf.py" "$models" "$dev" 2>>"$log") || rc=1
