@@ -108,9 +108,16 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> bool:
         """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
         Returns False (changing nothing) when the pool cannot supply the blocks."""
+        table = self.tables.get(req.request_id)
+        if (  # most decode steps: the last block has room and is this sequence's own
+            not hits
+            and table is not None
+            and req.num_computed_tokens + num_new_tokens <= len(table) * self.block_size
+            and not self._needs_copy_on_write(req, table)
+        ):
+            return True
         if self.blocks_to_allocate(req, num_new_tokens, hits) > self.pool.num_free:
             return False
-        table = self.tables.get(req.request_id)
         if table is None:
             table = self._new_table(req.request_id, [])
         if self._needs_copy_on_write(req, table):
