@@ -3,9 +3,10 @@
     python bench/step_profile.py                              # tiny-random, CPU, 128 decodes, sampling on
     python bench/step_profile.py --model PATH --device cuda --dtype bfloat16 --gpu-busy
 
-Fills a batch of ``--batch`` requests, runs their prompts, then times ``--steps`` decode-only steps (after
-``--warmup`` untimed ones). Each step's wall time is split by wrapping the engine's stages: ``schedule``,
-``build_batch`` (flattened inputs and block tables), ``forward`` (the model and logits; on CUDA followed
+Fills a batch of ``--batch`` requests (``--output-kind``: delta outputs by default, as the server asks for
+them), runs their prompts, then times ``--steps`` decode-only steps (after ``--warmup`` untimed ones). Each
+step's wall time is split by wrapping the engine's stages: ``schedule``, ``build_batch`` (flattened inputs
+and block tables), ``forward`` (the model and logits; on CUDA followed
 by a synchronize so that GPU time is charged here, not to the next stage's first sync), ``sample``
 (sampler, appending tokens, stop checks, detokenizing) and ``outputs``. ``other`` is the rest of the tick.
 With ``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra
@@ -70,12 +71,12 @@ class StageTimer:
         return taken
 
 
-def sampling_params(sampling: bool, max_tokens: int) -> SamplingParams:
+def sampling_params(sampling: bool, max_tokens: int, output_kind: str = "delta") -> SamplingParams:
+    """The requests' parameters; ``delta`` outputs by default, as the server streams them."""
+    common = {"max_tokens": max_tokens, "ignore_eos": True, "output_kind": output_kind}
     if not sampling:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return SamplingParams(
-        temperature=0.8, top_p=0.95, top_k=50, max_tokens=max_tokens, ignore_eos=True, seed=None
-    )
+        return SamplingParams(temperature=0.0, **common)
+    return SamplingParams(temperature=0.8, top_p=0.95, top_k=50, seed=None, **common)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
     rng = random.Random(args.seed)
     vocab = engine.arch.vocab_size
-    params = sampling_params(args.sampling, decode_steps)
+    params = sampling_params(args.sampling, decode_steps, args.output_kind)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
     while any(r.num_output_tokens == 0 for r in engine.requests.values()):
@@ -194,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch/OpenMP threads (0: the default)")
     parser.add_argument("--cpu-time", action="store_true", help="time steps in the thread's CPU time")
     parser.add_argument("--ab-native-decode", type=int, default=0, metavar="ROUNDS")
+    parser.add_argument(
+        "--output-kind",
+        choices=("cumulative", "delta", "final_only"),
+        default="delta",
+        help="what each step's outputs hold (default delta: what the server streams)",
+    )
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=50)
