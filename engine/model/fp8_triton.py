@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.engine.model.fp8_linear import FP8_DTYPE
-from kvpilot.engine.model.quant_triton import BLOCK_K, BLOCK_N, block_m
+from kvpilot.engine.model.quant_triton import BLOCK_K, BLOCK_N, block_m, dot_acc, store_tile, x_tile
 
 
 @triton.jit
@@ -63,22 +63,13 @@ def fp8_linear_kernel(
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK).to(tl.int64)
         k_ok = ks < K
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-        )
+        x = x_tile(x_ptr, rows, ks, stride_xm, row_ok, k_ok)
         w_ok = k_ok[:, None] & col_ok[None, :]
         codes = tl.load(data_ptr + cols[None, :] * K + ks[:, None], mask=w_ok, other=0)
         groups = cols[None, :] * num_groups + (ks // block_k)[:, None]
         scale = tl.load(scales_ptr + groups, mask=w_ok, other=0.0)
-        w = _e4m3_to_float(codes) * scale  # [BK, BN]
-        if IEEE:  # float32 activations: a float32 product, not the TF32 a GPU's dot defaults to
-            acc += tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        acc = dot_acc(acc, x, _e4m3_to_float(codes) * scale, IEEE)  # weights [BK, BN]
+    store_tile(acc, bias_ptr, y_ptr, rows, cols, N, row_ok, col_ok, HAS_BIAS)
 
 
 def fp8_linear(

@@ -46,6 +46,32 @@ def _fp16_at(data_ptr, offsets, mask):
 
 
 @triton.jit
+def x_tile(x_ptr, rows, ks, stride_xm, row_ok, k_ok):
+    """The ``[BM, BK]`` tile of x at ``rows`` x ``ks`` (zeros outside ``M`` x ``K``)."""
+    return tl.load(
+        x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+    )
+
+
+@triton.jit
+def dot_acc(acc, x, w, IEEE: tl.constexpr):
+    """``acc + x @ w`` in float32; float32 x multiplies in IEEE float32, not the TF32 a GPU's dot defaults
+    to."""
+    if IEEE:
+        return acc + tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
+    return acc + tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+
+
+@triton.jit
+def store_tile(acc, bias_ptr, y_ptr, rows, cols, N, row_ok, col_ok, HAS_BIAS: tl.constexpr):
+    """``acc`` (+ bias) into y's ``rows`` x ``cols``, in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out = y_ptr + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _q4_k_weights(data_ptr, w_row, ks, w_ok):
     """Q4_K weights ``ks`` [BK] of rows ``w_row`` [1, BN] (144-byte super-blocks: fp16 d and dmin, 12 bytes
     of 6-bit sub-block scales and mins, 128 of nibbles): ``d sc_t q - dmin m_t`` for sub-block t."""
@@ -107,9 +133,7 @@ def quant_linear_kernel(
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK).to(tl.int64)
         k_ok = ks < K
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
-        )
+        x = x_tile(x_ptr, rows, ks, stride_xm, row_ok, k_ok)
         w_ok = k_ok[:, None] & col_ok[None, :]
         w_row = cols[None, :] * row_bytes  # [1, BN]
         if FMT == 3:  # int8 rows: one signed byte per weight, the row scale applied after the dot
@@ -134,16 +158,10 @@ def quant_linear_kernel(
                     w = d * nibble + _fp16_at(data_ptr, start + 2, w_ok)
                 else:  # Q4_0: d * (q - 8)
                     w = d * (nibble - 8.0)
-        if IEEE:  # float32 activations: a float32 product, not the TF32 a GPU's dot defaults to
-            acc += tl.dot(x, w, input_precision="ieee", out_dtype=tl.float32)
-        else:
-            acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        acc = dot_acc(acc, x, w, IEEE)
     if FMT == 3:
         acc *= tl.load(scales_ptr + cols, mask=col_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_tile(acc, bias_ptr, y_ptr, rows, cols, N, row_ok, col_ok, HAS_BIAS)
 
 
 def quant_linear(

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import record_step_logits
 from gguf_files import write_llama_gguf
 from hf_families import build_family
 
@@ -58,15 +59,7 @@ def run(model: str | Path, fused: bool, **kwargs) -> tuple[list[list[int]], list
 
         step.run = counting  # type: ignore[method-assign]
         model_.decode_step = step
-    logits = []
-    execute = llm.engine.runner.execute
-
-    def recording(batch):
-        out = execute(batch)
-        logits.append(out.clone())
-        return out
-
-    llm.engine.runner.execute = recording
+    logits = record_step_logits(llm)
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)
     outs = llm.generate(prompts(), params)
     return [o.outputs[0].token_ids for o in outs], logits, fused_steps

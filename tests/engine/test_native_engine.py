@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from engine_runs import record_step_logits
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import ConfigError
@@ -45,15 +46,7 @@ def run(model_dir, native: str):
     llm = LLM(str(model_dir), native_cpu_ops=native, **ENGINE_ARGS)
     assert (llm.engine.native_ops is not None) == (native == "on")
     assert (llm.engine.backend.native is not None) == (native == "on")
-    logits = []
-    execute = llm.engine.runner.execute
-
-    def recording(batch):
-        out = execute(batch)
-        logits.append(out.clone())
-        return out
-
-    llm.engine.runner.execute = recording
+    logits = record_step_logits(llm)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = llm.generate(prompts()[:-1], params) + llm.generate(prompts()[-1:], params)
     return [o.outputs[0].token_ids for o in outs], logits, outs[-1].num_cached_tokens

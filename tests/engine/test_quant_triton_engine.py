@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import record_step_logits
 from quantized_ggufs import write_k_quant_gguf, write_mixed_gguf
 
 from kvpilot.engine import LLM, SamplingParams
@@ -44,15 +45,7 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 def greedy(model: Path, **kwargs) -> tuple[LLM, list[list[int]], list[float], list[torch.Tensor]]:
     """Greedy tokens of ``PROMPTS``, their logprobs, and the logits of every step."""
     llm = LLM(str(model), **ENGINE_ARGS, **kwargs)
-    logits = []
-    execute = llm.engine.runner.execute
-
-    def recording(batch):
-        out = execute(batch)
-        logits.append(out.detach().float().cpu().clone())
-        return out
-
-    llm.engine.runner.execute = recording
+    logits = record_step_logits(llm)
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=0)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     logprobs = [step[t].logprob for o in outs for step, t in zip(o.logprobs, o.token_ids, strict=True)]

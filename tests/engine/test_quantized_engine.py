@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import record_step_logits
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
 from quantized_ggufs import write_k_quant_gguf, write_mixed_gguf
@@ -52,15 +53,7 @@ def run(model: str, **kwargs):
 
 def run_engine(llm: LLM):
     """Greedy outputs of ``prompts()`` and the logits of every step."""
-    logits = []
-    execute = llm.engine.runner.execute
-
-    def recording(batch):
-        out = execute(batch)
-        logits.append(out.clone())
-        return out
-
-    llm.engine.runner.execute = recording
+    logits = record_step_logits(llm)
     outs = llm.generate(prompts(), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     return llm, [o.outputs[0].token_ids for o in outs], logits
 

@@ -25,3 +25,18 @@ def run_checked(llm, prompts: list, params) -> list:
         engine.check_invariants()
     assert engine.pool.num_in_use == 0
     return [done[r] for r in ids]
+
+
+def record_step_logits(llm) -> list:
+    """Wrap ``llm``'s model runner so every step's logits are kept (float32, on the CPU); returns the list
+    they are appended to."""
+    logits: list = []
+    execute = llm.engine.runner.execute
+
+    def recording(batch):
+        out = execute(batch)
+        logits.append(out.detach().float().cpu().clone())
+        return out
+
+    llm.engine.runner.execute = recording
+    return logits
