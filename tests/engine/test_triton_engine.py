@@ -44,6 +44,9 @@ def generate_greedy(backend: str):
         return out
 
     llm.engine.backend.attend = recording_attend
+    # every step's attention through backend.attend: the one-call C decode step (native_decode) runs the
+    # torch backend's decode kernels without it
+    llm.engine.model.decode_step = False
     params = SamplingParams(max_tokens=5, temperature=0.0)
     outputs = llm.generate(FIRST_WAVE, params) + llm.generate(SECOND_WAVE, params)
     return [out.outputs[0].token_ids for out in outputs], attention_outputs, outputs[-1].num_cached_tokens
