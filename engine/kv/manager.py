@@ -1,9 +1,8 @@
 """Per-request block tables on top of the block pool: prefix lookup, slot allocation, caching of computed
-blocks, admission reservations, swap, and the invariant checker. With a ``BlockTableTensor`` every table
-change is also written there as it happens (docs/architecture.md#persistent-batch).
-
-Everything the manager holds for one sequence is one ``SequenceBlocks`` record, so ``forget`` drops it all
-at once (docs/architecture.md#kv-lifecycle).
+blocks, admission reservations, swap, and the invariant check. All it holds for a sequence is one
+``SequenceBlocks`` record, which ``forget`` drops whole (docs/architecture.md#kv-lifecycle). With a
+``BlockTableTensor`` every table change is also written there as it happens
+(docs/architecture.md#persistent-batch).
 
 Prefix hits are capped at ``num_tokens - 1`` so the last prompt token is always computed: the first output
 token needs its logits, and the cache holds only K/V (docs/architecture.md#prefix-cache).
