@@ -243,7 +243,7 @@ class LLMEngine(StepOutputs):
         docs/architecture.md#admission."""
         probe = Request("admission-probe", token_ids, params, cache_salt=cache_salt)
         cost = self.scheduler.reservation_for(probe)
-        self.kv.forget(probe)  # drop the probe's cached extra-keys entry
+        self.kv.forget(probe)  # drop the probe's record (its cached extra keys)
         return cost
 
     def admission_headroom(self) -> int:
@@ -329,6 +329,7 @@ class LLMEngine(StepOutputs):
     def check_invariants(self) -> None:
         self.kv.check_invariants()
         self.runner.input_batch.check()
-        assert set(self.kv.tables) <= set(self.requests), "a released sequence still holds a block table"
+        # a record covers blocks, swap, reservation and hash keys: none may outlive its sequence
+        assert self.kv.sequence_ids <= self.requests.keys(), "a released sequence still has a KV record"
         for seq in self.requests.values():
             assert not seq.is_finished, f"finished sequence {seq.request_id} is still registered"

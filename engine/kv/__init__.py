@@ -11,6 +11,8 @@ Package map:
 - ``checkpoint_scales`` a checkpoint's per-layer fp8 ``k_scale``/``v_scale``
 - ``capacity``    KV arithmetic: bytes per token, blocks per budget, internal fragmentation
 - ``manager``     ``KVCacheManager``: per-request block tables, prefix lookup, copy-on-write, admission
-                  reservations, swap, and the invariant checker
+                  reservations, swap
+- ``sequence_blocks`` ``SequenceBlocks``, the manager's one record per sequence, and the invariant checks
+                  over all records
 - ``block_table`` the block tables as one persistent int32 tensor, a row per slot, written as they change
 """

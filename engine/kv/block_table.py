@@ -21,7 +21,7 @@ than the CPU the table also has a device copy: the writes are queued as (flat in
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -133,7 +133,7 @@ class BlockTableTensor:
         slot = self.slot_of[seq_id]
         return self._np[slot, : self.num_blocks[slot]].tolist()
 
-    def check(self, tables: dict[str, list[int]]) -> None:
+    def check(self, tables: Mapping[str, list[int]]) -> None:
         """The mirror equals ``tables`` exactly: same sequences, same rows, zeros past each table, every
         other slot free and zero (``KVCacheManager.check_invariants``)."""
         assert set(self.slot_of) == set(tables), "block-table slots != sequences with tables"

@@ -1,6 +1,8 @@
 """Per-request block tables on top of the block pool: prefix lookup, slot allocation, caching of computed
-blocks, admission reservations, swap, and the invariant checker. With a ``BlockTableTensor`` every table
-change is also written there as it happens (docs/architecture.md#persistent-batch).
+blocks, admission reservations, swap, and the invariant check. All it holds for a sequence is one
+``SequenceBlocks`` record, which ``forget`` drops whole (docs/architecture.md#kv-lifecycle). With a
+``BlockTableTensor`` every table change is also written there as it happens
+(docs/architecture.md#persistent-batch).
 
 Prefix hits are capped at ``num_tokens - 1`` so the last prompt token is always computed: the first output
 token needs its logits, and the cache holds only K/V (docs/architecture.md#prefix-cache).
@@ -8,13 +10,14 @@ token needs its logits, and the cache holds only K/V (docs/architecture.md#prefi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Mapping, Sequence
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.capacity import SlotUsage, blocks_for_tokens, slot_usage
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
+from kvpilot.engine.kv.sequence_blocks import SequenceBlocks, check_sequence_blocks
 from kvpilot.engine.request import Request
 
 
@@ -33,37 +36,52 @@ class KVCacheManager:
         self.root_hash = root_hash
         self.cache = cache
         self.swap = swap
-        self.tables: dict[str, list[int]] = {}
         #: the tables as one persistent tensor, kept equal to ``tables`` (None: lists only)
         self.block_tensor = block_tensor
-        #: request id → blocks of its table already registered in the prefix cache
-        self._num_committed_blocks: dict[str, int] = {}
-        self._swapped: dict[str, list[int]] = {}
-        self._reservations: dict[str, int] = {}
-        self._extra_keys: dict[str, bytes] = {}
+        #: request id → its record
+        self._seqs: dict[str, SequenceBlocks] = {}
+        #: the records' reservations summed, kept as they change (admission reads it per request)
+        self._num_reserved = 0
 
     @property
     def caching(self) -> bool:
         return self.pool.enable_caching
 
-    # ---- hashing and lookup --------------------------------------------------------------------------
-    def _extra(self, req: Request) -> bytes:
-        extra = self._extra_keys.get(req.request_id)
-        if extra is None:
-            extra = self._extra_keys[req.request_id] = encode_extra_keys(req.cache_salt, req.adapter_id)
-        return extra
+    @property
+    def tables(self) -> Mapping[str, list[int]]:
+        """Request id → block table of each sequence that has one (built per call: checks and tests)."""
+        return {seq_id: rec.table for seq_id, rec in self._seqs.items() if rec.table is not None}
 
+    @property
+    def sequence_ids(self) -> KeysView[str]:
+        """The requests the manager holds anything for (a live view)."""
+        return self._seqs.keys()
+
+    def _record(self, req: Request) -> SequenceBlocks:
+        rec = self._seqs.get(req.request_id)
+        if rec is None:
+            rec = self._seqs[req.request_id] = SequenceBlocks()
+        return rec
+
+    def _table(self, req: Request) -> list[int] | None:
+        rec = self._seqs.get(req.request_id)
+        return None if rec is None else rec.table
+
+    # ---- hashing and lookup --------------------------------------------------------------------------
     def update_block_hashes(self, req: Request) -> None:
         """Extend ``req.block_hashes`` to cover every full block of its tokens."""
         have = len(req.block_hashes)
         if req.num_tokens // self.block_size > have:
+            rec = self._record(req)
+            if rec.extra_keys is None:
+                rec.extra_keys = encode_extra_keys(req.cache_salt, req.adapter_id)
             parent = req.block_hashes[-1] if have else None
             req.block_hashes.extend(
                 block_hashes(
                     req.all_token_ids,
                     self.block_size,
                     self.root_hash,
-                    self._extra(req),
+                    rec.extra_keys,
                     start=have,
                     parent=parent,
                 )
@@ -100,7 +118,7 @@ class KVCacheManager:
         """Free blocks that scheduling ``num_new_tokens`` more tokens would consume (hits that are now
         cached-free count too: reviving them takes them out of the free queue; a shared partial last
         block that must be copied before it is written counts one)."""
-        table = self.tables.get(req.request_id, [])
+        table = self.block_table(req)
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         new = max(0, blocks_for_tokens(total, self.block_size) - len(table) - len(hits))
         return new + sum(1 for b in hits if self.pool.ref_cnt[b] == 0) + self._needs_copy_on_write(req, table)
@@ -108,7 +126,8 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> bool:
         """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
         Returns False (changing nothing) when the pool cannot supply the blocks."""
-        table = self.tables.get(req.request_id)
+        rec = self._seqs.get(req.request_id)
+        table = None if rec is None else rec.table
         if (  # most decode steps: the last block has room and is this sequence's own
             not hits
             and table is not None
@@ -118,22 +137,24 @@ class KVCacheManager:
             return True
         if self.blocks_to_allocate(req, num_new_tokens, hits) > self.pool.num_free:
             return False
+        if rec is None:
+            rec = self._record(req)
         if table is None:
-            table = self._new_table(req.request_id, [])
+            table = self._new_table(req.request_id, rec, [])
         if self._needs_copy_on_write(req, table):
             self._copy_on_write(req.request_id, table)
         if hits:
             self.pool.touch(list(hits))
             self._extend(req.request_id, table, hits)
-            self._num_committed_blocks[req.request_id] = len(table)
+            rec.num_committed = len(table)
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = blocks_for_tokens(total, self.block_size) - len(table)
         if need > 0:
             self._extend(req.request_id, table, self.pool.allocate(need))
         return True
 
-    def _new_table(self, seq_id: str, blocks: list[int]) -> list[int]:
-        self.tables[seq_id] = blocks
+    def _new_table(self, seq_id: str, rec: SequenceBlocks, blocks: list[int]) -> list[int]:
+        rec.table = blocks
         if self.block_tensor is not None:
             self.block_tensor.assign(seq_id, blocks)
         return blocks
@@ -158,32 +179,35 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """``child`` shares every block of ``parent`` (reference counts, no copies); the shared partial last
         block is copied on the first write of either sequence."""
-        table = list(self.tables.get(parent.request_id, []))
+        source = self._seqs.get(parent.request_id)
+        table = list(source.table) if source is not None and source.table is not None else []
         self.pool.touch(table)
-        self._new_table(child.request_id, table)
-        self._num_committed_blocks[child.request_id] = self._num_committed_blocks.get(parent.request_id, 0)
+        rec = self._record(child)
+        self._new_table(child.request_id, rec, table)
+        rec.num_committed = 0 if source is None else source.num_committed
         child.block_hashes = list(parent.block_hashes[: child.num_tokens // self.block_size])
 
     def commit_computed(self, req: Request, num_computed_tokens: int) -> None:
         """Register the blocks that ``num_computed_tokens`` fill completely in the prefix cache."""
         if not self.caching:
             return
-        table = self.tables.get(req.request_id)
-        if table is None:
+        rec = self._seqs.get(req.request_id)
+        if rec is None or rec.table is None:
             return
+        table = rec.table
         full = min(num_computed_tokens // self.block_size, len(table))
-        done = self._num_committed_blocks.get(req.request_id, 0)
+        done = rec.num_committed
         if full <= done:
             return
         self.update_block_hashes(req)
         for i in range(done, full):
             self.pool.cache(table[i], req.block_hashes[i])
-        self._num_committed_blocks[req.request_id] = full
+        rec.num_committed = full
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Release the blocks of ``req``'s table past those ``num_tokens`` tokens need (the slots of rejected
         draft tokens, docs/architecture.md#speculative-decoding), tail first."""
-        table = self.tables.get(req.request_id)
+        table = self._table(req)
         keep = blocks_for_tokens(num_tokens, self.block_size)
         if table is None or len(table) <= keep:
             return
@@ -195,35 +219,46 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         """Drop the request's references, tail first so its private tail is evicted before shared heads."""
-        table = self.tables.pop(req.request_id, None)
-        self._num_committed_blocks.pop(req.request_id, None)
-        if table is not None and self.block_tensor is not None:
+        rec = self._seqs.get(req.request_id)
+        if rec is None or rec.table is None:
+            return
+        table, rec.table, rec.num_committed = rec.table, None, 0
+        if self.block_tensor is not None:
             self.block_tensor.drop(req.request_id)
         if table:
             self.pool.free(list(reversed(table)))
 
     def forget(self, req: Request) -> None:
-        """Drop every trace of a finished request (blocks, swap, reservation)."""
+        """Drop every trace of a finished request (blocks, swap, reservation): its record goes."""
         self.free(req)
-        self.release_reservation(req)
-        host = self._swapped.pop(req.request_id, None)
-        if host is not None and self.swap is not None:
-            self.swap.release(host)
-        self._extra_keys.pop(req.request_id, None)
+        rec = self._seqs.pop(req.request_id, None)
+        if rec is None:
+            return
+        self._num_reserved -= rec.reservation
+        if rec.swapped is not None and self.swap is not None:
+            self.swap.release(rec.swapped)
 
     def block_table(self, req: Request) -> list[int]:
-        return self.tables.get(req.request_id, [])
+        table = self._table(req)
+        return [] if table is None else table
 
     # ---- admission reservations (accounting only: docs/architecture.md#admission) --------------------
     def reserve(self, req: Request, num_blocks: int) -> None:
-        self._reservations[req.request_id] = num_blocks
+        rec = self._record(req)
+        self._num_reserved += num_blocks - rec.reservation
+        rec.reservation = num_blocks
 
     def release_reservation(self, req: Request) -> int:
-        return self._reservations.pop(req.request_id, 0)
+        rec = self._seqs.get(req.request_id)
+        if rec is None:
+            return 0
+        released, rec.reservation = rec.reservation, 0
+        self._num_reserved -= released
+        return released
 
     @property
     def num_reserved_blocks(self) -> int:
-        return sum(self._reservations.values())
+        return self._num_reserved
 
     def admission_headroom(self) -> int:
         """Blocks not yet promised: free blocks minus outstanding reservations of queued requests."""
@@ -231,46 +266,41 @@ class KVCacheManager:
 
     # ---- swap ----------------------------------------------------------------------------------------
     def can_swap_out(self, req: Request) -> bool:
-        return self.swap is not None and self.swap.num_free >= len(self.tables.get(req.request_id, []))
+        return self.swap is not None and self.swap.num_free >= len(self.block_table(req))
 
     def swap_out(self, req: Request) -> None:
         assert self.swap is not None
-        table = self.tables.get(req.request_id, [])
-        self._swapped[req.request_id] = self.swap.swap_out(table)
+        host = self.swap.swap_out(self.block_table(req))
+        self._record(req).swapped = host
         self.free(req)
 
     def swap_in(self, req: Request, num_new_tokens: int) -> bool:
         """Copy a swapped request back into fresh device blocks, with room for ``num_new_tokens`` more."""
         assert self.swap is not None
-        host = self._swapped[req.request_id]
+        rec = self._seqs[req.request_id]
+        host = rec.swapped
+        assert host is not None, f"{req.request_id} is not swapped out"
         total = blocks_for_tokens(req.num_computed_tokens + num_new_tokens, self.block_size)
         if max(total, len(host)) > self.pool.num_free:
             return False
         device = self.pool.allocate(len(host))
         self.swap.swap_in(host, device)
-        del self._swapped[req.request_id]
-        self._new_table(req.request_id, device)
-        self._num_committed_blocks[req.request_id] = 0
+        rec.swapped = None
+        self._new_table(req.request_id, rec, device)
+        rec.num_committed = 0
         return self.allocate(req, num_new_tokens)
 
     # ---- accounting and invariants -------------------------------------------------------------------
     def slot_usage(self, reqs: Iterable[Request]) -> SlotUsage:
         """Logical vs allocated slots over the given requests' block tables."""
-        reqs = [r for r in reqs if r.request_id in self.tables]
-        usage = slot_usage([r.num_computed_tokens for r in reqs], self.block_size)
-        allocated = sum(len(self.tables[r.request_id]) for r in reqs) * self.block_size
+        held = [(r, t) for r in reqs if (t := self._table(r)) is not None]
+        usage = slot_usage([r.num_computed_tokens for r, _ in held], self.block_size)
+        allocated = sum(len(t) for _, t in held) * self.block_size
         return type(usage)(usage.logical_slots, allocated)
 
     def check_invariants(self) -> None:
-        """free + cached-free + in-use == total, and each block's ref_cnt == its block-table references."""
-        self.pool.check()
-        refs = [0] * self.pool.num_blocks
-        for table in self.tables.values():
-            for b in table:
-                refs[b] += 1
-        for b in range(1, self.pool.num_blocks):
-            assert refs[b] == self.pool.ref_cnt[b], (
-                f"block {b}: ref_cnt {self.pool.ref_cnt[b]} != {refs[b]} block-table references"
-            )
+        """free + cached-free + in-use == total, each block's ref_cnt == its block-table references, each
+        record consistent with the pool, the swap space, the reserved total and the block-table tensor."""
+        check_sequence_blocks(self._seqs, self.pool, self.swap, self._num_reserved)
         if self.block_tensor is not None:
             self.block_tensor.check(self.tables)
