@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError"]
 
 
+#: the id of the throwaway sequence ``admission_cost`` prices (refused as a request id: ``forget`` drops it)
+_ADMISSION_PROBE_ID = "admission-probe"
+
+
 class LLMEngine(StepOutputs):
     def __init__(self, config: EngineConfig, device_memory: DeviceMemory | None = None) -> None:
         """``device_memory`` overrides where the profiled KV budget reads memory figures (tests; on CUDA it
@@ -181,7 +185,7 @@ class LLMEngine(StepOutputs):
     ) -> SequenceGroup:
         """Admit a request (tokenized here when given as text). Raises ``RequestError`` for bad input."""
         params = params or SamplingParams()
-        if request_id in self.groups or request_id in self.requests:
+        if request_id in self.groups or request_id in self.requests or request_id == _ADMISSION_PROBE_ID:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -241,7 +245,7 @@ class LLMEngine(StepOutputs):
         """KV blocks admitting this request would reserve: its uncached prompt (after a prefix lookup) and
         the first block of each sample — the exact phase of two-phase admission,
         docs/architecture.md#admission."""
-        probe = Request("admission-probe", token_ids, params, cache_salt=cache_salt)
+        probe = Request(_ADMISSION_PROBE_ID, token_ids, params, cache_salt=cache_salt)
         cost = self.scheduler.reservation_for(probe)
         self.kv.forget(probe)  # drop the probe's record (its cached extra keys)
         return cost

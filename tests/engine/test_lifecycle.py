@@ -11,6 +11,7 @@ from engine_device import ENGINE_DEVICE
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.request import TERMINAL, TRANSITIONS, IllegalTransition, Request, RequestStatus
+from kvpilot.engine.request_validation import RequestError
 
 S = RequestStatus
 
@@ -109,3 +110,13 @@ def test_random_cancels_and_timeouts_never_leak_or_double_free(llm, seed):
     assert sorted(records) == sorted(ids)
     assert engine.pool.num_in_use == 0 and engine.kv.num_reserved_blocks == 0
     assert engine.scheduler.num_unfinished == 0 and not engine.requests
+
+
+def test_request_ids_in_use_or_reserved_are_refused():
+    engine = LLM("tiny-random", num_kv_blocks=16).engine
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2))
+    for rid in ("a", "admission-probe"):  # the second is the id admission_cost prices with, then forgets
+        with pytest.raises(RequestError, match=f"request id '{rid}' is already in use"):
+            engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=2))
+    assert engine.admission_cost([5, 6, 7], SamplingParams(max_tokens=2)) >= 1
+    assert set(engine.requests) == {"a"}
