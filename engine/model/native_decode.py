@@ -30,7 +30,7 @@ from kvpilot.engine.model.quant_linear import QUANT_NATIVE_MAX_ROWS, QuantLinear
 from kvpilot.engine.model.rope import RotaryEmbedding
 from kvpilot.engine.native.decode_step_ops import MAX_PARTS, LayerView, LinearView, ModelView, PartView
 from kvpilot.engine.native.kv_args import kv_cache_args
-from kvpilot.engine.native.ops import NativeOps, check_block_tables
+from kvpilot.engine.native.ops import MAX_GROUP, MAX_HEAD_DIM, NativeOps, check_block_tables
 from kvpilot.engine.native.quant_ops import check_weight
 
 if TYPE_CHECKING:
@@ -63,6 +63,10 @@ def _bind_part(module: nn.Module) -> tuple[PartView, int] | None:
     return None
 
 
+def _is_float32_vector(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous()
+
+
 def _bind_linear(module: nn.Module) -> tuple[LinearView, int] | None:
     """The C view of one projection (a split one: its parts) and the most rows its kernels take."""
     parts = list(module.parts) if isinstance(module, SplitQuantLinear) else [module]
@@ -70,7 +74,7 @@ def _bind_linear(module: nn.Module) -> tuple[LinearView, int] | None:
         return None
     bound = [_bind_part(p) for p in parts]
     bias = _tensor(module, "bias")
-    if any(b is None for b in bound) or (bias is not None and not bias.is_contiguous()):
+    if any(b is None for b in bound) or (bias is not None and not _is_float32_vector(bias)):
         return None
     views = [b[0] for b in bound if b is not None]
     array = (PartView * MAX_PARTS)(*views)
@@ -101,6 +105,8 @@ class NativeDecodeStep:
         )
         #: most sequences one call takes (the projections' kernels' limit)
         self.max_rows = max_rows
+        # the C structs hold raw pointers: keep every bound tensor alive as long as they are used
+        self._bound_tensors = [t for m in model.modules() for t in (*m.parameters(False), *m.buffers(False))]
         self._bound_caches: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
         self._max_position = min(_tables(r)[0].shape[0] for r in model.rotaries)
@@ -185,7 +191,7 @@ class NativeDecodeStep:
 
     def _bind_caches(self, kv_caches: list[LayerKV]) -> None:
         """Point the layers at the caches (again only when the engine handed other tensors)."""
-        key = tuple(c.key.data_ptr() for c in kv_caches)
+        key = tuple(p for c in kv_caches for p in (c.key.data_ptr(), c.value.data_ptr()))
         if key == self._bound_caches:
             return
         if len(kv_caches) != len(self._layers):
@@ -241,15 +247,25 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         return "q/k norms or Gemma's norms"
     if arch.hidden_act != "silu":
         return f"activation {arch.hidden_act}"
+    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    if heads % kv_heads or heads // kv_heads > MAX_GROUP or head_dim > MAX_HEAD_DIM:
+        return f"{heads} query heads over {kv_heads} KV heads of {head_dim} (decode attention's limits)"
     eps = model.norm.eps
+    norms = [model.norm]
     for layer in _decoder_layers(model):
         if not isinstance(layer.mlp, MLP):
             return "Mixture-of-Experts layers"
         if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
             return "RMSNorm epsilons differ between norms"
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+    if not all(_is_float32_vector(norm.weight) for norm in norms):
+        return "RMSNorm weights are not contiguous float32"
     for rotary in model.rotaries:
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for t in _tables(rotary)):
+        cos, sin = _tables(rotary)
+        if any(t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 for t in (cos, sin)):
             return "RoPE tables are not contiguous float32"
+        if cos.shape[1] % 2 or not 0 < cos.shape[1] <= head_dim:
+            return f"rotary dims {cos.shape[1]} for heads of {head_dim}"
     return None
 
 
