@@ -31,7 +31,7 @@ class SampleState:
     num_emitted: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
-    #: delta outputs: tokens (and their logprobs) already handed out, and whether the finish was
+    #: delta outputs: tokens (and their logprobs) already handed out, and whether its finish was sent
     sent_tokens: int = 0
     finish_sent: bool = False
 
