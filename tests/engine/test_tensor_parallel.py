@@ -9,6 +9,9 @@ model (SmolLM2 at tp=3: 9 query / 3 KV heads) and KV-head replication at tp=4 ar
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from engine_runs import run_checked
@@ -21,6 +24,16 @@ from kvpilot.engine.model.tiny import write_tiny_llama
 from kvpilot.engine.sampling.params import SamplingParams
 
 LOGPROB_TOL = 1e-5
+
+
+@contextlib.contextmanager
+def tensor_parallel_llm(model: str, **args) -> Iterator[LLM]:
+    """An ``LLM`` whose workers are shut down however the test ends."""
+    llm = LLM(model, **args)
+    try:
+        yield llm
+    finally:
+        llm.engine.shutdown()
 
 
 def one_step_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
@@ -45,11 +58,8 @@ def test_tp2_logits_equal_tp1_with_padded_vocab_biases_and_a_replicated_kv_head(
     )
     prompts = [[5, 9, 30, 200, 7, 11, 300], [3, 4, 5]]
     ref = one_step_logits(LLM(str(model), device="cpu", num_kv_blocks=32), prompts)
-    llm = LLM(str(model), device="cpu", num_kv_blocks=32, tensor_parallel_size=2)
-    try:
+    with tensor_parallel_llm(str(model), device="cpu", num_kv_blocks=32, tensor_parallel_size=2) as llm:
         got = one_step_logits(llm, prompts)
-    finally:
-        llm.engine.shutdown()
     assert got.shape == ref.shape == (len(prompts[0]) + len(prompts[1]), 301)
     assert (got - ref).abs().max().item() < LOGPROB_TOL
     assert ref.std().item() > 0.1  # the logits differ across the vocabulary: the comparison has teeth
@@ -99,16 +109,13 @@ def test_tp2_generation_matches_tp1_with_prefix_cache_chunked_prefill_swaps_and_
     ref_llm = LLM(str(tiny_model_dir), **args)
     ref = _tokens_and_logprobs(run_checked(ref_llm, PROMPTS, params))
     assert ref_llm.engine.stats.preemptions > 0 and ref_llm.engine.stats.prefix_cache_hits >= 16
-    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **args)
-    try:
+    with tensor_parallel_llm(str(tiny_model_dir), tensor_parallel_size=2, **args) as llm:
         got = _tokens_and_logprobs(run_checked(llm, PROMPTS, params))
         stats = llm.engine.stats
         assert (stats.preemptions, stats.prefix_cache_hits) == (
             ref_llm.engine.stats.preemptions,
             ref_llm.engine.stats.prefix_cache_hits,
         )
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref)
 
 
@@ -129,12 +136,9 @@ def test_tp2_on_a_quantized_kv_cache_matches_tp1_through_swaps(tiny_model_dir, k
     ref_llm = LLM(str(tiny_model_dir), **args)
     ref = _tokens_and_logprobs(run_checked(ref_llm, PROMPTS, params))
     assert ref_llm.engine.stats.preemptions > 0
-    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **args)
-    try:
+    with tensor_parallel_llm(str(tiny_model_dir), tensor_parallel_size=2, **args) as llm:
         got = _tokens_and_logprobs(run_checked(llm, PROMPTS, params))
         assert llm.engine.stats.preemptions == ref_llm.engine.stats.preemptions
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref)
 
 
@@ -145,11 +149,8 @@ def test_tp2_recompute_preemption_matches_tp1(tiny_model_dir):
     ref_llm = LLM(str(tiny_model_dir), **args)
     ref = _tokens_and_logprobs(run_checked(ref_llm, PROMPTS, params))
     assert ref_llm.engine.stats.preemptions > 0
-    llm = LLM(str(tiny_model_dir), tensor_parallel_size=2, **args)
-    try:
+    with tensor_parallel_llm(str(tiny_model_dir), tensor_parallel_size=2, **args) as llm:
         got = _tokens_and_logprobs(run_checked(llm, PROMPTS, params))
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref)
 
 
@@ -159,11 +160,10 @@ def test_tp4_replicates_two_kv_heads_and_matches_tp1(tiny_model_dir):
     ref = _tokens_and_logprobs(
         run_checked(LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64), PROMPTS, params)
     )
-    llm = LLM(str(tiny_model_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=4)
-    try:
+    with tensor_parallel_llm(
+        str(tiny_model_dir), device="cpu", num_kv_blocks=64, tensor_parallel_size=4
+    ) as llm:
         got = _tokens_and_logprobs(run_checked(llm, PROMPTS, params))
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref)
 
 
@@ -184,11 +184,8 @@ def test_tp3_smollm2_nine_heads_three_kv_heads_matches_tp1(smollm2_dir, kernels,
     params = SamplingParams(max_tokens=16, temperature=0.0, logprobs=1)
     args = dict(device="cpu", num_kv_blocks=64, **kernels)
     ref = _tokens_and_logprobs(LLM(str(smollm2_dir), **args).generate(prompts, params))
-    llm = LLM(str(smollm2_dir), tensor_parallel_size=3, **args)
-    try:
+    with tensor_parallel_llm(str(smollm2_dir), tensor_parallel_size=3, **args) as llm:
         got = _tokens_and_logprobs(llm.generate(prompts, params))
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref, tol)
 
 
@@ -207,13 +204,10 @@ def test_tp2_on_gguf_blocks_kept_as_stored_matches_tp1(tmp_path):
     ref_llm = LLM(str(path), device="cpu", num_kv_blocks=64)
     assert ref_llm.engine.quantization == "gguf"
     ref = _tokens_and_logprobs(run_checked(ref_llm, PROMPTS, params))
-    llm = LLM(str(path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2)
-    try:
+    with tensor_parallel_llm(str(path), device="cpu", num_kv_blocks=64, tensor_parallel_size=2) as llm:
         o_proj = llm.engine.model.layers[0].self_attn.o_proj
         assert (o_proj.linear.format, o_proj.linear.in_features) == ("Q4_1", 32)  # half of 64
         got = _tokens_and_logprobs(run_checked(llm, PROMPTS, params))
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref)
 
 
@@ -226,12 +220,9 @@ def test_tp3_serves_the_bundled_smollm2_gguf_on_its_blocks(smollm2_dir):
     ref_llm = LLM("smollm2-135m", device="cpu", num_kv_blocks=64)
     assert ref_llm.engine.quantization == "gguf"
     ref = _tokens_and_logprobs(ref_llm.generate(prompts, params))
-    llm = LLM("smollm2-135m", device="cpu", num_kv_blocks=64, tensor_parallel_size=3)
-    try:
+    with tensor_parallel_llm("smollm2-135m", device="cpu", num_kv_blocks=64, tensor_parallel_size=3) as llm:
         assert llm.engine.quantization == "gguf"
         got = _tokens_and_logprobs(llm.generate(prompts, params))
-    finally:
-        llm.engine.shutdown()
     _assert_same(got, ref, 1e-4)
 
 
