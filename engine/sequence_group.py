@@ -39,6 +39,31 @@ class SampleState:
     def text(self) -> str:
         return self.stops.released
 
+    def output(
+        self,
+        index: int,
+        with_scores: bool,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[dict[int, Logprob]] | None,
+    ) -> CompletionOutput:
+        """A ``CompletionOutput`` of this sample holding ``text``, ``token_ids`` and ``logprobs`` (all of
+        them, or a delta's)."""
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob if with_scores else None,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason.value if self.finish_reason else None,
+            stop_reason=self.stop_reason,
+        )
+
+    def complete(self, index: int, with_scores: bool) -> CompletionOutput:
+        """Everything this sample has produced so far."""
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return self.output(index, with_scores, self.text, list(self.seq.output_token_ids), logprobs)
+
     def delta(self, index: int, with_scores: bool) -> CompletionOutput | None:
         """What is new since this sample's previous delta (None: nothing, and its finish already sent)."""
         tokens = self.seq.output_token_ids
@@ -48,15 +73,7 @@ class SampleState:
             return None
         logprobs = self.logprobs[self.sent_tokens :] if self.logprobs is not None else None
         self.sent_tokens, self.finish_sent = len(tokens), finished
-        return CompletionOutput(
-            index=index,
-            text=text,
-            token_ids=new_tokens,
-            cumulative_logprob=self.cumulative_logprob if with_scores else None,
-            logprobs=logprobs,
-            finish_reason=self.finish_reason.value if finished else None,
-            stop_reason=self.stop_reason,
-        )
+        return self.output(index, with_scores, text, new_tokens, logprobs)
 
 
 @dataclass
@@ -141,18 +158,7 @@ class SequenceGroup:
             if not self.finished:
                 return []
             samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
-        return [
-            CompletionOutput(
-                index=i,
-                text=s.text,
-                token_ids=list(s.seq.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if self.wants_scores else None,
-                logprobs=list(s.logprobs) if s.logprobs is not None else None,
-                finish_reason=s.finish_reason.value if s.finish_reason else None,
-                stop_reason=s.stop_reason,
-            )
-            for i, s in enumerate(samples)
-        ]
+        return [s.complete(i, self.wants_scores) for i, s in enumerate(samples)]
 
     @property
     def hides_samples(self) -> bool:
