@@ -60,14 +60,15 @@ class QuantWeight:
 def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, d, offset)`` with ``w[n, 32 b + j] = d[n, b] * q[n, b, j] + offset[n, b]``: ``q`` float32
     ``[N, blocks, 32]`` (Q4_0's already minus 8), ``d`` and ``offset`` ``[N, blocks]`` (offset: Q4_1's
-    minimum, else 0). An int8 row whose length is not a multiple
-    of 32 is zero-padded to whole blocks. K-quants have no such form (Q6_K scales every 16 weights):
-    ``dequantize_k`` reads them."""
+    minimum, Q4_K's sub-block ``-dmin m``, else 0). An int8 row whose length is not a multiple
+    of 32 is zero-padded to whole blocks. Q6_K has no such form (it scales every 16 weights):
+    ``dequantize_k`` reads it."""
     fmt, data, n = weight.format, weight.data, weight.out_features
+    if fmt.name == "Q4_K":
+        q, d, dmin = _q4k_parts(weight)
+        return q, d, -dmin
     if fmt.name in K_FORMATS:
-        raise ValueError(
-            f"{fmt.name} super-blocks do not unpack to one scale per 32 weights; dequantize them"
-        )
+        raise ValueError(f"{fmt.name} scales every 16 weights, not 32: dequantize it")
     if fmt.row_scales:
         blocks = -(-weight.in_features // BLOCK)
         q = torch.zeros(n, blocks * BLOCK, device=data.device)
@@ -106,12 +107,7 @@ def dequantize_k(weight: QuantWeight) -> torch.Tensor:
     n, name = weight.out_features, weight.format.name
     raw = weight.data.view(n, -1, weight.format.block_bytes)  # [N, super-blocks, bytes]
     if name == "Q4_K":
-        s = raw[..., 4:16].int()
-        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 2) & 0x30)], dim=-1)
-        m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 2) & 0x30)], dim=-1)
-        d, dm = _half(raw, 0) * sc.float(), _half(raw, 2) * m.float()  # [N, S, 8]: one per sub-block
-        qs = raw[..., 16:144].reshape(n, -1, 4, 1, 32).int()  # sub-block 2p: low nibbles, 2p + 1: high
-        q = ((qs >> torch.tensor([0, 4], device=qs.device).view(2, 1)) & 0xF).reshape(n, -1, 8, 32).float()
+        q, d, dm = _q4k_parts(weight)
         return (d[..., None] * q - dm[..., None]).reshape(n, -1)
     if name != "Q6_K":
         raise ValueError(f"{name} is not a K-quant")
@@ -122,6 +118,20 @@ def dequantize_k(weight: QuantWeight) -> torch.Tensor:
     q = ((ql | (qh << 4)) - 32).reshape(n, -1, 16, 16).float()  # 16 groups of 16 weights, one scale each
     d = _half(raw, 208) * raw[..., 192:208].contiguous().view(torch.int8).float()  # [N, S, 16]
     return (d[..., None] * q).reshape(n, -1)
+
+
+def _q4k_parts(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_K weight's nibbles ``q`` float32 [N, sub-blocks, 32] and per sub-block ``d sc`` and ``dmin m``
+    [N, sub-blocks]: ``w = d sc q - dmin m``."""
+    n = weight.out_features
+    raw = weight.data.view(n, -1, weight.format.block_bytes)  # [N, super-blocks, bytes]
+    s = raw[..., 4:16].int()
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 2) & 0x30)], dim=-1)
+    m = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 2) & 0x30)], dim=-1)
+    d, dm = _half(raw, 0) * sc.float(), _half(raw, 2) * m.float()  # [N, S, 8]: one per sub-block
+    qs = raw[..., 16:144].reshape(n, -1, 4, 1, 32).int()  # sub-block 2p: low nibbles, 2p + 1: high
+    q = ((qs >> torch.tensor([0, 4], device=qs.device).view(2, 1)) & 0xF).reshape(n, -1, 32).float()
+    return q, d.reshape(n, -1), dm.reshape(n, -1)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantWeight:

@@ -3,8 +3,9 @@
  * states are bit for bit the same and the ~10 Python-level kernel calls (with their checks) per layer
  * are gone. What it runs: dense llama-shaped layers (input norm, fused qkv, RoPE, K/V write, paged
  * decode attention, o_proj, post-attention norm, fused gate/up, SiLU, down), each projection
- * a float32 panel GEMM (small_gemm.c) or a quantized one (quant_gemm.c). The caller checks that a
- * model is of that shape and that the step is decode-only (model/native_decode.py). */
+ * a float32 panel GEMM (small_gemm.c) or a quantized one (quant_gemm.c, or quant_vnni.c with int8
+ * activations). The caller checks that a model is of that shape and that the step is decode-only
+ * (model/native_decode.py). */
 #include <stddef.h>
 #include <string.h>
 
@@ -17,6 +18,8 @@ typedef struct {
     const float *scales; /* int8 rows' scales, else NULL */
     int64_t out_features;
     int64_t format; /* -1: float32 panels; else the quantized format's code (quant_blocks.h) */
+    const void *packed; /* the weight repacked for the int8-activation GEMM (kvp_vnni_linear), or NULL */
+    int64_t packed_kind;
 } dec_part_t;
 
 /* A projection: one weight, or a fused one whose parts are stored in different formats (a Q4_K_M file's
@@ -64,6 +67,9 @@ static int project_part(const dec_part_t *p, const float *x, int64_t xs, const f
         kvp_linear(x, xs, (const float *)p->weight, bias, y, T, p->out_features, K, nthreads);
         return 0;
     }
+    if (p->packed)
+        return kvp_vnni_linear(x, xs, (const uint8_t *)p->packed, (int)p->packed_kind, bias, y, T,
+                               p->out_features, K, nthreads) ? -2 : 0;
     return kvp_quant_linear(x, xs, (const uint8_t *)p->weight, p->scales, (int)p->format, bias, y, T,
                             p->out_features, K, nthreads) ? -2 : 0;
 }

@@ -13,7 +13,14 @@ MAX_PARTS = 3
 
 
 class PartView(ctypes.Structure):
-    _fields_ = [("weight", _P), ("scales", _P), ("out_features", _I), ("format", _I)]
+    _fields_ = [
+        ("weight", _P),
+        ("scales", _P),
+        ("out_features", _I),
+        ("format", _I),
+        ("packed", _P),
+        ("packed_kind", _I),
+    ]
 
 
 class LinearView(ctypes.Structure):

@@ -23,5 +23,7 @@ void kvp_linear(const float *x, int64_t xs, const float *wp, const float *bias, 
                 int64_t K, int nthreads);
 int kvp_quant_linear(const float *x, int64_t xs, const uint8_t *w, const float *scales, int fmt,
                      const float *bias, float *y, int64_t M, int64_t N, int64_t K, int nthreads);
+int kvp_vnni_linear(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads);
 
 #endif

@@ -21,6 +21,7 @@ from kvpilot.engine.native.decode_step_ops import DecodeStepKernels
 from kvpilot.engine.native.kv_args import kv_cache_args
 from kvpilot.engine.native.quant_ops import QuantKernels, check_float_rows
 from kvpilot.engine.native.sampling_ops import SamplingKernels
+from kvpilot.engine.native.vnni_ops import VnniKernels
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -114,6 +115,8 @@ class NativeOps:
         self.has_prefill_attention = self.has_fast_linear
         #: the quantized-weight GEMM (``quant_ops``)
         self.quant = QuantKernels(lib)
+        #: the int8-activation GEMM on repacked weights (``vnni_ops``; ``available`` False without VNNI)
+        self.vnni = VnniKernels(lib)
         #: the sampler's temperature, truncation and draw for sampled rows (``sampling_ops``)
         self.sampling = SamplingKernels(lib)
         #: a decode step's layers in one call (``decode_step_ops``, used by ``model.native_decode``)

@@ -76,7 +76,8 @@ def check_float_rows(x: torch.Tensor, name: str, width: int | None = None) -> No
         raise ValueError(f"{name} must have {width} columns, got {x.shape[1]}")
 
 
-def _check_vector(v: torch.Tensor, name: str, length: int) -> None:
+def check_vector(v: torch.Tensor, name: str, length: int) -> None:
+    """``v`` must be a contiguous float32 CPU tensor of ``length`` (a bias, int8 rows' scales)."""
     if v.dtype != torch.float32 or v.device.type != "cpu" or not v.is_contiguous() or v.shape != (length,):
         raise ValueError(
             f"{name} must be a contiguous float32 CPU tensor [{length}], got {v.dtype} {tuple(v.shape)}"
@@ -132,7 +133,7 @@ class QuantKernels:
         form = check_weight(data, scales, fmt, in_features)
         out_features = data.shape[0]
         if bias is not None:
-            _check_vector(bias, "bias", out_features)
+            check_vector(bias, "bias", out_features)
         out = torch.empty(rows, out_features)
         status = self._fn(
             x.data_ptr(),
@@ -184,7 +185,7 @@ def check_weight(data: torch.Tensor, scales: torch.Tensor | None, fmt: str, in_f
     if form.row_scales:
         if scales is None:
             raise ValueError(f"{fmt} needs one float32 scale per output row")
-        _check_vector(scales, "scales", out_features)
+        check_vector(scales, "scales", out_features)
     elif scales is not None:
         raise ValueError(f"{fmt} keeps its scales inside the blocks; scales must be None")
     return form

@@ -157,3 +157,27 @@ def reference_quant_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Ten
     per_block = torch.einsum("mbj,nbj->mnb", xb, q)
     y = (per_block * d).sum(-1) + xb.sum(-1) @ offset.T
     return y if bias is None else y + bias
+
+
+def reference_vnni_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quant_vnni.c``'s rounding of float32 ``x`` [M, K]: per 32-input block ``q = round(x * (127 /
+    amax))`` (half to even) as int8, ``dx = amax / 127`` and ``sx = dx * sum(q)`` [M, K / 32]."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    amax = xb.abs().amax(-1)
+    # a true division (a Python number divided by a tensor is a reciprocal times the number in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None])
+    dx = amax / 127.0
+    return q.to(torch.int8).reshape(m, k), dx, dx * q.sum(-1)
+
+
+def reference_vnni_linear(x: torch.Tensor, weight: QuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``quant_vnni.c``'s product in float64: the activations rounded (``reference_vnni_quantize``) times
+    the weights with their per-block scale and offset rounded to fp16, as the packed tiles hold them."""
+    q, d, offset = unpack_blocks(weight)  # w = d q + offset
+    w = q.double() * d.half().double()[..., None] + offset.half().double()[..., None]
+    codes, dx, _ = reference_vnni_quantize(x)
+    xq = codes.double().view(x.shape[0], -1, 32) * dx.double()[..., None]
+    y = (xq.reshape(x.shape[0], -1) @ w.reshape(w.shape[0], -1).T).float()
+    return y if bias is None else y + bias
