@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvpilot.engine.config import (
+    ACTIVATION_QUANTIZATIONS,
     ATTENTION_BACKENDS,
     BATCHING_MODES,
     DTYPES,
@@ -37,6 +38,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help=f"weights kept quantized, one of {', '.join(QUANTIZATIONS)}: auto keeps a GGUF's blocks "
         "(Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) where the CPU kernels run them; int8 quantizes any float model "
         "at load",
+    )
+    g.add_argument(
+        "--activation-quantization",
+        default=d.activation_quantization,
+        choices=ACTIVATION_QUANTIZATIONS,
+        help="activations of the quantized GEMMs: auto = int8 for gguf/int8 weights (rounded per 32 "
+        "inputs, as llama.cpp does) where the CPU has AVX-512 VNNI, else none (the weights' exact "
+        "products); fp8 = W8A8 for fp8 weights on the Triton GEMM (e4m3 rows, fp8 tensor cores)",
     )
     g.add_argument(
         "--max-model-len",

@@ -32,6 +32,11 @@ _UNSUPPORTED_QUANTIZATIONS = {
 #: with the checkpoint's per-layer k/v scales, else a float32 scale per (token, KV head); ``int8`` = int8
 #: codes with a float32 scale per (token, KV head)
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+#: activations of the quantized weights' GEMMs (docs/architecture.md#quantized-weights): ``auto`` = int8
+#: for gguf/int8 weights where the CPU has AVX-512 VNNI, else none; ``int8`` (rounded per 32 inputs,
+#: llama.cpp's CPU scheme; fails without VNNI); ``fp8`` (W8A8: fp8 weights' Triton GEMM rounds each row to
+#: e4m3, fp8 tensor cores); ``none`` (the activations' dtype: the weights' exact products)
+ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
 
 
@@ -58,6 +63,10 @@ class ModelConfig:
     #: weights kept quantized (``QUANTIZATIONS``): ``auto`` = a GGUF's own blocks where the kernels run
     #: them (float32 on CPU), else float weights in ``dtype``
     quantization: str = "auto"
+    #: activations of the quantized GEMMs (``ACTIVATION_QUANTIZATIONS``): ``auto`` = ``int8`` for
+    #: ``gguf`` / ``int8`` weights where the CPU has AVX-512 VNNI (about 2x faster GEMMs; results move by
+    #: the rounding), else ``none``; ``fp8`` = W8A8 for ``fp8`` weights on the Triton GEMM
+    activation_quantization: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,7 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     quantization: str = "auto"
+    activation_quantization: str = "auto"
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -206,6 +216,11 @@ class EngineArgs:
         need(isinstance(self.model, str) and bool(self.model), "model must be a non-empty string")
         need(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self._validate_quantization()
+        need(
+            self.activation_quantization in ACTIVATION_QUANTIZATIONS,
+            f"activation_quantization must be one of {ACTIVATION_QUANTIZATIONS}, "
+            f"got {self.activation_quantization!r}",
+        )
         need(
             self.device == "auto" or self.device == "cpu" or self.device.startswith("cuda"),
             f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}",

@@ -31,7 +31,7 @@ from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import load_model
-from kvpilot.engine.model.quantization import resolve_quantization
+from kvpilot.engine.model.quantization import resolve_activation_quantization, resolve_quantization
 from kvpilot.engine.model.registry import gguf_source, model_fingerprint, resolve_model
 from kvpilot.engine.native.ops import NativeOps
 
@@ -55,6 +55,8 @@ class ServedModel:
     kv_cache_dtype: str = "auto"
     #: this process's rank of a tensor-parallel model (docs/architecture.md#tensor-parallelism); None = whole
     tensor_parallel: TensorParallelRank | None = None
+    #: ``int8``, ``fp8`` or ``none``: the quantized GEMMs' activations (``resolve_activation_quantization``)
+    activation_quantization: str = "none"
     #: ``fp8_kv_scales``' result, read once
     _fp8_scales: tuple[list[tuple[float, float]] | None] | None = None
 
@@ -82,6 +84,8 @@ class ServedModel:
         """The model's prefix-cache identity: quantized weights compute other K/V than float ones, so their
         hash chain is another one."""
         quantized = "" if self.quantization == "none" else f":{self.quantization}"
+        if self.activation_quantization != "none":  # other rounding, other K/V
+            quantized += f"+a{self.activation_quantization}"
         return f"{model_fingerprint(self.model_dir)}:{self.dtype}{quantized}"
 
 
@@ -113,6 +117,9 @@ def load_served_model(
     resolved = resolve_quantization(
         quantization, gguf_path, device, dtype, native_ops, model_dir, linear_backend
     )
+    activations = resolve_activation_quantization(
+        config.model.activation_quantization, resolved, device, native_ops, linear_backend
+    )
     triton_gemm = linear_backend == "triton" and resolved in ("gguf", "int8")
     if device.type == "cuda" and (backend.name == "triton" or triton_gemm):
         # before the weights load and the first forward: an image without a C compiler (or Python.h,
@@ -133,11 +140,20 @@ def load_served_model(
         quantization=resolved,
         gguf_path=gguf_path,
         tensor_parallel=tensor_parallel,
+        activation_quantization=activations,
     )
     if isinstance(backend, TorchAttentionBackend):
         backend.native = native_ops
     return ServedModel(
-        model_dir, arch, backend, resolved, model, dtype, config.cache.kv_cache_dtype, tensor_parallel
+        model_dir,
+        arch,
+        backend,
+        resolved,
+        model,
+        dtype,
+        config.cache.kv_cache_dtype,
+        tensor_parallel,
+        activation_quantization=activations,
     )
 
 

@@ -32,6 +32,8 @@ from kvpilot.engine.model.quantization import (
     install_gguf_weights,
     quantize_linears_int8,
     quantized_lm_head,
+    use_fp8_activations,
+    use_int8_activations,
     weights_bytes,
 )
 from kvpilot.engine.native.build import NativeBuildError
@@ -169,12 +171,15 @@ def load_model(
     quantization: str = "none",
     gguf_path: Path | None = None,
     tensor_parallel: TensorParallelRank | None = None,
+    activation_quantization: str = "none",
 ) -> LlamaForCausalLM:
     """The model with its weights on ``device``; ``native`` (float32 CPU kernels) is attached to the
     forward pass and, with oneDNN linears, serves their small batches. ``quantization`` is a resolved
     ``quantization.resolve_quantization`` choice; ``gguf`` reads its blocks from ``gguf_path``; with
     ``linear_backend='triton'`` the quantized layers' GEMMs run the Triton kernel.
-    ``tensor_parallel``: build and fill only that rank's shard (docs/architecture.md#tensor-parallelism)."""
+    ``tensor_parallel``: build and fill only that rank's shard (docs/architecture.md#tensor-parallelism).
+    ``activation_quantization`` (resolved): ``int8`` runs the quantized linears on the int8-activation GEMM,
+    ``fp8`` the fp8 ones as W8A8."""
     full_arch = arch = ModelArchConfig.from_dir(model_dir)
     triton = linear_backend == "triton"
     if tensor_parallel is not None:
@@ -228,6 +233,13 @@ def load_model(
             head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
             model.packed_lm_head = PackedLinear(head, batch_hint, native)
     model.native = native
+    if activation_quantization == "int8":
+        log.info(
+            "int8 activations: %d quantized linears repacked for the VNNI GEMM", use_int8_activations(model)
+        )
+    elif activation_quantization == "fp8":
+        count, kept = use_fp8_activations(model)
+        log.info("fp8 activations (W8A8): %d linears; kept W8A16: %s", count, ", ".join(kept) or "none")
     # routed experts: the fused Triton kernel beside the Triton attention backend, else the sorted path
     configure_moe(model, "triton" if backend.name == "triton" else "sorted", native)
     model.eval()

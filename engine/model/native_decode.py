@@ -31,7 +31,7 @@ from kvpilot.engine.model.rope import RotaryEmbedding
 from kvpilot.engine.native.decode_step_ops import MAX_PARTS, LayerView, LinearView, ModelView, PartView
 from kvpilot.engine.native.kv_args import kv_cache_args
 from kvpilot.engine.native.ops import MAX_GROUP, MAX_HEAD_DIM, NativeOps, check_block_tables
-from kvpilot.engine.native.quant_ops import check_weight
+from kvpilot.engine.native.quant_ops import FORMATS, check_weight
 
 if TYPE_CHECKING:
     from kvpilot.engine.model.llama import LlamaForCausalLM
@@ -58,6 +58,11 @@ def _bind_part(module: nn.Module) -> tuple[PartView, int] | None:
     if isinstance(module, QuantLinear) and module.native is not None:
         data, scales = _tensor(module, "qweight"), _tensor(module, "scales")
         assert data is not None
+        vnni = module.vnni_weight
+        if vnni is not None:  # the int8-activation GEMM (any row count) reads only the packed tiles
+            code = FORMATS[module.format].code
+            view = PartView(None, _ptr(scales), module.out_features, code, _ptr(vnni.packed), vnni.kind)
+            return view, NATIVE_MAX_ROWS
         code = check_weight(data, scales, module.format, module.in_features).code
         return PartView(data.data_ptr(), _ptr(scales), module.out_features, code), QUANT_NATIVE_MAX_ROWS
     return None

@@ -5,6 +5,9 @@
 - with ``triton`` (``linear_backend='triton'``, the default on CUDA) in the Triton GEMM on the blocks
   (``quant_triton``), activations in float32, float16 or bfloat16, any row count; on CPU it runs in
   Triton's interpreter (tests);
+- after ``use_int8_activations`` (``activation_quantization='int8'``; CPUs with AVX-512 VNNI) in
+  ``quant_vnni.c`` on the weight repacked at load (``vnni_weight``), any row count, the activations rounded
+  to int8 per 32 inputs;
 - else with float32 activations: with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (decode
   steps of up to 64 sequences) in ``quant_gemm.c``, which dequantizes in registers;
 - beyond (prefill chunks, bigger batches) by dequantizing slices of output rows into a float32 scratch
@@ -30,6 +33,7 @@ from torch import nn
 from kvpilot.engine.model.quant_formats import QuantWeight, dequantize
 from kvpilot.engine.native.ops import NativeOps
 from kvpilot.engine.native.quant_ops import FORMATS
+from kvpilot.engine.native.vnni_ops import VnniWeight
 
 #: most rows ``quant_gemm.c`` takes; larger batches dequantize slices and use torch's GEMM (at parity at 64
 #: rows on 30 SmolLM2 layers, bench/quant_kernels.py; the GEMM ahead beyond)
@@ -68,6 +72,11 @@ class _QuantWeightBuffers(nn.Module):
 
     @property
     def weight_q(self) -> QuantWeight:
+        if self.qweight.numel() == 0 and self.out_features:
+            raise ValueError(
+                f"the stored {self.format} blocks of this layer were released once repacked for int8 "
+                "activations; only its int8-activation GEMM runs it"
+            )
         return QuantWeight(FORMATS[self.format], self.qweight, self.scales, self.in_features)
 
     def extra_repr(self) -> str:
@@ -86,9 +95,30 @@ class QuantLinear(_QuantWeightBuffers):
         #: the native kernels this layer runs on; None on the Triton GEMM, so no C path takes it over
         self.native = None if triton else native
         self.triton = triton
+        #: the weight repacked for the int8-activation GEMM (``use_int8_activations``), else None
+        self.vnni_weight: VnniWeight | None = None
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kernel={'triton' if self.triton else 'cpu'}"
+        kernel = "triton" if self.triton else "cpu-int8-activations" if self.vnni_weight else "cpu"
+        return f"{super().extra_repr()}, kernel={kernel}"
+
+    def use_int8_activations(self) -> bool:
+        """Run on the int8-activation GEMM from now on (repacking the weight once); False, changing
+        nothing, where it cannot (no VNNI build, Triton, a format or width it has no layout for)."""
+        native = self.native
+        if native is None or not native.vnni.packable(self.format, self.in_features):
+            return False
+        self.vnni_weight = native.vnni.pack(self.qweight, self.scales, self.format, self.in_features)
+        # a buffer too: counted in the weights' memory, and kept alive with the module
+        self.register_buffer("vnni_packed", self.vnni_weight.packed, persistent=False)
+        return True
+
+    def release_stored_blocks(self) -> None:
+        """Free the stored blocks once the packed tiles serve every product (a decoder projection: nothing
+        else reads its blocks; not a tied head, whose blocks are the embedding's)."""
+        if self.vnni_weight is None:
+            raise RuntimeError("only a layer repacked for int8 activations can release its stored blocks")
+        self.qweight = torch.empty(0, dtype=torch.uint8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.triton:
@@ -98,6 +128,8 @@ class QuantLinear(_QuantWeightBuffers):
         native = self.native
         if native is None or x.device.type != "cpu" or x.dtype != torch.float32:
             return F.linear(x, dequantize(self.weight_q, x.dtype), self.bias)
+        if self.vnni_weight is not None:
+            return native.vnni.linear(x, self.vnni_weight, self.bias)
         if x.shape[0] <= QUANT_NATIVE_MAX_ROWS:
             return native.quant.linear(x, self.qweight, self.scales, self.format, self.bias)
         return self._sliced(x, native)

@@ -16,6 +16,11 @@
   why in the log (an fp8 checkpoint is then dequantized to ``dtype`` at load).
 
 A checkpoint quantized otherwise (AWQ, GPTQ, …) is refused by ``fp8_checkpoint.read_checkpoint_quantization``.
+
+``activation_quantization`` (``resolve_activation_quantization``): ``int8`` runs the ``gguf`` / ``int8``
+weights' C GEMMs with activations rounded to int8 per 32 inputs (``quant_vnni.c``, AVX-512 VNNI), the
+default where the CPU has it; ``fp8`` runs ``fp8`` weights' Triton GEMM as W8A8 (``fp8_triton``, opt-in);
+``none`` keeps the activations' dtype.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 from torch import nn
 
 from kvpilot.engine.model.fp8_checkpoint import read_checkpoint_quantization
+from kvpilot.engine.model.fp8_linear import Fp8Linear, w8a8_supported
 from kvpilot.engine.model.gguf_weights import GGUFWeights
 from kvpilot.engine.model.moe_quant import QuantExperts
 from kvpilot.engine.model.quant_formats import quantize_int8
@@ -99,6 +105,80 @@ def resolve_quantization(
             requested,
         )
     return requested
+
+
+def resolve_activation_quantization(
+    requested: str, quantization: str, device: torch.device, native: NativeOps | None, linear_backend: str
+) -> str:
+    """``int8``, ``fp8`` or ``none`` for the engine argument ``requested`` and the resolved
+    ``quantization``: ``fp8`` needs ``fp8`` weights on the Triton GEMM (``auto`` never picks it);
+    ``int8`` needs ``gguf`` / ``int8`` weights on the C kernels (CPU, not ``linear_backend='triton'``) of a
+    build with AVX-512 VNNI, and ``auto`` picks it there. ``ValueError`` when the choice cannot run."""
+    if requested == "none":
+        return "none"
+    if requested == "fp8" or quantization == "fp8":
+        # W8A8 is opt-in: W8A16 stays the default until measured on an fp8 GPU
+        if requested == "fp8" and (quantization != "fp8" or linear_backend != "triton"):
+            raise ValueError(
+                "activation_quantization='fp8' (W8A8) runs fp8 weights on the Triton GEMM; the weights are "
+                f"{quantization!r} with linear_backend={linear_backend!r}: use quantization='fp8' with "
+                "linear_backend='triton' (the CUDA default), or activation_quantization 'auto' / 'none'"
+            )
+        if requested == "int8":
+            raise ValueError(
+                "activation_quantization='int8' applies to quantization 'gguf' or 'int8' on the CPU's C "
+                "kernels; fp8 weights take 'fp8' (W8A8) or 'none' (W8A16)"
+            )
+        return "fp8" if requested == "fp8" else "none"
+    where = quantization in ("gguf", "int8") and device.type == "cpu" and linear_backend != "triton"
+    vnni = native is not None and native.vnni.available
+    if where and vnni:
+        return "int8"
+    if requested == "int8":
+        why = (
+            f"the weights are {quantization!r} on {device} with linear_backend={linear_backend!r}; it "
+            "applies to quantization 'gguf' or 'int8' on the CPU's C kernels"
+            if not where
+            else "this CPU (or the C kernels' build) has no AVX-512 VNNI"
+            if native is not None
+            else "the native C kernels are off or could not be built"
+        )
+        raise ValueError(f"activation_quantization='int8' cannot run here: {why}; use 'auto' or 'none'")
+    return "none"
+
+
+def use_fp8_activations(model: nn.Module) -> tuple[int, list[str]]:
+    """W8A8 for every ``Fp8Linear`` of ``model`` whose scale groups fit the kernel's K steps; returns how
+    many, and the names of the others (kept W8A16)."""
+    count, kept = 0, []
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            if w8a8_supported(module.block_k, module.in_features):
+                module.fp8_activations = True
+                count += 1
+            else:
+                kept.append(f"{name} (scale groups of {module.block_k})")
+    return count, kept
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Put every quantized linear of ``model`` (the LM head and MoE experts included) that the
+    int8-activation GEMM can run on it; returns how many. The decoder layers' attention and dense MLP
+    projections then free their stored blocks (only the packed tiles are read), so those weights are held
+    once; the embedding (and its tied head) and experts keep theirs (lookups and the experts' reference
+    read them)."""
+    count = sum(
+        module.use_int8_activations() for module in model.modules() if isinstance(module, QuantLinear)
+    )
+    for layer in getattr(model, "layers", ()):
+        owners = (("self_attn", ("qkv_proj", "o_proj")), ("mlp", ("gate_up_proj", "down_proj")))
+        for owner, names in owners:
+            for name in names:
+                proj = getattr(getattr(layer, owner, None), name, None)
+                for part in proj.parts if isinstance(proj, SplitQuantLinear) else [proj]:
+                    if isinstance(part, QuantLinear) and part.vnni_weight is not None:
+                        part.release_stored_blocks()
+    return count
 
 
 def _resolve_for_fp8_checkpoint(

@@ -51,7 +51,8 @@ def test_a_mixtral_gguf_keeps_its_attention_blocks_and_float_experts(tmp_path: P
     gguf_path = tmp_path / "mixtral-q8.gguf"
     write_llama_gguf(gguf_path, source, quantized=ATTENTION_Q8)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    blocks = LLM(str(gguf_path), dtype="float32", num_kv_blocks=64, block_size=8, quantization="gguf")
+    args = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 8, "activation_quantization": "none"}
+    blocks = LLM(str(gguf_path), quantization="gguf", **args)  # float32 activations: exact products
     assert blocks.engine.quantization == "gguf"
     dequantized = LLM(str(gguf_path), dtype="float32", num_kv_blocks=64, block_size=8, quantization="none")
     want = dequantized.generate([PROMPT], params)[0].outputs[0].token_ids

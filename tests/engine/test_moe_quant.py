@@ -120,7 +120,8 @@ def test_a_moe_gguf_serves_its_q8_experts_as_blocks(tmp_path: Path, family: str)
     params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     tokens = {}
     for mode in ("gguf", "none"):
-        llm = LLM(str(gguf_path), dtype="float32", num_kv_blocks=64, block_size=8, quantization=mode)
+        args = {"dtype": "float32", "num_kv_blocks": 64, "block_size": 8, "activation_quantization": "none"}
+        llm = LLM(str(gguf_path), quantization=mode, **args)  # float32 activations: exact products
         block = llm.engine.model.layers[0].mlp
         assert (block.quant_experts is not None) == (mode == "gguf")
         if mode == "gguf":

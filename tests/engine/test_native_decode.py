@@ -20,6 +20,7 @@ from hf_families import build_family
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.model.native_decode import NativeDecodeStep
+from kvpilot.engine.model.quant_linear import QuantLinear
 from kvpilot.engine.model.tiny import write_tiny_llama
 
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 200, "max_num_batched_tokens": 24, "max_num_seqs": 5}
@@ -44,6 +45,9 @@ def run(model: str | Path, fused: bool, **kwargs) -> tuple[list[list[int]], list
     """Greedy tokens, every step's logits, and how many steps the C loop ran."""
     llm = LLM(str(model), **ENGINE_ARGS, **kwargs)
     model_ = llm.engine.model
+    if kwargs.get("activation_quantization") == "int8":  # the int8-activation GEMM is what runs
+        layers = [m for m in model_.modules() if isinstance(m, QuantLinear)]
+        assert layers and all(m.vnni_weight is not None for m in layers if m.format != "Q6_K")
     fused_steps = 0
     if not fused:
         model_.decode_step = False
@@ -86,23 +90,34 @@ def test_quantized_kv_caches_decode_bit_for_bit(tiny_model_dir, kv_cache_dtype):
     assert_same_steps(tiny_model_dir, kv_cache_dtype=kv_cache_dtype)
 
 
-def test_int8_weights_decode_bit_for_bit(tiny_model_dir):
-    assert_same_steps(tiny_model_dir, quantization="int8")
+HAS_VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+#: the quantized GEMMs' activations: float32, and int8 (the VNNI kernel) where this CPU has it
+ACTIVATIONS = [
+    "none",
+    pytest.param("int8", marks=pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI on this CPU")),
+]
 
 
-def test_gguf_blocks_and_a_float_tensor_decode_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_int8_weights_decode_bit_for_bit(tiny_model_dir, activations):
+    assert_same_steps(tiny_model_dir, quantization="int8", activation_quantization=activations)
+
+
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_gguf_blocks_and_a_float_tensor_decode_bit_for_bit(tmp_path, activations):
     source = write_tiny_llama(tmp_path / "hf", seed=4)
     types = {f"blk.{i}.{part}.weight": t for i in range(2) for part, t in Q_TYPES.items()}
     types |= {"token_embd.weight": "Q8_0", "blk.1.ffn_down.weight": "F16"}  # F16: a float PackedLinear
     write_llama_gguf(tmp_path / "mixed.gguf", source, types=types)
-    assert_same_steps(tmp_path / "mixed.gguf")
+    assert_same_steps(tmp_path / "mixed.gguf", activation_quantization=activations)
 
 
-def test_a_k_quant_files_split_projections_decode_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("activations", ACTIVATIONS)
+def test_a_k_quant_files_split_projections_decode_bit_for_bit(tmp_path, activations):
     source = write_tiny_llama(tmp_path / "hf", seed=6, hidden_size=256, intermediate_size=512, head_dim=64)
     types = {f"blk.{i}.{part}.weight": t for i in range(2) for part, t in K_TYPES.items()}
     write_llama_gguf(tmp_path / "q4_k_m.gguf", source, types=types | {"token_embd.weight": "Q6_K"})
-    assert_same_steps(tmp_path / "q4_k_m.gguf")
+    assert_same_steps(tmp_path / "q4_k_m.gguf", activation_quantization=activations)
 
 
 def test_models_it_does_not_run_keep_the_layer_path(tmp_path):

@@ -30,10 +30,18 @@ from kvpilot.engine.model.quant_linear import (
     QuantLinear,
     SplitQuantLinear,
 )
-from kvpilot.engine.model.quantization import resolve_quantization, weights_bytes
+from kvpilot.engine.model.quantization import (
+    resolve_activation_quantization,
+    resolve_quantization,
+    weights_bytes,
+)
 from kvpilot.engine.native.quant_ops import FORMATS
 
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 400, "max_num_batched_tokens": 320, "max_num_seqs": 6}
+# float32 activations: these tests hold the quantized GEMMs to the float path's exact products (int8
+# activations, the default on VNNI CPUs, have their own tests below)
+ENGINE_ARGS |= {"activation_quantization": "none"}
+HAS_VNNI = Path("/proc/cpuinfo").exists() and "avx512_vnni" in Path("/proc/cpuinfo").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +200,79 @@ def test_split_projection_is_its_parts_side_by_side_plus_the_bias():
     assert layer.formats == ["Q4_0", "Q8_0"] and layer.out_features == 32
     with pytest.raises(ValueError, match="share their inputs"):
         SplitQuantLinear([parts[0], quantize_int8(torch.randn(4, 32))], has_bias=False, native=None)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI on this CPU")
+def test_int8_activations_run_every_packable_layer_close_to_the_float_path(tiny_gguf):
+    """``activation_quantization='int8'``: the packable layers (Q4_0 / Q4_1 / Q8_0 and the tied Q8_0 head;
+    not the F16 tensor) run the VNNI GEMM, whose rounding moves the logits a little, never much; the
+    model identity says so (another prefix-cache chain)."""
+    args = ENGINE_ARGS | {"activation_quantization": "int8"}
+    quant, _, quant_logits = run_engine(LLM(str(tiny_gguf), **args))
+    exact, _, exact_logits = run(str(tiny_gguf))
+    model = quant.engine.model
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 8 and all(m.vnni_weight is not None for m in layers)  # 7 projections + the head
+    assert "cpu-int8-activations" in repr(model.packed_lm_head)
+    assert all(m.vnni_weight is None for m in exact.engine.model.modules() if isinstance(m, QuantLinear))
+    # the decoder projections hold only their packed tiles; the tied head's blocks stay the embedding's
+    attn = model.layers[0].self_attn
+    assert attn.qkv_proj.qweight.numel() == 0 and attn.o_proj.qweight.numel() == 0
+    assert model.packed_lm_head.qweight is model.embed_tokens.qweight and model.embed_tokens.qweight.numel()
+    with pytest.raises(ValueError, match="released once repacked"):
+        attn.qkv_proj.weight_q  # noqa: B018 - the property refuses
+    # tiles (fp16 d and m per 32 weights) are about the stored blocks' bytes; the head's tiles come on top
+    exact_bytes = weights_bytes(exact.engine.model)
+    assert exact_bytes < weights_bytes(model) < 1.5 * exact_bytes
+    assert quant.engine.model_identity == exact.engine.model_identity + "+aint8"
+    worst = max(
+        float((a - b).abs().max() / b.abs().max()) for a, b in zip(quant_logits, exact_logits, strict=True)
+    )
+    assert 1e-5 < worst < 0.05, worst
+
+
+def test_activation_quantization_is_validated(tiny_gguf, tiny_model_dir):
+    with pytest.raises(
+        ConfigError, match=r"activation_quantization must be one of \('auto', 'none', 'int8', 'fp8'\)"
+    ):
+        EngineArgs(activation_quantization="int4").create_config()
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--activation-quantization", "none"])
+    assert config_from_namespace(parser, ns).model.activation_quantization == "none"
+    with pytest.raises(ValueError, match="applies to quantization 'gguf' or 'int8'"):
+        LLM(str(tiny_model_dir), **ENGINE_ARGS | {"activation_quantization": "int8"})
+    with pytest.raises(ValueError, match="native C kernels are off"):
+        LLM(
+            str(tiny_gguf),
+            quantization="gguf",
+            native_cpu_ops="off",
+            **ENGINE_ARGS | {"activation_quantization": "int8"},
+        )
+
+
+def test_auto_activations_are_int8_only_where_the_vnni_kernel_runs():
+    cpu = torch.device("cpu")
+
+    class Native:
+        class vnni:
+            available = True
+
+    assert resolve_activation_quantization("auto", "gguf", cpu, Native(), "onednn") == "int8"
+    assert resolve_activation_quantization("auto", "int8", cpu, Native(), "torch") == "int8"
+    assert resolve_activation_quantization("none", "gguf", cpu, Native(), "onednn") == "none"
+    assert resolve_activation_quantization("auto", "none", cpu, Native(), "onednn") == "none"
+    assert resolve_activation_quantization("auto", "gguf", cpu, Native(), "triton") == "none"
+    assert resolve_activation_quantization("auto", "gguf", torch.device("cuda"), Native(), "torch") == "none"
+    assert resolve_activation_quantization("auto", "gguf", cpu, None, "onednn") == "none"
+    cuda = torch.device("cuda")
+    assert resolve_activation_quantization("auto", "fp8", cuda, None, "triton") == "none"  # W8A8 is opt-in
+    assert resolve_activation_quantization("fp8", "fp8", cuda, None, "triton") == "fp8"
+    with pytest.raises(ValueError, match="runs fp8 weights on the Triton GEMM"):
+        resolve_activation_quantization("fp8", "fp8", cuda, None, "torch")
+    with pytest.raises(ValueError, match="fp8 weights take 'fp8'"):
+        resolve_activation_quantization("int8", "fp8", cuda, None, "triton")
+    Native.vnni.available = False
+    assert resolve_activation_quantization("auto", "gguf", cpu, Native(), "onednn") == "none"
+    with pytest.raises(ValueError, match="has no AVX-512 VNNI"):
+        resolve_activation_quantization("int8", "gguf", cpu, Native(), "onednn")
