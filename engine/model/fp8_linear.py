@@ -121,6 +121,16 @@ def concat_fp8_rows(parts: list[Fp8Weight]) -> Fp8Weight:
     return Fp8Weight(torch.cat([p.data for p in parts]), torch.cat([p.scales for p in parts]), first.block_k)
 
 
+#: K inputs per step of the W8A8 Triton GEMM (``fp8_triton.BLOCK_K``): each step takes one weight scale
+W8A8_K_STEP = 64
+
+
+def w8a8_supported(block_k: int, in_features: int) -> bool:
+    """Whether the W8A8 GEMM can scale each K step by one weight group: one group per row, or groups of
+    whole steps."""
+    return block_k > 0 and (block_k >= in_features or block_k % W8A8_K_STEP == 0)
+
+
 class Fp8Linear(nn.Module):
     """``y = x Wᵀ + b`` on an e4m3 ``W`` (buffers ``qweight`` and ``scales``); ``bias`` in ``dtype`` (loaded
     later from the checkpoint) when ``has_bias``; ``triton``: the Triton W8A16 GEMM computes it."""
@@ -128,6 +138,8 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: Fp8Weight, has_bias: bool, dtype: torch.dtype, triton: bool = False) -> None:
         super().__init__()
         self.triton = triton
+        #: W8A8 (``activation_quantization='fp8'``): the Triton GEMM rounds x to e4m3 per row too
+        self.fp8_activations = False
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.block_k = weight.block_k
         self.register_buffer("qweight", weight.data)
@@ -143,14 +155,15 @@ class Fp8Linear(nn.Module):
         if not self.triton:
             return F.linear(x, dequantize_fp8(self.weight_fp8, x.dtype), self.bias)
         # imported at the first call: Triton reads TRITON_INTERPRET when the kernel module loads
-        from kvpilot.engine.model.fp8_triton import fp8_linear
+        from kvpilot.engine.model.fp8_triton import fp8_linear, fp8_w8a8_linear
 
         flat = x.reshape(-1, self.in_features).contiguous()
-        y = fp8_linear(flat, self.qweight, self.scales, self.block_k, self.bias)
+        gemm = fp8_w8a8_linear if self.fp8_activations else fp8_linear
+        y = gemm(flat, self.qweight, self.scales, self.block_k, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        kernel = "triton" if self.triton else "dequantize"
+        kernel = ("triton-w8a8" if self.fp8_activations else "triton") if self.triton else "dequantize"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, block_k={self.block_k}, "
             f"kernel={kernel}"

@@ -37,12 +37,28 @@ def block_m(rows: int) -> int:
     return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
 
 
+def launch_tiles(rows: int, out_features: int) -> tuple[int, tuple[int, int]]:
+    """Rows per tile (``block_m``) and the grid (row tiles, column tiles) of a ``rows x out_features`` GEMM:
+    what ``output_tile`` reads back in each program."""
+    tile_m = block_m(rows)
+    return tile_m, (triton.cdiv(rows, tile_m), triton.cdiv(out_features, BLOCK_N))
+
+
 @triton.jit
 def _fp16_at(data_ptr, offsets, mask):
     """The fp16 stored little-endian at byte ``offsets``, as float32."""
     lo = tl.load(data_ptr + offsets, mask=mask, other=0).to(tl.uint16)
     hi = tl.load(data_ptr + offsets + 1, mask=mask, other=0).to(tl.uint16)
     return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def output_tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's ``BM`` rows and ``BN`` columns of y (int64) and which lie inside ``M`` x ``N``: the
+    GEMMs' grids are (row tiles, column tiles)."""
+    rows = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
+    return rows, cols, rows < M, cols < N
 
 
 @triton.jit
@@ -125,10 +141,7 @@ def quant_linear_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BM + tl.arange(0, BM).to(tl.int64)
-    cols = pid_n.to(tl.int64) * BN + tl.arange(0, BN).to(tl.int64)
-    row_ok, col_ok = rows < M, cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         ks = k0 + tl.arange(0, BK).to(tl.int64)
@@ -184,8 +197,7 @@ def quant_linear(
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows == 0:  # a grid of no programs is not launchable
         return y
-    tile_m = block_m(rows)
-    grid = (triton.cdiv(rows, tile_m), triton.cdiv(out_features, BLOCK_N))
+    tile_m, grid = launch_tiles(rows, out_features)
     quant_linear_kernel[grid](
         x,
         data,
