@@ -34,6 +34,8 @@ OPERATOR_OWNED_FLAGS = (
     "(no-)?enable-chunked-prefill",
     "speculative-config",
     "kv-cache-dtype",
+    "quantization",
+    "activation-quantization",
     "tensor-parallel-size",
 )
 OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
@@ -99,6 +101,38 @@ RULES: tuple[CrossFieldRule, ...] = (
         cel="self.minReplicas <= self.maxReplicas",
         message="scaling.minReplicas must not exceed scaling.maxReplicas",
         holds=lambda s: s["minReplicas"] <= s["maxReplicas"],
+    ),
+    CrossFieldRule(
+        node=("spec",),
+        field="model.quantization",
+        cel="self.model.quantization != 'fp8' || self.resources.gpus > 0",
+        message="model.quantization fp8 keeps e4m3 weights on GPUs: set resources.gpus, or use auto "
+        "(an fp8 checkpoint loads dequantized on CPU), none, gguf or int8",
+        holds=lambda s: s["model"]["quantization"] != "fp8" or s["resources"]["gpus"] > 0,
+    ),
+    CrossFieldRule(
+        node=("spec",),
+        field="engine.activationQuantization",
+        cel="self.engine.activationQuantization != 'int8' || "
+        "(self.resources.gpus == 0 && self.model.quantization != 'none' && self.model.quantization != 'fp8')",
+        message="engine.activationQuantization int8 runs gguf/int8 weights on CPU replicas (AVX-512 VNNI): "
+        "resources.gpus 0 and model.quantization auto, gguf or int8",
+        holds=lambda s: (
+            s["engine"]["activationQuantization"] != "int8"
+            or (s["resources"]["gpus"] == 0 and s["model"]["quantization"] not in ("none", "fp8"))
+        ),
+    ),
+    CrossFieldRule(
+        node=("spec",),
+        field="engine.activationQuantization",
+        cel="self.engine.activationQuantization != 'fp8' || (self.resources.gpus > 0 && "
+        "(self.model.quantization == 'fp8' || self.model.quantization == 'auto'))",
+        message="engine.activationQuantization fp8 (W8A8) runs fp8 weights on GPUs: resources.gpus > 0 and "
+        "model.quantization fp8 or auto (an fp8 checkpoint)",
+        holds=lambda s: (
+            s["engine"]["activationQuantization"] != "fp8"
+            or (s["resources"]["gpus"] > 0 and s["model"]["quantization"] in ("fp8", "auto"))
+        ),
     ),
     CrossFieldRule(
         node=("spec", "engine"),

@@ -47,6 +47,8 @@ ROUTER_POLICIES = POLICIES
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 #: the engine's kv_cache_dtype values (engine/config.py's KV_CACHE_DTYPES; a test keeps them equal)
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+#: the engine's activation_quantization values (ACTIVATION_QUANTIZATIONS; a test keeps them equal)
+ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 # A replica's GPUs are one node's, joined by tensor parallelism (docs/architecture.md#tensor-parallelism);
 # eight is the common node. Spanning nodes needs pipeline parallelism, which does not exist yet.
 MAX_GPUS_PER_REPLICA = 8
@@ -77,6 +79,15 @@ def _engine() -> dict[str, Any]:
                 "dtype; fp8 (e4m3) or int8 store one byte per element and a scale per token and KV head, so "
                 "about 3.8x (float32) or 1.9x (bfloat16) the blocks in the same memory, at a measured "
                 "accuracy cost (docs/architecture.md#kv-cache-dtype).",
+            },
+            "activationQuantization": {
+                "type": "string",
+                "enum": list(ACTIVATION_QUANTIZATIONS),
+                "default": "auto",
+                "description": "Activations of the quantized GEMMs (the engine's --activation-quantization): "
+                "auto = int8 for gguf/int8 weights on CPUs with AVX-512 VNNI (llama.cpp's scheme, about 2x "
+                "faster), else none; fp8 = W8A8 for fp8 weights on GPUs; none keeps the exact products "
+                "(docs/architecture.md#quantized-weights).",
             },
             "maxNumSeqs": integer("Most sequences in one scheduler step.", 1, 4096, 64),
             "maxNumBatchedTokens": integer("Token budget of one scheduler step.", 16, 1048576, 2048),

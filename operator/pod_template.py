@@ -106,6 +106,10 @@ def engine_args(isvc: InferenceService) -> list[str]:
     args += ["--slo-ttft", f"{spec.slo.ttft_seconds:g}", "--slo-tpot", f"{spec.slo.tpot_seconds:g}"]
     if engine.kv_cache_dtype != "auto":
         args += ["--kv-cache-dtype", engine.kv_cache_dtype]
+    if spec.model.quantization != "auto":
+        args += ["--quantization", spec.model.quantization]
+    if engine.activation_quantization != "auto":
+        args += ["--activation-quantization", engine.activation_quantization]
     if engine.speculative is not None:
         args += ["--speculative-config", json.dumps(dict(engine.speculative), sort_keys=True)]
     if spec.resources.gpus > 1:  # one rank per GPU (docs/architecture.md#tensor-parallelism)

@@ -12,6 +12,8 @@ from kvpilot.operator.schema_types import DNS_SUBDOMAIN_PATTERN, integer, obj, q
 # (operator/model_source.py says each form).
 MODEL_SOURCE_PATTERN = SOURCE_PATTERN
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: the engine's quantization values (engine/config.py's QUANTIZATIONS; a test keeps them equal)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "fp8")
 
 
 def model_schema() -> dict[str, Any]:
@@ -86,6 +88,15 @@ def model_schema() -> dict[str, Any]:
                 "enum": list(DTYPES),
                 "default": "auto",
                 "description": "Weight and activation dtype.",
+            },
+            "quantization": {
+                "type": "string",
+                "enum": list(QUANTIZATIONS),
+                "default": "auto",
+                "description": "Weights kept quantized (the engine's --quantization): auto keeps a GGUF's "
+                "blocks where a kernel runs them and an fp8 checkpoint's e4m3 weights on GPUs; none; gguf; "
+                "int8 (per output row, quantized at load); fp8 (e4m3 on GPUs) "
+                "(docs/architecture.md#quantized-weights).",
             },
             "startupTimeoutSeconds": integer(
                 "How long the engine may take to load and start serving /health before Kubernetes restarts "

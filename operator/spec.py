@@ -32,6 +32,8 @@ class ModelSpec:
     source: str
     served_name: str
     dtype: str = "auto"
+    #: the engine's ``--quantization``
+    quantization: str = "auto"
     startup_timeout_seconds: int | None = None
     sha256: str | None = None  # of a fetched single-file source
     size_limit: str = DEFAULT_FETCH_SIZE_LIMIT  # a fetched source: the most bytes downloaded
@@ -69,6 +71,8 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.9
     #: the engine's ``--kv-cache-dtype``: auto, fp8 or int8
     kv_cache_dtype: str = "auto"
+    #: the engine's ``--activation-quantization``: auto, none, int8 or fp8
+    activation_quantization: str = "auto"
     #: the engine's ``--speculative-config`` (vLLM's keys), or None = off
     speculative: tuple[tuple[str, object], ...] | None = None
     extra_args: tuple[str, ...] = ()
@@ -169,6 +173,7 @@ class InferenceServiceSpec:
                 source=model["source"],
                 served_name=model.get("servedName", name),
                 dtype=model["dtype"],
+                quantization=model["quantization"],
                 startup_timeout_seconds=model.get("startupTimeoutSeconds"),
                 sha256=model.get("sha256"),
                 size_limit=model.get("sizeLimit", DEFAULT_FETCH_SIZE_LIMIT),
@@ -187,6 +192,7 @@ class InferenceServiceSpec:
                 kv_cache_memory=engine.get("kvCacheMemory"),
                 gpu_memory_utilization=float(engine["gpuMemoryUtilization"]),
                 kv_cache_dtype=engine["kvCacheDtype"],
+                activation_quantization=engine["activationQuantization"],
                 speculative=_speculative_config(engine.get("speculative")),
                 extra_args=tuple(engine["extraArgs"]),
             ),

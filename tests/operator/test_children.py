@@ -182,6 +182,31 @@ def test_cpu_pods_keep_a_fixed_kv_size():
     assert "--gpu-memory-utilization" not in set_size
 
 
+@pytest.mark.parametrize(
+    ("quantization", "activations", "gpus"), [("gguf", "none", 0), ("int8", "int8", 0), ("fp8", "fp8", 1)]
+)
+def test_quantization_and_activations_reach_the_engine_and_auto_adds_no_flag(quantization, activations, gpus):
+    from kvpilot.engine.arg_utils import engine_args_from_namespace
+    from kvpilot.engine.config import ACTIVATION_QUANTIZATIONS, QUANTIZATIONS
+    from kvpilot.engine.server.cli import build_parser
+    from kvpilot.operator.crd_schema import ACTIVATION_QUANTIZATIONS as CRD_ACTIVATIONS
+    from kvpilot.operator.schema_model import QUANTIZATIONS as CRD_QUANTIZATIONS
+
+    assert (CRD_QUANTIZATIONS, CRD_ACTIVATIONS) == (QUANTIZATIONS, ACTIVATION_QUANTIZATIONS)
+    base = {"model": {"source": "tiny-random"}}
+    assert not {"--quantization", "--activation-quantization"} & set(engine_args(base))
+    spec = {
+        "model": {"source": "tiny-random", "quantization": quantization},
+        "engine": {"activationQuantization": activations},
+        "resources": {"gpus": gpus},
+    }
+    args = engine_args(spec)
+    assert args[args.index("--quantization") + 1] == quantization
+    assert args[args.index("--activation-quantization") + 1] == activations
+    config = engine_args_from_namespace(build_parser().parse_args(args)).create_config()
+    assert (config.model.quantization, config.model.activation_quantization) == (quantization, activations)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 def test_kv_cache_dtype_reaches_the_engine_and_auto_adds_no_flag(kv_cache_dtype):
     from kvpilot.engine.arg_utils import engine_args_from_namespace

@@ -188,6 +188,30 @@ def test_defaults_fill_the_spec():
             "'fp8_e5m2' is not one of ['auto', 'fp8', 'int8']",
         ),
         (
+            {"model": {"source": "smollm2-135m", "quantization": "fp8"}},
+            "spec.model.quantization",
+            "keeps e4m3 weights on GPUs",
+        ),
+        (
+            {
+                "model": {"source": "smollm2-135m"},
+                "engine": {"activationQuantization": "int8"},
+                "resources": {"gpus": 1},
+            },
+            "spec.engine.activationQuantization",
+            "runs gguf/int8 weights on CPU replicas",
+        ),
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"activationQuantization": "fp8"}},
+            "spec.engine.activationQuantization",
+            "(W8A8) runs fp8 weights on GPUs",
+        ),
+        (
+            {"model": {"source": "smollm2-135m", "quantization": "q4"}},
+            "spec.model.quantization",
+            "'q4' is not one of",
+        ),
+        (
             {"model": {"source": "smollm2-135m"}, "router": {"weights": {"Prefill": 1}}},
             "spec.router.weights",
             "Prefill",
