@@ -1,7 +1,7 @@
 """Issue 21's measurements on SmolLM2: quantized weights against the float32 path of the same engine, in
 one process (so the ratios share one stretch of this host's drifting speed).
 
-    python bench/quantization.py                       # none / gguf / int8, agreement and decode speed
+    python bench/quantization.py    # none / gguf / int8, float32 or int8 (+a8) activations: agreement, speed
     python bench/quantization.py --batches 1 16 64 --rounds 3 --output-json bench/results/quantization.json
     python bench/quantization.py --device cuda --dtype bfloat16 --methods none gguf   # the Triton GEMM
 
@@ -158,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--methods", nargs="+", default=["none", "gguf", "int8"])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["none", "gguf", "gguf+a8", "int8", "int8+a8"],
+        help="quantization values; a '+a8' suffix adds activation_quantization=int8 (else none)",
+    )
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt (agreement)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=32)
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     engines = {
         m: LLM(
             args.model,
-            quantization=m,
+            quantization=m.removesuffix("+a8"),
+            activation_quantization="int8" if m.endswith("+a8") else "none",
             kv_cache_memory_bytes=args.kv_cache_mib << 20,
             max_num_seqs=max(args.batches),
             device=args.device,

@@ -5,6 +5,7 @@ measurement)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bench_scripts import bench_script
@@ -12,6 +13,10 @@ from gguf_files import write_llama_gguf
 from quantized_ggufs import write_mixed_gguf
 
 from kvpilot.engine.model.tiny import write_tiny_llama
+
+CPUINFO = Path("/proc/cpuinfo")
+#: the int8-activation methods run where the CPU has AVX-512 VNNI
+A8 = ["gguf+a8", "int8+a8"] if CPUINFO.exists() and "avx512_vnni" in CPUINFO.read_text() else []
 
 
 def test_quantization_bench_reports_every_method(tmp_path, capsys):
@@ -21,12 +26,13 @@ def test_quantization_bench_reports_every_method(tmp_path, capsys):
     write_llama_gguf(gguf, source, types={f"blk.{i}.{p}.weight": "Q8_0" for i in range(2) for p in parts})
     out = tmp_path / "quant.json"
     argv = ["--model", str(gguf), "--tokens", "6", "--batches", "1", "3", "--steps", "2", "--rounds", "1"]
+    argv += ["--methods", "none", "gguf", "int8", *A8]
     assert bench_script("quantization").main([*argv, "--kv-cache-mib", "8", "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     methods = report["methods"]
-    assert list(methods) == ["none", "gguf", "int8"]
+    assert list(methods) == ["none", "gguf", "int8", *A8]
     assert methods["gguf"]["weights_mib"] < methods["none"]["weights_mib"]
-    for method in ("gguf", "int8"):
+    for method in ("gguf", "int8", *A8):
         entry = methods[method]
         prompts = entry["prompts"]
         assert entry["teacher_forced_positions"] == 6 * prompts
