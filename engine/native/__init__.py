@@ -21,8 +21,10 @@ Package map:
                          beyond; dequantization to float32
 - ``quant_ops``          ``QuantKernels`` (``NativeOps.quant``): the quantized formats' table and the
                          validating wrappers of ``quant_gemm.c``
+- ``quant_tiles.h``     the int8-activation GEMM's packed weight layout (16-row tiles of 32-input blocks)
 - ``quant_vnni.c``       the int8-activation GEMM (AVX-512 VNNI, llama.cpp's scheme): Q4_0 / Q4_1 / Q4_K /
                          Q8_0 / int8 weights repacked into 16-row tiles, activations rounded per 32 inputs
+- ``quant_vnni_avx2.c``  the same GEMM on AVX2 without VNNI (maddubs + madd, as llama.cpp's AVX2 kernels)
 - ``vnni_ops``           ``VnniKernels`` (``NativeOps.vnni``): packing, the GEMM and the activation rounding
 - ``kernels.h``          prototypes of the exported kernels other kernels call (their files include it too)
 - ``decode_step.c``      a decode step's decoder layers in one call: the kernels above in the fused-C path's

@@ -45,11 +45,12 @@ LINK_FLAGS = ("-shared", "-fopenmp", "-lm")
 # take gcc 45 s at -O3 and 10 s at -O2, for kernels 3-9 % slower at decode sizes
 # (bench/results/native_build.md): the start-up time of every fresh pod is worth more.
 # sampling.c divides logits by the temperature exactly as the PyTorch reference does: -ffast-math's
-# reciprocal math would multiply by 1/T and round differently; quant_vnni.c rounds activations to int8 exactly
-# as its PyTorch reference does (no reassociated or reciprocal math).
+# reciprocal math would multiply by 1/T and round differently; the int8-activation kernels round activations
+# to int8 exactly as their PyTorch reference does (no reassociated or reciprocal math).
 SOURCE_FLAGS = {
     "quant_gemm.c": ("-O2",),
     "quant_vnni.c": ("-fno-fast-math",),
+    "quant_vnni_avx2.c": ("-fno-fast-math",),
     "sampling.c": ("-fno-reciprocal-math",),
 }
 _TIMEOUT_S = 180

@@ -115,7 +115,7 @@ class NativeOps:
         self.has_prefill_attention = self.has_fast_linear
         #: the quantized-weight GEMM (``quant_ops``)
         self.quant = QuantKernels(lib)
-        #: the int8-activation GEMM on repacked weights (``vnni_ops``; ``available`` False without VNNI)
+        #: the int8-activation GEMM on repacked weights (``vnni_ops``; ``available`` False without AVX2)
         self.vnni = VnniKernels(lib)
         #: the sampler's temperature, truncation and draw for sampled rows (``sampling_ops``)
         self.sampling = SamplingKernels(lib)

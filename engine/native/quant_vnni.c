@@ -1,5 +1,6 @@
-/* y[M, N] = x[M, K] @ W^T (+ bias) with int8 activations and AVX-512 VNNI: llama.cpp's CPU scheme (its
- * Q8 activations), laid out for vpdpbusd (docs/architecture.md#quantized-weights).
+/* y[M, N] = x[M, K] @ W^T (+ bias) with int8 activations: llama.cpp's CPU scheme (its Q8 activations),
+ * laid out for AVX-512 VNNI's vpdpbusd (docs/architecture.md#quantized-weights); on CPUs with AVX2 but
+ * no VNNI, quant_vnni_avx2.c runs the same tiles.
  *
  * - Weights are repacked once at load (kvp_vnni_pack) from their stored blocks into tiles of 16 output
  *   rows x 32 inputs: every weight as an unsigned code u (a 4-bit nibble for Q4_0, Q4_1, Q4_K; a byte for
@@ -7,27 +8,33 @@
  *   Q4_1 tile has the bytes of its blocks: at batch 1 the kernel streams weights at memory bandwidth).
  *   Q4_0, Q4_1 and Q8_0 scales are fp16 already (m = -8 d, -128 d exactly); Q4_K's sub-block d sc and
  *   dmin m and int8 rows' scales are rounded to fp16 (a relative 2^-11, against the activations' 2^-8).
- *   In a tile's 32-bit lane j sit 4 consecutive inputs of row j, so one vpdpbusd does 16 rows x 4 inputs.
+ *   In a tile's 32-bit lane j sit 4 consecutive inputs of row j, so one vpdpbusd does 16 rows x 4 inputs
+ *   (the layout: quant_tiles.h).
  * - Each x row is quantized per 32-input block (x ~ dx q, q = round(x 127 / amax) in [-127, 127]), so
  *   x . w over a block = d dx (u . q) + m sx with sx = dx sum(q); u . q is exact int32 arithmetic.
  * - The result is the float product of the packed weights d u + m with the rounded activations dx q
  *   (up to summation order); the reference is reference.reference_vnni_linear.
- * The exact float path (quant_gemm.c) stays for CPUs without VNNI and for activation_quantization=none. */
+ * The exact float path (quant_gemm.c) stays for CPUs without AVX2 and for activation_quantization=none. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 #include "quant_blocks.h"
+#include "quant_tiles.h"
 
-#define TILE_ROWS 16
+/* Which kernel this build has: 2 AVX-512 VNNI, 1 AVX2 (quant_vnni_avx2.c), 0 none. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define INT8_GEMM 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define INT8_GEMM 1
+#else
+#define INT8_GEMM 0
+#endif
+
 /* x rows sharing one unpacked weight tile: 6 float accumulators + 8 unpacked code vectors + transient
  * int accumulators fit AVX-512's 32 registers; 6 rows were 12-20% faster than 4 at 256 rows on SmolLM2's
  * projections (8 spill), the same at 1-64 rows */
 #define ROW_CHUNK 6
-enum { KIND_Q4 = 4, KIND_Q8 = 8 };
-
-/* Bytes of one tile block: the codes, then fp16 d[16] and m[16]. */
-static inline int64_t tile_block_bytes(int kind) { return (kind == KIND_Q4 ? 256 : 512) + 2 * TILE_ROWS * 2; }
 
 /* Which layout a stored format repacks to (0: none; Q6_K's scales change every 16 weights). */
 int kvp_vnni_kind(int fmt) {
@@ -46,7 +53,9 @@ int64_t kvp_vnni_packed_bytes(int fmt, int64_t N, int64_t K) {
     return (N + TILE_ROWS - 1) / TILE_ROWS * (K / QK) * tile_block_bytes(kind);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if INT8_GEMM
+#include <immintrin.h>
+
 /* Block b of a stored row as codes u[32] and its scale d (the arithmetic of quant_blocks.h's scalar
  * dequantization, so the packed weights are the same floats). Returns the codes' zero point z, w = d (u - z)
  * (8 for Q4_0, 128 for the byte formats), or 0 where the format stores an offset instead: *m, w = d u + m. */
@@ -82,7 +91,7 @@ int64_t kvp_vnni_pack(const uint8_t *w, const float *scales, int fmt, uint8_t *o
     if (bytes < 0) return -1;
     int kind = kvp_vnni_kind(fmt);
     int64_t nb = K / QK, tiles = (N + TILE_ROWS - 1) / TILE_ROWS, tb = tile_block_bytes(kind);
-    int64_t row_bytes = row_bytes_of(fmt, K), codes = kind == KIND_Q4 ? 256 : 512;
+    int64_t row_bytes = row_bytes_of(fmt, K), codes = tile_codes_bytes(kind);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
         for (int64_t b = 0; b < nb; b++) {
@@ -111,7 +120,9 @@ int64_t kvp_vnni_pack(const uint8_t *w, const float *scales, int fmt, uint8_t *o
     }
     return bytes;
 }
+#endif
 
+#if INT8_GEMM == 2
 /* x row (K inputs) -> q[K], dx[K / 32], sx[K / 32] (see the top of the file): per block amax,
  * q = round-to-nearest-even(x (127 / amax)), dx = amax / 127. */
 static inline void quantize_row(const float *x, int64_t K, int8_t *q, float *dx, float *sx) {
@@ -128,16 +139,11 @@ static inline void quantize_row(const float *x, int64_t K, int8_t *q, float *dx,
     }
 }
 
-/* Activations as kvp_vnni_linear quantizes them (tests compare them with the PyTorch reference). */
-void kvp_vnni_quantize(const float *x, int64_t xs, int8_t *q, float *dx, float *sx, int64_t M, int64_t K) {
-    for (int64_t r = 0; r < M; r++) quantize_row(x + r * xs, K, q + r * K, dx + r * (K / QK), sx + r * (K / QK));
-}
-
 /* acc[r] = x rows r < mr of one row chunk times one tile, over every block (kind and mr literals). */
 static inline __attribute__((always_inline)) void tile_chunk(const int kind, const int mr, const uint8_t *tile,
                                                             int64_t nb, const int8_t *q, int64_t K,
                                                             const float *dx, const float *sx, __m512 acc[]) {
-    const int64_t tb = tile_block_bytes(kind), codes = kind == KIND_Q4 ? 256 : 512;
+    const int64_t tb = tile_block_bytes(kind), codes = tile_codes_bytes(kind);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
 #pragma GCC unroll 8
     for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
@@ -188,13 +194,9 @@ static inline __attribute__((always_inline)) void tile_chunk(const int kind, con
         default: CHUNK(KIND, 1); break;       \
     }
 
-/* y[M, N] = x[M, K] @ W^T (+ bias) on kvp_vnni_pack's tiles (layout kind 4 or 8). One parallel region:
- * the threads quantize x's rows, then split the tiles. Returns 0, -1 for a bad kind or K, -2 when the
- * activation buffers cannot be allocated. */
-int kvp_vnni_linear(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
-                    int64_t M, int64_t N, int64_t K, int nthreads) {
-    if ((kind != KIND_Q4 && kind != KIND_Q8) || K % QK) return -1;
-    if (M <= 0 || N <= 0) return 0;
+/* One parallel region: the threads quantize x's rows, then split the tiles. */
+static int linear_avx512(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
+                         int64_t M, int64_t N, int64_t K, int nthreads) {
     int64_t nb = K / QK, tiles = (N + TILE_ROWS - 1) / TILE_ROWS, tb = tile_block_bytes(kind);
     int8_t *q = malloc((size_t)(M * K));
     float *dx = malloc((size_t)(2 * M * nb) * sizeof(float)), *sx = dx + M * nb;
@@ -231,24 +233,37 @@ int kvp_vnni_linear(const float *x, int64_t xs, const uint8_t *packed, int kind,
     return 0;
 }
 
-int kvp_vnni_available(void) { return 1; }
+#endif
+
+/* Activations as kvp_vnni_linear quantizes them (tests compare them with the PyTorch reference). */
+void kvp_vnni_quantize(const float *x, int64_t xs, int8_t *q, float *dx, float *sx, int64_t M, int64_t K) {
+#if INT8_GEMM == 2
+    for (int64_t r = 0; r < M; r++) quantize_row(x + r * xs, K, q + r * K, dx + r * (K / QK), sx + r * (K / QK));
 #else
+    kvp_int8_quantize_avx2(x, xs, q, dx, sx, M, K);
+#endif
+}
+
+/* y[M, N] = x[M, K] @ W^T (+ bias) on kvp_vnni_pack's tiles (layout kind 4 or 8). Returns 0, -1 for a bad
+ * kind or K (or a build without the kernel), -2 when the activation buffers cannot be allocated. */
+int kvp_vnni_linear(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
+                    int64_t M, int64_t N, int64_t K, int nthreads) {
+    if ((kind != KIND_Q4 && kind != KIND_Q8) || K % QK || !INT8_GEMM) return -1;
+    if (M <= 0 || N <= 0) return 0;
+#if INT8_GEMM == 2
+    return linear_avx512(x, xs, packed, kind, bias, y, M, N, K, nthreads);
+#else
+    return kvp_int8_linear_avx2(x, xs, packed, kind, bias, y, M, N, K, nthreads);
+#endif
+}
+
+#if !INT8_GEMM
 int64_t kvp_vnni_pack(const uint8_t *w, const float *scales, int fmt, uint8_t *out, int64_t N, int64_t K,
                       int nthreads) {
     (void)w, (void)scales, (void)fmt, (void)out, (void)N, (void)K, (void)nthreads;
     return -1;
 }
-
-void kvp_vnni_quantize(const float *x, int64_t xs, int8_t *q, float *dx, float *sx, int64_t M, int64_t K) {
-    (void)x, (void)xs, (void)q, (void)dx, (void)sx, (void)M, (void)K;
-}
-
-int kvp_vnni_linear(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
-                    int64_t M, int64_t N, int64_t K, int nthreads) {
-    (void)x, (void)xs, (void)packed, (void)kind, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
-    return -1;
-}
-
-/* Whether this build has the VNNI kernel (AVX-512 VNNI and BW at compile time). */
-int kvp_vnni_available(void) { return 0; }
 #endif
+
+/* Which int8-activation kernel this build has: 2 AVX-512 VNNI, 1 AVX2, 0 none. */
+int kvp_vnni_available(void) { return INT8_GEMM; }

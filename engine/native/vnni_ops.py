@@ -1,9 +1,9 @@
-"""Tensor wrapper of the int8-activation GEMM (``quant_vnni.c``, AVX-512 VNNI; its PyTorch reference:
-``reference.reference_vnni_linear``).
+"""Tensor wrapper of the int8-activation GEMM (``quant_vnni.c`` on AVX-512 VNNI, ``quant_vnni_avx2.c`` on
+AVX2 without it; their PyTorch reference: ``reference.reference_vnni_linear``).
 
 A ``QuantLinear`` on this kernel (``activation_quantization='int8'``) keeps a ``VnniWeight``: its stored
 blocks repacked once into tiles of 16 output rows x 32 inputs, codes and fp16 scales, as vpdpbusd reads
-them (the layout is the C file's: ``kvp_vnni_packed_bytes`` sizes it). Each call rounds the activations
+them (the layout is ``quant_tiles.h``'s: ``kvp_vnni_packed_bytes`` sizes it). Each call rounds the activations
 to int8 per 32-input block (llama.cpp's scheme for its CPU kernels), so results differ from the float32
 path by that rounding (docs/architecture.md#quantized-weights).
 """
@@ -45,8 +45,11 @@ class VnniKernels:
         self._quantize = lib.kvp_vnni_quantize
         self._quantize.argtypes, self._quantize.restype = (v, i64, v, v, v, i64, i64), None
         lib.kvp_vnni_available.restype = i
-        #: whether this build has the kernel (the CPU has AVX-512 VNNI and BW)
-        self.available = bool(lib.kvp_vnni_available())
+        level = lib.kvp_vnni_available()
+        #: the instruction set this build's kernel uses: ``avx512-vnni``, ``avx2`` or None (no kernel)
+        self.isa = {2: "avx512-vnni", 1: "avx2"}.get(level)
+        #: whether this build has the kernel (the CPU has AVX-512 VNNI and BW, or AVX2, FMA and F16C)
+        self.available = self.isa is not None
 
     def packable(self, fmt: str, in_features: int) -> bool:
         """Whether a ``fmt`` weight of ``in_features`` inputs runs here (Q6_K's scales change every 16
@@ -58,7 +61,8 @@ class VnniKernels:
         if not self.packable(fmt, in_features):
             raise ValueError(
                 f"{fmt} weights of {in_features} inputs have no int8-activation kernel here "
-                f"(VNNI build: {self.available}; formats Q4_0, Q4_1, Q4_K, Q8_0, int8; whole 32-input blocks)"
+                f"(kernel: {self.isa or 'none, no AVX2'}; formats Q4_0, Q4_1, Q4_K, Q8_0, int8; "
+                "whole 32-input blocks)"
             )
         form = check_weight(data, scales, fmt, in_features)
         n = data.shape[0]
@@ -106,7 +110,7 @@ class VnniKernels:
         """The kernel's rounding of ``x`` [M, K] (K a multiple of 32): int8 codes [M, K], scales ``dx``
         and ``sx = dx * sum(codes)`` [M, K / 32]."""
         if not self.available:
-            raise ValueError("this build has no int8-activation kernel (AVX-512 VNNI)")
+            raise ValueError("this build has no int8-activation kernel (AVX-512 VNNI or AVX2)")
         check_float_rows(x, "x")
         m, k = x.shape
         if k % BLOCK:

@@ -1,10 +1,11 @@
-"""The int8-activation GEMM (``quant_vnni.c``) against its PyTorch reference, and the reference against the
-float product of the same weights.
+"""The int8-activation GEMM (``quant_vnni.c``'s AVX-512 VNNI kernel, ``quant_vnni_avx2.c``'s AVX2 one)
+against their PyTorch reference, and the reference against the float product of the same weights.
 
 Every packable format (GGUF Q4_0 / Q4_1 / Q8_0 blocks made by gguf's quantizer, Q4_K super-blocks made by
 tests/support/k_quants.py, kvpilot's int8 rows); row counts around the kernel's 6-row chunks, outputs that
-end mid-tile (16 rows), strided input rows, with and without bias. Skipped on a CPU without AVX-512 VNNI
-(the engine then keeps the float32 kernels).
+end mid-tile (16 rows) or mid-half (8 rows, AVX2), strided input rows, with and without bias. On an AVX-512
+VNNI host both kernels run (the AVX2 one from a ``-mno-avx512f`` build); skipped on a CPU with neither (the
+engine then keeps the float32 kernels).
 """
 
 from __future__ import annotations
@@ -28,11 +29,22 @@ FORMATS_PACKED = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "int8")
 
 
 @pytest.fixture(scope="module")
-def vnni(tmp_path_factory):
-    ops = native.load_native_ops(tmp_path_factory.mktemp("native"))
-    if not ops.vnni.available:
-        pytest.skip("this CPU has no AVX-512 VNNI")
-    return ops.vnni
+def host_build(tmp_path_factory):
+    return native.load_native_ops(tmp_path_factory.mktemp("native")).vnni
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def vnni(request, host_build, tmp_path_factory):
+    """This host's kernel, and on an AVX-512 VNNI host the AVX2 one too."""
+    kernels = host_build
+    if request.param == "avx2":
+        if host_build.isa != "avx512-vnni":
+            pytest.skip("this host's own build is its AVX2 kernel already (or it has none)")
+        kernels = native.load_native_ops(tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",)).vnni
+        assert kernels.isa == "avx2"
+    if not kernels.available:
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX2")
+    return kernels
 
 
 def _gen(seed: int) -> torch.Generator:
