@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.activation_quantization,
         choices=ACTIVATION_QUANTIZATIONS,
         help="activations of the quantized GEMMs: auto = int8 for gguf/int8 weights (rounded per 32 "
-        "inputs, as llama.cpp does) where the CPU has AVX-512 VNNI, else none (the weights' exact "
+        "inputs, as llama.cpp does) where the CPU has AVX-512 VNNI or AVX2, else none (the weights' exact "
         "products); fp8 = W8A8 for fp8 weights on the Triton GEMM (e4m3 rows, fp8 tensor cores)",
     )
     g.add_argument(

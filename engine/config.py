@@ -33,8 +33,8 @@ _UNSUPPORTED_QUANTIZATIONS = {
 #: codes with a float32 scale per (token, KV head)
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 #: activations of the quantized weights' GEMMs (docs/architecture.md#quantized-weights): ``auto`` = int8
-#: for gguf/int8 weights where the CPU has AVX-512 VNNI, else none; ``int8`` (rounded per 32 inputs,
-#: llama.cpp's CPU scheme; fails without VNNI); ``fp8`` (W8A8: fp8 weights' Triton GEMM rounds each row to
+#: for gguf/int8 weights where the CPU has AVX-512 VNNI or AVX2, else none; ``int8`` (rounded per 32 inputs,
+#: llama.cpp's CPU scheme; fails without either); ``fp8`` (W8A8: fp8 weights' Triton GEMM rounds each row to
 #: e4m3, fp8 tensor cores); ``none`` (the activations' dtype: the weights' exact products)
 ACTIVATION_QUANTIZATIONS = ("auto", "none", "int8", "fp8")
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2 in fp32
@@ -64,8 +64,8 @@ class ModelConfig:
     #: them (float32 on CPU), else float weights in ``dtype``
     quantization: str = "auto"
     #: activations of the quantized GEMMs (``ACTIVATION_QUANTIZATIONS``): ``auto`` = ``int8`` for
-    #: ``gguf`` / ``int8`` weights where the CPU has AVX-512 VNNI (about 2x faster GEMMs; results move by
-    #: the rounding), else ``none``; ``fp8`` = W8A8 for ``fp8`` weights on the Triton GEMM
+    #: ``gguf`` / ``int8`` weights where the CPU has AVX-512 VNNI or AVX2 (about 1.4-2x faster decode;
+    #: results move by the rounding), else ``none``; ``fp8`` = W8A8 for ``fp8`` weights on the Triton GEMM
     activation_quantization: str = "auto"
 
 

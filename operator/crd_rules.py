@@ -115,8 +115,8 @@ RULES: tuple[CrossFieldRule, ...] = (
         field="engine.activationQuantization",
         cel="self.engine.activationQuantization != 'int8' || "
         "(self.resources.gpus == 0 && self.model.quantization != 'none' && self.model.quantization != 'fp8')",
-        message="engine.activationQuantization int8 runs gguf/int8 weights on CPU replicas (AVX-512 VNNI): "
-        "resources.gpus 0 and model.quantization auto, gguf or int8",
+        message="engine.activationQuantization int8 runs gguf/int8 weights on CPU replicas "
+        "(AVX-512 VNNI or AVX2): resources.gpus 0 and model.quantization auto, gguf or int8",
         holds=lambda s: (
             s["engine"]["activationQuantization"] != "int8"
             or (s["resources"]["gpus"] == 0 and s["model"]["quantization"] not in ("none", "fp8"))

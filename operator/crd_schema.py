@@ -85,9 +85,9 @@ def _engine() -> dict[str, Any]:
                 "enum": list(ACTIVATION_QUANTIZATIONS),
                 "default": "auto",
                 "description": "Activations of the quantized GEMMs (the engine's --activation-quantization): "
-                "auto = int8 for gguf/int8 weights on CPUs with AVX-512 VNNI (llama.cpp's scheme, about 2x "
-                "faster), else none; fp8 = W8A8 for fp8 weights on GPUs; none keeps the exact products "
-                "(docs/architecture.md#quantized-weights).",
+                "auto = int8 for gguf/int8 weights on CPUs with AVX-512 VNNI or AVX2 (llama.cpp's scheme, "
+                "1.4-2x faster), else none; fp8 = W8A8 for fp8 weights on GPUs; none keeps the exact "
+                "products (docs/architecture.md#quantized-weights).",
             },
             "maxNumSeqs": integer("Most sequences in one scheduler step.", 1, 4096, 64),
             "maxNumBatchedTokens": integer("Token budget of one scheduler step.", 16, 1048576, 2048),

@@ -234,8 +234,10 @@ def load_model(
             model.packed_lm_head = PackedLinear(head, batch_hint, native)
     model.native = native
     if activation_quantization == "int8":
+        count = use_int8_activations(model)
+        isa = native.vnni.isa if native is not None else None
         log.info(
-            "int8 activations: %d quantized linears repacked for the VNNI GEMM", use_int8_activations(model)
+            "int8 activations: %d quantized linears repacked for the int8-activation GEMM (%s)", count, isa
         )
     elif activation_quantization == "fp8":
         count, kept = use_fp8_activations(model)

@@ -5,7 +5,7 @@
 - with ``triton`` (``linear_backend='triton'``, the default on CUDA) in the Triton GEMM on the blocks
   (``quant_triton``), activations in float32, float16 or bfloat16, any row count; on CPU it runs in
   Triton's interpreter (tests);
-- after ``use_int8_activations`` (``activation_quantization='int8'``; CPUs with AVX-512 VNNI) in
+- after ``use_int8_activations`` (``activation_quantization='int8'``; CPUs with AVX-512 VNNI or AVX2) in
   ``quant_vnni.c`` on the weight repacked at load (``vnni_weight``), any row count, the activations rounded
   to int8 per 32 inputs;
 - else with float32 activations: with the native kernels, up to ``QUANT_NATIVE_MAX_ROWS`` rows (decode
@@ -104,7 +104,8 @@ class QuantLinear(_QuantWeightBuffers):
 
     def use_int8_activations(self) -> bool:
         """Run on the int8-activation GEMM from now on (repacking the weight once); False, changing
-        nothing, where it cannot (no VNNI build, Triton, a format or width it has no layout for)."""
+        nothing, where it cannot (a build without the int8 kernel, Triton, a format or width it has no
+        layout for)."""
         native = self.native
         if native is None or not native.vnni.packable(self.format, self.in_features):
             return False

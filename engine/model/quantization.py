@@ -18,7 +18,7 @@
 A checkpoint quantized otherwise (AWQ, GPTQ, …) is refused by ``fp8_checkpoint.read_checkpoint_quantization``.
 
 ``activation_quantization`` (``resolve_activation_quantization``): ``int8`` runs the ``gguf`` / ``int8``
-weights' C GEMMs with activations rounded to int8 per 32 inputs (``quant_vnni.c``, AVX-512 VNNI), the
+weights' C GEMMs with activations rounded to int8 per 32 inputs (``quant_vnni.c``: AVX-512 VNNI, or AVX2), the
 default where the CPU has it; ``fp8`` runs ``fp8`` weights' Triton GEMM as W8A8 (``fp8_triton``, opt-in);
 ``none`` keeps the activations' dtype.
 """
@@ -113,7 +113,8 @@ def resolve_activation_quantization(
     """``int8``, ``fp8`` or ``none`` for the engine argument ``requested`` and the resolved
     ``quantization``: ``fp8`` needs ``fp8`` weights on the Triton GEMM (``auto`` never picks it);
     ``int8`` needs ``gguf`` / ``int8`` weights on the C kernels (CPU, not ``linear_backend='triton'``) of a
-    build with AVX-512 VNNI, and ``auto`` picks it there. ``ValueError`` when the choice cannot run."""
+    build with the int8-activation kernel (AVX-512 VNNI or AVX2), and ``auto`` picks it there.
+    ``ValueError`` when the choice cannot run."""
     if requested == "none":
         return "none"
     if requested == "fp8" or quantization == "fp8":
@@ -131,15 +132,14 @@ def resolve_activation_quantization(
             )
         return "fp8" if requested == "fp8" else "none"
     where = quantization in ("gguf", "int8") and device.type == "cpu" and linear_backend != "triton"
-    vnni = native is not None and native.vnni.available
-    if where and vnni:
+    if where and native is not None and native.vnni.available:
         return "int8"
     if requested == "int8":
         why = (
             f"the weights are {quantization!r} on {device} with linear_backend={linear_backend!r}; it "
             "applies to quantization 'gguf' or 'int8' on the CPU's C kernels"
             if not where
-            else "this CPU (or the C kernels' build) has no AVX-512 VNNI"
+            else "this CPU (or the C kernels' build) has no int8-activation kernel (AVX-512 VNNI or AVX2)"
             if native is not None
             else "the native C kernels are off or could not be built"
         )

@@ -5,18 +5,17 @@ measurement)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from bench_scripts import bench_script
+from cpu_features import HAS_INT8_KERNEL
 from gguf_files import write_llama_gguf
 from quantized_ggufs import write_mixed_gguf
 
 from kvpilot.engine.model.tiny import write_tiny_llama
 
-CPUINFO = Path("/proc/cpuinfo")
-#: the int8-activation methods run where the CPU has AVX-512 VNNI
-A8 = ["gguf+a8", "int8+a8"] if CPUINFO.exists() and "avx512_vnni" in CPUINFO.read_text() else []
+#: the int8-activation methods run where the CPU has the kernel (AVX2 / AVX-512 VNNI)
+A8 = ["gguf+a8", "int8+a8"] if HAS_INT8_KERNEL else []
 
 
 def test_quantization_bench_reports_every_method(tmp_path, capsys):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_features import HAS_INT8_KERNEL, NO_INT8_KERNEL
 from engine_runs import record_step_logits
 from gguf_files import write_llama_gguf
 from hf_families import build_family
@@ -90,11 +91,10 @@ def test_quantized_kv_caches_decode_bit_for_bit(tiny_model_dir, kv_cache_dtype):
     assert_same_steps(tiny_model_dir, kv_cache_dtype=kv_cache_dtype)
 
 
-HAS_VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-#: the quantized GEMMs' activations: float32, and int8 (the VNNI kernel) where this CPU has it
+#: the quantized GEMMs' activations: float32, and int8 where this CPU has the kernel (AVX2 / AVX-512 VNNI)
 ACTIVATIONS = [
     "none",
-    pytest.param("int8", marks=pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI on this CPU")),
+    pytest.param("int8", marks=pytest.mark.skipif(not HAS_INT8_KERNEL, reason=NO_INT8_KERNEL)),
 ]
 
 

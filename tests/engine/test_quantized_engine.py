@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_features import HAS_INT8_KERNEL, NO_INT8_KERNEL
 from engine_runs import record_step_logits
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize as gguf_quantize
@@ -39,9 +40,8 @@ from kvpilot.engine.native.quant_ops import FORMATS
 
 ENGINE_ARGS = {"block_size": 4, "num_kv_blocks": 400, "max_num_batched_tokens": 320, "max_num_seqs": 6}
 # float32 activations: these tests hold the quantized GEMMs to the float path's exact products (int8
-# activations, the default on VNNI CPUs, have their own tests below)
+# activations, the default on AVX2 / AVX-512 VNNI CPUs, have their own tests below)
 ENGINE_ARGS |= {"activation_quantization": "none"}
-HAS_VNNI = Path("/proc/cpuinfo").exists() and "avx512_vnni" in Path("/proc/cpuinfo").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -202,11 +202,11 @@ def test_split_projection_is_its_parts_side_by_side_plus_the_bias():
         SplitQuantLinear([parts[0], quantize_int8(torch.randn(4, 32))], has_bias=False, native=None)
 
 
-@pytest.mark.skipif(not HAS_VNNI, reason="no AVX-512 VNNI on this CPU")
+@pytest.mark.skipif(not HAS_INT8_KERNEL, reason=NO_INT8_KERNEL)
 def test_int8_activations_run_every_packable_layer_close_to_the_float_path(tiny_gguf):
     """``activation_quantization='int8'``: the packable layers (Q4_0 / Q4_1 / Q8_0 and the tied Q8_0 head;
-    not the F16 tensor) run the VNNI GEMM, whose rounding moves the logits a little, never much; the
-    model identity says so (another prefix-cache chain)."""
+    not the F16 tensor) run the int8-activation GEMM, whose rounding moves the logits a little, never
+    much; the model identity says so (another prefix-cache chain)."""
     args = ENGINE_ARGS | {"activation_quantization": "int8"}
     quant, _, quant_logits = run_engine(LLM(str(tiny_gguf), **args))
     exact, _, exact_logits = run(str(tiny_gguf))
@@ -274,5 +274,5 @@ def test_auto_activations_are_int8_only_where_the_vnni_kernel_runs():
         resolve_activation_quantization("int8", "fp8", cuda, None, "triton")
     Native.vnni.available = False
     assert resolve_activation_quantization("auto", "gguf", cpu, Native(), "onednn") == "none"
-    with pytest.raises(ValueError, match="has no AVX-512 VNNI"):
+    with pytest.raises(ValueError, match="has no int8-activation kernel"):
         resolve_activation_quantization("int8", "gguf", cpu, Native(), "onednn")

@@ -24,8 +24,8 @@ def test_smollm2_server_answers_a_chat_question(start_process, smollm2_dir):
             "1x16",
             "--max-model-len",
             "2048",
-            # float32 activations: HF's tokens (int8 activations, the default on VNNI CPUs, answer
-            # otherwise, as llama.cpp does on this file; tests/engine/test_real_model_equivalence.py)
+            # float32 activations: HF's tokens (int8 activations, the default on AVX2 / AVX-512 VNNI CPUs,
+            # answer otherwise, as llama.cpp does on this file; tests/engine/test_real_model_equivalence.py)
             "--activation-quantization",
             "none",
         ]
