@@ -172,7 +172,8 @@ def test_tp4_replicates_two_kv_heads_and_matches_tp1(tiny_model_dir):
     ("kernels", "tol"),
     [
         # PyTorch ops: the split sums of the row-parallel layers differ from tp=1 by float32 rounding only
-        ({"native_cpu_ops": "off", "linear_backend": "torch"}, LOGPROB_TOL),
+        # (up to 1.1e-5 on an AVX2 AMD host, measured; under 1e-5 on AVX-512 ones)
+        ({"native_cpu_ops": "off", "linear_backend": "torch"}, 2e-5),
         # the fused C kernels and oneDNN GEMMs block a shard's smaller shapes differently: over 30 layers
         # the logprobs moved by 2.6e-5 (measured), still the same tokens
         ({}, 1e-4),
