@@ -123,8 +123,8 @@ def run(args: argparse.Namespace) -> dict:
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "build_batch", "build_batch")
     timer.wrap(engine.runner, "execute", "forward", sync_after=cuda)
-    timer.wrap(engine, "_sample", "sample")
-    timer.wrap(engine, "_drain_outputs", "outputs")
+    timer.wrap(engine.output_processor, "sample", "sample")
+    timer.wrap(engine.registry, "drain_outputs", "outputs")
     walls, stages = timed_steps(timer, args.steps)
     step_ms = statistics.median(walls) * 1e3
     stage_ms = {s: statistics.median(st[s] for st in stages) * 1e3 for s in STAGES}

@@ -33,7 +33,9 @@ The engine and its tick:
 - ``input_batch``        the persistent batch: per-slot token ids and sampling parameters, each step's flat
                          inputs built from them
 - ``staging``            host → device uploads through pinned staging buffers, non-blocking
-- ``step_outputs``       logits → tokens → outputs, and the single terminal reclaim routine
+- ``output_processor``   logits → tokens → outputs: sampling, verified drafts, beams, appends, stop checks
+- ``sequence_registry``  the live sequences and user requests; forks, releases and the single terminal
+                         reclaim routine
 - ``stats``              engine counters and the ``/load`` snapshot
 - ``capacity_plan``      how many KV blocks the cache gets and how long a context the engine accepts
 - ``memory_profile``     the KV budget on a GPU from ``gpu_memory_utilization`` and one profiled step of the

@@ -12,7 +12,6 @@ worst of them (the usual ``early_stopping=False`` heuristic: pruning, so not gua
 
 from __future__ import annotations
 
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,7 +36,7 @@ class Hypothesis:
 
 @dataclass
 class Continuation:
-    parent: Hashable
+    parent: str
     token: int
     cum_logprob: float
 
@@ -48,7 +47,7 @@ class BeamStep:
 
     continue_with: list[Continuation]
     #: live beams that continue with no token: release them
-    drop: list[Hashable]
+    drop: list[str]
     done: bool
 
 
@@ -60,21 +59,21 @@ class BeamSearch:
     eos_token_ids: frozenset[int]
     ignore_eos: bool = False
     #: live beam key → (its generated tokens, cumulative logprob)
-    live: dict[Hashable, tuple[list[int], float]] = field(default_factory=dict)
+    live: dict[str, tuple[list[int], float]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
-    pending: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
     done: bool = False
 
-    def start(self, key: Hashable) -> None:
+    def start(self, key: str) -> None:
         self.live[key] = ([], 0.0)
 
-    def report(self, key: Hashable, logprobs: torch.Tensor) -> bool:
+    def report(self, key: str, logprobs: torch.Tensor) -> bool:
         """Store one live beam's next-token log-distribution; True once every live beam has reported."""
         self.pending[key] = logprobs
         return set(self.pending) >= set(self.live)
 
     def select(self) -> BeamStep:
-        cands: list[tuple[float, int, int, Hashable]] = []
+        cands: list[tuple[float, int, int, str]] = []
         for order, (key, (_toks, cum)) in enumerate(self.live.items()):
             values, ids = self.pending[key].topk(min(2 * self.width, self.pending[key].shape[-1]))
             cands += [
@@ -112,7 +111,7 @@ class BeamSearch:
         self.done = step.done
         return step
 
-    def rekey(self, new_live: dict[Hashable, tuple[list[int], float]]) -> None:
+    def rekey(self, new_live: dict[str, tuple[list[int], float]]) -> None:
         """The engine's beams after applying a step (keys may be new forked sequences)."""
         self.live = new_live
 

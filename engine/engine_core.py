@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 
-from kvpilot.engine.beam_search import BeamSearch
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.distributed.executor import TensorParallelRunner, start_workers
 from kvpilot.engine.distributed.step_message import KVOp
@@ -32,6 +31,7 @@ from kvpilot.engine.model.loader import (
 )
 from kvpilot.engine.model.registry import default_cache_dir
 from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
 from kvpilot.engine.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.request_validation import (
@@ -44,10 +44,10 @@ from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.sampling.sampler import Sampler
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence_group import SequenceGroup
+from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.draft_model import DraftModel
 from kvpilot.engine.spec_decode.drafting import DraftContext, propose_drafts
 from kvpilot.engine.stats import EngineStats
-from kvpilot.engine.step_outputs import StepOutputs
 from kvpilot.engine.structured.compiler import GrammarCompiler
 from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.tokenizer import Tokenizer
@@ -61,7 +61,7 @@ __all__ = ["LLMEngine", "RequestError"]
 _ADMISSION_PROBE_ID = "admission-probe"
 
 
-class LLMEngine(StepOutputs):
+class LLMEngine:
     def __init__(self, config: EngineConfig, device_memory: DeviceMemory | None = None) -> None:
         """``device_memory`` overrides where the profiled KV budget reads memory figures (tests; on CUDA it
         defaults to ``torch.cuda``)."""
@@ -149,19 +149,25 @@ class LLMEngine(StepOutputs):
         #: structured outputs' grammars, compiled on their own threads
         #: (docs/architecture.md#structured-outputs)
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids)
-        #: live sequences by sequence id, live requests by request id
-        self.requests: dict[str, Request] = {}
-        self.groups: dict[str, SequenceGroup] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self.stats = EngineStats()
+        #: live sequences and user requests, and the terminal routine every request goes through
+        self.registry = SequenceRegistry(self.scheduler, self.kv, self.stats, self.device)
+        #: logits → tokens → outputs
+        self.output_processor = OutputProcessor(
+            self.registry,
+            self.sampler,
+            self.runner.input_batch,
+            self.scheduler,
+            self.tokenizer,
+            self.stats,
+            self.max_model_len,
+        )
         #: what the draft-model proposer reads each step (None: no draft model)
         self._draft = (
-            DraftContext(self.draft_model, self.kv, self._generators, self.sampler.generator)
+            DraftContext(self.draft_model, self.kv, self.registry.generators, self.sampler.generator)
             if self.draft_model is not None
             else None
         )
-        self.terminal_records: list[TerminalRecord] = []
-        self.stats = EngineStats()
-        self._pending_outputs: dict[str, SequenceGroup] = {}
         #: what the last step scheduled, for the server's per-request tracing: (request id, tokens computed
         #: before the step, new tokens) per scheduled sequence, and the ids of the requests it preempted
         self.last_step_scheduled: list[tuple[str, int, int]] = []
@@ -170,6 +176,21 @@ class LLMEngine(StepOutputs):
     @property
     def num_steps(self) -> int:
         return self.stats.steps
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Live sequences by sequence id (``SequenceRegistry.requests``)."""
+        return self.registry.requests
+
+    @property
+    def groups(self) -> dict[str, SequenceGroup]:
+        """Live user requests by request id (``SequenceRegistry.groups``)."""
+        return self.registry.groups
+
+    @property
+    def terminal_records(self) -> list[TerminalRecord]:
+        """One record per ended request (``SequenceRegistry.terminal_records``; the server consumes them)."""
+        return self.registry.terminal_records
 
     # ---- requests ------------------------------------------------------------------------------------
     def add_request(
@@ -185,7 +206,7 @@ class LLMEngine(StepOutputs):
     ) -> SequenceGroup:
         """Admit a request (tokenized here when given as text). Raises ``RequestError`` for bad input."""
         params = params or SamplingParams()
-        if request_id in self.groups or request_id in self.requests or request_id == _ADMISSION_PROBE_ID:
+        if self.registry.in_use(request_id) or request_id == _ADMISSION_PROBE_ID:
             raise RequestError(f"request id {request_id!r} is already in use")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -217,25 +238,8 @@ class LLMEngine(StepOutputs):
                 seq.grammar = self.grammars.matcher(params.structured_outputs)
             except GrammarError as err:
                 raise RequestError(f"structured_outputs: {err}") from None
-        group = SequenceGroup(request_id, text, token_ids, params, self.tokenizer)
-        if params.use_beam_search:
-            limit = self.max_model_len - len(token_ids)
-            group.beam = BeamSearch(
-                params.effective_beam_width,
-                params.length_penalty,
-                min(params.max_tokens or limit, limit),
-                self.eos_token_ids,
-                params.ignore_eos,
-            )
-            group.beam.start(request_id)
-        if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(token_ids)
-        seq.group = group
-        group.new_sample(seq, 0)
-        if params.seed is not None:
-            self._generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
-        self.requests[request_id] = seq
-        self.groups[request_id] = group
+        group = SequenceGroup.start(seq, text, self.tokenizer, self.max_model_len)
+        self.registry.add(seq, group)
         self.scheduler.add_request(seq)
         return group
 
@@ -264,7 +268,7 @@ class LLMEngine(StepOutputs):
             S.TIMED_OUT: FinishReason.TIMEOUT,
             S.FAILED: FinishReason.ERROR,
         }[status]
-        return self._reclaim(group, status, reason)
+        return self.registry.reclaim(group, status, reason)
 
     def set_backpressure(self, request_id: str, paused: bool) -> None:
         """A slow stream consumer: ``paused`` sequences keep their blocks but get no decode steps."""
@@ -315,19 +319,21 @@ class LLMEngine(StepOutputs):
                 n for r, n in out.scheduled if (n > 1 and not r.spec_token_ids) or r.num_output_tokens == 0
             )
             num_rows = sum(batch.sample_row_counts)
-            self._record_prompt_logprobs(batch, logits)
+            self.output_processor.record_prompt_logprobs(batch, logits)
             if num_rows:
-                self._sample(batch.sampling_requests, logits[:num_rows], batch.sample_row_counts)
+                self.output_processor.sample(
+                    batch.sampling_requests, logits[:num_rows], batch.sample_row_counts
+                )
             self.stats.prompt_tokens += prefill
             self.stats.record_step(time.perf_counter() - start, prefill, out.num_batched_tokens - prefill)
-        return self._drain_outputs()
+        return self.registry.drain_outputs()
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
         for group in [
             g for g in self.groups.values() if g.primary.deadline is not None and now >= g.primary.deadline
         ]:
-            self._reclaim(group, S.TIMED_OUT, FinishReason.TIMEOUT)
+            self.registry.reclaim(group, S.TIMED_OUT, FinishReason.TIMEOUT)
 
     # ---- introspection -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

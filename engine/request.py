@@ -142,8 +142,7 @@ class Request:
         self.stop_reason: str | int | None = None
         #: monotonically increasing number for FCFS ties
         self.seq_no = 0
-        #: the user request this sequence belongs to (a ``SequenceGroup``), set by the engine
-        self.group: SequenceGroup | None = None
+        self._group: SequenceGroup | None = None
         #: token sequences ``bad_words`` bans, and the n-gram index ``no_repeat_ngram_size`` consults
         self.bad_word_ids: list[list[int]] = []
         self.ngram_index: dict[tuple[int, ...], set[int]] = {}
@@ -160,6 +159,17 @@ class Request:
         #: draft tokens verified for this sequence over its life, and how many were accepted
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+
+    @property
+    def group(self) -> SequenceGroup:
+        """The user request this sequence belongs to (set once by ``SequenceGroup.start`` or a fork)."""
+        if self._group is None:
+            raise RuntimeError(f"sequence {self.request_id} belongs to no request yet")
+        return self._group
+
+    @group.setter
+    def group(self, group: SequenceGroup) -> None:
+        self._group = group
 
     # ---- tokens --------------------------------------------------------------------------------------
     @property
@@ -211,7 +221,7 @@ class Request:
         child.times.last_token = self.times.last_token
         child.times.token_times = list(self.times.token_times)
         child.seq_no = self.seq_no
-        child.group = self.group
+        child._group = self._group
         child.bad_word_ids = self.bad_word_ids
         child.ngram_index = {k: set(v) for k, v in self.ngram_index.items()}
         child.grammar = self.grammar.fork() if self.grammar is not None else None

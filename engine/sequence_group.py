@@ -90,6 +90,29 @@ class SequenceGroup:
     #: terminal status of the whole request once ``finished``
     status: str | None = None
 
+    @classmethod
+    def start(
+        cls, seq: Request, prompt: str | None, tokenizer: Tokenizer, max_model_len: int
+    ) -> SequenceGroup:
+        """The user request of a new sequence ``seq`` (its sample 0, or the first beam)."""
+        params, token_ids = seq.params, seq.prompt_token_ids
+        group = cls(seq.request_id, prompt, token_ids, params, tokenizer)
+        if params.use_beam_search:
+            limit = max_model_len - len(token_ids)
+            group.beam = BeamSearch(
+                params.effective_beam_width,
+                params.length_penalty,
+                min(params.max_tokens or limit, limit),
+                seq.eos_token_ids,
+                params.ignore_eos,
+            )
+            group.beam.start(seq.request_id)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(token_ids)
+        seq.group = group
+        group.new_sample(seq, 0)
+        return group
+
     @property
     def primary(self) -> Request:
         return self.samples[0].seq
