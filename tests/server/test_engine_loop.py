@@ -215,7 +215,8 @@ def test_an_engine_failure_reclaims_every_request_as_failed_with_one_record_each
         loop.start()
         await wait_ready(lifecycle)
         engine = engines[0]
-        engine.terminal_records = kept = KeptRecords()  # telemetry consumes (clears) the engine's list
+        # telemetry consumes (clears) the engine's list
+        engine.registry.terminal_records = kept = KeptRecords()
         reqs = [request(loop, f"r{i}", 400) for i in range(2)]
         loop.submit(reqs)
         for req in reqs:
@@ -272,7 +273,7 @@ def test_a_dead_tensor_parallel_rank_fails_live_requests_once_and_leaves_no_proc
         loop.start()
         await wait_for(lambda: lifecycle.phase is Phase.READY, 60.0)
         engine = engines[0]
-        engine.terminal_records = kept = KeptRecords()
+        engine.registry.terminal_records = kept = KeptRecords()
         reqs = [request(loop, f"r{i}", 400) for i in range(2)]
         loop.submit(reqs)
         for req in reqs:
