@@ -21,7 +21,8 @@ static inline int64_t tile_block_bytes(int kind) { return tile_codes_bytes(kind)
 
 /* The AVX2 kernels (quant_vnni_avx2.c), where the compiler targets AVX2 but not AVX-512 VNNI. */
 void kvp_int8_quantize_avx2(const float *x, int64_t xs, int8_t *q, float *dx, float *sx, int64_t M, int64_t K);
-int kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
-                         int64_t M, int64_t N, int64_t K, int nthreads);
+/* y = x W^T (+ bias) with q, dx, sx the caller's scratch for x's rounding ([M, K], [M, K / 32] twice). */
+void kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias,
+                          float *y, int64_t M, int64_t N, int64_t K, int8_t *q, float *dx, float *sx, int nthreads);
 
 #endif

@@ -194,17 +194,10 @@ static inline __attribute__((always_inline)) void tile_chunk(const int kind, con
         default: CHUNK(KIND, 1); break;       \
     }
 
-/* One parallel region: the threads quantize x's rows, then split the tiles. */
-static int linear_avx512(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
-                         int64_t M, int64_t N, int64_t K, int nthreads) {
+/* One parallel region: the threads quantize x's rows into q, dx, sx, then split the tiles. */
+static void linear_avx512(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
+                          int64_t M, int64_t N, int64_t K, int8_t *q, float *dx, float *sx, int nthreads) {
     int64_t nb = K / QK, tiles = (N + TILE_ROWS - 1) / TILE_ROWS, tb = tile_block_bytes(kind);
-    int8_t *q = malloc((size_t)(M * K));
-    float *dx = malloc((size_t)(2 * M * nb) * sizeof(float)), *sx = dx + M * nb;
-    if (!q || !dx) {
-        free(q);
-        free(dx);
-        return -2;
-    }
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -228,9 +221,6 @@ static int linear_avx512(const float *x, int64_t xs, const uint8_t *packed, int 
             }
         }
     }
-    free(q);
-    free(dx);
-    return 0;
 }
 
 #endif
@@ -250,11 +240,22 @@ int kvp_vnni_linear(const float *x, int64_t xs, const uint8_t *packed, int kind,
                     int64_t M, int64_t N, int64_t K, int nthreads) {
     if ((kind != KIND_Q4 && kind != KIND_Q8) || K % QK || !INT8_GEMM) return -1;
     if (M <= 0 || N <= 0) return 0;
+    int64_t nb = K / QK;
+    int8_t *q = malloc((size_t)(M * K));
+    float *dx = malloc((size_t)(2 * M * nb) * sizeof(float));
+    if (!q || !dx) {
+        free(q);
+        free(dx);
+        return -2;
+    }
 #if INT8_GEMM == 2
-    return linear_avx512(x, xs, packed, kind, bias, y, M, N, K, nthreads);
+    linear_avx512(x, xs, packed, kind, bias, y, M, N, K, q, dx, dx + M * nb, nthreads);
 #else
-    return kvp_int8_linear_avx2(x, xs, packed, kind, bias, y, M, N, K, nthreads);
+    kvp_int8_linear_avx2(x, xs, packed, kind, bias, y, M, N, K, q, dx, dx + M * nb, nthreads);
 #endif
+    free(q);
+    free(dx);
+    return 0;
 }
 
 #if !INT8_GEMM

@@ -9,7 +9,6 @@
  *   The offset term m = -128 d then cancels exactly, so y = d dx (w . q) per block: the reference's value.
  * Each 16-row tile runs as two 8-row halves (AVX2's 16 registers hold one half's codes and accumulators).
  * The reference is reference.reference_vnni_linear, as for the AVX-512 kernel. */
-#include <stdlib.h>
 #include <string.h>
 
 #include "quant_blocks.h"
@@ -128,16 +127,9 @@ static inline __attribute__((always_inline)) void half_chunk(const int kind, con
         default: CHUNK(KIND, 1); break; \
     }
 
-int kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
-                         int64_t M, int64_t N, int64_t K, int nthreads) {
+void kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias,
+                          float *y, int64_t M, int64_t N, int64_t K, int8_t *q, float *dx, float *sx, int nthreads) {
     int64_t nb = K / QK, tiles = (N + TILE_ROWS - 1) / TILE_ROWS, tb = tile_block_bytes(kind);
-    int8_t *q = malloc((size_t)(M * K));
-    float *dx = malloc((size_t)(2 * M * nb) * sizeof(float)), *sx = dx + M * nb;
-    if (!q || !dx) {
-        free(q);
-        free(dx);
-        return -2;
-    }
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(static)
@@ -174,9 +166,6 @@ int kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int 
             }
         }
     }
-    free(q);
-    free(dx);
-    return 0;
 }
 #else
 /* Not built for this target (no AVX2, or AVX-512 VNNI's kernel serves it): quant_vnni.c never calls these. */
@@ -184,9 +173,9 @@ void kvp_int8_quantize_avx2(const float *x, int64_t xs, int8_t *q, float *dx, fl
     (void)x, (void)xs, (void)q, (void)dx, (void)sx, (void)M, (void)K;
 }
 
-int kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias, float *y,
-                         int64_t M, int64_t N, int64_t K, int nthreads) {
-    (void)x, (void)xs, (void)packed, (void)kind, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)nthreads;
-    return -1;
+void kvp_int8_linear_avx2(const float *x, int64_t xs, const uint8_t *packed, int kind, const float *bias,
+                          float *y, int64_t M, int64_t N, int64_t K, int8_t *q, float *dx, float *sx, int nthreads) {
+    (void)x, (void)xs, (void)packed, (void)kind, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)q, (void)dx,
+        (void)sx, (void)nthreads;
 }
 #endif
