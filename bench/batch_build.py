@@ -25,14 +25,14 @@ from kvpilot.engine.input_batch import InputBatch
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.manager import KVCacheManager
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sequence import Sequence
 
 BLOCK_SIZE = 16
 CPU = torch.device("cpu")
 
 
-def rebuild(scheduled: list[tuple[Request, int]], tables: list[list[int]], block_size: int) -> tuple:
+def rebuild(scheduled: list[tuple[Sequence, int]], tables: list[list[int]], block_size: int) -> tuple:
     """The flat batch as the engine built it from lists every step (the baseline)."""
     ids: list[int] = []
     starts, seq_lens, query_lens = [0], [], []
@@ -58,7 +58,7 @@ def rebuild(scheduled: list[tuple[Request, int]], tables: list[list[int]], block
     return torch.tensor(ids), positions, slot_mapping, qsl, lens, block_tables, torch.tensor(logits_rows)
 
 
-def setup(num_seqs: int, num_blocks: int, steps: int) -> tuple[KVCacheManager, InputBatch, list[Request]]:
+def setup(num_seqs: int, num_blocks: int, steps: int) -> tuple[KVCacheManager, InputBatch, list[Sequence]]:
     per_seq = num_blocks + steps // BLOCK_SIZE + 1
     tensor = BlockTableTensor(num_seqs, per_seq, CPU)
     pool = BlockPool(num_seqs * per_seq + 2, enable_caching=False)
@@ -69,7 +69,7 @@ def setup(num_seqs: int, num_blocks: int, steps: int) -> tuple[KVCacheManager, I
     reqs = []
     for i in range(num_seqs):
         # small token ids: Python caches them, so 256 x 32k prompt tokens cost list slots only
-        req = Request(f"s{i}", [(i + j) % 200 for j in range(num_blocks * BLOCK_SIZE - 1)], params)
+        req = Sequence(f"s{i}", [(i + j) % 200 for j in range(num_blocks * BLOCK_SIZE - 1)], params)
         kv.allocate(req, req.num_tokens)
         req.num_computed_tokens = req.num_tokens - 1
         reqs.append(req)

@@ -140,7 +140,7 @@ def decode_step_seconds(llm: LLM, batch: int, steps: int, seed: int, clock) -> f
     ids = [f"decode-{seed}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, [rng.randrange(3, vocab) for _ in range(64)], params)
-    while any(engine.requests[r].num_output_tokens == 0 for r in ids):
+    while any(engine.sequences[r].num_output_tokens == 0 for r in ids):
         engine.step()
     engine.step()  # one untimed decode step
     start = clock()

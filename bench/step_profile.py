@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> dict:
     params = sampling_params(args.sampling, decode_steps, args.output_kind)
     for i in range(args.batch):
         engine.add_request(f"r{i}", [rng.randrange(3, vocab) for _ in range(args.prompt_len)], params)
-    while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+    while any(r.num_output_tokens == 0 for r in engine.sequences.values()):
         engine.step()  # prompts (chunked by the token budget) until every sequence decodes
     for _ in range(args.warmup):
         engine.step()

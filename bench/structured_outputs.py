@@ -386,14 +386,14 @@ def run_engine(args: argparse.Namespace) -> None:
         )
         for i in range(args.batch):
             engine.add_request(f"{label}-{i}", f"Describe inventory item number {i} as JSON:", params)
-        while any(not r.output_token_ids for r in engine.requests.values()):  # prefill every request
+        while any(not r.output_token_ids for r in engine.sequences.values()):  # prefill every request
             engine.step()
         rows, seconds, steps = masks.rows, masks.seconds, []
         for _ in range(args.steps):
             start = time.perf_counter()
             engine.step()
             steps.append((time.perf_counter() - start) * 1e3)
-        running = len(engine.requests)
+        running = len(engine.sequences)
         mask_ms = (masks.seconds - seconds) * 1e3 / args.steps
         line = f"{label:14s} step p50 {statistics.median(steps):7.2f} ms (min {min(steps):.2f})"
         if masks.rows > rows:

@@ -99,7 +99,7 @@ def time_decode(model: str, tp: int, args: argparse.Namespace, counter: Counting
         )
         for i in range(args.batch):
             engine.add_request(f"r{i}", [(7 * i + 3 * j) % 600 + 3 for j in range(args.prompt_len)], params)
-        while any(r.num_output_tokens == 0 for r in engine.requests.values()):
+        while any(r.num_output_tokens == 0 for r in engine.sequences.values()):
             engine.step()  # the prompts, until every request decodes
         for _ in range(args.warmup):
             engine.step()

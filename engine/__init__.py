@@ -18,8 +18,10 @@ are torch-free and shared with the router):
 - ``prompt_bound``       a lower bound on a text's token count without tokenizing it (refuses huge prompts)
 - ``tenancy``            a request's tenant (``x-tenant``, else an API-key digest): the prefix-cache salt
 - ``request_validation`` prompt and sampling checks against the loaded model (``RequestError``)
-- ``request``            one sequence's state and the lifecycle state machine
-- ``sequence_group``     a user request and its sequences (parallel samples, beams); builds its output
+- ``sequence``           ``Sequence``: one sequence's state (tokens, progress, status) and the lifecycle
+                         state machine (``SequenceStatus``)
+- ``sequence_group``     ``SequenceGroup``: a user request and its sequences (parallel samples, beams);
+                         builds its output
 - ``beam_search``        beam selection over live sequences that share KV blocks
 - ``detokenizer``        incremental detokenization and the stop-string hold-back buffer
 - ``outputs``            ``RequestOutput`` / ``CompletionOutput`` and the terminal record every request leaves

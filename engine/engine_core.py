@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections import abc
 from pathlib import Path
 
 import torch
@@ -33,7 +33,6 @@ from kvpilot.engine.model.registry import default_cache_dir
 from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
-from kvpilot.engine.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.request_validation import (
     RequestError,
     bad_word_token_ids,
@@ -43,6 +42,7 @@ from kvpilot.engine.request_validation import (
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.sampling.sampler import Sampler
 from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.draft_model import DraftModel
@@ -52,7 +52,7 @@ from kvpilot.engine.structured.compiler import GrammarCompiler
 from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.tokenizer import Tokenizer
 
-S = RequestStatus
+S = SequenceStatus
 log = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "RequestError"]
 
@@ -178,9 +178,9 @@ class LLMEngine:
         return self.stats.steps
 
     @property
-    def requests(self) -> dict[str, Request]:
-        """Live sequences by sequence id (``SequenceRegistry.requests``)."""
-        return self.registry.requests
+    def sequences(self) -> dict[str, Sequence]:
+        """Live sequences by sequence id (``SequenceRegistry.sequences``)."""
+        return self.registry.sequences
 
     @property
     def groups(self) -> dict[str, SequenceGroup]:
@@ -196,7 +196,7 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | abc.Sequence[int],
         params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
@@ -221,7 +221,7 @@ class LLMEngine:
             sc.enable_chunked_prefill,
         )
         validate_params(params, self.arch.vocab_size, self.config.max_logprobs, sc.max_num_seqs)
-        seq = Request(
+        seq = Sequence(
             request_id,
             token_ids,
             params,
@@ -249,7 +249,7 @@ class LLMEngine:
         """KV blocks admitting this request would reserve: its uncached prompt (after a prefix lookup) and
         the first block of each sample — the exact phase of two-phase admission,
         docs/architecture.md#admission."""
-        probe = Request(_ADMISSION_PROBE_ID, token_ids, params, cache_salt=cache_salt)
+        probe = Sequence(_ADMISSION_PROBE_ID, token_ids, params, cache_salt=cache_salt)
         cost = self.scheduler.reservation_for(probe)
         self.kv.forget(probe)  # drop the probe's record (its cached extra keys)
         return cost
@@ -258,7 +258,7 @@ class LLMEngine:
         """Blocks not yet promised to queued requests (free blocks minus outstanding reservations)."""
         return self.kv.admission_headroom()
 
-    def abort_request(self, request_id: str, status: RequestStatus = S.CANCELLED) -> bool:
+    def abort_request(self, request_id: str, status: SequenceStatus = S.CANCELLED) -> bool:
         """Cancel / time out / fail a live request. Idempotent: False when it had already ended."""
         group = self.groups.get(request_id)
         if group is None:
@@ -322,7 +322,7 @@ class LLMEngine:
             self.output_processor.record_prompt_logprobs(batch, logits)
             if num_rows:
                 self.output_processor.sample(
-                    batch.sampling_requests, logits[:num_rows], batch.sample_row_counts
+                    batch.sampling_sequences, logits[:num_rows], batch.sample_row_counts
                 )
             self.stats.prompt_tokens += prefill
             self.stats.record_step(time.perf_counter() - start, prefill, out.num_batched_tokens - prefill)
@@ -340,6 +340,6 @@ class LLMEngine:
         self.kv.check_invariants()
         self.runner.input_batch.check()
         # a record covers blocks, swap, reservation and hash keys: none may outlive its sequence
-        assert self.kv.sequence_ids <= self.requests.keys(), "a released sequence still has a KV record"
-        for seq in self.requests.values():
+        assert self.kv.sequence_ids <= self.sequences.keys(), "a released sequence still has a KV record"
+        for seq in self.sequences.values():
             assert not seq.is_finished, f"finished sequence {seq.request_id} is still registered"

@@ -28,8 +28,8 @@ import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.kv.block_table import BlockTableTensor
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.row_params import COLUMNS, SamplingTensors, param_row
+from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.staging import Staging
 
 
@@ -42,9 +42,9 @@ class StepBatch:
     #: step (and each of its draft tokens when it speculates), then the prompt positions of sequences that
     #: asked for prompt logprobs
     logits_indices: torch.Tensor
-    sampling_requests: list[Request]
+    sampling_sequences: list[Sequence]
     #: (request, first logits row, number of rows, prompt position of the first row) per prompt-logprob span
-    prompt_spans: list[tuple[Request, int, int, int]]
+    prompt_spans: list[tuple[Sequence, int, int, int]]
     #: logits rows of each sampling request, in order: 1, or 1 + its drafts when it speculates
     sample_row_counts: list[int]
 
@@ -60,7 +60,7 @@ class InputBatch:
         #: tokens of the owner already in its slot's row
         self.num_written = [0] * cap
         #: the sequence each slot's rows were written for
-        self.owner: list[Request | None] = [None] * cap
+        self.owner: list[Sequence | None] = [None] * cap
         self.params = np.zeros((cap, len(COLUMNS)), dtype=np.float32)
         self._params_device = torch.from_numpy(self.params) if device.type == "cpu" else None
         self._ints = Staging(device, torch.int64)
@@ -79,7 +79,7 @@ class InputBatch:
         self.owner.extend([None] * extra)
         self._params_device = torch.from_numpy(self.params) if self.device.type == "cpu" else None
 
-    def sync(self, req: Request) -> int:
+    def sync(self, req: Sequence) -> int:
         """The slot of ``req`` (which holds a block table), with its rows brought up to date."""
         slot = self.blocks.slot_of[req.request_id]
         num_tokens = req.num_tokens
@@ -99,14 +99,14 @@ class InputBatch:
         return slot
 
     # ---- one step ------------------------------------------------------------------------------------
-    def build(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+    def build(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         """``scheduled`` in batch order (one-token sequences first), every one holding a block table."""
         slots: list[int] = []
         starts, seq_lens, query_lens = [0], [], []
         logits_rows: list[int] = []
-        sampling: list[Request] = []
+        sampling: list[Sequence] = []
         prompt_rows: list[int] = []
-        prompt_spans: list[tuple[Request, int, int, int]] = []
+        prompt_spans: list[tuple[Sequence, int, int, int]] = []
         num_decodes = 0
         row_counts: list[int] = []
         for req, n in scheduled:
@@ -175,7 +175,7 @@ class InputBatch:
         prompt_spans = [(r, len(logits_rows) + off, cnt, p) for r, off, cnt, p in prompt_spans]
         return StepBatch(input_ids, pos, meta, logits_idx, sampling, prompt_spans, row_counts)
 
-    def sampling_tensors(self, seqs: list[Request]) -> SamplingTensors:
+    def sampling_tensors(self, seqs: list[Sequence]) -> SamplingTensors:
         """The sampling parameters of ``seqs`` (each holding a block table; forks included) as tensors."""
         slots = np.asarray([self.sync(s) for s in seqs], dtype=np.int64)
         if self._params_device is None:  # a slot changed owner since the last upload

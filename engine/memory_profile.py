@@ -30,8 +30,8 @@ from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.kv_cache import KVCache
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 GIB = float(1 << 30)
@@ -156,7 +156,7 @@ def profile_step_memory(
         layout=kv_layout,
         kv_cache_dtype=kv_cache_dtype,
     )
-    probe = Request("memory-profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+    probe = Sequence("memory-profile", [0] * num_tokens, SamplingParams(max_tokens=1))
     table = BlockTableTensor(1, num_blocks - 1, device)
     table.assign(probe.request_id, list(range(1, num_blocks)))
     runner = ModelRunner(model, scratch, device, InputBatch(table, num_tokens, block_size, device))

@@ -11,7 +11,7 @@ import torch
 from kvpilot.engine.input_batch import InputBatch, StepBatch
 from kvpilot.engine.kv.kv_cache import KVCache
 from kvpilot.engine.model.llama import LlamaForCausalLM
-from kvpilot.engine.request import Request
+from kvpilot.engine.sequence import Sequence
 
 __all__ = ["ModelRunner", "StepBatch"]
 
@@ -28,7 +28,7 @@ class ModelRunner:
         #: columns of the logits (a tensor-parallel rank's model holds a shard of them)
         self.vocab_size = model.arch.vocab_size
 
-    def build_batch(self, scheduled: list[tuple[Request, int]]) -> StepBatch:
+    def build_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         """``scheduled`` in batch order (one-token sequences first), each holding its block table."""
         return self.input_batch.build(scheduled)
 

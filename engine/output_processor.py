@@ -20,17 +20,17 @@ import torch
 
 from kvpilot.engine.input_batch import InputBatch, StepBatch
 from kvpilot.engine.outputs import Logprob
-from kvpilot.engine.request import FinishReason, Request, RequestStatus
 from kvpilot.engine.sampling.logits_processors import RowState, update_ngram_index
 from kvpilot.engine.sampling.sampler import Sampler, top_logprobs_of
 from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.verify import verify_drafts
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.tokenizer import Tokenizer
 
-S = RequestStatus
+S = SequenceStatus
 
 
 class OutputProcessor:
@@ -71,7 +71,7 @@ class OutputProcessor:
         return entries
 
     # ---- sampling ------------------------------------------------------------------------------------
-    def sample(self, seqs: list[Request], logits: torch.Tensor, row_counts: list[int]) -> None:
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, row_counts: list[int]) -> None:
         """``logits``: ``row_counts[i]`` consecutive rows per sequence — one, or 1 + its drafts when it
         speculates (verified by ``_verify``)."""
         if len(row_counts) == logits.shape[0]:
@@ -88,7 +88,7 @@ class OutputProcessor:
             [seqs[i] for i in spec], logits.index_select(0, torch.from_numpy(rows).to(logits.device))
         )
 
-    def _verify(self, seqs: list[Request], logits: torch.Tensor) -> None:
+    def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Accept each speculating sequence's drafts by the exact rule, append what it emits, and roll its
         KV back to its tokens (docs/architecture.md#speculative-decoding)."""
         generators = [self.registry.generators.get(s.request_id) for s in seqs]
@@ -113,8 +113,8 @@ class OutputProcessor:
             else:
                 self.scheduler.rollback_drafts(seq, result.num_accepted)
 
-    def _sample_rows(self, seqs: list[Request], logits: torch.Tensor) -> None:
-        rows: list[tuple[Request, str]] = []  # (sequence, kind: sample | beam)
+    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        rows: list[tuple[Sequence, str]] = []  # (sequence, kind: sample | beam)
         sources: list[int] = []
         for src, seq in enumerate(seqs):
             group: SequenceGroup = seq.group
@@ -171,7 +171,7 @@ class OutputProcessor:
 
     # ---- per token -----------------------------------------------------------------------------------
     def _append(
-        self, seq: Request, token: int, now: float, logprob: float | None, top: dict[int, Logprob] | None
+        self, seq: Sequence, token: int, now: float, logprob: float | None, top: dict[int, Logprob] | None
     ) -> None:
         seq.append_output_token(token)
         if seq.grammar is not None:
@@ -200,7 +200,7 @@ class OutputProcessor:
                 self.registry.reclaim(group, S.FINISHED, reason)
 
     def _stop_reason(
-        self, seq: Request, token: int, matched: str | None
+        self, seq: Sequence, token: int, matched: str | None
     ) -> tuple[FinishReason | None, str | int | None]:
         p = seq.params
         if matched is not None:
@@ -225,11 +225,11 @@ class OutputProcessor:
         assert beam is not None  # only beam-search groups get here
         step = beam.select()
         for key in step.drop:
-            self.registry.release(self.registry.requests[key], S.FINISHED, FinishReason.STOP)
-        targets: list[tuple[Request, int, float]] = []
+            self.registry.release(self.registry.sequences[key], S.FINISHED, FinishReason.STOP)
+        targets: list[tuple[Sequence, int, float]] = []
         used: set[str] = set()
         for c in step.continue_with:  # fork duplicates first, while every parent still has its old tokens
-            parent = self.registry.requests[c.parent]
+            parent = self.registry.sequences[c.parent]
             seq = (
                 parent
                 if c.parent not in used

@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.kv.capacity import blocks_for_tokens
 from kvpilot.engine.kv.manager import KVCacheManager
-from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.sequence import Sequence, SequenceStatus
 
-S = RequestStatus
+S = SequenceStatus
 
 
 @dataclass
 class SchedulerOutput:
     #: (request, number of new tokens) in batch order: one-token sequences first, then prefill/extend
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -52,33 +52,33 @@ class Scheduler:
         self.kv = kv
         self.block_size = kv.block_size
         self.max_model_len = max_model_len
-        #: admitted requests without device blocks, kept sorted by ``Request.sort_key``
-        self.waiting: list[Request] = []
+        #: admitted requests without device blocks, kept sorted by ``Sequence.sort_key``
+        self.waiting: list[Sequence] = []
         #: requests holding device blocks (incl. backpressured ones), sorted by ``sort_key``
-        self.running: list[Request] = []
-        self.swapped: list[Request] = []
+        self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []
         self._counter = itertools.count()
         self.num_preemptions = 0
 
     # ---- admission -----------------------------------------------------------------------------------
-    def reservation_for(self, req: Request) -> int:
+    def reservation_for(self, req: Sequence) -> int:
         """Blocks a queued request is promised: its uncached prompt and first token, plus one block for
         each further parallel sample (they share the prompt's blocks: M_prompt + n·M_generated)."""
         uncached = req.num_tokens - self.kv.count_prefix_hit_tokens(req)
         return blocks_for_tokens(uncached + 1, self.block_size) + req.params.num_samples - 1
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Sequence) -> None:
         req.seq_no = next(self._counter)
         self.kv.reserve(req, self.reservation_for(req))
-        bisect.insort(self.waiting, req, key=Request.sort_key)
+        bisect.insort(self.waiting, req, key=Sequence.sort_key)
 
-    def add_running(self, req: Request) -> None:
+    def add_running(self, req: Sequence) -> None:
         """A forked sequence that already holds (shared) blocks joins the running set."""
-        bisect.insort(self.running, req, key=Request.sort_key)
+        bisect.insort(self.running, req, key=Sequence.sort_key)
 
-    def add_preempted(self, req: Request) -> None:
+    def add_preempted(self, req: Sequence) -> None:
         """A forked sequence without blocks (its parent was preempted) waits to be recomputed."""
-        bisect.insort(self.waiting, req, key=Request.sort_key)
+        bisect.insort(self.waiting, req, key=Sequence.sort_key)
 
     @property
     def num_unfinished(self) -> int:
@@ -132,7 +132,7 @@ class Scheduler:
                     break
                 self.swapped.pop(0)
                 req.transition(S.RUNNABLE)
-                bisect.insort(self.running, req, key=Request.sort_key)
+                bisect.insort(self.running, req, key=Sequence.sort_key)
                 out.swapped_in.append(req)
                 if n:
                     self._take(req, n, out, scheduled_ids)
@@ -175,14 +175,14 @@ class Scheduler:
                 if req.status is not S.PREEMPTED:
                     req.num_cached_tokens = req.num_computed_tokens
                 req.transition(S.RUNNABLE)
-                bisect.insort(self.running, req, key=Request.sort_key)
+                bisect.insort(self.running, req, key=Sequence.sort_key)
                 self._take(req, n, out, scheduled_ids)
                 budget -= n
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
         return out
 
-    def _output_reserve(self, req: Request, held: int | None = None, samples: int = 1) -> int:
+    def _output_reserve(self, req: Sequence, held: int | None = None, samples: int = 1) -> int:
         """Blocks ``reserved_output_fraction`` keeps free for ``req``'s growth beyond the ``held`` blocks
         (default: its table): the rest of its prompt, then up to that share of its output budget for each
         of its ``samples`` (forked samples share the prompt's blocks and grow apart)."""
@@ -195,7 +195,7 @@ class Scheduler:
         return max(0, prompt - held) + samples * max(0, target - max(held, prompt))
 
     @staticmethod
-    def _seats(req: Request) -> int:
+    def _seats(req: Sequence) -> int:
         """Batch sequences admitting ``req`` will take: all its parallel samples when they are still to be
         forked from its prompt (forks join the running set without passing admission), else one."""
         group = req.group
@@ -203,18 +203,18 @@ class Scheduler:
             return req.params.num_samples
         return 1
 
-    def _take(self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> None:
+    def _take(self, req: Sequence, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> None:
         out.scheduled.append((req, n))
         scheduled_ids.add(req.request_id)
 
-    def _pick_victim(self, scheduled_ids: set[str]) -> Request:
+    def _pick_victim(self, scheduled_ids: set[str]) -> Sequence:
         """Lowest priority, latest arrival among running requests not yet scheduled this tick."""
         for cand in reversed(self.running):
             if cand.request_id not in scheduled_ids:
                 return cand
         raise RuntimeError("no preemption victim: every running request is already scheduled")
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, req: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.num_preemptions += 1
         req.num_preemptions += 1
@@ -223,18 +223,18 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.kv.can_swap_out(req):
             self.kv.swap_out(req)
             req.transition(S.SWAPPED)
-            bisect.insort(self.swapped, req, key=Request.sort_key)
+            bisect.insort(self.swapped, req, key=Sequence.sort_key)
             return
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.transition(S.PREEMPTED)
-        bisect.insort(self.waiting, req, key=Request.sort_key)
+        bisect.insort(self.waiting, req, key=Sequence.sort_key)
 
     # ---- after the forward ---------------------------------------------------------------------------
-    def update_after_step(self, out: SchedulerOutput) -> list[Request]:
+    def update_after_step(self, out: SchedulerOutput) -> list[Sequence]:
         """Advance computed counts; return the requests whose logits are sampled this step (their whole
         known sequence is now computed)."""
-        sampled: list[Request] = []
+        sampled: list[Sequence] = []
         for req, n in out.scheduled:
             # draft tokens' K/V count once verification accepts them (``spec_decode``)
             n -= len(req.spec_token_ids)
@@ -248,7 +248,7 @@ class Scheduler:
         return sampled
 
     # ---- leaving -------------------------------------------------------------------------------------
-    def rollback_drafts(self, req: Request, num_accepted: int) -> None:
+    def rollback_drafts(self, req: Sequence, num_accepted: int) -> None:
         """After verification: ``num_accepted`` of ``req``'s drafts are its tokens now, and their K/V
         computed; the rejected ones' slots are released (the block table shrinks to the blocks its tokens
         need), so nothing but committed tokens is ever cached."""
@@ -257,7 +257,7 @@ class Scheduler:
         self.kv.commit_computed(req, req.num_computed_tokens)
         self.kv.truncate(req, req.num_tokens)
 
-    def remove(self, req: Request) -> None:
+    def remove(self, req: Sequence) -> None:
         """Take a request out of whichever queue holds it (used by the reclaim routine)."""
         for queue in (self.waiting, self.running, self.swapped):
             if req in queue:

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from kvpilot.engine.beam_search import BeamSearch
 from kvpilot.engine.detokenizer import IncrementalDetokenizer, StopStringBuffer
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from kvpilot.engine.request import FinishReason, Request
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sequence import FinishReason, Sequence
 from kvpilot.engine.tokenizer import Tokenizer
 
 
@@ -22,7 +22,7 @@ class SampleState:
     """Output-side state of one sequence."""
 
     index: int
-    seq: Request
+    seq: Sequence
     detok: IncrementalDetokenizer | None
     stops: StopStringBuffer
     cumulative_logprob: float = 0.0
@@ -92,7 +92,7 @@ class SequenceGroup:
 
     @classmethod
     def start(
-        cls, seq: Request, prompt: str | None, tokenizer: Tokenizer, max_model_len: int
+        cls, seq: Sequence, prompt: str | None, tokenizer: Tokenizer, max_model_len: int
     ) -> SequenceGroup:
         """The user request of a new sequence ``seq`` (its sample 0, or the first beam)."""
         params, token_ids = seq.params, seq.prompt_token_ids
@@ -114,10 +114,10 @@ class SequenceGroup:
         return group
 
     @property
-    def primary(self) -> Request:
+    def primary(self) -> Sequence:
         return self.samples[0].seq
 
-    def new_sample(self, seq: Request, index: int) -> SampleState:
+    def new_sample(self, seq: Sequence, index: int) -> SampleState:
         p = self.params
         detok = (
             IncrementalDetokenizer(self.tokenizer, self.prompt_token_ids, p.skip_special_tokens)
@@ -134,7 +134,7 @@ class SequenceGroup:
         self.samples.append(state)
         return state
 
-    def sample_of(self, seq: Request) -> SampleState:
+    def sample_of(self, seq: Sequence) -> SampleState:
         for s in self.samples:
             if s.seq is seq:
                 return s

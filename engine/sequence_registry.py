@@ -1,6 +1,6 @@
 """The engine's live sequences and user requests, and the one way each of them leaves.
 
-A ``Request`` is one sequence (a prompt and the tokens generated after it); a ``SequenceGroup`` is the user's
+A ``Sequence`` is one sequence (a prompt and the tokens generated after it); a ``SequenceGroup`` is the user's
 request: one sequence for plain sampling, several for ``best_of`` samples or beams. The registry holds both by
 id, the seeded generators of sequences whose request gave a seed, the terminal records, and which requests
 have something new for the next outputs.
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
-from kvpilot.engine.request import FinishReason, Request, RequestStatus
+from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.stats import EngineStats
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.kv.manager import KVCacheManager
     from kvpilot.engine.scheduler import Scheduler
 
-S = RequestStatus
+S = SequenceStatus
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a seeded request draws from seed + i·stride (mod 2^63)
 
 
@@ -38,7 +38,7 @@ class SequenceRegistry:
     ) -> None:
         self._scheduler, self._kv, self._stats, self._device = scheduler, kv, stats, device
         #: live sequences by sequence id (a fork's id is its request's id + ``#i`` / ``#bi``)
-        self.requests: dict[str, Request] = {}
+        self.sequences: dict[str, Sequence] = {}
         #: live user requests by request id
         self.groups: dict[str, SequenceGroup] = {}
         #: the generator of each sequence whose request gave a seed (None: the engine's shared one)
@@ -48,21 +48,21 @@ class SequenceRegistry:
         self._pending_outputs: dict[str, SequenceGroup] = {}
 
     def in_use(self, request_id: str) -> bool:
-        return request_id in self.groups or request_id in self.requests
+        return request_id in self.groups or request_id in self.sequences
 
-    def add(self, seq: Request, group: SequenceGroup) -> None:
+    def add(self, seq: Sequence, group: SequenceGroup) -> None:
         """Register a new request's first sequence (its generator seeded by ``params.seed``)."""
         seed = seq.params.seed
         if seed is not None:
             self.generators[seq.request_id] = torch.Generator(device=self._device).manual_seed(seed)
-        self.requests[seq.request_id] = seq
+        self.sequences[seq.request_id] = seq
         self.groups[group.request_id] = group
 
     def touched(self, group: SequenceGroup) -> None:
         """``group`` has something new for the next ``drain_outputs``."""
         self._pending_outputs[group.request_id] = group
 
-    def fork(self, parent: Request, child_id: str, sample_index: int) -> Request:
+    def fork(self, parent: Sequence, child_id: str, sample_index: int) -> Sequence:
         """Sample or beam ``sample_index`` of ``parent``'s request, sharing ``parent``'s KV blocks."""
         child = parent.fork(child_id)
         resident = parent.status not in (S.PREEMPTED, S.SWAPPED)
@@ -76,7 +76,7 @@ class SequenceRegistry:
         if seed is not None:
             gen_seed = (seed + sample_index * _SEED_STRIDE) % (1 << 63)
             self.generators[child_id] = torch.Generator(device=self._device).manual_seed(gen_seed)
-        self.requests[child_id] = child
+        self.sequences[child_id] = child
         if resident:
             self._scheduler.add_running(child)
         else:
@@ -84,7 +84,7 @@ class SequenceRegistry:
         parent.group.new_sample(child, len(parent.group.samples))
         return child
 
-    def release(self, seq: Request, status: RequestStatus, reason: FinishReason) -> None:
+    def release(self, seq: Sequence, status: SequenceStatus, reason: FinishReason) -> None:
         """Free one sequence's resources (blocks by reference count, reservation, batch slot)."""
         if seq.is_finished:
             return
@@ -94,9 +94,9 @@ class SequenceRegistry:
         self._scheduler.remove(seq)
         self._kv.forget(seq)
         self.generators.pop(seq.request_id, None)
-        self.requests.pop(seq.request_id, None)
+        self.sequences.pop(seq.request_id, None)
 
-    def reclaim(self, group: SequenceGroup, status: RequestStatus, reason: FinishReason) -> bool:
+    def reclaim(self, group: SequenceGroup, status: SequenceStatus, reason: FinishReason) -> bool:
         """End a user request. Idempotent: a second call (a cancel racing a timeout, a cancel after
         completion) changes nothing and returns False."""
         if group.finished:
@@ -121,7 +121,7 @@ class SequenceRegistry:
         return [o for o in outs if o is not None]
 
 
-def _terminal_record(group: SequenceGroup, status: RequestStatus, reason: FinishReason) -> TerminalRecord:
+def _terminal_record(group: SequenceGroup, status: SequenceStatus, reason: FinishReason) -> TerminalRecord:
     completions = group.completions()
     committed = sum(len(c.token_ids) for c in completions)
     primary = group.primary

@@ -10,7 +10,8 @@ token needs its logits, and the cache holds only K/V (docs/architecture.md#prefi
 
 from __future__ import annotations
 
-from collections.abc import Iterable, KeysView, Mapping, Sequence
+from collections import abc
+from collections.abc import Iterable, KeysView, Mapping
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys
 from kvpilot.engine.kv.block_pool import BlockPool
@@ -18,7 +19,7 @@ from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.capacity import SlotUsage, blocks_for_tokens, slot_usage
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.sequence_blocks import SequenceBlocks, check_sequence_blocks
-from kvpilot.engine.request import Request
+from kvpilot.engine.sequence import Sequence
 
 
 class KVCacheManager:
@@ -49,7 +50,7 @@ class KVCacheManager:
 
     @property
     def tables(self) -> Mapping[str, list[int]]:
-        """Request id → block table of each sequence that has one (built per call: checks and tests)."""
+        """Sequence id → block table of each sequence that has one (built per call: checks and tests)."""
         return {seq_id: rec.table for seq_id, rec in self._seqs.items() if rec.table is not None}
 
     @property
@@ -57,18 +58,18 @@ class KVCacheManager:
         """The requests the manager holds anything for (a live view)."""
         return self._seqs.keys()
 
-    def _record(self, req: Request) -> SequenceBlocks:
+    def _record(self, req: Sequence) -> SequenceBlocks:
         rec = self._seqs.get(req.request_id)
         if rec is None:
             rec = self._seqs[req.request_id] = SequenceBlocks()
         return rec
 
-    def _table(self, req: Request) -> list[int] | None:
+    def _table(self, req: Sequence) -> list[int] | None:
         rec = self._seqs.get(req.request_id)
         return None if rec is None else rec.table
 
     # ---- hashing and lookup --------------------------------------------------------------------------
-    def update_block_hashes(self, req: Request) -> None:
+    def update_block_hashes(self, req: Sequence) -> None:
         """Extend ``req.block_hashes`` to cover every full block of its tokens."""
         have = len(req.block_hashes)
         if req.num_tokens // self.block_size > have:
@@ -87,7 +88,7 @@ class KVCacheManager:
                 )
             )
 
-    def lookup_prefix(self, req: Request) -> list[int]:
+    def lookup_prefix(self, req: Sequence) -> list[int]:
         """Cached blocks that match ``req``'s leading full blocks (no references taken)."""
         if not self.caching:
             return []
@@ -101,11 +102,11 @@ class KVCacheManager:
             hits.append(b)
         return hits
 
-    def count_prefix_hit_tokens(self, req: Request) -> int:
+    def count_prefix_hit_tokens(self, req: Sequence) -> int:
         return len(self.lookup_prefix(req)) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------------------
-    def _needs_copy_on_write(self, req: Request, table: list[int]) -> bool:
+    def _needs_copy_on_write(self, req: Sequence, table: list[int]) -> bool:
         """The next token goes into a partially filled last block that another sequence also references."""
         return (
             bool(table)
@@ -114,7 +115,7 @@ class KVCacheManager:
             and self.pool.ref_cnt[table[-1]] > 1
         )
 
-    def blocks_to_allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> int:
+    def blocks_to_allocate(self, req: Sequence, num_new_tokens: int, hits: abc.Sequence[int] = ()) -> int:
         """Free blocks that scheduling ``num_new_tokens`` more tokens would consume (hits that are now
         cached-free count too: reviving them takes them out of the free queue; a shared partial last
         block that must be copied before it is written counts one)."""
@@ -123,7 +124,7 @@ class KVCacheManager:
         new = max(0, blocks_for_tokens(total, self.block_size) - len(table) - len(hits))
         return new + sum(1 for b in hits if self.pool.ref_cnt[b] == 0) + self._needs_copy_on_write(req, table)
 
-    def allocate(self, req: Request, num_new_tokens: int, hits: Sequence[int] = ()) -> bool:
+    def allocate(self, req: Sequence, num_new_tokens: int, hits: abc.Sequence[int] = ()) -> bool:
         """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
         Returns False (changing nothing) when the pool cannot supply the blocks."""
         rec = self._seqs.get(req.request_id)
@@ -159,7 +160,7 @@ class KVCacheManager:
             self.block_tensor.assign(seq_id, blocks)
         return blocks
 
-    def _extend(self, seq_id: str, table: list[int], blocks: Sequence[int]) -> None:
+    def _extend(self, seq_id: str, table: list[int], blocks: abc.Sequence[int]) -> None:
         table.extend(blocks)
         if self.block_tensor is not None:
             self.block_tensor.append(seq_id, blocks)
@@ -176,7 +177,7 @@ class KVCacheManager:
         if self.block_tensor is not None:
             self.block_tensor.replace(seq_id, len(table) - 1, private)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (reference counts, no copies); the shared partial last
         block is copied on the first write of either sequence."""
         source = self._seqs.get(parent.request_id)
@@ -187,7 +188,7 @@ class KVCacheManager:
         rec.num_committed = 0 if source is None else source.num_committed
         child.block_hashes = list(parent.block_hashes[: child.num_tokens // self.block_size])
 
-    def commit_computed(self, req: Request, num_computed_tokens: int) -> None:
+    def commit_computed(self, req: Sequence, num_computed_tokens: int) -> None:
         """Register the blocks that ``num_computed_tokens`` fill completely in the prefix cache."""
         if not self.caching:
             return
@@ -204,7 +205,7 @@ class KVCacheManager:
             self.pool.cache(table[i], req.block_hashes[i])
         rec.num_committed = full
 
-    def truncate(self, req: Request, num_tokens: int) -> None:
+    def truncate(self, req: Sequence, num_tokens: int) -> None:
         """Release the blocks of ``req``'s table past those ``num_tokens`` tokens need (the slots of rejected
         draft tokens, docs/architecture.md#speculative-decoding), tail first."""
         table = self._table(req)
@@ -217,7 +218,7 @@ class KVCacheManager:
             self.block_tensor.truncate(req.request_id, keep)
         self.pool.free(list(reversed(surplus)))
 
-    def free(self, req: Request) -> None:
+    def free(self, req: Sequence) -> None:
         """Drop the request's references, tail first so its private tail is evicted before shared heads."""
         rec = self._seqs.get(req.request_id)
         if rec is None or rec.table is None:
@@ -228,7 +229,7 @@ class KVCacheManager:
         if table:
             self.pool.free(list(reversed(table)))
 
-    def forget(self, req: Request) -> None:
+    def forget(self, req: Sequence) -> None:
         """Drop every trace of a finished request (blocks, swap, reservation): its record goes."""
         self.free(req)
         rec = self._seqs.pop(req.request_id, None)
@@ -238,17 +239,17 @@ class KVCacheManager:
         if rec.swapped is not None and self.swap is not None:
             self.swap.release(rec.swapped)
 
-    def block_table(self, req: Request) -> list[int]:
+    def block_table(self, req: Sequence) -> list[int]:
         table = self._table(req)
         return [] if table is None else table
 
     # ---- admission reservations (accounting only: docs/architecture.md#admission) --------------------
-    def reserve(self, req: Request, num_blocks: int) -> None:
+    def reserve(self, req: Sequence, num_blocks: int) -> None:
         rec = self._record(req)
         self._num_reserved += num_blocks - rec.reservation
         rec.reservation = num_blocks
 
-    def release_reservation(self, req: Request) -> int:
+    def release_reservation(self, req: Sequence) -> int:
         rec = self._seqs.get(req.request_id)
         if rec is None:
             return 0
@@ -265,16 +266,16 @@ class KVCacheManager:
         return self.pool.num_free - self.num_reserved_blocks
 
     # ---- swap ----------------------------------------------------------------------------------------
-    def can_swap_out(self, req: Request) -> bool:
+    def can_swap_out(self, req: Sequence) -> bool:
         return self.swap is not None and self.swap.num_free >= len(self.block_table(req))
 
-    def swap_out(self, req: Request) -> None:
+    def swap_out(self, req: Sequence) -> None:
         assert self.swap is not None
         host = self.swap.swap_out(self.block_table(req))
         self._record(req).swapped = host
         self.free(req)
 
-    def swap_in(self, req: Request, num_new_tokens: int) -> bool:
+    def swap_in(self, req: Sequence, num_new_tokens: int) -> bool:
         """Copy a swapped request back into fresh device blocks, with room for ``num_new_tokens`` more."""
         assert self.swap is not None
         rec = self._seqs[req.request_id]
@@ -291,7 +292,7 @@ class KVCacheManager:
         return self.allocate(req, num_new_tokens)
 
     # ---- accounting and invariants -------------------------------------------------------------------
-    def slot_usage(self, reqs: Iterable[Request]) -> SlotUsage:
+    def slot_usage(self, reqs: Iterable[Sequence]) -> SlotUsage:
         """Logical vs allocated slots over the given requests' block tables."""
         held = [(r, t) for r in reqs if (t := self._table(r)) is not None]
         usage = slot_usage([r.num_computed_tokens for r, _ in held], self.block_size)

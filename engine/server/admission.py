@@ -25,9 +25,9 @@ import dataclasses
 from collections import deque
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.request import RequestStatus
 from kvpilot.engine.request_validation import RequestError
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sequence import SequenceStatus
 from kvpilot.engine.server.config import ServerConfig
 from kvpilot.engine.server.errors import APIError, bad_request
 from kvpilot.engine.server.metrics import ServerMetrics
@@ -187,7 +187,7 @@ class Admission:
             self.pending.remove(req)
             req.fail(error, "timeout")
         for req in [r for r in self._active.values() if not r.scheduled and now - r.arrival > timeout]:
-            self._engine.abort_request(req.request_id, RequestStatus.TIMED_OUT)
+            self._engine.abort_request(req.request_id, SequenceStatus.TIMED_OUT)
             del self._active[req.request_id]
             req.fail(error, "timeout")
 
@@ -197,6 +197,6 @@ class Admission:
         while self.pending:
             self.pending.popleft().fail(error, None)
         for req in [r for r in self._active.values() if not r.scheduled]:
-            self._engine.abort_request(req.request_id, RequestStatus.CANCELLED)
+            self._engine.abort_request(req.request_id, SequenceStatus.CANCELLED)
             del self._active[req.request_id]
             req.fail(error, None)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.request import RequestStatus
+from kvpilot.engine.sequence import SequenceStatus
 from kvpilot.engine.server.admission import Admission, draining_error
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.engine_info import EngineInfo
@@ -169,7 +169,7 @@ class EngineLoop:
             self._fail_requests(
                 APIError(500, f"engine failure: {type(err).__name__}", code="engine_failure"),
                 "error",
-                reclaim=RequestStatus.FAILED,
+                reclaim=SequenceStatus.FAILED,
             )
             self._fail(f"engine loop failed: {type(err).__name__}: {err}")
         finally:
@@ -195,7 +195,7 @@ class EngineLoop:
                 wait = 0.0 if busy else IDLE_WAIT_S
             if not self._handle_commands(wait):  # the server is stopping: cancel what is left
                 self._fail_requests(
-                    draining_error(self._config.retry_after_s), "abort", reclaim=RequestStatus.CANCELLED
+                    draining_error(self._config.retry_after_s), "abort", reclaim=SequenceStatus.CANCELLED
                 )
                 return
             self._engine.check_health()  # a dead tensor-parallel rank fails the engine while idle too
@@ -240,7 +240,7 @@ class EngineLoop:
         for req in [
             r for r in self._active.values() if r.paused_since is not None and now - r.paused_since > timeout
         ]:
-            self._engine.abort_request(req.request_id, RequestStatus.CANCELLED)
+            self._engine.abort_request(req.request_id, SequenceStatus.CANCELLED)
             del self._active[req.request_id]
             req.fail(
                 APIError(
@@ -277,7 +277,7 @@ class EngineLoop:
         elif isinstance(cmd, _Abort):
             for rid in cmd.request_ids:
                 if not self._admission.remove_pending(rid) and self._active.pop(rid, None) is not None:
-                    engine.abort_request(rid, RequestStatus.CANCELLED)
+                    engine.abort_request(rid, SequenceStatus.CANCELLED)
         elif isinstance(cmd, _Resume):
             resumed = self._active.get(cmd.request_id)
             if resumed is not None:
@@ -297,7 +297,7 @@ class EngineLoop:
             self._draining = True
             self._admission.drain()
 
-    def _fail_requests(self, error: APIError, finish_reason: str, reclaim: RequestStatus) -> None:
+    def _fail_requests(self, error: APIError, finish_reason: str, reclaim: SequenceStatus) -> None:
         """End every open request with ``error`` (pending ones count as turned away). Each live one goes
         through the engine's reclaim routine as ``reclaim`` (CANCELLED when stopping, FAILED after an
         engine failure), so it frees its blocks and writes its one terminal record. After a failure the

@@ -25,9 +25,9 @@ from kvpilot.engine.engine_setup import load_served_model
 from kvpilot.engine.input_batch import StepBatch
 from kvpilot.engine.kv.block_table import BlockTableTensor
 from kvpilot.engine.kv.kv_cache import KVCache
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
+from kvpilot.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from kvpilot.engine.engine_core import LLMEngine
@@ -95,7 +95,7 @@ class DraftModel:
 
     def propose(
         self,
-        seqs: list[Request],
+        seqs: list[Sequence],
         limits: list[int],
         tables: BlockTableTensor,
         generators: list[torch.Generator | None],

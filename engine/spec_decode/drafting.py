@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.sequence import Sequence, SequenceStatus
 from kvpilot.engine.spec_decode.config import SpeculativeConfig
 from kvpilot.engine.spec_decode.ngram_proposer import propose
 
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.spec_decode.draft_model import DraftModel
 
 
-def draft_limit(seq: Request, max_model_len: int) -> int:
+def draft_limit(seq: Sequence, max_model_len: int) -> int:
     """Most draft tokens ``seq`` may propose now: room for them and the bonus token."""
     room = max_model_len - seq.num_tokens - 1
     max_tokens = seq.params.max_tokens
@@ -39,10 +39,10 @@ def draft_limit(seq: Request, max_model_len: int) -> int:
     return max(0, room)
 
 
-def can_speculate(seq: Request) -> bool:
+def can_speculate(seq: Sequence) -> bool:
     group = seq.group
     return (
-        seq.status is RequestStatus.DECODE
+        seq.status is SequenceStatus.DECODE
         and not seq.paused
         and seq.num_tokens - seq.num_computed_tokens == 1
         and seq.num_output_tokens > 0
@@ -52,7 +52,7 @@ def can_speculate(seq: Request) -> bool:
 
 
 def propose_drafts(
-    running: Iterable[Request],
+    running: Iterable[Sequence],
     config: SpeculativeConfig,
     max_model_len: int,
     draft: DraftContext | None = None,

@@ -9,17 +9,17 @@ result comes back to the host in one transfer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvpilot.engine.outputs import Logprob
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.logits_processors import RowState
 from kvpilot.engine.sampling.row_params import SamplingTensors
 from kvpilot.engine.sampling.sampler import Distributions, Sampler, top_logprobs_of
+from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.spec_decode.rejection import accept_greedy, accept_sampled
 
 
@@ -38,7 +38,7 @@ class VerifiedDraft:
         return len(self.token_ids) - 1
 
 
-def expanded_states(seq: Request, generator: torch.Generator | None) -> list[RowState]:
+def expanded_states(seq: Sequence, generator: torch.Generator | None) -> list[RowState]:
     """One ``RowState`` per verification row of ``seq``: row ``j`` sees the first ``j`` drafts as output
     (penalties, bad words and ``min_tokens`` count them); the grammar's masks for all rows come from the
     first row's matcher and the drafts."""
@@ -64,10 +64,10 @@ def expanded_states(seq: Request, generator: torch.Generator | None) -> list[Row
 def verify_drafts(
     sampler: Sampler,
     logits: torch.Tensor,
-    seqs: Sequence[Request],
-    generators: Sequence[torch.Generator | None],
+    seqs: abc.Sequence[Sequence],
+    generators: abc.Sequence[torch.Generator | None],
     row_params: SamplingTensors,
-    want_logprobs: Sequence[bool],
+    want_logprobs: abc.Sequence[bool],
 ) -> list[VerifiedDraft]:
     """``logits`` [sum(1 + drafts), V]: each sequence's rows, consecutive. ``row_params`` one row per logits
     row. ``want_logprobs[i]``: sequence ``i`` reports its emitted tokens' logprobs."""
@@ -136,7 +136,7 @@ def verify_drafts(
     return results
 
 
-def _draft_probs(seqs: Sequence[Request], k: int, vocab: int, dev: torch.device) -> torch.Tensor | None:
+def _draft_probs(seqs: abc.Sequence[Sequence], k: int, vocab: int, dev: torch.device) -> torch.Tensor | None:
     """[S, k, V] the distributions the drafts were drawn from (a deterministic proposal: one-hot), or
     None when every proposal is deterministic (the rule's one-hot case, without the tensor)."""
     if all(s.spec_draft_probs is None for s in seqs):

@@ -12,8 +12,8 @@ from kvpilot.engine.kv.capacity import (
     slot_usage,
 )
 from kvpilot.engine.kv.manager import KVCacheManager
-from kvpilot.engine.request import Request
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sequence import Sequence
 
 
 def test_bytes_per_token_is_2_layers_heads_dim_bytes():
@@ -42,7 +42,7 @@ def test_kv_heads_not_divisible_by_tp_degree_is_refused():
 
 
 def _req(rid, tokens):
-    return Request(rid, tokens, SamplingParams(max_tokens=1))
+    return Sequence(rid, tokens, SamplingParams(max_tokens=1))
 
 
 def test_prefix_sharing_lengths_6_and_7_share_one_full_block():

@@ -10,14 +10,14 @@ import pytest
 from engine_device import ENGINE_DEVICE
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.request import TERMINAL, TRANSITIONS, IllegalTransition, Request, RequestStatus
 from kvpilot.engine.request_validation import RequestError
+from kvpilot.engine.sequence import TERMINAL, TRANSITIONS, IllegalTransition, Sequence, SequenceStatus
 
-S = RequestStatus
+S = SequenceStatus
 
 
 def test_legal_path_and_illegal_transitions_raise():
-    r = Request("x", [1, 2], SamplingParams())
+    r = Sequence("x", [1, 2], SamplingParams())
     for nxt in (
         S.RUNNABLE,
         S.PREFILL,
@@ -33,7 +33,7 @@ def test_legal_path_and_illegal_transitions_raise():
         r.transition(nxt)
     with pytest.raises(IllegalTransition):
         r.transition(S.DECODE)  # nothing leaves a terminal state
-    q = Request("y", [1], SamplingParams())
+    q = Sequence("y", [1], SamplingParams())
     with pytest.raises(IllegalTransition):
         q.transition(S.DECODE)  # a queued request has no blocks to decode with
     with pytest.raises(IllegalTransition):
@@ -109,7 +109,7 @@ def test_random_cancels_and_timeouts_never_leak_or_double_free(llm, seed):
     records = [r.request_id for r in engine.terminal_records[before:]]
     assert sorted(records) == sorted(ids)
     assert engine.pool.num_in_use == 0 and engine.kv.num_reserved_blocks == 0
-    assert engine.scheduler.num_unfinished == 0 and not engine.requests
+    assert engine.scheduler.num_unfinished == 0 and not engine.sequences
 
 
 def test_request_ids_in_use_or_reserved_are_refused():
@@ -119,4 +119,4 @@ def test_request_ids_in_use_or_reserved_are_refused():
         with pytest.raises(RequestError, match=f"request id '{rid}' is already in use"):
             engine.add_request(rid, [5, 6, 7], SamplingParams(max_tokens=2))
     assert engine.admission_cost([5, 6, 7], SamplingParams(max_tokens=2)) >= 1
-    assert set(engine.requests) == {"a"}
+    assert set(engine.sequences) == {"a"}

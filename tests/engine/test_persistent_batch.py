@@ -223,7 +223,7 @@ def test_steady_decode_batch_reads_block_tables_without_a_copy():
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], params)
     engine.step()
-    scheduled = [(engine.requests[f"r{i}"], 1) for i in range(3)]
+    scheduled = [(engine.sequences[f"r{i}"], 1) for i in range(3)]
     view = engine.runner.build_batch(scheduled).meta.block_tables
     assert view.data_ptr() == engine.kv.block_tensor.device_table.data_ptr()
     gathered = engine.runner.build_batch(scheduled[::-1]).meta.block_tables

@@ -11,7 +11,7 @@ import torch
 
 from kvpilot.engine import LLMEngine, SamplingParams
 from kvpilot.engine.config import EngineArgs
-from kvpilot.engine.request import RequestStatus
+from kvpilot.engine.sequence import SequenceStatus
 
 
 def stub_engine(monkeypatch_logits=None, **args) -> LLMEngine:
@@ -21,7 +21,7 @@ def stub_engine(monkeypatch_logits=None, **args) -> LLMEngine:
     vocab = engine.arch.vocab_size
 
     def execute(batch):
-        n = len(batch.sampling_requests)
+        n = len(batch.sampling_sequences)
         if monkeypatch_logits is not None:
             return monkeypatch_logits(batch)
         logits = torch.zeros(n, vocab)
@@ -88,14 +88,14 @@ def test_recompute_preemption_picks_lowest_priority_latest_arrival_with_exact_bl
     engine.add_request("b", list(range(20, 28)), p, arrival_time=2.0)
     engine.add_request("c", list(range(30, 38)), p, arrival_time=3.0)
     engine.step()  # prefill all three: 6 blocks, first tokens sampled
-    tables = {r: list(engine.kv.block_table(engine.requests[r])) for r in "abc"}
+    tables = {r: list(engine.kv.block_table(engine.sequences[r])) for r in "abc"}
     assert tables == {"a": [1, 2], "b": [3, 4], "c": [5, 6]}
     engine.step()  # 9th token of each: a takes block 7, b has none left -> c (latest) is preempted
-    assert engine.requests["c"].status is RequestStatus.PREEMPTED
-    assert engine.requests["c"].num_computed_tokens == 0
-    assert engine.kv.block_table(engine.requests["a"]) == [1, 2, 7]
+    assert engine.sequences["c"].status is SequenceStatus.PREEMPTED
+    assert engine.sequences["c"].num_computed_tokens == 0
+    assert engine.kv.block_table(engine.sequences["a"]) == [1, 2, 7]
     # c's blocks were freed tail first (6 then 5), so b got 6
-    assert engine.kv.block_table(engine.requests["b"]) == [3, 4, 6]
+    assert engine.kv.block_table(engine.sequences["b"]) == [3, 4, 6]
     assert engine.scheduler.num_preemptions == 1
     engine.check_invariants()
     ticks = completion_ticks(engine)
@@ -150,7 +150,7 @@ def test_parallel_samples_count_against_max_num_seqs_at_admission():
         engine.step()
         engine.check_invariants()
         most = max(most, len(engine.scheduler.running))
-        if admitted_at is None and "four#1" in engine.requests:
+        if admitted_at is None and "four#1" in engine.sequences:
             admitted_at = tick
         if not engine.has_unfinished_requests():
             break
@@ -219,7 +219,7 @@ def test_randomized_scheduler_keeps_kv_invariants(seed):
     gen = torch.Generator().manual_seed(seed)
 
     def random_logits(batch):
-        return torch.randn(len(batch.sampling_requests), 512, generator=gen) * 3
+        return torch.randn(len(batch.sampling_sequences), 512, generator=gen) * 3
 
     engine = stub_engine(random_logits, **args)
     capacity = (args["num_kv_blocks"] - 1) * block_size
@@ -269,7 +269,7 @@ def test_randomized_forks_swaps_and_releases_leave_no_kv_state(seed):
     )
     gen = torch.Generator().manual_seed(seed)
     engine = stub_engine(
-        lambda batch: torch.randn(len(batch.sampling_requests), 512, generator=gen) * 3, **args
+        lambda batch: torch.randn(len(batch.sampling_sequences), 512, generator=gen) * 3, **args
     )
     prefix = [rng.randrange(3, 500) for _ in range(6)]
     submitted = []

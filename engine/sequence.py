@@ -1,5 +1,5 @@
-"""A request's state and its lifecycle state machine (docs/architecture.md#request-state-machine), enforced in
-one place.
+"""One sequence of a user request (``Sequence``; the request itself is a ``SequenceGroup``) and its lifecycle
+state machine (docs/architecture.md#request-state-machine), enforced in one place.
 
 States and the resources each holds:
 - QUEUED: admitted with a KV *reservation* (accounting only); no physical blocks yet.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.structured.matcher import GrammarMatcher
 
 
-class RequestStatus(enum.Enum):
+class SequenceStatus(enum.Enum):
     QUEUED = "queued"
     RUNNABLE = "runnable"
     PREFILL = "prefill"
@@ -51,15 +51,15 @@ class RequestStatus(enum.Enum):
     @property
     def is_waiting(self) -> bool:
         """In the scheduler's waiting queue (no physical blocks on the device)."""
-        return self in (RequestStatus.QUEUED, RequestStatus.PREEMPTED)
+        return self in (SequenceStatus.QUEUED, SequenceStatus.PREEMPTED)
 
 
-S = RequestStatus
+S = SequenceStatus
 TERMINAL = frozenset({S.FINISHED, S.CANCELLED, S.TIMED_OUT, S.FAILED})
 _ABORTS = {S.CANCELLED, S.TIMED_OUT, S.FAILED}
 
 #: legal transitions; every terminal state is reachable from every live one except as listed
-TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     S.QUEUED: frozenset({S.RUNNABLE} | _ABORTS),
     S.RUNNABLE: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
     S.PREFILL: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
@@ -97,7 +97,7 @@ class RequestTimes:
     token_times: list[float] = field(default_factory=list)
 
 
-class Request:
+class Sequence:
     """One sequence being generated. Parallel samples (``n`` > 1) are sibling requests sharing KV blocks."""
 
     def __init__(
@@ -129,7 +129,7 @@ class Request:
         self.times = RequestTimes() if arrival_time is None else RequestTimes(arrival=arrival_time)
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
-        self.status = RequestStatus.QUEUED
+        self.status = SequenceStatus.QUEUED
         #: tokens whose K/V are in the cache (they will be after the current step's forward)
         self.num_computed_tokens = 0
         #: prompt tokens served from the prefix cache at the first schedule
@@ -196,10 +196,10 @@ class Request:
     def is_prefill_done(self) -> bool:
         return self.num_computed_tokens >= self.num_prompt_tokens
 
-    def fork(self, child_id: str) -> Request:
+    def fork(self, child_id: str) -> Sequence:
         """A new sequence that continues from this one's tokens and computed KV (parallel samples, beams).
         It starts in this sequence's state; the KV manager shares the blocks by reference count."""
-        child = Request(
+        child = Sequence(
             child_id,
             self.prompt_token_ids,
             self.params,
@@ -229,7 +229,7 @@ class Request:
         return child
 
     # ---- state machine -------------------------------------------------------------------------------
-    def transition(self, new: RequestStatus) -> None:
+    def transition(self, new: SequenceStatus) -> None:
         if new not in TRANSITIONS[self.status]:
             raise IllegalTransition(
                 f"request {self.request_id}: illegal transition {self.status.value} -> {new.value}"
@@ -246,6 +246,6 @@ class Request:
 
     def __repr__(self) -> str:
         return (
-            f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )
