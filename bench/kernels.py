@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.kernels.synthetic import PagedBatch, make_paged_batch
-from kvpilot.engine.attention.triton_backend import TritonKernels, load_kernels
+from kvpilot.engine.attention.triton_loader import TritonKernels, load_kernels
 
 
 @dataclass(frozen=True)

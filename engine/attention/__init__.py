@@ -4,6 +4,7 @@
 - ``backend``   ``AttentionBackend`` interface and ``select_backend`` (auto | torch | triton)
 - ``torch_backend``   the PyTorch path (CPU default): gathers paged K/V and runs SDPA
 - ``triton_backend``  the Triton kernels (CUDA default; runs in the interpreter on CPU for tests)
+- ``triton_loader``   imports the kernels compiled (CUDA) or interpreted (CPU), refusing a mixed import
 - ``gpu_preflight``   the start-up check that Triton can build and launch a kernel (names what is missing)
 - ``kernels/``        the Triton kernels themselves, one per module, with their PyTorch references
 """

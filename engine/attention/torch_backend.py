@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.kv.kv_quant import KVQuant, as_bytes, dequantize, quantize_rows
-from kvpilot.engine.native.ops import PREFILL_HEAD_DIM_MULTIPLE, NativeOps
+from kvpilot.engine.native.ops import NativeOps
+from kvpilot.engine.native.paged_attention_ops import PREFILL_HEAD_DIM_MULTIPLE
 
 #: start a new decode bucket when a context is this much longer than the bucket's shortest one
 _BUCKET_GROWTH = 1.5
@@ -184,7 +185,7 @@ class TorchAttentionBackend(AttentionBackend):
         """Whether prefill/extend tokens go to the native kernel (else SDPA per sequence)."""
         return (
             self.native is not None
-            and self.native.has_prefill_attention
+            and self.native.attention.has_prefill
             and self.head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
         )
 
@@ -254,7 +255,7 @@ class TorchAttentionBackend(AttentionBackend):
         kvh, d, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         if self.native is not None and meta.num_decodes:
             nd = meta.num_decodes
-            out[:nd] = self.native.paged_decode(
+            out[:nd] = self.native.attention.paged_decode(
                 query[:nd].reshape(nd, -1),
                 key_cache,
                 value_cache,
@@ -280,7 +281,7 @@ class TorchAttentionBackend(AttentionBackend):
             out.index_copy_(0, bucket.rows, o.reshape(n, self.num_heads, d))
         if meta.extras["native_prefill"] and meta.num_seqs > meta.num_decodes:
             nd = meta.num_decodes
-            out[nd:] = self.native.paged_prefill(
+            out[nd:] = self.native.attention.paged_prefill(
                 query.reshape(query.shape[0], -1),
                 key_cache,
                 value_cache,

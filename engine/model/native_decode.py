@@ -30,7 +30,8 @@ from kvpilot.engine.model.quant_linear import QUANT_NATIVE_MAX_ROWS, QuantLinear
 from kvpilot.engine.model.rope import RotaryEmbedding
 from kvpilot.engine.native.decode_step_ops import MAX_PARTS, LayerView, LinearView, ModelView, PartView
 from kvpilot.engine.native.kv_args import kv_cache_args
-from kvpilot.engine.native.ops import MAX_GROUP, MAX_HEAD_DIM, NativeOps, check_block_tables
+from kvpilot.engine.native.ops import NativeOps
+from kvpilot.engine.native.paged_attention_ops import MAX_GROUP, MAX_HEAD_DIM, check_block_tables
 from kvpilot.engine.native.quant_ops import FORMATS, check_weight
 
 if TYPE_CHECKING:

@@ -37,7 +37,11 @@ Package map:
 - ``build``              compiles the sources once per host (``-O3 -march=native``, plus any extra flags:
                          tests build the portable fallbacks with ``-mno-avx2``) into one library in the
                          cache directory, loads it with ctypes; ``NativeBuildError`` when that fails
-- ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C
+- ``ops``                ``NativeOps``: tensor wrappers that validate dtype/layout before calling C (norm,
+                         RoPE, K/V write, gated activations, the decode GEMM) and the kernel families below
+- ``paged_attention_ops`` ``PagedAttentionKernels`` (``NativeOps.attention``): paged decode and prefill
+                         attention, with the block-table and GQA checks
+- ``tensor_checks``      the input checks every wrapper shares (float rows, contiguous arrays)
 - ``kv_args``            the checks and C arguments of a float32, fp8 or int8 KV cache and its scales
 - ``reference``          the PyTorch reference each kernel is tested against
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvpilot.engine.native.tensor_checks import check_float_rows
+
 #: weights per block, in every format (an int8 row is read in chunks of this many)
 BLOCK = 32
 
@@ -57,23 +59,6 @@ FORMATS = {
 }
 #: the K-quants (256-weight super-blocks)
 K_FORMATS = frozenset(name for name, f in FORMATS.items() if f.block_weights > BLOCK)
-
-
-def check_float_rows(x: torch.Tensor, name: str, width: int | None = None) -> None:
-    """``x`` must be a 2-D float32 CPU tensor with contiguous rows (``width`` columns if given): what every
-    native kernel reads by row stride (``ops`` checks its inputs with it too)."""
-    if (
-        x.dtype != torch.float32
-        or x.device.type != "cpu"
-        or x.dim() != 2
-        or (x.shape[1] > 1 and x.stride(1) != 1)
-    ):
-        raise ValueError(
-            f"{name} must be a 2-D float32 CPU tensor with contiguous rows, got "
-            f"{x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}"
-        )
-    if width is not None and x.shape[1] != width:
-        raise ValueError(f"{name} must have {width} columns, got {x.shape[1]}")
 
 
 def check_vector(v: torch.Tensor, name: str, length: int) -> None:

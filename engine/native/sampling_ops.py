@@ -16,7 +16,7 @@ import ctypes
 
 import torch
 
-from kvpilot.engine.native.quant_ops import check_float_rows
+from kvpilot.engine.native.tensor_checks import check_float_rows
 
 #: columns of the parameter rows the kernel reads (``row_params.COLUMNS``)
 PARAM_COLUMNS = 5

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.native.quant_ops import BLOCK, FORMATS, check_float_rows, check_vector, check_weight
+from kvpilot.engine.native.quant_ops import BLOCK, FORMATS, check_vector, check_weight
+from kvpilot.engine.native.tensor_checks import check_float_rows
 
 
 @dataclass(frozen=True)

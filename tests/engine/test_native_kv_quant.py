@@ -93,7 +93,7 @@ def test_paged_decode_over_codes_matches_reference(
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     query = torch.randn(len(lengths), num_heads * head_dim, generator=g)
     scale = head_dim**-0.5
-    out = kernels.paged_decode(query, kc, vc, tables, seq_lens, scale, window, None, quant)
+    out = kernels.attention.paged_decode(query, kc, vc, tables, seq_lens, scale, window, None, quant)
     expected = reference.reference_paged_decode(query, kc, vc, tables, seq_lens, scale, window, None, quant)
     torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
     # negative control: the codes read as if their scale were 1 give another answer
@@ -119,7 +119,7 @@ PREFILL_CASES = [
 def test_paged_prefill_over_codes_matches_reference(
     kernels, kv_cache_dtype, new, cached, num_heads, kv_heads, head_dim, block_size, window
 ):
-    if not kernels.has_prefill_attention:
+    if not kernels.attention.has_prefill:
         pytest.skip("paged_prefill needs AVX2")
     g = _gen(sum(new) + sum(cached))
     lengths = [c + n for c, n in zip(cached, new, strict=True)]
@@ -135,7 +135,7 @@ def test_paged_prefill_over_codes_matches_reference(
     query = torch.randn(offsets[-1], num_heads * head_dim, generator=g)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = kernels.paged_prefill(query, kc, vc, tables, starts, seq_lens, scale, window, None, quant)
+    out = kernels.attention.paged_prefill(query, kc, vc, tables, starts, seq_lens, scale, window, None, quant)
     expected = reference.reference_paged_prefill(
         query, kc, vc, tables, starts, seq_lens, scale, window, None, quant
     )
@@ -147,9 +147,11 @@ def test_wrappers_refuse_codes_without_their_scales(kernels):
     table = torch.ones(1, 2, dtype=torch.int32)
     lens = torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match="per-row key_scales"):
-        kernels.paged_decode(torch.zeros(1, 16), codes, codes, table, lens, 1.0, None, None, KVQuant("int8"))
+        kernels.attention.paged_decode(
+            torch.zeros(1, 16), codes, codes, table, lens, 1.0, None, None, KVQuant("int8")
+        )
     with pytest.raises(ValueError, match=r"key_cache must be a contiguous torch\.float32"):
-        kernels.paged_decode(torch.zeros(1, 16), codes, codes, table, lens, 1.0, None)
+        kernels.attention.paged_decode(torch.zeros(1, 16), codes, codes, table, lens, 1.0, None)
     bad = KVQuant("int8", key_scales=torch.zeros(3, 1, 5), value_scales=torch.zeros(3, 1, 4))
     with pytest.raises(ValueError, match=r"key_scales must be .* \[3, 1, 4\]"):
         kernels.write_kv(torch.zeros(1, 16), torch.zeros(1, 16), codes, codes, torch.tensor([1]), bad)
@@ -205,7 +207,7 @@ def test_c_kernels_read_every_e4m3_code_as_torch_does(kernels, per_row):
     scales = torch.full((16, 1, 1), 0.5)
     quant = KVQuant("fp8", key_scales=scales, value_scales=scales) if per_row else KVQuant("fp8", 1.0, 0.5)
     tables = torch.arange(16, dtype=torch.int32).view(16, 1)
-    out = kernels.paged_decode(
+    out = kernels.attention.paged_decode(
         torch.zeros(16, 16), cache, cache, tables, torch.ones(16, dtype=torch.int32), 1.0, None, None, quant
     )
     expected = codes.view(torch.float8_e4m3fn).float().view(16, 1, 16) * 0.5

@@ -120,7 +120,9 @@ def test_paged_decode_matches_reference(
     qkv = torch.randn(len(lengths), (num_heads + 2 * kv_heads) * head_dim, generator=g)
     query = qkv[:, : num_heads * head_dim]
     scale = head_dim**-0.5
-    out = kernels.paged_decode(query, key_cache, value_cache, tables, seq_lens, scale, window, softcap)
+    out = kernels.attention.paged_decode(
+        query, key_cache, value_cache, tables, seq_lens, scale, window, softcap
+    )
     expected = reference.reference_paged_decode(
         query, key_cache, value_cache, tables, seq_lens, scale, window, softcap
     )
@@ -143,7 +145,7 @@ def test_wrappers_refuse_layouts_the_kernels_would_misread(kernels):
             torch.tensor([8]),
         )
     with pytest.raises(ValueError, match="longer than its block table"):
-        kernels.paged_decode(
+        kernels.attention.paged_decode(
             torch.zeros(1, 16),
             torch.zeros(3, 1, 4, 16),
             torch.zeros(3, 1, 4, 16),
@@ -153,7 +155,7 @@ def test_wrappers_refuse_layouts_the_kernels_would_misread(kernels):
             None,
         )
     with pytest.raises(ValueError, match="block ids"):
-        kernels.paged_decode(
+        kernels.attention.paged_decode(
             torch.zeros(1, 16),
             torch.zeros(3, 1, 4, 16),
             torch.zeros(3, 1, 4, 16),
@@ -259,7 +261,7 @@ def test_paged_prefill_matches_reference(
     query = qkv[:, : num_heads * head_dim]
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     scale = head_dim**-0.5
-    out = kernels.paged_prefill(
+    out = kernels.attention.paged_prefill(
         query, key_cache, value_cache, tables, starts, seq_lens, scale, window, softcap
     )
     expected = reference.reference_paged_prefill(
@@ -274,19 +276,19 @@ def test_paged_prefill_refuses_what_it_would_misread(kernels):
     table = torch.ones(1, 2, dtype=torch.int32)
     one = torch.tensor([0, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match="more new tokens than its length"):
-        kernels.paged_prefill(
+        kernels.attention.paged_prefill(
             torch.zeros(2, 16), cache, cache, table, one, torch.tensor([1], dtype=torch.int32), 0.25, None
         )
     with pytest.raises(ValueError, match="query offsets"):
-        kernels.paged_prefill(
+        kernels.attention.paged_prefill(
             torch.zeros(1, 16), cache, cache, table, one, torch.tensor([2], dtype=torch.int32), 0.25, None
         )
     with pytest.raises(ValueError, match="longer than its block table"):
-        kernels.paged_prefill(
+        kernels.attention.paged_prefill(
             torch.zeros(2, 16), cache, cache, table, one, torch.tensor([9], dtype=torch.int32), 0.25, None
         )
     with pytest.raises(ValueError, match="multiple of 16"):
-        kernels.paged_prefill(
+        kernels.attention.paged_prefill(
             torch.zeros(2, 8),
             torch.zeros(3, 1, 4, 8),
             torch.zeros(3, 1, 4, 8),

@@ -136,7 +136,7 @@ def test_kernels_imported_for_compilation_are_refused_on_cpu():
     script = (
         "import torch\n"
         "import kvpilot.engine.attention.kernels.decode\n"
-        "from kvpilot.engine.attention.triton_backend import load_kernels\n"
+        "from kvpilot.engine.attention.triton_loader import load_kernels\n"
         "try:\n"
         "    load_kernels(torch.device('cpu'))\n"
         "except RuntimeError as error:\n"

@@ -16,7 +16,7 @@ import torch
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
 from kvpilot.engine.attention.kernels.tuning import KernelConfig
-from kvpilot.engine.attention.triton_backend import load_kernels
+from kvpilot.engine.attention.triton_loader import load_kernels
 
 pytestmark = pytest.mark.triton
 

@@ -13,7 +13,7 @@ from kv_quant_caches import FORMATS, clone_quant, empty_quantized_caches, quanti
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
 from kvpilot.engine.attention.kernels.tuning import KernelConfig
-from kvpilot.engine.attention.triton_backend import load_kernels
+from kvpilot.engine.attention.triton_loader import load_kernels
 from kvpilot.engine.kv.kv_quant import KVQuant, dequantize_caches
 
 pytestmark = pytest.mark.triton

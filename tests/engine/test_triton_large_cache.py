@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvpilot.engine.attention.kernels import reference
-from kvpilot.engine.attention.triton_backend import load_kernels
+from kvpilot.engine.attention.triton_loader import load_kernels
 
 pytestmark = [
     pytest.mark.triton,

@@ -15,5 +15,5 @@
 
 This package imports no kernel module itself: whether Triton compiles a kernel or runs it in the
 interpreter is decided when the kernel module is imported (``TRITON_INTERPRET``), so
-``kvpilot.engine.attention.triton_backend.load_kernels`` controls that import.
+``kvpilot.engine.attention.triton_loader.load_kernels`` controls that import.
 """
