@@ -13,7 +13,7 @@
 #                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
 #                  greedy equivalence with HF, lifecycle; with the SmolLM2 GGUF also real-model sampling
 #                  and bf16-on-CUDA vs fp32-on-CPU agreement                                  -> tests.log
-#   kernels  35 s  bench/kernels.py, Triton vs SDPA                                          -> kernels.log
+#   kernels  35 s  bench/kernels.py, Triton vs SDPA; split-KV per sequence vs per batch     -> kernels.log
 #   models   45 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
 #   profile  60 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16: host time per
 #                  stage and the GPU-busy fraction from torch.profiler                       -> profile.log

@@ -3,6 +3,9 @@
     python bench/kernels.py            # CUDA: serving-sized shapes; CPU: tiny shapes in the interpreter
     python bench/kernels.py --quick    # tiny shapes everywhere (what CI runs on CPU)
 
+A mixed decode batch (many short contexts and one long one) is timed with the split plan per sequence
+against one split count for the whole batch (the rule before it), in the same run.
+
 Decode is bandwidth bound, so it reports achieved bandwidth: the bytes a step must move (every attended
 K/V row once, plus queries and outputs) over the measured time. Prefill is compute bound: causal
 attention FLOPs (QK^T and PV, 2 per multiply-add) over the time, in TFLOP/s. SDPA runs on contiguous K/V
@@ -69,6 +72,13 @@ def _shapes(device: torch.device, quick: bool) -> tuple[list[Shape], list[Shape]
     )
 
 
+def _mixed_batches(device: torch.device, quick: bool) -> list[MixedBatch]:
+    if quick or device.type != "cuda":
+        return [MixedBatch(3, 40, 700, 4, 2, 64, 16, torch.float32)]
+    bf16 = torch.bfloat16
+    return [MixedBatch(127, 1024, 32768, 32, 8, 128, 16, bf16)]
+
+
 def _timer(device: torch.device):
     """Milliseconds per call: CUDA events via triton's do_bench; wall clock (best of 2) in the interpreter."""
     if device.type == "cuda":
@@ -116,7 +126,8 @@ def _make(shape: Shape, query_len: int, device: torch.device) -> PagedBatch:
 def bench_decode(kernels: TritonKernels, shape: Shape, device: torch.device, num_sms: int, measure) -> dict:
     batch = _make(shape, 1, device)
     scale = shape.head_dim**-0.5
-    splits = kernels.split_kv.choose_num_kv_splits(shape.batch, shape.num_kv_heads, shape.seq_len, num_sms)
+    plan = kernels.split_kv.plan_kv_splits([shape.seq_len] * shape.batch, shape.num_kv_heads, num_sms)
+    splits = plan.num_kv_splits
     partials = (
         kernels.split_kv.allocate_partials(shape.batch, shape.num_heads, splits, shape.head_dim, device)
         if splits > 1
@@ -141,6 +152,7 @@ def bench_decode(kernels: TritonKernels, shape: Shape, device: torch.device, num
                 splits,
                 partials,
                 cfg,
+                min_split_tokens=plan.min_split_tokens,
             ),
             measure,
         )
@@ -158,6 +170,7 @@ def bench_decode(kernels: TritonKernels, shape: Shape, device: torch.device, num
             splits,
             partials,
             config,
+            min_split_tokens=plan.min_split_tokens,
         )
 
     keys, values = _contiguous_kv(batch)
@@ -233,6 +246,86 @@ def bench_prefill(kernels: TritonKernels, shape: Shape, device: torch.device, me
     }
 
 
+@dataclass(frozen=True)
+class MixedBatch:
+    """Decodes of ``short`` sequences of ``short_len`` keys and one of ``long_len``: the long-context
+    request among many chat turns that a per-batch split count leaves as the launch's tail."""
+
+    short: int
+    short_len: int
+    long_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    def describe(self) -> str:
+        return (
+            f"{self.short} x {self.short_len} + 1 x {self.long_len} keys, H={self.num_heads}/"
+            f"{self.num_kv_heads} D={self.head_dim} {str(self.dtype).removeprefix('torch.')}"
+        )
+
+
+def per_batch_plan(split_kv, active_lens: list[int], num_kv_heads: int, num_sms: int):
+    """The split rule before per-sequence plans (the baseline): one count for the whole launch, from the
+    batch size and the longest context, every sequence's context spread over all the splits."""
+    to_fill = -(-split_kv.PROGRAMS_PER_SM * num_sms // (len(active_lens) * num_kv_heads))
+    by_length = -(-max(active_lens) // split_kv.MIN_TOKENS_PER_SPLIT)
+    return split_kv.SplitPlan(max(1, min(to_fill, by_length, split_kv.MAX_KV_SPLITS)), 1)
+
+
+def bench_mixed_decode(kernels: TritonKernels, mixed: MixedBatch, device, num_sms: int, measure) -> dict:
+    """One decode launch over ``mixed`` with the per-batch plan and with the per-sequence plan."""
+    lens = [mixed.short_len] * mixed.short + [mixed.long_len]
+    batch = make_paged_batch(
+        [n - 1 for n in lens],
+        [1] * len(lens),
+        mixed.num_heads,
+        mixed.num_kv_heads,
+        mixed.head_dim,
+        mixed.block_size,
+        mixed.dtype,
+        device=device,
+        seed=mixed.long_len,
+    )
+    split_kv = kernels.split_kv
+    plans = {
+        "per_batch": per_batch_plan(split_kv, lens, mixed.num_kv_heads, num_sms),
+        "per_sequence": split_kv.plan_kv_splits(lens, mixed.num_kv_heads, num_sms),
+    }
+    result: dict = {}
+    outputs = []
+    for name, plan in plans.items():
+        out = torch.empty_like(batch.query)
+        partials = (
+            split_kv.allocate_partials(len(lens), mixed.num_heads, plan.num_kv_splits, mixed.head_dim, device)
+            if plan.num_kv_splits > 1
+            else None
+        )
+
+        def decode(out=out, plan=plan, partials=partials):
+            kernels.decode.paged_decode(
+                out,
+                batch.query,
+                batch.key_cache,
+                batch.value_cache,
+                batch.block_tables,
+                batch.seq_lens,
+                mixed.head_dim**-0.5,
+                None,
+                plan.num_kv_splits,
+                partials,
+                min_split_tokens=plan.min_split_tokens,
+            )
+
+        result[f"{name}_ms"] = measure(decode)
+        result[f"{name}_plan"] = plan
+        outputs.append(out)
+    result["max_err"] = (outputs[0].float() - outputs[1].float()).abs().max().item()
+    return result
+
+
 def _brief(config) -> str:
     block_m = f" m={config.block_m}" if config.block_m else ""
     return f"tile={config.tile_n}{block_m} w={config.num_warps} s={config.num_stages}"
@@ -280,6 +373,20 @@ def main(argv: list[str] | None = None) -> int:
         result = bench_decode(kernels, shape, device, num_sms, measure)
         worst = max(worst, result["max_err"])
         print(_row("decode", shape, result), flush=True)
+    # the interpreter runs programs one after another; plan the mixed batch as for 8 SMs there so both
+    # plans split and the run checks their outputs agree
+    mixed_sms = num_sms if device.type == "cuda" else 8
+    for mixed in _mixed_batches(device, args.quick):
+        result = bench_mixed_decode(kernels, mixed, device, mixed_sms, measure)
+        worst = max(worst, result["max_err"])
+        before, after = result["per_batch_plan"], result["per_sequence_plan"]
+        print(
+            f"mixed   {mixed.describe()}: per-batch splits {before.num_kv_splits} "
+            f"{result['per_batch_ms']:.3f} ms, per-sequence splits <= {after.num_kv_splits} of >= "
+            f"{after.min_split_tokens} keys {result['per_sequence_ms']:.3f} ms, ratio "
+            f"{result['per_batch_ms'] / result['per_sequence_ms']:.2f}, max_err {result['max_err']:.1e}",
+            flush=True,
+        )
     for shape in prefill_shapes:
         result = bench_prefill(kernels, shape, device, measure)
         worst = max(worst, result["max_err"])

@@ -21,15 +21,21 @@ MAX_HEAD_DIM = 256
 
 @dataclass
 class _DecodePlan:
-    num_kv_splits: int
-    partials: tuple[torch.Tensor, torch.Tensor] | None
+    """A step's ``split_kv.SplitPlan`` (kept as its two numbers: the kernel modules are imported only
+    through ``load_kernels``) and the views of the split scratch it uses."""
+
+    num_kv_splits: int = 1
+    min_split_tokens: int = 1
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class TritonAttentionBackend(AttentionBackend):
     """Decodes go to the split-KV decode kernel, prefill/extend sequences to one varlen prefill launch.
 
     Each call's ``LayerAttention`` (window, scale, soft-cap) goes to the kernels as arguments; the split
-    count is planned once per step from the backend's own window, which only sizes the work per program.
+    plan is made once per step, per sequence, from the backend's own window (it only sizes the work per
+    program). The splits' partial results go to one scratch buffer kept across steps (grown, never
+    reallocated per step).
 
     ``num_sms`` overrides the number of streaming multiprocessors the split-KV heuristic aims to fill
     (default: the GPU's; 1 on CPU, where the interpreter runs programs one after another).
@@ -56,6 +62,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._num_sms = num_sms
         self._kernels: TritonKernels | None = None
         self._configs = None
+        #: split-KV partial outputs and log-sum-exps, [rows, heads, MAX_KV_SPLITS, (head_dim)]
+        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kernels(self, device: torch.device) -> TritonKernels:
         if self._kernels is None:
@@ -86,21 +94,29 @@ class TritonAttentionBackend(AttentionBackend):
         _check_metadata(meta)
         device = meta.seq_lens.device
         kernels = self.kernels(device)
-        plan = _DecodePlan(1, None)
+        plan = _DecodePlan()
         if meta.num_decodes:
-            longest = max(meta.seq_lens_host[: meta.num_decodes])
-            active = min(longest, self.sliding_window) if self.sliding_window else longest
-            splits = kernels.split_kv.choose_num_kv_splits(
-                meta.num_decodes, self.num_kv_heads, active, self._sm_count(device)
-            )
-            if splits > 1:
-                plan = _DecodePlan(
-                    splits,
-                    kernels.split_kv.allocate_partials(
-                        meta.num_decodes, self.num_heads, splits, self.head_dim, device
-                    ),
-                )
+            split_kv = kernels.split_kv
+            active = split_kv.attended_keys(meta.seq_lens_host[: meta.num_decodes], self.sliding_window)
+            split = split_kv.plan_kv_splits(active, self.num_kv_heads, self._sm_count(device))
+            if split.num_kv_splits > 1:
+                partials = self._split_scratch(meta.num_decodes, split.num_kv_splits, device)
+                plan = _DecodePlan(split.num_kv_splits, split.min_split_tokens, partials)
         meta.extras["triton_decode_plan"] = plan
+
+    def _split_scratch(
+        self, rows: int, splits: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the kept scratch for ``rows`` sequences and ``splits`` splits (grown to the next power
+        of two of rows when too small)."""
+        if self._partials is None or self._partials[0].shape[0] < rows or self._partials[0].device != device:
+            capacity = 1 << (rows - 1).bit_length()
+            split_kv = self.kernels(device).split_kv
+            self._partials = split_kv.allocate_partials(
+                capacity, self.num_heads, split_kv.MAX_KV_SPLITS, self.head_dim, device
+            )
+        partial_out, partial_lse = self._partials
+        return partial_out[:rows, :, :splits], partial_lse[:rows, :, :splits]
 
     def write_kv(
         self,
@@ -169,6 +185,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._config("decode", key_cache, windowed),
                 layer.logit_softcap,
                 quant,
+                plan.min_split_tokens,
             )
         if meta.num_seqs > decodes:
             kernels.prefill.paged_prefill(

@@ -33,3 +33,13 @@ def test_quick_kernel_bench_runs_and_agrees_with_sdpa():
         assert row.group(7) == ("GB/s" if row.group(1) == "decode" else "TFLOP/s")
     # the long quick decode goes through split-KV and the merge kernel
     assert "splits=2" in result.stdout
+    # the mixed batch: the per-batch rule splits every sequence in 2, the per-sequence plan only the long
+    # one, in 3 splits of >= 256 keys; both give the same attention
+    mixed = re.search(
+        r"^mixed .*per-batch splits 2 [\d.]+ ms, per-sequence splits <= 3 of >= 256 keys [\d.]+ ms, "
+        r"ratio [\d.]+, max_err (\S+)$",
+        result.stdout,
+        re.M,
+    )
+    assert mixed, result.stdout
+    assert float(mixed.group(1)) <= 1e-5

@@ -286,6 +286,46 @@ def test_split_results_merge_to_the_unsplit_output():
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "splits, min_split_tokens, used",
+    [
+        # 32-key tiles: 700 keys are 22 tiles, 300 are 10; >= 256 keys is >= 8 tiles a split
+        (4, 256, [3, 1, 1, 2]),  # the long sequences take what they need, the short ones 1
+        (16, 256, [3, 1, 1, 2]),  # one fixed plan for any batch (MAX_KV_SPLITS): the same splits
+        (3, 1, [3, 2, 1, 3]),  # every sequence spread over all the splits (the per-batch rule)
+        (2, 10_000, [1, 1, 1, 1]),  # a minimum above every context: one split each
+    ],
+)
+def test_each_sequence_takes_only_the_splits_its_context_needs(splits, min_split_tokens, used):
+    """A launch's split count is an upper bound; each sequence's splits hold >= min_split_tokens keys
+    (the splits it leaves empty have log-sum-exp -inf). Whatever the plan, the output is the reference
+    attention."""
+    lens = [700, 40, 3, 300]
+    batch = make_paged_batch(
+        [n - 1 for n in lens], [1] * len(lens), 4, 2, 64, 16, torch.float32, seed=5, device=DEVICE
+    )
+    out = torch.empty_like(batch.query)
+    KERNELS.decode.paged_decode(
+        out,
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_tables,
+        batch.seq_lens,
+        0.125,
+        None,
+        splits,
+        partials := KERNELS.split_kv.allocate_partials(len(lens), 4, splits, 64, DEVICE),
+        min_split_tokens=min_split_tokens,
+    )
+    lse = partials[1]  # [seqs, heads, splits]
+    assert (lse > float("-inf")).all(dim=1).sum(dim=1).tolist() == used
+    expected = reference.reference_decode(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens, 0.125, None
+    )
+    assert_close(out, expected, torch.float32)
+
+
 def test_decode_refuses_splits_without_scratch():
     batch = make_paged_batch([20], [1], 2, 1, 64, 16, torch.float32, device=DEVICE)
     with pytest.raises(ValueError, match="allocate_partials"):

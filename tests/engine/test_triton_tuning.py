@@ -21,23 +21,35 @@ pytestmark = pytest.mark.triton
 
 
 @pytest.mark.parametrize(
-    "num_seqs, kv_heads, active_len, num_sms, expected",
+    "active_lens, kv_heads, num_sms, expected",
     [
-        (1, 8, 8192, 132, 16),  # one long sequence: as many splits as allowed
-        (8, 8, 8192, 132, 5),  # 64 programs, 264 wanted -> 5 splits
-        (64, 8, 8192, 132, 1),  # the batch alone fills the GPU
-        (1, 8, 600, 132, 3),  # short context: >= 256 tokens per split
-        (1, 1, 100, 132, 1),
-        (2, 2, 4096, 1, 1),  # the interpreter (1 "SM") never needs more programs
+        ([8192], 8, 132, (16, 256)),  # one long sequence: as many splits as allowed
+        ([8192] * 8, 8, 132, (5, 1986)),  # 64 programs: splits of ~2k keys give the 264 wanted
+        ([8192] * 64, 8, 132, (1, 15888)),  # the batch alone fills the GPU
+        ([600], 8, 132, (3, 256)),  # short context: >= 256 keys per split
+        ([100], 1, 132, (1, 256)),
+        ([4096, 4096], 2, 1, (1, 8192)),  # the interpreter (1 "SM") never needs more programs
+        # 127 chat turns and one 32k context: only the long one is split, into pieces of the
+        # batch's average work per program, instead of it running alone in one program per KV head
+        ([1024] * 127 + [32768], 8, 132, (7, 4934)),
+        ([1024] * 128, 8, 132, (1, 3972)),  # the same batch without it: nothing to split
     ],
 )
-def test_split_heuristic(num_seqs, kv_heads, active_len, num_sms, expected):
-    assert split_kv.choose_num_kv_splits(num_seqs, kv_heads, active_len, num_sms) == expected
+def test_split_plan(active_lens, kv_heads, num_sms, expected):
+    plan = split_kv.plan_kv_splits(active_lens, kv_heads, num_sms)
+    assert (plan.num_kv_splits, plan.min_split_tokens) == expected
 
 
-def test_split_heuristic_rejects_empty_launches():
-    with pytest.raises(ValueError, match="positive"):
-        split_kv.choose_num_kv_splits(0, 8, 100, 132)
+def test_split_plan_rejects_empty_launches():
+    with pytest.raises(ValueError, match="at least one key"):
+        split_kv.plan_kv_splits([], 8, 132)
+    with pytest.raises(ValueError, match="at least one key"):
+        split_kv.plan_kv_splits([5, 0], 8, 132)
+
+
+def test_attended_keys_stop_at_the_window():
+    assert split_kv.attended_keys([5, 300, 40], None) == [5, 300, 40]
+    assert split_kv.attended_keys([5, 300, 40], 32) == [5, 32, 32]
 
 
 def test_tuner_keeps_the_fastest_fitting_config():

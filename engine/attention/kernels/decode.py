@@ -4,7 +4,8 @@ Grid ``(num_seqs, num_kv_heads, num_kv_splits)``. A program owns one KV head of 
 ``QUERY_GROUP`` query heads that share it (GQA): the group is the M dimension of the score dot
 (padded to 16 for ``tl.dot``), so every K/V tile is loaded once per group instead of once per query
 head. The context is walked in ``TILE_N``-key tiles with an online softmax. With ``num_kv_splits > 1``
-the attended key range is cut into contiguous tile-aligned ranges, one per split, whose normalised
+the attended key range is cut into contiguous tile-aligned ranges of at least ``min_split_tokens`` keys,
+one per split (a short sequence leaves the later splits empty), whose normalised
 outputs and log-sum-exps go to scratch for ``split_kv.merge_splits``; with one split the program writes
 the final output directly and no reduction is launched.
 
@@ -57,6 +58,7 @@ def paged_decode_kernel(
     sliding_window,
     softcap,
     num_kv_splits,
+    min_split_tokens,
     stride_q_token,
     stride_q_head,
     stride_q_dim,
@@ -100,7 +102,9 @@ def paged_decode_kernel(
     # tiles are aligned to TILE_N from the first attended tile, so split 0 always holds first_key
     range_start = (first_key // TILE_N) * TILE_N
     num_tiles = ceil_div(seq_len - range_start, TILE_N)
-    tiles_per_split = ceil_div(num_tiles, num_kv_splits)
+    # this sequence's own split size: its tiles over the launch's splits, but no fewer keys than the plan's
+    # minimum, so a short sequence leaves the later splits empty instead of cutting its context thin
+    tiles_per_split = tl.maximum(ceil_div(num_tiles, num_kv_splits), ceil_div(min_split_tokens, TILE_N))
     tile_begin = split * tiles_per_split
     tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
 
@@ -214,13 +218,16 @@ def paged_decode(
     config: KernelConfig = DECODE_DEFAULT,
     softcap: float | None = None,
     quant: KVQuant | None = None,
+    min_split_tokens: int = 1,
 ) -> None:
     """Decode attention for ``query`` ``[num_seqs, num_heads, head_dim]`` (token ``b`` is sequence
     ``b``'s only new token) into ``out`` of the same shape.
 
     ``block_tables`` int32 ``[>= num_seqs, max_blocks]`` and ``seq_lens`` int32 ``[>= num_seqs]`` may be
     the whole step's tensors: only their first ``num_seqs`` rows are read. With ``num_kv_splits > 1``,
-    ``partials`` is the scratch from ``split_kv.allocate_partials`` (at least ``num_seqs`` rows).
+    ``partials`` is the scratch from ``split_kv.allocate_partials`` (at least ``num_seqs`` rows), and each
+    sequence's splits hold at least ``min_split_tokens`` keys (``split_kv.SplitPlan``; 1: every sequence
+    spreads its context over all the splits).
     ``softcap`` soft-caps the scaled scores (``cap * tanh(s / cap)``, Gemma 2). Shapes are validated by the
     caller.
     """
@@ -255,6 +262,7 @@ def paged_decode(
         sliding_window or 0,
         softcap or 0.0,
         num_kv_splits,
+        min_split_tokens,
         *query.stride(),
         *out.stride(),
         *key_cache.stride(),

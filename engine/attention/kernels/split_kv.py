@@ -1,12 +1,22 @@
-"""Split-KV (flash-decoding): how many splits a decode launch uses, and the kernel merging them.
+"""Split-KV (flash-decoding): how a decode launch splits each sequence's context, and the kernel merging
+the splits.
 
 A decode program handles one (sequence, KV head). With few sequences that is too few programs to
-fill the GPU, and each one walks the whole context serially; splitting the context into ``S``
-contiguous ranges multiplies the programs by ``S``. Each split leaves its normalised partial output and
-its log-sum-exp (base 2); the reduction re-weights the partials by ``exp2(lse_s - max lse)``.
+fill the GPU, and each one walks the whole context serially; splitting the context into contiguous
+ranges multiplies the programs. Each split leaves its normalised partial output and its log-sum-exp
+(base 2); the reduction re-weights the partials by ``exp2(lse_s - max lse)``.
+
+The split is chosen per sequence, not per batch (``plan_kv_splits``): the launch's split dimension is
+an upper bound, and each sequence cuts its own context into splits of at least ``min_split_tokens``
+keys, so a short sequence keeps one program per KV head while a long one in the same batch takes as
+many as it needs and does not become the step's tail. The kernel is exact for any plan: a plan only
+sizes the work per program, so one fixed plan serves every batch (what a captured decode replays).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,21 +32,39 @@ MAX_KV_SPLITS = 16
 PROGRAMS_PER_SM = 2
 
 
-def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_active_len: int, num_sms: int) -> int:
-    """Splits per (sequence, KV head) so that the launch has about ``PROGRAMS_PER_SM * num_sms``
-    programs, never splitting below ``MIN_TOKENS_PER_SPLIT`` tokens of the longest attended context.
+@dataclass(frozen=True)
+class SplitPlan:
+    #: the launch's split dimension: no sequence uses more splits than this
+    num_kv_splits: int
+    #: each sequence's splits hold at least this many keys (rounded up to whole tiles by the kernel), so
+    #: a sequence uses ``min(num_kv_splits, ceil(its keys / min_split_tokens))`` splits
+    min_split_tokens: int
 
-    ``max_active_len`` is the longest number of keys any sequence attends (bounded by a sliding window).
+
+def attended_keys(seq_lens: Sequence[int], sliding_window: int | None) -> list[int]:
+    """Keys each decoding sequence attends: its whole context, or the last ``sliding_window`` of it."""
+    return [min(n, sliding_window) if sliding_window else n for n in seq_lens]
+
+
+def plan_kv_splits(active_lens: Sequence[int], num_kv_heads: int, num_sms: int) -> SplitPlan:
+    """Splits for one decode launch over sequences attending ``active_lens`` keys each.
+
+    The work per program aims at the batch's total keys × KV heads spread over
+    ``PROGRAMS_PER_SM * num_sms`` programs, and never below ``MIN_TOKENS_PER_SPLIT`` keys; each sequence
+    takes as many splits of that size as its own context needs (``MAX_KV_SPLITS`` at most). A batch of
+    equal sequences that fills the GPU gets no split; one long sequence among short ones is the only
+    one split.
     """
-    if min(num_seqs, num_kv_heads, max_active_len, num_sms) < 1:
+    if not active_lens or min(num_kv_heads, num_sms) < 1 or min(active_lens) < 1:
         raise ValueError(
-            "num_seqs, num_kv_heads, max_active_len and num_sms must be positive, got "
-            f"{num_seqs}, {num_kv_heads}, {max_active_len}, {num_sms}"
+            "a decode launch needs sequences with at least one key, and positive num_kv_heads and num_sms; "
+            f"got {len(active_lens)} sequences (shortest {min(active_lens, default=0)}), "
+            f"{num_kv_heads} KV heads, {num_sms} SMs"
         )
-    programs = num_seqs * num_kv_heads
-    to_fill_gpu = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-    by_length = triton.cdiv(max_active_len, MIN_TOKENS_PER_SPLIT)
-    return max(1, min(to_fill_gpu, by_length, MAX_KV_SPLITS))
+    total_work = sum(active_lens) * num_kv_heads
+    split_tokens = max(MIN_TOKENS_PER_SPLIT, triton.cdiv(total_work, PROGRAMS_PER_SM * num_sms))
+    most = max(triton.cdiv(n, split_tokens) for n in active_lens)
+    return SplitPlan(max(1, min(most, MAX_KV_SPLITS)), split_tokens)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton
 
 from kvpilot.engine.attention.kernels.decode import paged_decode
 from kvpilot.engine.attention.kernels.prefill import paged_prefill
-from kvpilot.engine.attention.kernels.split_kv import allocate_partials, choose_num_kv_splits
+from kvpilot.engine.attention.kernels.split_kv import allocate_partials, plan_kv_splits
 from kvpilot.engine.attention.kernels.tuning import ConfigTable, decode_candidates, prefill_candidates
 
 #: longest decode context timed: long enough to be bandwidth bound, short enough to tune in seconds
@@ -74,7 +74,8 @@ def tune_served_shapes(
     query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
     out = torch.empty_like(query)
     active = min(context, sliding_window) if sliding_window else context
-    splits = choose_num_kv_splits(batch, num_kv_heads, active, num_sms)
+    plan = plan_kv_splits([active] * batch, num_kv_heads, num_sms)
+    splits = plan.num_kv_splits
     partials = allocate_partials(batch, num_heads, splits, head_dim, device) if splits > 1 else None
     configs.tune(
         "decode",
@@ -92,6 +93,7 @@ def tune_served_shapes(
             splits,
             partials,
             config,
+            min_split_tokens=plan.min_split_tokens,
         ),
         _measure_ms,
     )
