@@ -9,7 +9,7 @@
 # (8 minutes if every step ran to its limit; each usually ends well before, leaving a session's 15 minutes
 # of device time room for one rerun):
 #   env      15 s  device, versions, C compiler and Python.h, the Triton start-up check     -> env.log
-#   tests   110 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements), the Triton engine,
+#   tests   110 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements, the fused layer ops), the Triton engine,
 #                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
 #                  greedy equivalence with HF, lifecycle; with the SmolLM2 GGUF also real-model sampling
 #                  and bf16-on-CUDA vs fp32-on-CPU agreement                                  -> tests.log
@@ -78,7 +78,8 @@ fi
 if want tests; then
     t=$(date +%s)
     files=(test_triton_kernels.py test_triton_large_cache.py test_triton_engine.py test_gpu_preflight.py
-           test_request_shapes.py test_parallel_samples.py test_engine_greedy_equivalence.py test_lifecycle.py)
+           test_fused_triton.py test_request_shapes.py test_parallel_samples.py
+           test_engine_greedy_equivalence.py test_lifecycle.py)
     if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
     KVPILOT_TEST_DEVICE=$dev timeout 110 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
         -c "$repo/pyproject.toml" "${files[@]/#/$repo/tests/engine/}" >"$out/tests.log" 2>&1

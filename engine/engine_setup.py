@@ -144,6 +144,12 @@ def load_served_model(
     )
     if isinstance(backend, TorchAttentionBackend):
         backend.native = native_ops
+    if device.type == "cuda" and backend.name == "triton" and native_ops is None:
+        # the preflight above launched a Triton kernel: the layers' element-wise steps run as fused
+        # Triton kernels too (one launch each instead of several PyTorch ops)
+        from kvpilot.engine.model.fused_triton import TritonFusedOps
+
+        model.fused_ops = TritonFusedOps()
     return ServedModel(
         model_dir,
         arch,

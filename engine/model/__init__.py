@@ -29,7 +29,9 @@ Forward pass:
                      per layer type where the config nests them (Gemma 3)
 - ``rope``           rotary position embedding tables (default, linear, dynamic NTK, Llama 3, YaRN, LongRoPE)
 - ``layers``         the decoder layer (RMSNorm, GQA attention with optional q/k norm through the attention
-                     backend, SwiGLU/GeGLU MLP, Gemma's sandwich norms), PyTorch and fused-C paths
+                     backend, SwiGLU/GeGLU MLP, Gemma's sandwich norms), PyTorch and fused paths
+- ``fused_triton``   ``TritonFusedOps``: the fused path's add + RMSNorm, in-place RoPE and gated activation
+                     as Triton kernels (CUDA; the interpreter in tests)
 - ``llama``          the model: embedding, per-layer-type rotary tables, the layers, final norm, LM head
 - ``native_decode``  ``NativeDecodeStep``: a decode-only step's layers in one C call (the fused-C path's
                      kernels in its order, bound once), for dense llama-shaped models on native projections

@@ -7,15 +7,18 @@ per-layer window, scale and soft-cap (``LayerAttention``), the MLP's activation.
 
 A layer's ``mlp`` is any module mapping ``[T, H]`` to ``[T, H]``: the dense ``MLP`` here or the
 Mixture-of-Experts block of ``moe`` (chosen per layer from ``arch.moe``). ``forward_native``, when the
-module has one, is what the fused C path calls instead of ``forward``.
+module has one, is what the fused path calls instead of ``forward``.
 
-``DecoderLayer.forward_native`` is the fused C kernels' version (float32 on CPU, ``kvpilot.engine.native``):
-the residual stream is kept apart and each RMSNorm also adds the sublayer output into it (one pass instead
-of ~8 small ops), RoPE rotates q and k in place inside the fused qkv rows, and the MLP's activation is one
-kernel. Only the float summation order differs from the PyTorch path.
+``DecoderLayer.forward_native`` is the fused path, on ``FusedOps``: the C kernels (float32 on CPU,
+``kvpilot.engine.native``) or the Triton kernels (CUDA, ``fused_triton``). The residual stream is kept
+apart and each RMSNorm also adds the sublayer output into it (one pass instead of ~8 small ops), RoPE
+rotates q and k in place inside the fused qkv rows, and the MLP's activation is one kernel. Only the
+float summation order (and, in half precision, RoPE's single rounding) differs from the PyTorch path.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +30,31 @@ from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.rope import RotaryEmbedding
-from kvpilot.engine.native.ops import NativeOps
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+class FusedOps(Protocol):
+    """What the fused layer path (``forward_native``) calls: the C kernels on the CPU
+    (``native.ops.NativeOps``, float32) or the Triton kernels on CUDA (``fused_triton.TritonFusedOps``)."""
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...
+
+    def rope_(
+        self,
+        x: torch.Tensor,
+        num_heads: int,
+        head_dim: int,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
 class RMSNorm(nn.Module):
@@ -50,8 +75,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
     def scale(self) -> torch.Tensor:
-        """The float32 multiplier the native kernels apply (``add_rms_norm``)."""
-        return 1.0 + self.weight if self.unit_offset else self.weight
+        """The multiplier the fused kernels apply (``add_rms_norm``): the weight, or Gemma's ``1 + w`` in
+        float32 (as ``forward`` computes it)."""
+        return 1.0 + self.weight.float() if self.unit_offset else self.weight
 
 
 class Attention(nn.Module):
@@ -97,7 +123,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         kv_cache: LayerKV,
         meta: AttentionMetadata,
-        native: NativeOps,
+        native: FusedOps,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         if self.q_norm is not None and self.k_norm is not None:
@@ -148,7 +174,7 @@ class MLP(nn.Module):
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(act * up)
 
-    def forward_native(self, x: torch.Tensor, native: NativeOps) -> torch.Tensor:
+    def forward_native(self, x: torch.Tensor, native: FusedOps) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         return self.down_proj(native.gelu_tanh_mul(gate_up) if self.gelu else native.silu_mul(gate_up))
 
@@ -184,7 +210,7 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         kv_cache: LayerKV,
         meta: AttentionMetadata,
-        native: NativeOps,
+        native: FusedOps,
         next_norm: RMSNorm,
     ) -> torch.Tensor:
         """``hidden`` is this layer's input norm of ``residual``; the sublayer outputs are added into
@@ -206,7 +232,7 @@ class DecoderLayer(nn.Module):
 
 
 def _add_norm(
-    native: NativeOps, residual: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
+    native: FusedOps, residual: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm
 ) -> torch.Tensor:
     """``residual += delta`` (when given), then ``norm(residual)``, in one kernel pass."""
     return native.add_rms_norm(residual, delta, norm.scale(), norm.eps)

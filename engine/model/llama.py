@@ -10,6 +10,8 @@ bases), the final norm and the LM head (soft-capped for Gemma 2).
 With ``native`` set (float32 on CPU, ``kvpilot.engine.native``), the same computation runs through fused
 C kernels (``DecoderLayer.forward_native``). Every dense family runs there. A decode-only step of a
 llama-shaped model goes further: all its layers in one C call (``native_decode``), bit for bit the same.
+On CUDA with the Triton attention backend, ``fused_ops`` runs the same fused path on Triton kernels
+(``fused_triton``: add + RMSNorm, RoPE in place, the gated activation, one launch each).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvpilot.engine.attention.backend import AttentionBackend
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.arch import ModelArchConfig
-from kvpilot.engine.model.layers import MLP, Attention, DecoderLayer, RMSNorm
+from kvpilot.engine.model.layers import MLP, Attention, DecoderLayer, FusedOps, RMSNorm
 from kvpilot.engine.model.native_decode import NativeDecodeStep
 from kvpilot.engine.model.rope import RotaryEmbedding
 from kvpilot.engine.model.weights import load_hf_weights
@@ -67,6 +69,9 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head: nn.Module | None = None
         #: fused C kernels (float32 on CPU); None = PyTorch ops
         self.native: NativeOps | None = None
+        #: the fused layer path's element-wise kernels where the C kernels do not run (Triton on CUDA,
+        #: ``fused_triton``); None = PyTorch ops
+        self.fused_ops: FusedOps | None = None
         #: decode-only steps' layers in one C call (``native_decode``): None until the first native step
         #: binds it, False when this model is not a shape it runs
         self.decode_step: NativeDecodeStep | Literal[False] | None = None
@@ -88,8 +93,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         self.backend.prepare(meta)
-        if self.native is not None:
-            return self._forward_native(input_ids, positions, kv_caches, meta, self.native)
+        ops = self.native if self.native is not None else self.fused_ops
+        if ops is not None:
+            return self._forward_native(input_ids, positions, kv_caches, meta, ops)
         tables = [rotary.tables(positions) for rotary in self.rotaries]
         hidden = self._embed(input_ids)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
@@ -106,13 +112,14 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKV],
         meta: AttentionMetadata,
-        native: NativeOps,
+        native: FusedOps,
     ) -> torch.Tensor:
         """``forward`` through the fused kernels: ``residual`` accumulates the sublayer outputs in place and
         every RMSNorm reads it right after the add (the next layer's input norm, finally ``self.norm``)."""
         residual = self._embed(input_ids).contiguous()
         if self.decode_step is None:  # bound on the first step: the backend gets its kernels after loading
-            self.decode_step = NativeDecodeStep.build(self, native) or False
+            c_kernels = isinstance(native, NativeOps)
+            self.decode_step = (NativeDecodeStep.build(self, native) if c_kernels else None) or False
         if self.decode_step and self.decode_step.accepts(meta):
             return self.decode_step.run(residual, positions, kv_caches, meta)
         first = self.layers[0].input_layernorm
