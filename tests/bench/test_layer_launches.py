@@ -1,0 +1,28 @@
+"""``bench/layer_launches.py`` counts a decode step's launches per decoder layer on both paths."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.triton
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "layer_launches.py"
+
+
+def test_the_fused_path_launches_one_kernel_per_elementwise_step():
+    result = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counts = dict(
+        re.findall(
+            r"^(plain PyTorch layer|fused path, Triton kernels) +([\d.]+) launches", result.stdout, re.M
+        )
+    )
+    assert set(counts) == {"plain PyTorch layer", "fused path, Triton kernels"}, result.stdout
+    # four projections, two norms with their adds, RoPE for q and k, the activation: 8
+    assert float(counts["fused path, Triton kernels"]) == 8.0, result.stdout
+    assert "triton:add_rms_norm 2, triton:rope_ 1, triton:silu_mul 1" in result.stdout
+    # the plain layer's norms, rotate-half and activation are many small operators
+    assert float(counts["plain PyTorch layer"]) >= 20, result.stdout
