@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.model.rope import rotary_width
+
 #: widest row one program normalises in registers (hidden sizes of current models are <= 16384)
 MAX_HIDDEN = 32768
 
@@ -177,12 +179,7 @@ class TritonFusedOps:
         """Rotate the first ``num_heads`` heads of every row of ``x`` in place (rotate-half RoPE) over
         their first ``cos.shape[1]`` dims, with the tables' rows at ``positions``."""
         _check_rows(x, "x")
-        rotary = cos.shape[1] if cos.dim() == 2 else 0
-        if x.shape[1] < num_heads * head_dim or rotary % 2 or not 0 < rotary <= head_dim:
-            raise ValueError(
-                f"x rows ({x.shape[1]}) must hold {num_heads} heads of {head_dim}, each rotated over an even "
-                f"number of dims up to {head_dim} (the tables' width, {rotary})"
-            )
+        rotary = rotary_width(x, num_heads, head_dim, cos)
         if cos.shape != sin.shape or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("cos and sin must be contiguous tables of one shape")
         if positions.shape != (x.shape[0],):

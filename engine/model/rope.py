@@ -187,3 +187,16 @@ class RotaryEmbedding(torch.nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_width(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor) -> int:
+    """The dims each head rotates for an in-place RoPE kernel over ``x``'s rows (``num_heads`` heads of
+    ``head_dim`` leading each row) with a ``[max_position, rotary]`` table; ``ValueError`` when they do
+    not fit (what the fused kernels check before launching)."""
+    rotary = cos.shape[1] if cos.dim() == 2 else 0
+    if x.dim() != 2 or x.shape[1] < num_heads * head_dim or rotary % 2 or not 0 < rotary <= head_dim:
+        raise ValueError(
+            f"x rows ({x.shape[-1]}) must hold {num_heads} heads of {head_dim}, each rotated over an even "
+            f"number of dims up to {head_dim} (the tables' width, {rotary})"
+        )
+    return rotary

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine.kv.kv_quant import KVQuant
+from kvpilot.engine.model.rope import rotary_width
 from kvpilot.engine.native.build import load_library
 from kvpilot.engine.native.decode_step_ops import DecodeStepKernels
 from kvpilot.engine.native.kv_args import kv_cache_args
@@ -103,12 +104,7 @@ class NativeOps:
         """Rotate the first ``num_heads`` heads of every row of ``x`` in place (rotate-half RoPE) over their
         first ``cos.shape[1]`` dims (all ``head_dim`` of them, or fewer: partial rotary)."""
         xs = row_stride(x, "x")
-        rotary = cos.shape[1] if cos.dim() == 2 else 0
-        if x.shape[1] < num_heads * head_dim or rotary % 2 or not 0 < rotary <= head_dim:
-            raise ValueError(
-                f"x rows ({x.shape[1]}) must hold {num_heads} heads of {head_dim}, each rotated over an even "
-                f"number of dims up to {head_dim} (the tables' width, {rotary})"
-            )
+        rotary = rotary_width(x, num_heads, head_dim, cos)
         check_contiguous(positions, "positions", torch.int64)
         for table, name in ((cos, "cos"), (sin, "sin")):
             check_contiguous(table, name, torch.float32)
