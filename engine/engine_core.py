@@ -42,7 +42,7 @@ from kvpilot.engine.request_validation import (
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.sampling.sampler import Sampler
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
+from kvpilot.engine.sequence import Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.draft_model import DraftModel
@@ -260,15 +260,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, status: SequenceStatus = S.CANCELLED) -> bool:
         """Cancel / time out / fail a live request. Idempotent: False when it had already ended."""
-        group = self.groups.get(request_id)
-        if group is None:
-            return False
-        reason = {
-            S.CANCELLED: FinishReason.ABORT,
-            S.TIMED_OUT: FinishReason.TIMEOUT,
-            S.FAILED: FinishReason.ERROR,
-        }[status]
-        return self.registry.reclaim(group, status, reason)
+        return self.registry.abort(request_id, status)
 
     def set_backpressure(self, request_id: str, paused: bool) -> None:
         """A slow stream consumer: ``paused`` sequences keep their blocks but get no decode steps."""
@@ -294,7 +286,7 @@ class LLMEngine:
 
     # ---- the tick ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._expire_deadlines()
+        self.registry.expire(time.monotonic())
         start = time.perf_counter()
         if self.speculative is not None:
             propose_drafts(self.scheduler.running, self.speculative, self.max_model_len, self._draft)
@@ -327,13 +319,6 @@ class LLMEngine:
             self.stats.prompt_tokens += prefill
             self.stats.record_step(time.perf_counter() - start, prefill, out.num_batched_tokens - prefill)
         return self.registry.drain_outputs()
-
-    def _expire_deadlines(self) -> None:
-        now = time.monotonic()
-        for group in [
-            g for g in self.groups.values() if g.primary.deadline is not None and now >= g.primary.deadline
-        ]:
-            self.registry.reclaim(group, S.TIMED_OUT, FinishReason.TIMEOUT)
 
     # ---- introspection -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -9,7 +9,7 @@ have something new for the next outputs.
 - ``release``: one sequence's resources (blocks by reference count, reservation, batch slot, generator).
 - ``reclaim``: the single terminal routine of a user request (docs/architecture.md#engine-tick), whatever
   ended it: idempotent, releases every sequence, rolls back a queued reservation, writes exactly one terminal
-  record.
+  record. ``abort`` (cancel, time out, fail) and ``expire`` (deadlines passed) end requests through it.
 """
 
 from __future__ import annotations
@@ -29,6 +29,12 @@ if TYPE_CHECKING:
     from kvpilot.engine.scheduler import Scheduler
 
 S = SequenceStatus
+#: the finish reason each way of aborting a request reports
+_ABORT_REASONS = {
+    S.CANCELLED: FinishReason.ABORT,
+    S.TIMED_OUT: FinishReason.TIMEOUT,
+    S.FAILED: FinishReason.ERROR,
+}
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # sample i of a seeded request draws from seed + i·stride (mod 2^63)
 
 
@@ -113,6 +119,18 @@ class SequenceRegistry:
         self.terminal_records.append(_terminal_record(group, status, reason))
         self.touched(group)
         return True
+
+    def abort(self, request_id: str, status: SequenceStatus) -> bool:
+        """End a live request as CANCELLED, TIMED_OUT or FAILED; False when it had already ended."""
+        group = self.groups.get(request_id)
+        return group is not None and self.reclaim(group, status, _ABORT_REASONS[status])
+
+    def expire(self, now: float) -> None:
+        """Time out every request whose deadline has passed at ``now`` (monotonic seconds)."""
+        for group in [
+            g for g in self.groups.values() if g.primary.deadline is not None and now >= g.primary.deadline
+        ]:
+            self.reclaim(group, S.TIMED_OUT, FinishReason.TIMEOUT)
 
     def drain_outputs(self) -> list[RequestOutput]:
         """The outputs of every request touched since the last call (``final_only`` ones only at the end)."""
