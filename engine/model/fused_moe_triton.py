@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.launch_math import cdiv
+
 #: tile sizes of a decode-sized call: every ``tl.dot`` dimension >= 16
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 #: tiles once experts average more rows than a 16-row block: more reuse of each weight tile loaded
@@ -45,7 +47,7 @@ def align_block_size(
     real padded length int64 ``[1]``), ``P`` the worst case; padding ids are ``ids.numel()``."""
     flat = ids.reshape(-1)
     assignments = flat.numel()
-    max_padded = triton.cdiv(assignments + num_experts * (block_m - 1), block_m) * block_m
+    max_padded = cdiv(assignments + num_experts * (block_m - 1), block_m) * block_m
     # scatter_add, not bincount: bincount's output size depends on the data, a host sync on a GPU
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -112,7 +114,7 @@ def moe_gemm_kernel(
 def _gemm(a, b, c, weights, align, tiles, num_valid: int, top_k: int, mul_weight: bool) -> None:
     sorted_ids, block_experts, num_padded = align
     n_out, k_in = b.shape[1], b.shape[2]
-    grid = (block_experts.numel(), triton.cdiv(n_out, tiles[1]))
+    grid = (block_experts.numel(), cdiv(n_out, tiles[1]))
     moe_gemm_kernel[grid](
         a,
         b,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.launch_math import cdiv, next_power_of_2
 from kvpilot.engine.model.rope import rotary_width
 
 #: widest row one program normalises in registers (hidden sizes of current models are <= 16384)
@@ -162,7 +163,7 @@ class TritonFusedOps:
                 eps,
                 HAS_DELTA=delta is not None,
                 SCALE_IN_FP32=weight.dtype == torch.float32 and residual.dtype != torch.float32,
-                BLOCK=triton.next_power_of_2(hidden),
+                BLOCK=next_power_of_2(hidden),
                 num_warps=4 if hidden <= 4096 else 8,
             )
         return out
@@ -195,7 +196,7 @@ class TritonFusedOps:
                 cos.stride(0),
                 head_dim,
                 half,
-                HALF_PADDED=triton.next_power_of_2(half),
+                HALF_PADDED=next_power_of_2(half),
                 num_warps=1,
             )
 
@@ -214,9 +215,9 @@ class TritonFusedOps:
             raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
         tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
-        block = min(1024, triton.next_power_of_2(max(inter, 1)))
+        block = min(1024, next_power_of_2(max(inter, 1)))
         if tokens and inter:
-            _gated_kernel[(tokens, triton.cdiv(inter, block))](
+            _gated_kernel[(tokens, cdiv(inter, block))](
                 gate_up, out, gate_up.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block, num_warps=4
             )
         return out

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.launch_math import cdiv, next_power_of_2
 from kvpilot.engine.native.quant_ops import FORMATS
 
 #: tile sizes: every ``tl.dot`` dimension >= 16; BLOCK_K a multiple of the 32-weight block
@@ -34,14 +35,14 @@ MAX_BLOCK_M = 64
 
 def block_m(rows: int) -> int:
     """Rows per tile: the batch rounded up to a power of two, within [16, ``MAX_BLOCK_M``]."""
-    return min(MAX_BLOCK_M, max(16, triton.next_power_of_2(rows)))
+    return min(MAX_BLOCK_M, max(16, next_power_of_2(rows)))
 
 
 def launch_tiles(rows: int, out_features: int) -> tuple[int, tuple[int, int]]:
     """Rows per tile (``block_m``) and the grid (row tiles, column tiles) of a ``rows x out_features`` GEMM:
     what ``output_tile`` reads back in each program."""
     tile_m = block_m(rows)
-    return tile_m, (triton.cdiv(rows, tile_m), triton.cdiv(out_features, BLOCK_N))
+    return tile_m, (cdiv(rows, tile_m), cdiv(out_features, BLOCK_N))
 
 
 @triton.jit

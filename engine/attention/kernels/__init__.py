@@ -8,6 +8,8 @@
 - ``decode``     paged decode attention (one query token per sequence, GQA-aware, split-KV)
 - ``split_kv``   how many KV splits a decode launch uses, and the kernel that merges the split results
 - ``prefill``    varlen prefill/extend attention over a cached paged prefix plus the new tokens
+- ``launch_math`` host-side grid and block-size arithmetic as plain integers (Triton's helpers cost µs
+                 a call)
 - ``tuning``     launch configurations and the warm-up tuner that picks them per served shape
 - ``reference``  plain PyTorch references the kernels are tested against
 - ``synthetic``  random paged batches (shuffled blocks, NaN in unused slots) for kernel tests and benchmarks

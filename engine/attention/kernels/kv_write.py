@@ -23,6 +23,7 @@ from kvpilot.engine.attention.kernels.kv_codes import (
     kernel_cache_args,
     round_half_even,
 )
+from kvpilot.engine.attention.kernels.launch_math import next_power_of_2
 from kvpilot.engine.attention.kernels.tile_ops import reduce_max
 from kvpilot.engine.kv.kv_quant import KVQuant
 
@@ -148,7 +149,7 @@ def write_kv(
         return
     block_size = key_cache.shape[1]
     # one program moves every head of a token; more warps once the tile outgrows one warp's registers
-    tile_elements = triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim)
+    tile_elements = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
     num_warps = 1 if tile_elements <= 512 else (4 if tile_elements <= 4096 else 8)
     cache_args, kind = kernel_cache_args(key_cache, value_cache, quant)
     kv_write_kernel[(num_tokens,)](
@@ -162,8 +163,8 @@ def write_kv(
         *key_cache.stride(),
         *value_cache.stride(),
         HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
+        HEADS_PADDED=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=block_size,
         KV_KIND=kind,
         num_warps=num_warps,

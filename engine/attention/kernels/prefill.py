@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.engine.attention.kernels.kv_codes import compute_dtype, kernel_cache_args
+from kvpilot.engine.attention.kernels.launch_math import cdiv
 from kvpilot.engine.attention.kernels.tile_ops import (
     dot_in_fp32,
     load_kv_tile,
@@ -219,7 +220,7 @@ def paged_prefill(
     tokens_per_program = block_m // query_group
 
     cache_args, kind = kernel_cache_args(key_cache, value_cache, quant)
-    grid = (triton.cdiv(max_query_len, tokens_per_program), num_seqs, num_kv_heads)
+    grid = (cdiv(max_query_len, tokens_per_program), num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
         out,
         query,

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kvpilot.engine.attention.kernels.launch_math import cdiv, next_power_of_2
 from kvpilot.engine.attention.kernels.tile_ops import reduce_max, reduce_sum
 
 #: a split shorter than this costs more in the reduction than it gains in parallelism
@@ -62,8 +63,8 @@ def plan_kv_splits(active_lens: Sequence[int], num_kv_heads: int, num_sms: int) 
             f"{num_kv_heads} KV heads, {num_sms} SMs"
         )
     total_work = sum(active_lens) * num_kv_heads
-    split_tokens = max(MIN_TOKENS_PER_SPLIT, triton.cdiv(total_work, PROGRAMS_PER_SM * num_sms))
-    most = max(triton.cdiv(n, split_tokens) for n in active_lens)
+    split_tokens = max(MIN_TOKENS_PER_SPLIT, cdiv(total_work, PROGRAMS_PER_SM * num_sms))
+    most = max(cdiv(n, split_tokens) for n in active_lens)
     return SplitPlan(max(1, min(most, MAX_KV_SPLITS)), split_tokens)
 
 
@@ -142,7 +143,7 @@ def merge_splits(out: torch.Tensor, partial_out: torch.Tensor, partial_lse: torc
         *partial_out.stride()[:3],
         *partial_lse.stride()[:2],
         HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
-        SPLITS_PADDED=triton.next_power_of_2(num_kv_splits),
+        HEAD_DIM_PADDED=next_power_of_2(head_dim),
+        SPLITS_PADDED=next_power_of_2(num_kv_splits),
         num_warps=1 if head_dim <= 64 else 2,
     )

@@ -15,6 +15,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kvpilot.engine.attention.kernels.kv_codes import dequantize_tile
+from kvpilot.engine.attention.kernels.launch_math import next_power_of_2
 
 #: cache dtypes the kernels accept: values, or the codes of ``kv_cache_dtype`` fp8/int8 (``kv_codes``)
 SUPPORTED_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
@@ -24,7 +25,7 @@ MIN_DOT_DIM = 16
 
 def padded_dim(n: int) -> int:
     """The power of two >= max(n, 16) a tile dimension of extent ``n`` is padded to (masked beyond n)."""
-    return max(MIN_DOT_DIM, triton.next_power_of_2(n))
+    return max(MIN_DOT_DIM, next_power_of_2(n))
 
 
 def runs_in_interpreter(kernel: object) -> bool:

@@ -8,9 +8,9 @@ non-reserved blocks, so it needs no extra KV memory.
 from __future__ import annotations
 
 import torch
-import triton
 
 from kvpilot.engine.attention.kernels.decode import paged_decode
+from kvpilot.engine.attention.kernels.launch_math import cdiv
 from kvpilot.engine.attention.kernels.prefill import paged_prefill
 from kvpilot.engine.attention.kernels.split_kv import allocate_partials, plan_kv_splits
 from kvpilot.engine.attention.kernels.tuning import ConfigTable, decode_candidates, prefill_candidates
@@ -33,7 +33,7 @@ def shape_key(
 def _cycling_block_tables(
     num_seqs: int, seq_len: int, block_size: int, num_blocks: int, device: torch.device
 ) -> torch.Tensor:
-    blocks_per_seq = triton.cdiv(seq_len, block_size)
+    blocks_per_seq = cdiv(seq_len, block_size)
     ids = torch.arange(num_seqs * blocks_per_seq, device=device) % (num_blocks - 1) + 1  # block 0 reserved
     return ids.view(num_seqs, blocks_per_seq).to(torch.int32)
 
