@@ -7,6 +7,7 @@ device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -14,6 +15,9 @@ from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.attention.triton_loader import TritonKernels, load_kernels
 from kvpilot.engine.kv.kv_quant import KVQuant
+
+if TYPE_CHECKING:  # the kernel modules are imported only through load_kernels
+    from kvpilot.engine.attention.kernels.tuning import ConfigTable, KernelConfig
 
 #: the head sizes the kernels keep in registers (padded to a power of two)
 MAX_HEAD_DIM = 256
@@ -61,7 +65,7 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"num_sms must be positive, got {num_sms}")
         self._num_sms = num_sms
         self._kernels: TritonKernels | None = None
-        self._configs = None
+        self._configs: ConfigTable | None = None
         #: split-KV partial outputs and log-sum-exps, [rows, heads, MAX_KV_SPLITS, (head_dim)]
         self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -78,7 +82,7 @@ class TritonAttentionBackend(AttentionBackend):
             )
         return self._num_sms
 
-    def _config(self, kernel: str, key_cache: torch.Tensor, windowed: bool):
+    def _config(self, kernel: str, key_cache: torch.Tensor, windowed: bool) -> KernelConfig:
         kernels = self.kernels(key_cache.device)
         key = kernels.warmup.shape_key(
             self.head_dim,
@@ -88,6 +92,7 @@ class TritonAttentionBackend(AttentionBackend):
             windowed,
         )
         default = kernels.tuning.DECODE_DEFAULT if kernel == "decode" else kernels.tuning.PREFILL_DEFAULT
+        assert self._configs is not None  # made with the kernels
         return self._configs.get(kernel, key, default)
 
     def prepare(self, meta: AttentionMetadata) -> None:
@@ -170,7 +175,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(query)
         decodes = meta.num_decodes
         if decodes:
-            plan: _DecodePlan = meta.extras["triton_decode_plan"]
+            plan = cast(_DecodePlan, meta.extras["triton_decode_plan"])
             kernels.decode.paged_decode(
                 out[:decodes],
                 query[:decodes],
@@ -253,7 +258,9 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if key_cache.dtype not in supported:
             raise ValueError(f"cache dtype must be one of {supported}, got {key_cache.dtype}")
-        codes = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[quant and quant.dtype]
+        codes = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[
+            None if quant is None else quant.dtype
+        ]
         if (codes is None) != (key_cache.dtype not in (torch.float8_e4m3fn, torch.int8)) or (
             codes is not None and key_cache.dtype != codes
         ):

@@ -17,7 +17,7 @@ On CUDA with the Triton attention backend, ``fused_ops`` runs the same fused pat
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,8 @@ class LlamaForCausalLM(nn.Module):
         self.arch = arch
         self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
+        decoder = [DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)]
+        self.layers = nn.ModuleList(decoder)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
         self.lm_head = (
             None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -55,7 +56,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_scale = torch.tensor(arch.hidden_size**0.5).to(dtype).item() if arch.gemma_norms else None
         # float32 tables computed as HF computes them, whatever device the model is on
         specs: list[tuple[float, dict | None]] = []
-        for layer in self.layers:
+        for layer in decoder:
             if layer.self_attn.rope_spec not in specs:
                 specs.append(layer.self_attn.rope_spec)
         with torch.device("cpu"):
@@ -64,7 +65,7 @@ class LlamaForCausalLM(nn.Module):
                 for theta, scaling in specs
             )
         #: per layer, its index into ``rotaries``
-        self.layer_rotary = [specs.index(layer.self_attn.rope_spec) for layer in self.layers]
+        self.layer_rotary = [specs.index(layer.self_attn.rope_spec) for layer in decoder]
         #: an optimised copy of the LM head (e.g. oneDNN-packed on CPU); None = use the weight directly
         self.packed_lm_head: nn.Module | None = None
         #: fused C kernels (float32 on CPU); None = PyTorch ops
@@ -82,7 +83,17 @@ class LlamaForCausalLM(nn.Module):
     @property
     def rotary(self) -> RotaryEmbedding:
         """The global layers' rotary tables (all layers' but Gemma 3's local ones)."""
-        return self.rotaries[self.layer_rotary[-1]]
+        return self.rotary_tables[self.layer_rotary[-1]]
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as what they are (an ``nn.ModuleList`` types its items as ``Module``)."""
+        return cast("list[DecoderLayer]", list(self.layers))
+
+    @property
+    def rotary_tables(self) -> list[RotaryEmbedding]:
+        """``rotaries``, typed likewise."""
+        return cast("list[RotaryEmbedding]", list(self.rotaries))
 
     @torch.inference_mode()
     def forward(
@@ -96,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         ops = self.native if self.native is not None else self.fused_ops
         if ops is not None:
             return self._forward_native(input_ids, positions, kv_caches, meta, ops)
-        tables = [rotary.tables(positions) for rotary in self.rotaries]
+        tables = [rotary.tables(positions) for rotary in self.rotary_tables]
         hidden = self._embed(input_ids)
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, tables[self.layer_rotary[i]], self.backend, kv_cache, meta)
@@ -118,19 +129,20 @@ class LlamaForCausalLM(nn.Module):
         every RMSNorm reads it right after the add (the next layer's input norm, finally ``self.norm``)."""
         residual = self._embed(input_ids).contiguous()
         if self.decode_step is None:  # bound on the first step: the backend gets its kernels after loading
-            c_kernels = isinstance(native, NativeOps)
-            self.decode_step = (NativeDecodeStep.build(self, native) if c_kernels else None) or False
+            c_loop = NativeDecodeStep.build(self, native) if isinstance(native, NativeOps) else None
+            self.decode_step = c_loop or False
         if self.decode_step and self.decode_step.accepts(meta):
             return self.decode_step.run(residual, positions, kv_caches, meta)
-        first = self.layers[0].input_layernorm
+        layers, rotaries = self.decoder_layers, self.rotary_tables
+        first = layers[0].input_layernorm
         hidden = native.add_rms_norm(residual, None, first.scale(), first.eps)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches, strict=True)):
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
             hidden = layer.forward_native(
                 residual,
                 hidden,
                 positions,
-                self.rotaries[self.layer_rotary[i]],
+                rotaries[self.layer_rotary[i]],
                 self.backend,
                 kv_cache,
                 meta,

@@ -118,7 +118,9 @@ def rope_inv_freq(
 ) -> tuple[torch.Tensor, float]:
     """Inverse frequencies (float32) and the cos/sin magnitude factor of a position-independent RoPE."""
     inv_freq = _default_inv_freq(head_dim, theta)
-    kind = scaling["rope_type"] if scaling else "default"
+    if not scaling:
+        return inv_freq, 1.0
+    kind = scaling["rope_type"]
     if kind == "default":
         return inv_freq, 1.0
     if kind == "linear":
@@ -144,6 +146,10 @@ def rope_angles(
 
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
+
+    #: ``[max_position, rotary_dim]`` tables in the activation dtype (buffers, not saved with the weights)
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(
         self,

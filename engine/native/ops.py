@@ -10,6 +10,7 @@ it raises ``NativeBuildError`` (the engine falls back to PyTorch ops for ``nativ
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -176,7 +177,7 @@ class NativeOps:
         """``gelu(gate, approximate="tanh") * up`` (GeGLU), laid out as ``silu_mul``'s."""
         return self._gated(self._lib.kvp_gelu_tanh_mul, gate_up)
 
-    def _gated(self, kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    def _gated(self, kernel: Callable[..., None], gate_up: torch.Tensor) -> torch.Tensor:
         check_contiguous(gate_up, "gate_up", torch.float32)
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
