@@ -27,7 +27,13 @@ from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.kv_quant import scale_bytes_per_element_row, storage_dtype
 from kvpilot.engine.kv.manager import KVCacheManager
-from kvpilot.engine.memory_profile import CudaMemory, DeviceMemory, profiled_kv_budget, take_baseline
+from kvpilot.engine.memory_profile import (
+    CudaMemory,
+    DeviceMemory,
+    MemoryBaseline,
+    profiled_kv_budget,
+    take_baseline,
+)
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import load_model
@@ -181,7 +187,7 @@ def build_paged_kv(
     config: EngineConfig,
     target: ServedModel,
     device: torch.device,
-    memory: tuple[DeviceMemory | None, object],
+    memory: tuple[DeviceMemory | None, MemoryBaseline | None],
     kv_events: KVEventLog,
     extra_bytes_per_token: int = 0,
     kv_ops: list[KVOp] | None = None,
@@ -229,11 +235,13 @@ def build_paged_kv(
     )
     layout = target.backend.kv_cache_layout
     shape = (arch.num_hidden_layers, num_blocks, cc.block_size, target.model.arch.num_key_value_heads)
-    options = {"layout": layout, "kv_cache_dtype": cc.kv_cache_dtype, "fp8_scales": target.fp8_kv_scales()}
+    scales = target.fp8_kv_scales()
     kv_cache = (
-        KVCache(*shape, arch.head_dim, dtype, device, **options)
+        KVCache(*shape, arch.head_dim, dtype, device, layout, cc.kv_cache_dtype, scales)
         if kv_ops is None
-        else RecordingKVCache(*shape, arch.head_dim, dtype, device, ops=kv_ops, **options)
+        else RecordingKVCache(
+            *shape, arch.head_dim, dtype, device, layout, cc.kv_cache_dtype, scales, ops=kv_ops
+        )
     )
     swap = None
     if cc.swap_space > 0:
@@ -249,7 +257,9 @@ def build_paged_kv(
     return PagedKV(kv_cache, pool, kv, block_tensor, max_model_len, sizing)
 
 
-def memory_baseline(config: EngineConfig, device: torch.device, device_memory: DeviceMemory | None):
+def memory_baseline(
+    config: EngineConfig, device: torch.device, device_memory: DeviceMemory | None
+) -> tuple[DeviceMemory | None, MemoryBaseline | None]:
     """(device memory to profile, its baseline before any weights load) — (None, None) when the cache has a
     fixed size or lives on the CPU."""
     sizing = kv_cache_sizing(config.cache, device)
