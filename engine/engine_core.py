@@ -327,4 +327,4 @@ class LLMEngine:
         # a record covers blocks, swap, reservation and hash keys: none may outlive its sequence
         assert self.kv.sequence_ids <= self.sequences.keys(), "a released sequence still has a KV record"
         for seq in self.sequences.values():
-            assert not seq.is_finished, f"finished sequence {seq.request_id} is still registered"
+            assert not seq.is_finished, f"finished sequence {seq.seq_id} is still registered"

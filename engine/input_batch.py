@@ -81,7 +81,7 @@ class InputBatch:
 
     def sync(self, req: Sequence) -> int:
         """The slot of ``req`` (which holds a block table), with its rows brought up to date."""
-        slot = self.blocks.slot_of[req.request_id]
+        slot = self.blocks.slot_of[req.seq_id]
         num_tokens = req.num_tokens
         width = num_tokens + len(req.spec_token_ids)
         if slot >= len(self.owner) or width > self.token_ids.shape[1]:
@@ -190,7 +190,7 @@ class InputBatch:
         ``LLMEngine.check_invariants``)."""
         for seq_id, slot in self.blocks.slot_of.items():
             req = self.owner[slot] if slot < len(self.owner) else None
-            if req is None or req.request_id != seq_id:
+            if req is None or req.seq_id != seq_id:
                 continue  # not used since it took the slot: written at its next use
             written = self.num_written[slot]
             assert written <= req.num_tokens, f"{seq_id}: {written} tokens written, it has {req.num_tokens}"

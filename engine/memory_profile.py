@@ -158,7 +158,7 @@ def profile_step_memory(
     )
     probe = Sequence("memory-profile", [0] * num_tokens, SamplingParams(max_tokens=1))
     table = BlockTableTensor(1, num_blocks - 1, device)
-    table.assign(probe.request_id, list(range(1, num_blocks)))
+    table.assign(probe.seq_id, list(range(1, num_blocks)))
     runner = ModelRunner(model, scratch, device, InputBatch(table, num_tokens, block_size, device))
     batch = runner.build_batch([(probe, num_tokens)])
     memory.synchronize()

@@ -91,7 +91,7 @@ class OutputProcessor:
     def _verify(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Accept each speculating sequence's drafts by the exact rule, append what it emits, and roll its
         KV back to its tokens (docs/architecture.md#speculative-decoding)."""
-        generators = [self.registry.generators.get(s.request_id) for s in seqs]
+        generators = [self.registry.generators.get(s.seq_id) for s in seqs]
         expanded = [s for s in seqs for _ in range(1 + len(s.spec_token_ids))]
         verified = verify_drafts(
             self.sampler,
@@ -143,7 +143,7 @@ class OutputProcessor:
                 s.eos_token_ids,
                 s.bad_word_ids,
                 s.ngram_index,
-                self.registry.generators.get(s.request_id),
+                self.registry.generators.get(s.seq_id),
                 s.grammar,
             )
             for s, _ in rows
@@ -162,7 +162,7 @@ class OutputProcessor:
                 # once per group: two beams recomputed after a preemption can both complete the set
                 beam = seq.group.beam
                 assert beam is not None and res.full_logprobs is not None
-                if beam.report(seq.request_id, res.full_logprobs[i]) and seq.group not in beams_ready:
+                if beam.report(seq.seq_id, res.full_logprobs[i]) and seq.group not in beams_ready:
                     beams_ready.append(seq.group)
             else:
                 self._append(seq, res.token_ids[i], now, res.sampled_logprobs[i], res.top_logprobs[i])
@@ -241,7 +241,7 @@ class OutputProcessor:
             targets.append((seq, c.token, c.cum_logprob))
         for seq, token, _ in targets:
             self._append(seq, token, now, None, None)
-        beam.rekey({seq.request_id: (list(seq.output_token_ids), cum) for seq, _, cum in targets})
+        beam.rekey({seq.seq_id: (list(seq.output_token_ids), cum) for seq, _, cum in targets})
         if step.done:
             for seq, _, _ in targets:
                 self.registry.release(seq, S.FINISHED, FinishReason.STOP)

@@ -96,7 +96,7 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             if budget <= 0:
                 break
-            if req.request_id in preempted_ids or req.status is S.BACKPRESSURED:
+            if req.seq_id in preempted_ids or req.status is S.BACKPRESSURED:
                 continue
             if req.paused and req.status is S.DECODE:
                 req.transition(S.BACKPRESSURED)  # holds its blocks, gets no decode steps until drained
@@ -115,10 +115,10 @@ class Scheduler:
                     continue
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim, out)
-                preempted_ids.add(victim.request_id)
+                preempted_ids.add(victim.seq_id)
                 if victim is req:
                     break
-            if req.request_id in preempted_ids:
+            if req.seq_id in preempted_ids:
                 continue
             self._take(req, n, out, scheduled_ids)
             budget -= n
@@ -205,12 +205,12 @@ class Scheduler:
 
     def _take(self, req: Sequence, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> None:
         out.scheduled.append((req, n))
-        scheduled_ids.add(req.request_id)
+        scheduled_ids.add(req.seq_id)
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Sequence:
         """Lowest priority, latest arrival among running requests not yet scheduled this tick."""
         for cand in reversed(self.running):
-            if cand.request_id not in scheduled_ids:
+            if cand.seq_id not in scheduled_ids:
                 return cand
         raise RuntimeError("no preemption victim: every running request is already scheduled")
 

@@ -98,11 +98,13 @@ class RequestTimes:
 
 
 class Sequence:
-    """One sequence being generated. Parallel samples (``n`` > 1) are sibling requests sharing KV blocks."""
+    """One sequence being generated. Parallel samples (``n`` > 1) and beams are sibling sequences of one
+    request (its ``group``), sharing KV blocks; ``seq_id`` is the request's id for its first sequence and
+    the request's id + ``#i`` / ``#bi`` for the others."""
 
     def __init__(
         self,
-        request_id: str,
+        seq_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
@@ -116,7 +118,7 @@ class Sequence:
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a request needs at least one prompt token")
-        self.request_id = request_id
+        self.seq_id = seq_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
@@ -164,7 +166,7 @@ class Sequence:
     def group(self) -> SequenceGroup:
         """The user request this sequence belongs to (set once by ``SequenceGroup.start`` or a fork)."""
         if self._group is None:
-            raise RuntimeError(f"sequence {self.request_id} belongs to no request yet")
+            raise RuntimeError(f"sequence {self.seq_id} belongs to no request yet")
         return self._group
 
     @group.setter
@@ -232,7 +234,7 @@ class Sequence:
     def transition(self, new: SequenceStatus) -> None:
         if new not in TRANSITIONS[self.status]:
             raise IllegalTransition(
-                f"request {self.request_id}: illegal transition {self.status.value} -> {new.value}"
+                f"sequence {self.seq_id}: illegal transition {self.status.value} -> {new.value}"
             )
         self.status = new
 
@@ -246,6 +248,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (
-            f"Sequence({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+            f"Sequence({self.seq_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
             f"out={self.num_output_tokens}, computed={self.num_computed_tokens})"
         )

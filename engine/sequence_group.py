@@ -96,7 +96,7 @@ class SequenceGroup:
     ) -> SequenceGroup:
         """The user request of a new sequence ``seq`` (its sample 0, or the first beam)."""
         params, token_ids = seq.params, seq.prompt_token_ids
-        group = cls(seq.request_id, prompt, token_ids, params, tokenizer)
+        group = cls(seq.seq_id, prompt, token_ids, params, tokenizer)
         if params.use_beam_search:
             limit = max_model_len - len(token_ids)
             group.beam = BeamSearch(
@@ -106,7 +106,7 @@ class SequenceGroup:
                 seq.eos_token_ids,
                 params.ignore_eos,
             )
-            group.beam.start(seq.request_id)
+            group.beam.start(seq.seq_id)
         if params.prompt_logprobs is not None:
             group.prompt_logprobs = [None] * len(token_ids)
         seq.group = group
@@ -138,7 +138,7 @@ class SequenceGroup:
         for s in self.samples:
             if s.seq is seq:
                 return s
-        raise KeyError(seq.request_id)
+        raise KeyError(seq.seq_id)
 
     def live_samples(self) -> list[SampleState]:
         return [s for s in self.samples if s.finish_reason is None]

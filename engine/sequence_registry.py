@@ -60,8 +60,8 @@ class SequenceRegistry:
         """Register a new request's first sequence (its generator seeded by ``params.seed``)."""
         seed = seq.params.seed
         if seed is not None:
-            self.generators[seq.request_id] = torch.Generator(device=self._device).manual_seed(seed)
-        self.sequences[seq.request_id] = seq
+            self.generators[seq.seq_id] = torch.Generator(device=self._device).manual_seed(seed)
+        self.sequences[seq.seq_id] = seq
         self.groups[group.request_id] = group
 
     def touched(self, group: SequenceGroup) -> None:
@@ -99,8 +99,8 @@ class SequenceRegistry:
         seq.times.finished = time.monotonic()
         self._scheduler.remove(seq)
         self._kv.forget(seq)
-        self.generators.pop(seq.request_id, None)
-        self.sequences.pop(seq.request_id, None)
+        self.generators.pop(seq.seq_id, None)
+        self.sequences.pop(seq.seq_id, None)
 
     def reclaim(self, group: SequenceGroup, status: SequenceStatus, reason: FinishReason) -> bool:
         """End a user request. Idempotent: a second call (a cancel racing a timeout, a cancel after

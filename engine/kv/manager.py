@@ -59,13 +59,13 @@ class KVCacheManager:
         return self._seqs.keys()
 
     def _record(self, req: Sequence) -> SequenceBlocks:
-        rec = self._seqs.get(req.request_id)
+        rec = self._seqs.get(req.seq_id)
         if rec is None:
-            rec = self._seqs[req.request_id] = SequenceBlocks()
+            rec = self._seqs[req.seq_id] = SequenceBlocks()
         return rec
 
     def _table(self, req: Sequence) -> list[int] | None:
-        rec = self._seqs.get(req.request_id)
+        rec = self._seqs.get(req.seq_id)
         return None if rec is None else rec.table
 
     # ---- hashing and lookup --------------------------------------------------------------------------
@@ -127,7 +127,7 @@ class KVCacheManager:
     def allocate(self, req: Sequence, num_new_tokens: int, hits: abc.Sequence[int] = ()) -> bool:
         """Make ``req``'s block table cover its computed tokens, ``hits`` and ``num_new_tokens`` more.
         Returns False (changing nothing) when the pool cannot supply the blocks."""
-        rec = self._seqs.get(req.request_id)
+        rec = self._seqs.get(req.seq_id)
         table = None if rec is None else rec.table
         if (  # most decode steps: the last block has room and is this sequence's own
             not hits
@@ -141,17 +141,17 @@ class KVCacheManager:
         if rec is None:
             rec = self._record(req)
         if table is None:
-            table = self._new_table(req.request_id, rec, [])
+            table = self._new_table(req.seq_id, rec, [])
         if self._needs_copy_on_write(req, table):
-            self._copy_on_write(req.request_id, table)
+            self._copy_on_write(req.seq_id, table)
         if hits:
             self.pool.touch(list(hits))
-            self._extend(req.request_id, table, hits)
+            self._extend(req.seq_id, table, hits)
             rec.num_committed = len(table)
         total = req.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
         need = blocks_for_tokens(total, self.block_size) - len(table)
         if need > 0:
-            self._extend(req.request_id, table, self.pool.allocate(need))
+            self._extend(req.seq_id, table, self.pool.allocate(need))
         return True
 
     def _new_table(self, seq_id: str, rec: SequenceBlocks, blocks: list[int]) -> list[int]:
@@ -180,11 +180,11 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` shares every block of ``parent`` (reference counts, no copies); the shared partial last
         block is copied on the first write of either sequence."""
-        source = self._seqs.get(parent.request_id)
+        source = self._seqs.get(parent.seq_id)
         table = list(source.table) if source is not None and source.table is not None else []
         self.pool.touch(table)
         rec = self._record(child)
-        self._new_table(child.request_id, rec, table)
+        self._new_table(child.seq_id, rec, table)
         rec.num_committed = 0 if source is None else source.num_committed
         child.block_hashes = list(parent.block_hashes[: child.num_tokens // self.block_size])
 
@@ -192,7 +192,7 @@ class KVCacheManager:
         """Register the blocks that ``num_computed_tokens`` fill completely in the prefix cache."""
         if not self.caching:
             return
-        rec = self._seqs.get(req.request_id)
+        rec = self._seqs.get(req.seq_id)
         if rec is None or rec.table is None:
             return
         table = rec.table
@@ -215,24 +215,24 @@ class KVCacheManager:
         surplus = table[keep:]
         del table[keep:]
         if self.block_tensor is not None:
-            self.block_tensor.truncate(req.request_id, keep)
+            self.block_tensor.truncate(req.seq_id, keep)
         self.pool.free(list(reversed(surplus)))
 
     def free(self, req: Sequence) -> None:
         """Drop the request's references, tail first so its private tail is evicted before shared heads."""
-        rec = self._seqs.get(req.request_id)
+        rec = self._seqs.get(req.seq_id)
         if rec is None or rec.table is None:
             return
         table, rec.table, rec.num_committed = rec.table, None, 0
         if self.block_tensor is not None:
-            self.block_tensor.drop(req.request_id)
+            self.block_tensor.drop(req.seq_id)
         if table:
             self.pool.free(list(reversed(table)))
 
     def forget(self, req: Sequence) -> None:
         """Drop every trace of a finished request (blocks, swap, reservation): its record goes."""
         self.free(req)
-        rec = self._seqs.pop(req.request_id, None)
+        rec = self._seqs.pop(req.seq_id, None)
         if rec is None:
             return
         self._num_reserved -= rec.reservation
@@ -250,7 +250,7 @@ class KVCacheManager:
         rec.reservation = num_blocks
 
     def release_reservation(self, req: Sequence) -> int:
-        rec = self._seqs.get(req.request_id)
+        rec = self._seqs.get(req.seq_id)
         if rec is None:
             return 0
         released, rec.reservation = rec.reservation, 0
@@ -278,16 +278,16 @@ class KVCacheManager:
     def swap_in(self, req: Sequence, num_new_tokens: int) -> bool:
         """Copy a swapped request back into fresh device blocks, with room for ``num_new_tokens`` more."""
         assert self.swap is not None
-        rec = self._seqs[req.request_id]
+        rec = self._seqs[req.seq_id]
         host = rec.swapped
-        assert host is not None, f"{req.request_id} is not swapped out"
+        assert host is not None, f"{req.seq_id} is not swapped out"
         total = blocks_for_tokens(req.num_computed_tokens + num_new_tokens, self.block_size)
         if max(total, len(host)) > self.pool.num_free:
             return False
         device = self.pool.allocate(len(host))
         self.swap.swap_in(host, device)
         rec.swapped = None
-        self._new_table(req.request_id, rec, device)
+        self._new_table(req.seq_id, rec, device)
         rec.num_committed = 0
         return self.allocate(req, num_new_tokens)
 

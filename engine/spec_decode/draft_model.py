@@ -108,7 +108,7 @@ class DraftModel:
         k = max(limits)
         batch = len(seqs)
         dev, bs = self.device, self.cache.block_size
-        slots = np.asarray([tables.slot_of[s.request_id] for s in seqs], dtype=np.int64)
+        slots = np.asarray([tables.slot_of[s.seq_id] for s in seqs], dtype=np.int64)
         start = np.asarray([s.num_tokens - 1 for s in seqs], dtype=np.int64)
         tables.commit()
         host = tables.host.numpy()

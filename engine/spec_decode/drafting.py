@@ -84,7 +84,7 @@ def propose_drafts(
                 seqs,
                 [n for _, n in chosen],
                 draft.kv.block_tensor,
-                [draft.generators.get(s.request_id) for s in seqs],
+                [draft.generators.get(s.seq_id) for s in seqs],
                 draft.generator,
             )
     total = 0

@@ -125,7 +125,7 @@ def test_chunked_prefill_lets_decodes_flow():
     engine.add_request("long", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=1))
     out = engine.scheduler.schedule()
     # one decode token for "short" and a 7-token chunk of "long" share the 8-token budget
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
+    assert [(r.seq_id, n) for r, n in out.scheduled] == [("short", 1), ("long", 7)]
 
 
 def test_decodes_take_their_tokens_before_an_earlier_prefill_chunk():
