@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvpilot.engine.attention.kernels.launch_math import cdiv
 from kvpilot.engine.attention.kernels.synthetic import PagedBatch, make_paged_batch
 from kvpilot.engine.attention.triton_loader import TritonKernels, load_kernels
 
@@ -270,8 +271,8 @@ class MixedBatch:
 def per_batch_plan(split_kv, active_lens: list[int], num_kv_heads: int, num_sms: int):
     """The split rule before per-sequence plans (the baseline): one count for the whole launch, from the
     batch size and the longest context, every sequence's context spread over all the splits."""
-    to_fill = -(-split_kv.PROGRAMS_PER_SM * num_sms // (len(active_lens) * num_kv_heads))
-    by_length = -(-max(active_lens) // split_kv.MIN_TOKENS_PER_SPLIT)
+    to_fill = cdiv(split_kv.PROGRAMS_PER_SM * num_sms, len(active_lens) * num_kv_heads)
+    by_length = cdiv(max(active_lens), split_kv.MIN_TOKENS_PER_SPLIT)
     return split_kv.SplitPlan(max(1, min(to_fill, by_length, split_kv.MAX_KV_SPLITS)), 1)
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
+from kvpilot.engine.attention.kernels.launch_math import next_power_of_2
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.attention.triton_loader import TritonKernels, load_kernels
 from kvpilot.engine.kv.kv_quant import KVQuant
@@ -115,7 +116,7 @@ class TritonAttentionBackend(AttentionBackend):
         """Views of the kept scratch for ``rows`` sequences and ``splits`` splits (grown to the next power
         of two of rows when too small)."""
         if self._partials is None or self._partials[0].shape[0] < rows or self._partials[0].device != device:
-            capacity = 1 << (rows - 1).bit_length()
+            capacity = next_power_of_2(rows)
             split_kv = self.kernels(device).split_kv
             self._partials = split_kv.allocate_partials(
                 capacity, self.num_heads, split_kv.MAX_KV_SPLITS, self.head_dim, device

@@ -215,7 +215,7 @@ class TritonFusedOps:
             raise ValueError(f"gate_up must be [T, 2I], got {tuple(gate_up.shape)}")
         tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(tokens, inter, dtype=gate_up.dtype, device=gate_up.device)
-        block = min(1024, next_power_of_2(max(inter, 1)))
+        block = min(1024, next_power_of_2(inter))
         if tokens and inter:
             _gated_kernel[(tokens, cdiv(inter, block))](
                 gate_up, out, gate_up.stride(0), out.stride(0), inter, GELU=gelu, BLOCK=block, num_warps=4

@@ -25,9 +25,8 @@ from torch import nn
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.cpu_linear import NATIVE_MAX_ROWS, PackedLinear
-from kvpilot.engine.model.layers import MLP, DecoderLayer
+from kvpilot.engine.model.layers import MLP
 from kvpilot.engine.model.quant_linear import QUANT_NATIVE_MAX_ROWS, QuantLinear, SplitQuantLinear
-from kvpilot.engine.model.rope import RotaryEmbedding
 from kvpilot.engine.native.decode_step_ops import MAX_PARTS, LayerView, LinearView, ModelView, PartView
 from kvpilot.engine.native.kv_args import kv_cache_args
 from kvpilot.engine.native.ops import NativeOps
@@ -115,7 +114,7 @@ class NativeDecodeStep:
         self._bound_tensors = [t for m in model.modules() for t in (*m.parameters(False), *m.buffers(False))]
         self._bound_caches: tuple[int, ...] = ()
         self._scratch = torch.empty(0)
-        self._max_position = min(_tables(r)[0].shape[0] for r in model.rotaries)
+        self._max_position = min(r.cos.shape[0] for r in model.rotary_tables)
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, native: NativeOps) -> NativeDecodeStep | None:
@@ -125,7 +124,7 @@ class NativeDecodeStep:
             log.info("native decode step: off (%s); decode runs layer by layer", why)
             return None
         layers, max_rows = [], NATIVE_MAX_ROWS
-        for i, layer in enumerate(_decoder_layers(model)):
+        for i, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             assert isinstance(mlp, MLP)  # _unsupported said so
             bound = [_bind_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
@@ -134,7 +133,8 @@ class NativeDecodeStep:
                 return None
             views = [b[0] for b in bound if b is not None]
             max_rows = min([max_rows, *(b[1] for b in bound if b is not None)])
-            cos, sin = _tables(model.rotaries[model.layer_rotary[i]])
+            rotary = model.rotary_tables[model.layer_rotary[i]]
+            cos, sin = rotary.cos, rotary.sin
             params = attn.params
             layers.append(
                 LayerView(
@@ -258,7 +258,7 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         return f"{heads} query heads over {kv_heads} KV heads of {head_dim} (decode attention's limits)"
     eps = model.norm.eps
     norms = [model.norm]
-    for layer in _decoder_layers(model):
+    for layer in model.decoder_layers:
         if not isinstance(layer.mlp, MLP):
             return "Mixture-of-Experts layers"
         if layer.input_layernorm.eps != eps or layer.post_attention_layernorm.eps != eps:
@@ -266,22 +266,10 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
     if not all(_is_float32_vector(norm.weight) for norm in norms):
         return "RMSNorm weights are not contiguous float32"
-    for rotary in model.rotaries:
-        cos, sin = _tables(rotary)
+    for rotary in model.rotary_tables:
+        cos, sin = rotary.cos, rotary.sin
         if any(t.dtype != torch.float32 or not t.is_contiguous() or t.dim() != 2 for t in (cos, sin)):
             return "RoPE tables are not contiguous float32"
         if cos.shape[1] % 2 or not 0 < cos.shape[1] <= head_dim:
             return f"rotary dims {cos.shape[1]} for heads of {head_dim}"
     return None
-
-
-def _decoder_layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
-    return [layer for layer in model.layers if isinstance(layer, DecoderLayer)]
-
-
-def _tables(rotary: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A rotary embedding's cos and sin tables ``[max_position, rotary_dims]``."""
-    assert isinstance(rotary, RotaryEmbedding)
-    cos, sin = rotary.cos, rotary.sin
-    assert isinstance(cos, torch.Tensor) and isinstance(sin, torch.Tensor)
-    return cos, sin
