@@ -52,6 +52,19 @@ def _all_free(load: dict) -> bool:
     return load["running"] == 0 and load["kv_blocks_free"] == load["kv_blocks_total"]
 
 
+async def _settled_generated(http, url: str, timeout_s: float = 10) -> float:
+    """The generation counter once two reads 50 ms apart agree: the engine's metrics follow its steps, and
+    a paused request's last step may still be counting when the pause shows in ``/load``."""
+    deadline, last = time.monotonic() + timeout_s, await _generated(http, url)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        now = await _generated(http, url)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the generation counter kept moving for {timeout_s} s (last {last})")
+
+
 async def _generated(http, url: str) -> float:
     async with http.get(url + "/metrics") as response:
         lines = (await response.text()).splitlines()
@@ -69,7 +82,7 @@ async def test_security_a_stalled_reader_through_the_router_holds_a_bounded_numb
     try:
         await asyncio.to_thread(client.read, 100_000)  # fast first: unset buffers would grow meanwhile
         await _wait_load(http, engine.url, _paused, "the engine to pause the request")
-        generated = await _generated(http, engine.url) - before
+        generated = await _settled_generated(http, engine.url) - before
         consumed, queued = len(client.received), client.queued
         await asyncio.to_thread(client.read_to_end)  # reading again: the stream goes on to its end
     finally:
