@@ -9,23 +9,25 @@
 # (8 minutes if every step ran to its limit; each usually ends well before, leaving a session's 15 minutes
 # of device time room for one rerun):
 #   env      15 s  device, versions, C compiler and Python.h, the Triton start-up check     -> env.log
-#   tests   110 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements, the fused layer ops), the Triton engine,
+#   tests   110 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements, the fused layer ops), captured
+#                  decode graphs against eager, the Triton engine,
 #                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
 #                  greedy equivalence with HF, lifecycle; with the SmolLM2 GGUF also real-model sampling
 #                  and bf16-on-CUDA vs fp32-on-CPU agreement                                  -> tests.log
-#   kernels  35 s  bench/kernels.py, Triton vs SDPA; split-KV per sequence vs per batch     -> kernels.log
+#   kernels  30 s  bench/kernels.py, Triton vs SDPA; split-KV per sequence vs per batch     -> kernels.log
 #   models   45 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
-#   profile  60 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16: host time per
-#                  stage and the GPU-busy fraction from torch.profiler                       -> profile.log
+#   profile  80 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16, with captured decode graphs
+#                  and then --enforce-eager (40 s each): host time per stage and the GPU-busy fraction
+#                  from torch.profiler                                                       -> profile.log
 #   offline  45 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline), its
 #                  JSON report appended                                                       -> offline.log
 #   serve    60 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
 #                  /load, one streamed chat and one n=2 completion                            -> serve.log
-#   quant   110 s  GGUF blocks on the Triton GEMM (quantization=gguf): its and the fp8 W8A16 GEMM's tests
+#   quant    95 s  GGUF blocks on the Triton GEMM (quantization=gguf): its and the fp8 W8A16 GEMM's tests
 #                  on CUDA, bf16 included (35 s); a random-weight Q4_K_M GGUF written (Q4_K + Q6_K; 1024 hidden, 8
 #                  layers; 15 s); bench/quantization.py on it, gguf against none (dequantized to bf16):
 #                  greedy agreement, perplexity, weight bytes, decode tok/s at batch 1 and 16, its JSON
-#                  report appended (60 s)                                                      -> quant.log
+#                  report appended (45 s)                                                      -> quant.log
 # At most 8 files come back from the device, so every step writes one log (summary.log: each step's exit).
 # Rehearsal on a machine without a GPU (checks the plumbing, not the figures):
 #   GPU_CHECK_DEVICE=cpu GPU_CHECK_MODEL=tiny-random bash bench/gpu_check.sh /tmp/rehearsal tests,profile,serve
@@ -78,7 +80,7 @@ fi
 if want tests; then
     t=$(date +%s)
     files=(test_triton_kernels.py test_triton_large_cache.py test_triton_engine.py test_gpu_preflight.py
-           test_fused_triton.py test_request_shapes.py test_parallel_samples.py
+           test_fused_triton.py test_decode_graphs.py test_request_shapes.py test_parallel_samples.py
            test_engine_greedy_equivalence.py test_lifecycle.py)
     if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
     KVPILOT_TEST_DEVICE=$dev timeout 110 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
@@ -89,7 +91,7 @@ fi
 
 if want kernels; then
     t=$(date +%s)
-    timeout 35 python3 "$repo/bench/kernels.py" --max-err 0.05 >"$out/kernels.log" 2>&1
+    timeout 30 python3 "$repo/bench/kernels.py" --max-err 0.05 >"$out/kernels.log" 2>&1
     record kernels $? "$t"
     cat "$out/kernels.log"
 fi
@@ -113,10 +115,16 @@ fi
 
 if want profile; then
     t=$(date +%s)
-    timeout 60 python3 "$repo/bench/step_profile.py" --model "$model" --device "$dev" --dtype "$dtype" \
-        --batch 128 --prompt-len 256 --steps 30 --gpu-busy --output-json /tmp/profile.json >"$out/profile.log" 2>&1
-    rc=$?
-    cat /tmp/profile.json >>"$out/profile.log" 2>/dev/null
+    rc=0
+    : >"$out/profile.log"
+    for mode in graphs eager; do  # captured decode, then the eager baseline
+        flag=(); if [ $mode = eager ]; then flag=(--enforce-eager); fi
+        rm -f /tmp/profile.json
+        timeout 40 python3 "$repo/bench/step_profile.py" --model "$model" --device "$dev" --dtype "$dtype" \
+            --batch 128 --prompt-len 256 --steps 20 --gpu-busy "${flag[@]}" --output-json /tmp/profile.json \
+            >>"$out/profile.log" 2>&1 || rc=$?
+        cat /tmp/profile.json >>"$out/profile.log" 2>/dev/null
+    done
     record profile $rc "$t"
     cat "$out/profile.log"
 fi
@@ -181,7 +189,7 @@ if want quant; then
     if [ "$dev" = cpu ]; then sizes=(--tokens 4 --batches 2 --steps 2 --rounds 1); fi
     if [ -n "$gguf" ]; then
         rm -f /tmp/quant.json
-        timeout 60 python3 "$repo/bench/quantization.py" --model "$gguf" --device "$dev" --dtype "$dtype" \
+        timeout 45 python3 "$repo/bench/quantization.py" --model "$gguf" --device "$dev" --dtype "$dtype" \
             --methods none gguf "${sizes[@]}" --kv-cache-mib 1024 --output-json /tmp/quant.json >>"$log" 2>&1 \
             || rc=1
         cat /tmp/quant.json >>"$log" 2>/dev/null

@@ -9,8 +9,9 @@ step's wall time is split by wrapping the engine's stages: ``schedule``, ``build
 and block tables), ``forward`` (the model and logits; on CUDA followed
 by a synchronize so that GPU time is charged here, not to the next stage's first sync), ``sample``
 (sampler, appending tokens, stop checks, detokenizing) and ``outputs``. ``other`` is the rest of the tick.
-With ``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra
-synchronize: the union of the GPU kernels' intervals over the steps' wall time is the fraction of time
+On CUDA the decode steps replay captured graphs unless ``--enforce-eager`` (the eager baseline). With
+``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra synchronize: the
+union of the GPU kernels' intervals over the steps' wall time is the fraction of time
 the GPU was busy. With ``--ab-native-decode N`` (CPU, native kernels) N rounds then alternate decode steps
 with the one-call C decode step (``model.native_decode``) on and off, in the same process; each side's
 best round median counts. ``--cpu-time`` times steps in the thread's CPU time (with ``--threads 1``: robust
@@ -93,6 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         block_size=16,
         num_kv_blocks=args.batch * (-(-(args.prompt_len + decode_steps) // 16)) + 8,
         enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
     )
     engine = llm.engine
     cuda = engine.device.type == "cuda"
@@ -142,6 +144,9 @@ def run(args: argparse.Namespace) -> dict:
         "stage_ms_p50": stage_ms,
         "output_tokens_per_second": args.batch / statistics.median(walls),
     }
+    graphs = engine.runner.decode_graphs
+    # on CUDA: whether the timed decode steps replayed captured graphs (docs/architecture.md#captured-decode)
+    result["decode_graphs"] = bool(graphs and graphs.captured and graphs.replays)
     if args.gpu_busy and cuda:
         result["gpu_busy_fraction"] = profile_gpu_busy(engine, sync, args.steps)
     if args.ab_native_decode:
@@ -215,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gpu-busy", action="store_true", help="on CUDA: GPU-busy fraction from torch.profiler"
     )
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="on CUDA: no captured decode graphs (the baseline)"
+    )
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     if min(args.batch, args.prompt_len, args.steps) < 1 or args.warmup < 0:
@@ -222,7 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(
         f"{result['model']} on {result['device']} ({result['dtype']}), {result['batch']} decodes, "
-        f"sampling {'on' if result['sampling'] else 'off'}: step p50 {result['step_ms_p50']:.2f} ms, "
+        f"sampling {'on' if result['sampling'] else 'off'}, "
+        f"decode graphs {'on' if result['decode_graphs'] else 'off'}: "
+        f"step p50 {result['step_ms_p50']:.2f} ms, "
         f"p90 {result['step_ms_p90']:.2f} ms, {result['output_tokens_per_second']:.0f} output tok/s"
     )
     for stage, ms in result["stage_ms_p50"].items():

@@ -32,6 +32,7 @@ The engine and its tick:
                          paged KV cache sized for it
 - ``scheduler``          token-budget scheduler: continuous batching, chunked prefill, preemption
 - ``model_runner``       builds the flattened batch of a tick and runs the model
+- ``decode_graphs``      captured decode on CUDA: decode-only steps replay CUDA graphs at bucketed batch sizes
 - ``input_batch``        the persistent batch: per-slot token ids and sampling parameters, each step's flat
                          inputs built from them
 - ``staging``            host → device uploads through pinned staging buffers, non-blocking

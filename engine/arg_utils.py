@@ -133,6 +133,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=d.enforce_eager,
+        help="never capture decode steps into CUDA graphs (graphs are used on CUDA with the triton "
+        "attention backend)",
+    )
+    g.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        default=list(d.cuda_graph_sizes),
+        help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 then multiples of 8 up to "
+        "--max-num-seqs, at most 512)",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '

@@ -136,6 +136,14 @@ class EngineConfig:
     #: ranks the model is split over on this node, one process (and GPU) each; 1 = no tensor parallelism
     #: (docs/architecture.md#tensor-parallelism)
     tensor_parallel_size: int = 1
+    #: never capture decode steps into CUDA graphs (vLLM's flag): every step runs its kernels one launch at
+    #: a time. Graphs are used on CUDA with the Triton attention backend, one process, otherwise never
+    #: (docs/architecture.md#captured-decode)
+    enforce_eager: bool = False
+    #: the decode batch sizes captured as CUDA graphs (each in 1..max_num_seqs); empty = 1, 2, 4, then
+    #: every multiple of 8 up to max_num_seqs (at most 512, and max_num_seqs itself). A decode step of n
+    #: sequences replays the smallest size >= n; one larger than every size runs eagerly
+    cuda_graph_sizes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -174,6 +182,8 @@ class EngineArgs:
     #: "num_speculative_tokens": 4}``
     speculative_config: str | dict[str, Any] | SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | list[int] = ()
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -199,6 +209,7 @@ class EngineArgs:
             if f.name not in ("model", "cache", "scheduler")
         }
         top["speculative_config"] = speculative
+        top["cuda_graph_sizes"] = tuple(self.cuda_graph_sizes)
         if self.tensor_parallel_size > 1 and speculative is not None and speculative.method == "draft_model":
             raise ConfigError(
                 "speculative_config method 'draft_model' with tensor_parallel_size > 1: the draft model is "
@@ -293,6 +304,14 @@ class EngineArgs:
         need(
             isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
             f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}",
+        )
+        sizes = self.cuda_graph_sizes
+        need(
+            isinstance(sizes, tuple | list)
+            and all(
+                isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= self.max_num_seqs for n in sizes
+            ),
+            f"cuda_graph_sizes must be batch sizes in 1..max_num_seqs={self.max_num_seqs}, got {sizes!r}",
         )
 
     def _validate_kv_cache_dtype(self) -> None:

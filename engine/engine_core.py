@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.decode_graphs import decode_graphs_for
 from kvpilot.engine.distributed.executor import TensorParallelRunner, start_workers
 from kvpilot.engine.distributed.step_message import KVOp
 from kvpilot.engine.engine_setup import build_paged_kv, load_served_model, memory_baseline
@@ -140,6 +141,10 @@ class LLMEngine:
                 self.model, self.kv_cache, self.device, input_batch, self.tp_workers, kv_ops, arch.vocab_size
             )
         )
+        if self.tp_workers is None:  # a tensor-parallel step runs eagerly on every rank
+            self.runner.decode_graphs = decode_graphs_for(
+                self.model, self.kv_cache, self.max_model_len, config
+            )
         self.sampler = Sampler(
             torch.Generator(device=self.device).manual_seed(mc.seed),
             config.logprobs_mode,

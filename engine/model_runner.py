@@ -1,13 +1,16 @@
 """Turns a scheduler tick into one flattened forward pass and returns the logits of the rows to sample.
 
 The flat batch comes from the persistent batch (``engine/input_batch.py``,
-docs/architecture.md#persistent-batch): per-slot tensors kept across steps, not rebuilt from lists.
+docs/architecture.md#persistent-batch): per-slot tensors kept across steps, not rebuilt from lists. On CUDA
+a decode-only step replays a captured graph of the forward when ``decode_graphs`` holds one for its batch
+size (``engine/decode_graphs.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvpilot.engine.decode_graphs import DecodeGraphs
 from kvpilot.engine.input_batch import InputBatch, StepBatch
 from kvpilot.engine.kv.kv_cache import KVCache
 from kvpilot.engine.model.llama import LlamaForCausalLM
@@ -27,6 +30,8 @@ class ModelRunner:
         self.input_batch = input_batch
         #: columns of the logits (a tensor-parallel rank's model holds a shard of them)
         self.vocab_size = model.arch.vocab_size
+        #: captured decode (``engine/decode_graphs.py``); None = every step eager
+        self.decode_graphs: DecodeGraphs | None = None
 
     def build_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
         """``scheduled`` in batch order (one-token sequences first), each holding its block table."""
@@ -34,7 +39,10 @@ class ModelRunner:
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the forward pass; float32 logits for ``batch.logits_indices`` (sampling rows first)."""
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta)
+        graphs = self.decode_graphs
+        hidden = graphs.run(batch) if graphs is not None else None
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache.layers, batch.meta)
         if not batch.logits_indices.numel():
             return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -51,6 +51,9 @@ class AttentionBackend(ABC):
     #: per-layer cache layout this backend reads: "NHD" = [num_blocks, block_size, kv_heads, head_dim]
     #: (the layout GPU kernels use), "HND" = [num_blocks, kv_heads, block_size, head_dim]
     kv_cache_layout: str = "NHD"
+    #: a decode-only step on this backend may be captured into a CUDA graph (``meta.captured``): its
+    #: launches depend only on tensor shapes and device data, never on the host lists of the metadata
+    supports_captured_decode: bool = False
 
     def __init__(
         self,

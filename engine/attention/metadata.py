@@ -38,6 +38,10 @@ class AttentionMetadata:
     query_lens_host: list[int]
     seq_lens_host: list[int]
     block_size: int
+    #: the step's launches are recorded into a CUDA graph and replayed for other sequences
+    #: (``engine/decode_graphs.py``): a backend must size them for any context lengths, not from the host
+    #: lists above, which hold the capture's placeholder rows
+    captured: bool = False
     #: backend-private tensors computed once per step in ``AttentionBackend.prepare``
     extras: dict[str, object] = field(default_factory=dict)
 

@@ -47,6 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_captured_decode = True
 
     def __init__(
         self,
@@ -103,8 +104,11 @@ class TritonAttentionBackend(AttentionBackend):
         plan = _DecodePlan()
         if meta.num_decodes:
             split_kv = kernels.split_kv
-            active = split_kv.attended_keys(meta.seq_lens_host[: meta.num_decodes], self.sliding_window)
-            split = split_kv.plan_kv_splits(active, self.num_kv_heads, self._sm_count(device))
+            if meta.captured:  # replayed for other sequences: one plan for any contexts
+                split = split_kv.plan_for_capture(meta.num_decodes, self.num_kv_heads, self._sm_count(device))
+            else:
+                active = split_kv.attended_keys(meta.seq_lens_host[: meta.num_decodes], self.sliding_window)
+                split = split_kv.plan_kv_splits(active, self.num_kv_heads, self._sm_count(device))
             if split.num_kv_splits > 1:
                 partials = self._split_scratch(meta.num_decodes, split.num_kv_splits, device)
                 plan = _DecodePlan(split.num_kv_splits, split.min_split_tokens, partials)

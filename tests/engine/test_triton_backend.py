@@ -76,6 +76,25 @@ def test_forward_writes_and_attends_like_the_reference(dtype, head_dim, block_si
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("num_sms, splits", [(1, 1), (64, 16)])
+def test_a_captured_step_plans_for_any_contexts_and_stays_exact(num_sms, splits):
+    """``meta.captured``: the host's decode lengths are a capture's placeholders (one token each), so the
+    plan is ``plan_for_capture``'s, and the kernel, reading the real lengths, still gives the reference."""
+    batch, key, value, full_keys, full_values = make_step(torch.float32, 64, 16, seed=3)
+    backend = TritonAttentionBackend(6, 2, 64, 0.125, num_sms=num_sms)
+    meta = batch.metadata(NUM_DECODES)
+    meta.captured = True
+    meta.seq_lens_host = [1] * NUM_DECODES + meta.seq_lens_host[NUM_DECODES:]
+    backend.prepare(meta)
+    plan = meta.extras["triton_decode_plan"]
+    assert (plan.num_kv_splits, plan.min_split_tokens) == (splits, 256 if splits > 1 else 1)
+    out = backend.forward(batch.query, key, value, batch.key_cache, batch.value_cache, meta)
+    expected = reference.reference_paged_attention(
+        batch.query, full_keys, full_values, batch.block_tables, batch.seq_lens, batch.query_start_loc, 0.125
+    )
+    torch.testing.assert_close(out, expected, atol=TOLERANCE[torch.float32], rtol=0)
+
+
 def test_attend_prepares_when_the_engine_did_not():
     batch, key, value, *_ = make_step(torch.float32, 64, 16)
     backend = TritonAttentionBackend(6, 2, 64, 0.125)

@@ -40,6 +40,25 @@ def test_split_plan(active_lens, kv_heads, num_sms, expected):
     assert (plan.num_kv_splits, plan.min_split_tokens) == expected
 
 
+@pytest.mark.parametrize(
+    "num_seqs, kv_heads, num_sms, splits",
+    [
+        (1, 8, 132, 16),  # one sequence: as many splits as allowed, for when its context is long
+        (4, 8, 132, 9),  # 32 (sequence, head) pairs: 9 splits each reach the 264 programs wanted
+        (16, 8, 132, 3),
+        (128, 8, 132, 1),  # the batch alone fills the GPU
+        (8, 2, 1, 1),  # the interpreter's one "SM"
+    ],
+)
+def test_a_captured_decode_plans_for_long_contexts_with_a_floor_per_split(
+    num_seqs, kv_heads, num_sms, splits
+):
+    plan = split_kv.plan_for_capture(num_seqs, kv_heads, num_sms)
+    assert (plan.num_kv_splits, plan.min_split_tokens) == (splits, 256)
+    with pytest.raises(ValueError, match="positive num_seqs"):
+        split_kv.plan_for_capture(0, kv_heads, num_sms)
+
+
 def test_split_plan_rejects_empty_launches():
     with pytest.raises(ValueError, match="at least one key"):
         split_kv.plan_kv_splits([], 8, 132)

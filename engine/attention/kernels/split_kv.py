@@ -68,6 +68,23 @@ def plan_kv_splits(active_lens: Sequence[int], num_kv_heads: int, num_sms: int) 
     return SplitPlan(max(1, min(most, MAX_KV_SPLITS)), split_tokens)
 
 
+def plan_for_capture(num_seqs: int, num_kv_heads: int, num_sms: int) -> SplitPlan:
+    """The one plan a captured decode of ``num_seqs`` sequences replays, whatever their contexts.
+
+    The host does not see a replayed step's lengths, so the split count is what fills
+    ``PROGRAMS_PER_SM * num_sms`` programs when every sequence's context is long (``MAX_KV_SPLITS`` at
+    most), and each split holds at least ``MIN_TOKENS_PER_SPLIT`` keys: the kernel, which reads the
+    lengths, leaves a short sequence unsplit and gives a long one as many splits as its context fills.
+    """
+    if min(num_seqs, num_kv_heads, num_sms) < 1:
+        raise ValueError(
+            f"a captured decode needs positive num_seqs, num_kv_heads and num_sms; got {num_seqs}, "
+            f"{num_kv_heads}, {num_sms}"
+        )
+    splits = cdiv(PROGRAMS_PER_SM * num_sms, num_seqs * num_kv_heads)
+    return SplitPlan(max(1, min(splits, MAX_KV_SPLITS)), MIN_TOKENS_PER_SPLIT)
+
+
 @triton.jit
 def merge_splits_kernel(
     out_ptr,
