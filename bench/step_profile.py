@@ -8,7 +8,9 @@ them), runs their prompts, then times ``--steps`` decode-only steps (after ``--w
 step's wall time is split by wrapping the engine's stages: ``schedule``, ``build_batch`` (flattened inputs
 and block tables), ``forward`` (the model and logits; on CUDA followed
 by a synchronize so that GPU time is charged here, not to the next stage's first sync), ``sample``
-(sampler, appending tokens, stop checks, detokenizing) and ``outputs``. ``other`` is the rest of the tick.
+(sampler, appending tokens, stop checks, detokenizing), ``deferred`` (with asynchronous output processing,
+the CUDA default or ``--async-output``: the previous step's detokenizing and stop strings, run after the
+forward is launched) and ``outputs``. ``other`` is the rest of the tick.
 On CUDA the decode steps replay captured graphs unless ``--enforce-eager`` (the eager baseline). With
 ``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra synchronize: the
 union of the GPU kernels' intervals over the steps' wall time is the fraction of time
@@ -32,7 +34,7 @@ import torch
 
 from kvpilot.engine import LLM, SamplingParams
 
-STAGES = ("schedule", "build_batch", "forward", "sample", "outputs")
+STAGES = ("schedule", "build_batch", "forward", "deferred", "sample", "outputs")
 
 
 def busy_fraction(intervals: Iterable[tuple[float, float]], wall: float) -> float:
@@ -96,6 +98,8 @@ def run(args: argparse.Namespace) -> dict:
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
     )
+    if args.async_output:  # on by default on CUDA only
+        llm.engine.output_processor.defer_detokenize = True
     engine = llm.engine
     cuda = engine.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
@@ -126,6 +130,8 @@ def run(args: argparse.Namespace) -> dict:
     timer.wrap(engine.runner, "build_batch", "build_batch")
     timer.wrap(engine.runner, "execute", "forward", sync_after=cuda)
     timer.wrap(engine.output_processor, "sample", "sample")
+    # asynchronous output processing (on CUDA): the previous step's text, while this step's forward runs
+    timer.wrap(engine.output_processor, "flush_deferred", "deferred")
     timer.wrap(engine.registry, "drain_outputs", "outputs")
     walls, stages = timed_steps(timer, args.steps)
     step_ms = statistics.median(walls) * 1e3
@@ -222,6 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="on CUDA: no captured decode graphs (the baseline)"
+    )
+    parser.add_argument(
+        "--async-output",
+        action="store_true",
+        help="asynchronous output processing on any device (the CUDA default): the deferred stage is the "
+        "host time that runs while the next step's forward is on the device",
     )
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)

@@ -148,6 +148,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--max-num-seqs, at most 512)",
     )
     g.add_argument(
+        "--disable-async-output-proc",
+        action="store_true",
+        default=d.disable_async_output_proc,
+        help="on CUDA: detokenize each step's tokens before the next step instead of during its forward",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '

@@ -144,6 +144,10 @@ class EngineConfig:
     #: every multiple of 8 up to max_num_seqs (at most 512, and max_num_seqs itself). A decode step of n
     #: sequences replays the smallest size >= n; one larger than every size runs eagerly
     cuda_graph_sizes: tuple[int, ...] = ()
+    #: detokenize and check stop strings in the step that samples a token, not during the next step's
+    #: forward (vLLM's flag). Asynchronous output processing runs on CUDA only, where the host waits on the
+    #: device (docs/architecture.md#asynchronous-output-processing)
+    disable_async_output_proc: bool = False
 
 
 @dataclass
@@ -184,6 +188,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | list[int] = ()
+    disable_async_output_proc: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:

@@ -166,6 +166,8 @@ class LLMEngine:
             self.tokenizer,
             self.stats,
             self.max_model_len,
+            # on a GPU the host detokenizes a step's tokens while the device runs the next step's forward
+            defer_detokenize=self.device.type == "cuda" and not config.disable_async_output_proc,
         )
         #: what the draft-model proposer reads each step (None: no draft model)
         self._draft = (
@@ -265,15 +267,12 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, status: SequenceStatus = S.CANCELLED) -> bool:
         """Cancel / time out / fail a live request. Idempotent: False when it had already ended."""
+        self.output_processor.flush_deferred()  # a stop string found first ends it as it would have
         return self.registry.abort(request_id, status)
 
     def set_backpressure(self, request_id: str, paused: bool) -> None:
         """A slow stream consumer: ``paused`` sequences keep their blocks but get no decode steps."""
-        group = self.groups.get(request_id)
-        for sample in group.live_samples() if group else []:
-            sample.seq.paused = paused
-            if not paused and sample.seq.status is S.BACKPRESSURED:
-                sample.seq.transition(S.DECODE)
+        self.registry.set_paused(request_id, paused)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -291,7 +290,7 @@ class LLMEngine:
 
     # ---- the tick ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.registry.expire(time.monotonic())
+        self.output_processor.expire(time.monotonic())
         start = time.perf_counter()
         if self.speculative is not None:
             propose_drafts(self.scheduler.running, self.speculative, self.max_model_len, self._draft)
@@ -311,6 +310,8 @@ class LLMEngine:
             if self.draft_model is not None:
                 self.draft_model.observe(batch)  # its cache follows the target's, slot for slot
             self.scheduler.update_after_step(out)
+            # the previous step's text and stop strings while the device computes this step's forward
+            self.output_processor.flush_deferred()
             # a speculating sequence's tokens are a decode's (its drafts are dropped once verified)
             prefill = sum(
                 n for r, n in out.scheduled if (n > 1 and not r.spec_token_ids) or r.num_output_tokens == 0
@@ -323,7 +324,9 @@ class LLMEngine:
                 )
             self.stats.prompt_tokens += prefill
             self.stats.record_step(time.perf_counter() - start, prefill, out.num_batched_tokens - prefill)
-        return self.registry.drain_outputs()
+        else:
+            self.output_processor.flush_deferred()
+        return self.registry.drain_outputs()  # one output per changed request
 
     # ---- introspection -------------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -9,6 +9,10 @@
 - per token: detokenize incrementally, hold back possible stop strings, check EOS / stop tokens / stop
   strings / max_tokens / context limit, release a finished sequence's blocks at once and end its request
   through the registry's one terminal routine (``sequence_registry``).
+- asynchronous output processing (``defer_detokenize``, on CUDA): a sampled token's text and stop strings
+  wait for the next step, whose ``flush_deferred`` runs while the device computes that step's forward
+  (docs/architecture.md#asynchronous-output-processing); every other stop is still found when the token
+  is appended.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvpilot.engine.sampling.logits_processors import RowState, update_ngram_ind
 from kvpilot.engine.sampling.sampler import Sampler, top_logprobs_of
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvpilot.engine.sequence_group import SequenceGroup
+from kvpilot.engine.sequence_group import SampleState, SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.verify import verify_drafts
 from kvpilot.engine.stats import EngineStats
@@ -46,6 +50,7 @@ class OutputProcessor:
         tokenizer: Tokenizer,
         stats: EngineStats,
         max_model_len: int,
+        defer_detokenize: bool = False,
     ) -> None:
         self.registry = registry
         self.sampler = sampler
@@ -54,6 +59,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stats = stats
         self.max_model_len = max_model_len
+        #: leave plain samples' detokenization and stop-string checks to the next step's
+        #: ``flush_deferred`` (set by the engine on CUDA); False = in the step that samples the token
+        self.defer_detokenize = defer_detokenize
+        #: tokens whose text was deferred so far (a figure for tests and logs)
+        self.num_deferred_tokens = 0
+        self._deferred: list[tuple[Sequence, SampleState]] = []
 
     # ---- prompt logprobs -----------------------------------------------------------------------------
     def record_prompt_logprobs(self, batch: StepBatch, logits: torch.Tensor) -> None:
@@ -73,11 +84,20 @@ class OutputProcessor:
     # ---- sampling ------------------------------------------------------------------------------------
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, row_counts: list[int]) -> None:
         """``logits``: ``row_counts[i]`` consecutive rows per sequence — one, or 1 + its drafts when it
-        speculates (verified by ``_verify``)."""
+        speculates (verified by ``_verify``). A sequence that ended since the batch was built (a stop
+        string ``flush_deferred`` found) is not sampled: its row is the one extra a deferred stop costs."""
+        starts = np.cumsum([0, *row_counts[:-1]])
+        if any(seq.is_finished for seq in seqs):
+            keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
+            kept_rows = [r for i in keep for r in range(starts[i], starts[i] + row_counts[i])]
+            logits = logits.index_select(0, torch.tensor(kept_rows, dtype=torch.long, device=logits.device))
+            seqs, row_counts = [seqs[i] for i in keep], [row_counts[i] for i in keep]
+            starts = np.cumsum([0, *row_counts[:-1]])
+            if not seqs:
+                return
         if len(row_counts) == logits.shape[0]:
             self._sample_rows(seqs, logits)
             return
-        starts = np.cumsum([0, *row_counts[:-1]])
         plain = [i for i, c in enumerate(row_counts) if c == 1]
         if plain:
             index = torch.from_numpy(starts[plain]).to(logits.device)
@@ -165,14 +185,29 @@ class OutputProcessor:
                 if beam.report(seq.seq_id, res.full_logprobs[i]) and seq.group not in beams_ready:
                     beams_ready.append(seq.group)
             else:
-                self._append(seq, res.token_ids[i], now, res.sampled_logprobs[i], res.top_logprobs[i])
+                self._append(
+                    seq,
+                    res.token_ids[i],
+                    now,
+                    res.sampled_logprobs[i],
+                    res.top_logprobs[i],
+                    self.defer_detokenize,
+                )
         for group in beams_ready:
             self._beam_step(group, now)
 
     # ---- per token -----------------------------------------------------------------------------------
     def _append(
-        self, seq: Sequence, token: int, now: float, logprob: float | None, top: dict[int, Logprob] | None
+        self,
+        seq: Sequence,
+        token: int,
+        now: float,
+        logprob: float | None,
+        top: dict[int, Logprob] | None,
+        defer: bool = False,
     ) -> None:
+        """Append ``token`` and check the stops; with ``defer``, a sample that detokenizes and does not stop
+        otherwise keeps the token's text and stop strings for ``flush_deferred``."""
         seq.append_output_token(token)
         if seq.grammar is not None:
             seq.grammar.accept(token)  # a refused token leaves the matcher in error: _stop_reason ends it
@@ -187,17 +222,51 @@ class OutputProcessor:
         if seq.params.no_repeat_ngram_size:
             update_ngram_index(seq.ngram_index, seq.output_token_ids, seq.params.no_repeat_ngram_size)
         group: SequenceGroup = seq.group
-        self.registry.touched(group)
         if group.beam is not None:
+            self.registry.touched(group)
             return
         sample = group.sample_of(seq)
-        matched = group.on_token(sample, token, logprob, top)
+        if defer and sample.detok is not None and self._stop_reason(seq, token, None)[0] is None:
+            if not sample.pending:
+                self._deferred.append((seq, sample))
+            sample.pending.append((token, logprob, top))
+            self.num_deferred_tokens += 1
+            return
+        self.registry.touched(group)
+        matched = group.take_pending(sample)  # empty: the step flushed before sampling
+        matched = group.on_token(sample, token, logprob, top) or matched
         reason, stop_reason = self._stop_reason(seq, token, matched)
         if reason is not None:
-            group.on_finish(sample, reason, stop_reason)
-            self.registry.release(seq, S.FINISHED, reason)
-            if not group.live_samples():
-                self.registry.reclaim(group, S.FINISHED, reason)
+            self._finish(seq, sample, reason, stop_reason)
+
+    def flush_deferred(self) -> None:
+        """The deferred tokens' text and stop strings: a stop string ends its sequence now, one step after
+        its token was sampled (the engine calls this before the step's sampling, so that sequence's new
+        row is dropped and its outputs equal the synchronous path's)."""
+        deferred, self._deferred = self._deferred, []
+        for seq, sample in deferred:
+            if not sample.pending:  # ended meanwhile: ``on_finish`` took them
+                continue
+            self.registry.touched(seq.group)
+            matched = seq.group.take_pending(sample)
+            if matched is not None:
+                self._finish(seq, sample, FinishReason.STOP, matched)
+
+    def expire(self, now: float) -> None:
+        """Time out the requests whose deadline has passed at ``now``, after the deferred tokens' stops
+        (a request a stop string ended in time is not timed out)."""
+        if self.registry.expired(now):
+            self.flush_deferred()
+            self.registry.expire(now)
+
+    def _finish(
+        self, seq: Sequence, sample: SampleState, reason: FinishReason, stop_reason: str | int | None
+    ) -> None:
+        group: SequenceGroup = seq.group
+        group.on_finish(sample, reason, stop_reason)
+        self.registry.release(seq, S.FINISHED, reason)
+        if not group.live_samples():
+            self.registry.reclaim(group, S.FINISHED, reason)
 
     def _stop_reason(
         self, seq: Sequence, token: int, matched: str | None

@@ -34,10 +34,20 @@ class SampleState:
     #: delta outputs: tokens (and their logprobs) already handed out, and whether its finish was sent
     sent_tokens: int = 0
     finish_sent: bool = False
+    #: appended tokens whose text and stop strings wait for the next step (asynchronous output
+    #: processing): (token, sampled logprob, top logprobs) each, given to ``on_token`` by ``take_pending``
+    pending: list[tuple[int, float | None, dict[int, Logprob] | None]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return self.stops.released
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The sequence's output tokens ``on_token`` has recorded (not the ``pending`` ones): what its
+        outputs hold, so that token ids, logprobs and text cover the same tokens."""
+        tokens = self.seq.output_token_ids
+        return tokens[: len(tokens) - len(self.pending)] if self.pending else tokens
 
     def output(
         self,
@@ -62,11 +72,11 @@ class SampleState:
     def complete(self, index: int, with_scores: bool) -> CompletionOutput:
         """Everything this sample has produced so far."""
         logprobs = list(self.logprobs) if self.logprobs is not None else None
-        return self.output(index, with_scores, self.text, list(self.seq.output_token_ids), logprobs)
+        return self.output(index, with_scores, self.text, list(self.token_ids), logprobs)
 
     def delta(self, index: int, with_scores: bool) -> CompletionOutput | None:
         """What is new since this sample's previous delta (None: nothing, and its finish already sent)."""
-        tokens = self.seq.output_token_ids
+        tokens = self.token_ids
         new_tokens, text = tokens[self.sent_tokens :], self.stops.take_released()
         finished = self.finish_reason is not None
         if not (new_tokens or text or (finished and not self.finish_sent)):
@@ -162,7 +172,16 @@ class SequenceGroup:
             sample.num_emitted = sample.seq.num_output_tokens
         return matched
 
+    def take_pending(self, sample: SampleState) -> str | None:
+        """Record ``sample``'s deferred tokens in order (``on_token``); the stop string one completes."""
+        pending, sample.pending = sample.pending, []
+        matched = None
+        for token, logprob, top in pending:
+            matched = self.on_token(sample, token, logprob, top) or matched
+        return matched
+
     def on_finish(self, sample: SampleState, reason: FinishReason, stop_reason: str | int | None) -> None:
+        self.take_pending(sample)  # however it ends, its text covers every appended token
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
         if sample.detok is not None and sample.stops.matched is None:

@@ -125,11 +125,23 @@ class SequenceRegistry:
         group = self.groups.get(request_id)
         return group is not None and self.reclaim(group, status, _ABORT_REASONS[status])
 
-    def expire(self, now: float) -> None:
-        """Time out every request whose deadline has passed at ``now`` (monotonic seconds)."""
-        for group in [
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Pause or resume a live request's decodes (a slow stream consumer; its blocks stay)."""
+        group = self.groups.get(request_id)
+        for sample in group.live_samples() if group else []:
+            sample.seq.paused = paused
+            if not paused and sample.seq.status is S.BACKPRESSURED:
+                sample.seq.transition(S.DECODE)
+
+    def expired(self, now: float) -> list[SequenceGroup]:
+        """The live requests whose deadline has passed at ``now`` (monotonic seconds)."""
+        return [
             g for g in self.groups.values() if g.primary.deadline is not None and now >= g.primary.deadline
-        ]:
+        ]
+
+    def expire(self, now: float) -> None:
+        """Time out every request whose deadline has passed at ``now``."""
+        for group in self.expired(now):
             self.reclaim(group, S.TIMED_OUT, FinishReason.TIMEOUT)
 
     def drain_outputs(self) -> list[RequestOutput]:
