@@ -4,8 +4,9 @@
 
 On a GPU a small-batch decode step is bound by what the host does between launches, so the Python
 around each kernel (argument checks, launch arithmetic, the split plan) is what this times, on the CPU:
-the attention backend's ``prepare`` (once a step), its ``forward`` (K/V write and decode attention, once a
-layer) and the fused layer ops (two norms, RoPE, the activation, once a layer), on a 1B-like decode
+the attention backend's ``prepare`` (once a step), its ``forward`` (RoPE and the K/V write in one launch,
+then decode attention, once a layer) and the fused layer ops (two norms and the activation, once a
+layer), on a 1B-like decode
 shape (32 query heads over 8 KV heads of 64, hidden 2048). Launches are stubbed, so the figures leave
 out Triton's own launcher (tens of µs a launch) and every kernel's run time. Compare two builds by
 running this from each (same host, back to back).
@@ -24,6 +25,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernels are never run; thi
 import torch
 
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
+from kvpilot.engine.attention.rotation import QKRotation
 from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
 
 
@@ -87,14 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.randn(args.batch, hidden),
         torch.ones(hidden),
     )
-    qkv = torch.randn(args.batch, (heads + 2 * kv_heads) * head_dim)
-    positions = torch.arange(args.batch)
-    cos, sin = torch.randn(4096, head_dim), torch.randn(4096, head_dim)
+    rotation = QKRotation(torch.arange(args.batch), torch.randn(4096, head_dim), torch.randn(4096, head_dim))
     gate_up = torch.randn(args.batch, 2 * inter)
 
     def fused_layer_ops() -> None:
         ops.add_rms_norm(residual, delta, weight, 1e-6)
-        ops.rope_(qkv, heads + kv_heads, head_dim, positions, cos, sin)
         ops.add_rms_norm(residual, delta, weight, 1e-6)
         ops.silu_mul(gate_up)
 
@@ -103,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         ("prepare (per step)", lambda: backend.prepare(meta)),
         (
             "attention forward (per layer)",
-            lambda: backend.forward(batch.query, key, value, batch.key_cache, batch.value_cache, meta),
+            lambda: backend.forward(
+                batch.query, key, value, batch.key_cache, batch.value_cache, meta, rotation=rotation
+            ),
         ),
         ("fused layer ops (per layer)", fused_layer_ops),
     ):

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.rotation import QKRotation
 from kvpilot.engine.kv.kv_quant import KVQuant
 
 BACKEND_NAMES = ("auto", "torch", "triton")
@@ -54,6 +56,9 @@ class AttentionBackend(ABC):
     #: a decode-only step on this backend may be captured into a CUDA graph (``meta.captured``): its
     #: launches depend only on tensor shapes and device data, never on the host lists of the metadata
     supports_captured_decode: bool = False
+    #: ``forward`` takes a ``QKRotation`` and applies it to q and k inside its KV write (one launch for
+    #: the layer's RoPE and K/V write); other backends get q and k already rotated
+    rotates_in_kv_write: bool = False
 
     def __init__(
         self,
@@ -129,7 +134,12 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         layer: LayerAttention | None = None,
         quant: KVQuant | None = None,
+        rotation: QKRotation | None = None,
     ) -> torch.Tensor:
+        """Write this step's K/V, then attend. ``rotation`` (only where ``rotates_in_kv_write``) rotates
+        ``query`` and ``key`` in place first."""
+        if rotation is not None:
+            raise ValueError(f"the {self.name} attention backend does not rotate q and k in its KV write")
         self.write_kv(key, value, key_cache, value_cache, meta, quant)
         return self.attend(query, key, value, key_cache, value_cache, meta, layer, quant)
 
@@ -143,7 +153,9 @@ def resolve_backend_name(name: str, device: torch.device) -> str:
     return name
 
 
-def select_backend(name: str, device: torch.device, **kwargs) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, **kwargs: Any) -> AttentionBackend:
+    """The backend ``name`` resolves to on ``device``, built with ``kwargs`` (head counts, head size,
+    scale, window)."""
     resolved = resolve_backend_name(name, device)
     if resolved == "torch":
         from kvpilot.engine.attention.torch_backend import TorchAttentionBackend

@@ -14,6 +14,8 @@ import torch
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.kernels.launch_math import next_power_of_2
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.rotation import QKRotation
+from kvpilot.engine.attention.triton_checks import check_caches, check_metadata, check_rows
 from kvpilot.engine.attention.triton_loader import TritonKernels, load_kernels
 from kvpilot.engine.kv.kv_quant import KVQuant
 
@@ -48,6 +50,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_captured_decode = True
+    rotates_in_kv_write = True
 
     def __init__(
         self,
@@ -98,7 +101,7 @@ class TritonAttentionBackend(AttentionBackend):
         return self._configs.get(kernel, key, default)
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        _check_metadata(meta)
+        check_metadata(meta)
         device = meta.seq_lens.device
         kernels = self.kernels(device)
         plan = _DecodePlan()
@@ -137,20 +140,47 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         quant: KVQuant | None = None,
     ) -> None:
+        self._write(key, value, key_cache, value_cache, meta, quant, None, None)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: LayerAttention | None = None,
+        quant: KVQuant | None = None,
+        rotation: QKRotation | None = None,
+    ) -> torch.Tensor:
+        self._write(key, value, key_cache, value_cache, meta, quant, query, rotation)
+        return self.attend(query, key, value, key_cache, value_cache, meta, layer, quant)
+
+    def _write(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        quant: KVQuant | None,
+        query: torch.Tensor | None,
+        rotation: QKRotation | None,
+    ) -> None:
         if "triton_decode_plan" not in meta.extras:
             self.prepare(meta)
         self._check_caches(key_cache, value_cache, meta, quant)
-        expected = (meta.num_tokens, self.num_kv_heads, self.head_dim)
-        for label, tensor in (("key", key), ("value", value)):
-            if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"{label} must be [num_tokens, num_kv_heads, head_dim] = {list(expected)}, "
-                    f"got {list(tensor.shape)}"
-                )
-            if tensor.device != key_cache.device:
-                raise ValueError(f"{label} is on {tensor.device} but the cache is on {key_cache.device}")
+        kv_rows = (meta.num_tokens, self.num_kv_heads, self.head_dim)
+        check_rows("key", key, "num_tokens, num_kv_heads, head_dim", kv_rows, key_cache.device)
+        check_rows("value", value, "num_tokens, num_kv_heads, head_dim", kv_rows, key_cache.device)
+        if rotation is not None:
+            check_rows(
+                "query", query, "num_tokens, num_heads, head_dim", self._query_rows(meta), key_cache.device
+            )
+            check_rows("positions", rotation.positions, "num_tokens", (meta.num_tokens,), key_cache.device)
         self.kernels(key_cache.device).kv_write.write_kv(
-            key, value, key_cache, value_cache, meta.slot_mapping, quant
+            key, value, key_cache, value_cache, meta.slot_mapping, quant, query, rotation
         )
 
     def attend(
@@ -167,13 +197,9 @@ class TritonAttentionBackend(AttentionBackend):
         layer = layer or self.default_layer
         windowed = layer.sliding_window is not None
         self._check_caches(key_cache, value_cache, meta, quant)
-        expected = (meta.num_tokens, self.num_heads, self.head_dim)
-        if tuple(query.shape) != expected:
-            raise ValueError(
-                f"query must be [num_tokens, num_heads, head_dim] = {list(expected)}, got {list(query.shape)}"
-            )
-        if query.device != key_cache.device:
-            raise ValueError(f"query is on {query.device} but the cache is on {key_cache.device}")
+        check_rows(
+            "query", query, "num_tokens, num_heads, head_dim", self._query_rows(meta), key_cache.device
+        )
         if "triton_decode_plan" not in meta.extras:
             self.prepare(meta)
         kernels = self.kernels(query.device)
@@ -242,76 +268,17 @@ class TritonAttentionBackend(AttentionBackend):
             self._sm_count(key_cache.device),
         )
 
+    def _query_rows(self, meta: AttentionMetadata) -> tuple[int, int, int]:
+        return (meta.num_tokens, self.num_heads, self.head_dim)
+
     def _check_caches(
         self,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         meta: AttentionMetadata,
-        quant: KVQuant | None = None,
+        quant: KVQuant | None,
     ) -> None:
         supported = self.kernels(key_cache.device).tile_ops.SUPPORTED_CACHE_DTYPES
-        if key_cache.dim() != 4 or key_cache.shape[1:] != (meta.block_size, self.num_kv_heads, self.head_dim):
-            raise ValueError(
-                f"key_cache must be [num_blocks, block_size={meta.block_size}, "
-                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}], "
-                f"got {list(key_cache.shape)}"
-            )
-        if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
-            raise ValueError(
-                "value_cache must have key_cache's shape and dtype, got "
-                f"{list(value_cache.shape)} {value_cache.dtype} vs {key_cache.dtype}"
-            )
-        if key_cache.dtype not in supported:
-            raise ValueError(f"cache dtype must be one of {supported}, got {key_cache.dtype}")
-        codes = {None: None, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[
-            None if quant is None else quant.dtype
-        ]
-        if (codes is None) != (key_cache.dtype not in (torch.float8_e4m3fn, torch.int8)) or (
-            codes is not None and key_cache.dtype != codes
-        ):
-            raise ValueError(
-                f"a {key_cache.dtype} cache cannot be read with kv quantization {quant and quant.dtype}"
-            )
-        if quant is not None and (quant.dtype == "int8" or quant.key_scales is not None):
-            for scales in (quant.key_scales, quant.value_scales):
-                if scales is None or scales.shape != key_cache.shape[:-1] or scales.dtype != torch.float32:
-                    raise ValueError(f"per-row KV scales must be float32 {list(key_cache.shape[:-1])}")
-        if value_cache.device != key_cache.device:
-            raise ValueError(f"key_cache is on {key_cache.device} but value_cache on {value_cache.device}")
-
-
-def _check_metadata(meta: AttentionMetadata) -> None:
-    """Host-side checks of the step layout (no device sync): what the kernels rely on."""
-    if meta.block_size < 1:
-        raise ValueError(f"block_size must be positive, got {meta.block_size}")
-    if len(meta.query_lens_host) != meta.num_seqs:
-        raise ValueError(f"{len(meta.query_lens_host)} query lengths for {meta.num_seqs} sequences")
-    if not 0 <= meta.num_decodes <= meta.num_seqs:
-        raise ValueError(f"num_decodes={meta.num_decodes} outside 0..{meta.num_seqs}")
-    if any(q != 1 for q in meta.query_lens_host[: meta.num_decodes]):
-        raise ValueError("the leading num_decodes sequences must have exactly one new token each")
-    if any(q < 1 or q > s for q, s in zip(meta.query_lens_host, meta.seq_lens_host, strict=True)):
-        raise ValueError("every sequence needs 1 <= query length <= seq_len")
-    if sum(meta.query_lens_host) != meta.num_tokens:
-        raise ValueError(
-            f"query lengths sum to {sum(meta.query_lens_host)}, but there are "
-            f"{meta.num_tokens} slots in slot_mapping"
-        )
-    for label, tensor, dtype in (
-        ("query_start_loc", meta.query_start_loc, torch.int32),
-        ("seq_lens", meta.seq_lens, torch.int32),
-        ("block_tables", meta.block_tables, torch.int32),
-        ("slot_mapping", meta.slot_mapping, torch.int64),
-    ):
-        if tensor.dtype != dtype:
-            raise ValueError(f"{label} must be {dtype}, got {tensor.dtype}")
-        # the kernels step through these with unit stride
-        if tensor.dim() and tensor.stride(-1) != 1:
-            raise ValueError(f"{label} must be contiguous in its last dimension")
-    if meta.block_tables.dim() != 2 or meta.block_tables.shape[0] < meta.num_seqs:
-        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got {list(meta.block_tables.shape)}")
-    if meta.block_tables.shape[1] * meta.block_size < meta.max_seq_len:
-        raise ValueError(
-            f"block_tables hold {meta.block_tables.shape[1]} blocks of {meta.block_size}, "
-            f"fewer than the longest sequence ({meta.max_seq_len} tokens)"
+        check_caches(
+            key_cache, value_cache, meta.block_size, self.num_kv_heads, self.head_dim, supported, quant
         )

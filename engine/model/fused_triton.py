@@ -10,7 +10,9 @@ each is one launch per step and layer, reading and writing every element once:
   is), then RMSNorm of the sum in float32; the weight multiplies in its own dtype, as HF's layers do
   (Llama: ``weight * x.to(dtype)``; Gemma's float32 ``1 + w``: before the cast);
 - ``rope_``: rotate-half RoPE in place over each head's first ``rotary`` dims, q and k heads in one pass
-  (they lead the fused qkv projection's rows), the tables read at the tokens' positions;
+  (they lead the fused qkv projection's rows), the tables read at the tokens' positions. The engine's
+  Triton attention backend applies the same rotation inside its K/V write instead (one launch for both,
+  ``attention/kernels/kv_write.py``); this one serves a layer whose backend does not;
 - ``silu_mul`` / ``gelu_tanh_mul``: the gated MLP's activation of ``[gate | up]`` rows, the activation
   rounded to the activation dtype before the multiply (as ``F.silu(gate) * up``).
 

@@ -12,7 +12,8 @@ module has one, is what the fused path calls instead of ``forward``.
 ``DecoderLayer.forward_native`` is the fused path, on ``FusedOps``: the C kernels (float32 on CPU,
 ``kvpilot.engine.native``) or the Triton kernels (CUDA, ``fused_triton``). The residual stream is kept
 apart and each RMSNorm also adds the sublayer output into it (one pass instead of ~8 small ops), RoPE
-rotates q and k in place inside the fused qkv rows, and the MLP's activation is one kernel. Only the
+rotates q and k in place inside the fused qkv rows (inside the K/V write's launch where the attention
+backend ``rotates_in_kv_write``: Triton), and the MLP's activation is one kernel. Only the
 float summation order (and, in half precision, RoPE's single rounding) differs from the PyTorch path.
 """
 
@@ -26,6 +27,7 @@ from torch import nn
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.rotation import QKRotation
 from kvpilot.engine.kv.kv_quant import LayerKV
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.moe import SparseMoeBlock
@@ -130,6 +132,9 @@ class Attention(nn.Module):
             q, k, _ = self._heads(qkv)  # views into qkv: normalised in place, rotated next
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
+        if backend.rotates_in_kv_write:  # RoPE inside the K/V write: one launch for both
+            rotation = QKRotation(positions, rotary.cos, rotary.sin)
+            return self._attend(*self._heads(qkv), backend, kv_cache, meta, rotation)
         # q heads then k heads lead each row: one in-place pass rotates both
         native.rope_(
             qkv, self.num_heads + self.num_kv_heads, self.head_dim, positions, rotary.cos, rotary.sin
@@ -154,8 +159,11 @@ class Attention(nn.Module):
         backend: AttentionBackend,
         kv_cache: LayerKV,
         meta: AttentionMetadata,
+        rotation: QKRotation | None = None,
     ) -> torch.Tensor:
-        out = backend.forward(q, k, v, kv_cache.key, kv_cache.value, meta, self.params, kv_cache.quant)
+        out = backend.forward(
+            q, k, v, kv_cache.key, kv_cache.value, meta, self.params, kv_cache.quant, rotation
+        )
         return self.o_proj(out.reshape(q.shape[0], self.q_size))
 
 

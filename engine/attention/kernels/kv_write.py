@@ -5,6 +5,12 @@ K and V, so a token's slot and block address are computed once. Slot ``s`` is ro
 of block ``s // block_size``. Negative slots are padding (e.g. a batch padded to a captured size) and
 are skipped.
 
+With ``ROPE`` the same program first applies rotate-half RoPE to the token's query heads and key heads
+in place (over each head's first ``2 * half`` dims, the tables' rows at the token's position), then
+writes the rotated keys: the layer's RoPE and KV write in one launch, each element read once. Every
+value is rotated in float32 and rounded to the activation dtype, as ``fused_triton``'s RoPE kernel does,
+before the cache's conversion or quantization.
+
 A quantized cache (``kv_codes``) gets codes: fp8 of ``x * (1 / scale)`` with the layer's per-tensor scale;
 int8 (fp8) of ``x * (1 / s)`` with ``s = absmax * (1/127)`` (``* (1/448)``) over each head's row, written
 beside the codes.
@@ -25,6 +31,7 @@ from kvpilot.engine.attention.kernels.kv_codes import (
 )
 from kvpilot.engine.attention.kernels.launch_math import next_power_of_2
 from kvpilot.engine.attention.kernels.tile_ops import reduce_max
+from kvpilot.engine.attention.rotation import QKRotation
 from kvpilot.engine.kv.kv_quant import KVQuant
 
 
@@ -57,27 +64,50 @@ def kv_write_kernel(
     stride_vc_slot,
     stride_vc_head,
     stride_vc_dim,
+    query_ptr,
+    num_heads,
+    stride_q_token,
+    stride_q_head,
+    stride_q_dim,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_table,
+    half,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
     HEADS_PADDED: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_KIND: tl.constexpr,
+    ROPE: tl.constexpr,
+    Q_HEADS_PADDED: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PADDED).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM_PADDED).to(tl.int64)
+    mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+    key_src = key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :] * stride_k_dim
+    if ROPE:  # q and k in place first (padding tokens too, as a separate RoPE pass would)
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+        q_heads = tl.arange(0, Q_HEADS_PADDED).to(tl.int64)
+        q_rows = query_ptr + token * stride_q_token + q_heads * stride_q_head
+        q_mask = (q_heads < num_heads)[:, None] & (dims < HEAD_DIM)[None, :]
+        query = _rotate_half(q_rows, stride_q_dim, dims, q_mask, half, cos_ptr, sin_ptr, pos * stride_table)
+        tl.store(
+            q_rows[:, None] + dims[None, :] * stride_q_dim, query.to(query_ptr.dtype.element_ty), mask=q_mask
+        )
+        k_rows = key_ptr + token * stride_k_token + heads * stride_k_head
+        key = _rotate_half(k_rows, stride_k_dim, dims, mask, half, cos_ptr, sin_ptr, pos * stride_table)
+        key = key.to(key_ptr.dtype.element_ty)
+        tl.store(key_src, key, mask=mask)
+    else:
+        key = tl.load(key_src, mask=mask)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE
     row = slot % BLOCK_SIZE
 
-    heads = tl.arange(0, HEADS_PADDED).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM_PADDED).to(tl.int64)
-    mask = (heads < num_kv_heads)[:, None] & (dims < HEAD_DIM)[None, :]
-
-    key = tl.load(
-        key_ptr + token * stride_k_token + heads[:, None] * stride_k_head + dims[None, :] * stride_k_dim,
-        mask=mask,
-    )
     value = tl.load(
         value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim,
         mask=mask,
@@ -116,6 +146,24 @@ def kv_write_kernel(
 
 
 @triton.jit
+def _rotate_half(rows, stride_dim, dims, mask, half, cos_ptr, sin_ptr, table_offset):
+    """Rotate-half RoPE of the ``[heads, dims]`` tile at ``rows[:, None] + dims * stride_dim`` in float32:
+    ``x * cos - partner * sin`` in the first half, ``x * cos + partner * sin`` in the second, where the
+    partner is the element ``half`` dims away; dims past ``2 * half`` pass through unchanged."""
+    first = dims < half
+    rotated = dims < 2 * half
+    partner_dims = tl.where(first, dims + half, dims - half)
+    x = tl.load(rows[:, None] + dims[None, :] * stride_dim, mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(
+        rows[:, None] + partner_dims[None, :] * stride_dim, mask=mask & rotated[None, :], other=0.0
+    ).to(tl.float32)
+    cos = tl.load(cos_ptr + table_offset + dims, mask=rotated, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + table_offset + dims, mask=rotated, other=0.0).to(tl.float32)
+    signed_sin = tl.where(first, -sin, sin)
+    return x * cos[None, :] + partner * signed_sin[None, :]
+
+
+@triton.jit
 def _store_scaled_rows(x, dst, scale_dst, mask, head_valid, KV_KIND: tl.constexpr):
     """Codes of each head's row of ``x`` and its scale: int8 (``KV_KIND`` 2) ``absmax * (1/127)``, fp8 (3)
     ``absmax * (1/448)`` (0 for a zero row)."""
@@ -140,16 +188,31 @@ def write_kv(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     quant: KVQuant | None = None,
+    query: torch.Tensor | None = None,
+    rotation: QKRotation | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into ``[num_blocks, block_size,
     num_kv_heads, head_dim]`` caches at ``slot_mapping`` (int64 ``[num_tokens]``), as ``quant``'s codes
-    when given. Shapes are checked by the caller (the backend validates once per step)."""
+    when given. With ``rotation``, ``query`` ``[num_tokens, num_heads, head_dim]`` and ``key`` are rotated
+    in place first and the rotated keys written. Shapes are checked by the caller (the backend validates
+    once per step); the rotation's tables here."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     block_size = key_cache.shape[1]
+    if rotation is None:
+        rope_args: tuple = (key, 0, 0, 0, 0, slot_mapping, key, key, 0, 0)
+        q_heads = 1
+    else:
+        if query is None:
+            raise ValueError("a rotation needs the query it rotates")
+        half = rotation.rotary_dim(head_dim, num_tokens) // 2
+        q_heads = query.shape[1]
+        rope_args = (query, q_heads, *query.stride(), rotation.positions, rotation.cos, rotation.sin)
+        rope_args += (rotation.cos.stride(0), half)
     # one program moves every head of a token; more warps once the tile outgrows one warp's registers
-    tile_elements = next_power_of_2(num_kv_heads) * next_power_of_2(head_dim)
+    heads = max(num_kv_heads, q_heads)
+    tile_elements = next_power_of_2(heads) * next_power_of_2(head_dim)
     num_warps = 1 if tile_elements <= 512 else (4 if tile_elements <= 4096 else 8)
     cache_args, kind = kernel_cache_args(key_cache, value_cache, quant)
     kv_write_kernel[(num_tokens,)](
@@ -162,10 +225,13 @@ def write_kv(
         *value.stride(),
         *key_cache.stride(),
         *value_cache.stride(),
+        *rope_args,
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=next_power_of_2(head_dim),
         HEADS_PADDED=next_power_of_2(num_kv_heads),
         BLOCK_SIZE=block_size,
         KV_KIND=kind,
+        ROPE=rotation is not None,
+        Q_HEADS_PADDED=next_power_of_2(q_heads),
         num_warps=num_warps,
     )
