@@ -80,7 +80,7 @@ fi
 if want tests; then
     t=$(date +%s)
     files=(test_triton_kernels.py test_triton_large_cache.py test_triton_engine.py test_gpu_preflight.py
-           test_fused_triton.py test_rope_kv_write.py test_decode_graphs.py test_request_shapes.py test_parallel_samples.py
+           test_fused_triton.py test_rope_kv_write.py test_decode_graphs.py test_warmup_graphs.py test_request_shapes.py test_parallel_samples.py
            test_engine_greedy_equivalence.py test_lifecycle.py)
     if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
     KVPILOT_TEST_DEVICE=$dev timeout 110 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \

@@ -11,9 +11,9 @@ lengths). A step of ``n`` decodes runs in the smallest bucket ``B >= n``: its ro
 sampling stay outside the graph. Prefill, mixed and speculative steps, and steps above the largest
 bucket, run eagerly.
 
-Graphs are captured on the first decode-only step (after the warm-up's kernel tuning, whose tile
-configs they bake in), largest bucket first, sharing one memory pool. A capture that fails (an op that
-reads the device from the host, say) is logged and the engine stays eager.
+Graphs are captured by the server's warm-up right after its kernel tuning (whose tile configs they bake
+in), or else on the first decode-only step, largest bucket first, sharing one memory pool. A capture
+that fails (an op that reads the device from the host, say) is logged and the engine stays eager.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class EngineLoop:
                 engine,
                 buckets,
                 self._on_warmup_bucket,
-                lambda seconds: self._lifecycle.record("kernel_tuning", seconds),
+                self._lifecycle.record,
             )
         except Exception as err:  # a model that cannot load: say why, and stop the server
             log.exception("engine failed to start")

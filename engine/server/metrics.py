@@ -95,7 +95,7 @@ REQUEST_TIME_BUCKETS = (
     7680.0,
 )
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
-STARTUP_PHASES = ("loading", "warming_up", "kernel_tuning")
+STARTUP_PHASES = ("loading", "warming_up", "kernel_tuning", "graph_capture")
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 STARTUP_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
@@ -249,7 +249,7 @@ class ServerMetrics:
         )
         self._startup = histogram(
             "kvpilot_startup_phase_seconds",
-            "Duration of a startup phase (loading, warming_up, kernel_tuning).",
+            "Duration of a startup phase (loading, warming_up, kernel_tuning, graph_capture).",
             STARTUP_BUCKETS,
             ("phase",),
         )

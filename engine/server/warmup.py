@@ -1,5 +1,6 @@
-"""Warm-up before ``/ready``: kernel tuning (Triton on CUDA) and forward passes over the configured
-batch/length buckets through the real engine path (add_request → step → sample → detokenize →
+"""Warm-up before ``/ready``: kernel tuning (Triton on CUDA), the capture of the decode graphs (CUDA,
+unless ``--enforce-eager``), and forward passes over the configured batch/length buckets through the real
+engine path (add_request → step → sample → detokenize →
 reclaim),
 so the first real requests do not pay for lazy initialisation, allocator growth or kernel compilation
 (docs/architecture.md#readiness-and-warm-up). Runs on the engine thread, before the engine loop serves
@@ -51,11 +52,12 @@ def run_warmup(
     engine: LLMEngine,
     buckets: list[WarmupBucket],
     on_bucket: Callable[[int, WarmupBucket], None],
-    on_kernel_tuning: Callable[[float], None],
+    on_phase: Callable[[str, float], None],
 ) -> None:
-    """Tune kernels (when the backend has anything to tune), then run each bucket to completion.
-    ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_kernel_tuning(seconds)`` after
-    tuning."""
+    """Tune kernels (when the backend has anything to tune), capture the decode graphs (with the tuned
+    tile configs, which they bake in; the buckets' decode steps then replay them), then run each bucket to
+    completion. ``on_bucket(i, bucket)`` is called before bucket ``i`` runs; ``on_phase(name, seconds)``
+    after ``kernel_tuning`` and ``graph_capture``."""
     if engine.device.type == "cuda":
         start = time.monotonic()
         first = engine.kv_cache.layers[0]
@@ -63,7 +65,12 @@ def run_warmup(
         engine.backend.warmup(
             first.key, first.value, sc.max_num_seqs, sc.max_num_batched_tokens, engine.max_model_len
         )
-        on_kernel_tuning(time.monotonic() - start)
+        on_phase("kernel_tuning", time.monotonic() - start)
+    graphs = engine.runner.decode_graphs
+    if graphs is not None and graphs.captured is None:  # else the first decode step would capture them
+        start = time.monotonic()
+        graphs.capture_all()  # a failed capture is logged and leaves the engine eager
+        on_phase("graph_capture", time.monotonic() - start)
     out_tokens = 2
     params = SamplingParams(
         max_tokens=out_tokens, min_tokens=out_tokens, temperature=0.0, ignore_eos=True, detokenize=True
