@@ -153,6 +153,8 @@ def run(args: argparse.Namespace) -> dict:
     graphs = engine.runner.decode_graphs
     # on CUDA: whether the timed decode steps replayed captured graphs (docs/architecture.md#captured-decode)
     result["decode_graphs"] = bool(graphs and graphs.captured and graphs.replays)
+    if graphs is not None and graphs.captured:
+        result["graph_memory_mib"] = graphs.memory_bytes / 2**20
     if args.gpu_busy and cuda:
         result["gpu_busy_fraction"] = profile_gpu_busy(engine, sync, args.steps)
     if args.ab_native_decode:
@@ -243,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{result['model']} on {result['device']} ({result['dtype']}), {result['batch']} decodes, "
         f"sampling {'on' if result['sampling'] else 'off'}, "
-        f"decode graphs {'on' if result['decode_graphs'] else 'off'}: "
+        f"decode graphs {'on' if result['decode_graphs'] else 'off'}"
+        + (f" ({result['graph_memory_mib']:.1f} MiB)" if "graph_memory_mib" in result else "")
+        + ": "
         f"step p50 {result['step_ms_p50']:.2f} ms, "
         f"p90 {result['step_ms_p90']:.2f} ms, {result['output_tokens_per_second']:.0f} output tok/s"
     )

@@ -69,6 +69,11 @@ def decode_graphs_for(
     )
 
 
+def _reserved_bytes(device: torch.device) -> int:
+    """What the CUDA caching allocator holds on ``device`` (the graphs' pool included); 0 elsewhere."""
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
 class GraphCapture(Protocol):
     """Records ``forward`` (which reads only the static inputs) and returns its replay and the tensor
     each replay refreshes."""
@@ -138,6 +143,7 @@ class DecodeGraphs:
         self.captured: bool | None = None
         #: decode steps served by a replay (a figure for logs and tests)
         self.replays = 0
+        self.memory_bytes = 0
 
     def accepts(self, batch: StepBatch) -> bool:
         meta = batch.meta
@@ -185,7 +191,7 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every bucket, largest first; on failure log why and leave the engine eager."""
         self._reset_rows()
-        start = time.perf_counter()
+        start, reserved = time.perf_counter(), _reserved_bytes(self.input_ids.device)
         try:
             for size in reversed(self.sizes):
                 self._buckets[size] = self._capture(size)
@@ -199,11 +205,15 @@ class DecodeGraphs:
             )
             return
         self.captured = True
+        #: device memory the capture added (the graphs' pool; outside the KV budget, within the share
+        #: ``gpu_memory_utilization`` leaves); 0 off CUDA
+        self.memory_bytes = max(0, _reserved_bytes(self.input_ids.device) - reserved)
         log.info(
-            "captured decode graphs for %d batch sizes (1..%d) in %.2f s",
+            "captured decode graphs for %d batch sizes (1..%d) in %.2f s, %.1f MiB of device memory",
             len(self.sizes),
             self.sizes[-1],
             time.perf_counter() - start,
+            self.memory_bytes / 2**20,
         )
 
     def _reset_rows(self) -> None:
