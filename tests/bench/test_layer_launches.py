@@ -21,8 +21,16 @@ def test_the_fused_path_launches_one_kernel_per_elementwise_step():
         )
     )
     assert set(counts) == {"plain PyTorch layer", "fused path, Triton kernels"}, result.stdout
-    # four projections, two norms with their adds, RoPE for q and k, the activation: 8
-    assert float(counts["fused path, Triton kernels"]) == 8.0, result.stdout
-    assert "triton:add_rms_norm 2, triton:rope_ 1, triton:silu_mul 1" in result.stdout
+    # four projections, two norms with their adds, the activation, RoPE inside the K/V write, attention: 9
+    assert float(counts["fused path, Triton kernels"]) == 9.0, result.stdout
+    fused = result.stdout.split("fused path, Triton kernels")[1]
+    for launch in (
+        "triton:add_rms_norm 2",
+        "triton:silu_mul 1",
+        "triton:write_kv 1",
+        "triton:paged_decode 1",
+    ):
+        assert launch in fused, result.stdout
+    assert "rope_" not in fused, result.stdout  # no RoPE launch of its own
     # the plain layer's norms, rotate-half and activation are many small operators
     assert float(counts["plain PyTorch layer"]) >= 20, result.stdout
