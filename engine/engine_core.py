@@ -267,7 +267,8 @@ class LLMEngine:
 
     def abort_request(self, request_id: str, status: SequenceStatus = S.CANCELLED) -> bool:
         """Cancel / time out / fail a live request. Idempotent: False when it had already ended."""
-        self.output_processor.flush_deferred()  # a stop string found first ends it as it would have
+        # a stop string found first ends it as it would have; other requests' wait for the next step
+        self.output_processor.flush_deferred(request_id)
         return self.registry.abort(request_id, status)
 
     def set_backpressure(self, request_id: str, paused: bool) -> None:

@@ -239,11 +239,16 @@ class OutputProcessor:
         if reason is not None:
             self._finish(seq, sample, reason, stop_reason)
 
-    def flush_deferred(self) -> None:
+    def flush_deferred(self, request_id: str | None = None) -> None:
         """The deferred tokens' text and stop strings: a stop string ends its sequence now, one step after
         its token was sampled (the engine calls this before the step's sampling, so that sequence's new
-        row is dropped and its outputs equal the synchronous path's)."""
-        deferred, self._deferred = self._deferred, []
+        row is dropped and its outputs equal the synchronous path's). With ``request_id``, only that
+        request's: ending others outside a step would leave their final outputs waiting for one."""
+        if request_id is None:
+            deferred, self._deferred = self._deferred, []
+        else:
+            deferred = [d for d in self._deferred if d[0].group.request_id == request_id]
+            self._deferred = [d for d in self._deferred if d[0].group.request_id != request_id]
         for seq, sample in deferred:
             if not sample.pending:  # ended meanwhile: ``on_finish`` took them
                 continue

@@ -127,3 +127,37 @@ def test_streamed_deltas_add_up_to_the_synchronous_text():
 def test_a_cancel_between_steps_keeps_every_appended_tokens_text(abort_at, registry):
     stops = _stop_strings()
     assert _streamed(True, stops, abort_at, registry) == _streamed(False, stops, abort_at, registry)
+
+
+def test_a_cancel_leaves_other_requests_deferred_stops_to_a_step():
+    """Cancelling A outside a step must not end B there: the server steps only while requests are
+    unfinished, so a final output B got outside a step would never be delivered. B's stop string is
+    deferred at the step where the synchronous engine ends it; A is cancelled right after."""
+    prompt_b = [20 + (5 * j) % 200 for j in range(8)]
+    prompt_a = [33 + (7 * j) % 200 for j in range(6)]
+    text = _llm(False).generate([prompt_b], SamplingParams(max_tokens=16, temperature=0))[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+
+    def engine(defer: bool):
+        eng = _llm(defer).engine
+        eng.add_request("B", prompt_b, SamplingParams(max_tokens=16, temperature=0, stop=[stop]))
+        eng.add_request("A", prompt_a, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+        return eng
+
+    sync, steps = engine(False), 0
+    while not any(o.request_id == "B" and o.finished for o in sync.step()):
+        steps += 1
+    finals = {}
+    for defer in (False, True):
+        eng, delivered = engine(defer), []
+        for _ in range(steps + 1):
+            delivered += [o for o in eng.step() if o.finished]
+        eng.abort_request("A", SequenceStatus.CANCELLED)
+        while eng.has_unfinished_requests():  # the server loop's rule
+            delivered += [o for o in eng.step() if o.finished]
+        # (the server answers a cancelled request itself: A's own final output is not needed)
+        finals[defer] = [
+            (o.outputs[0].text, o.outputs[0].finish_reason) for o in delivered if o.request_id == "B"
+        ]
+    assert len(finals[False]) == 1 and finals[False][0][1] == "stop"
+    assert finals[True] == finals[False]  # deferred: delivered in the step after the cancel
