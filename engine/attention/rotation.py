@@ -33,11 +33,13 @@ class QKRotation:
             )
         if sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError("cos and sin must be contiguous tables of one shape")
-        if self.positions.shape != (num_tokens,) or self.positions.dtype not in (torch.int32, torch.int64):
+        positions = self.positions
+        if positions.shape != (num_tokens,) or positions.dtype not in (torch.int32, torch.int64):
             raise ValueError(
-                f"positions must be integer [{num_tokens}], got {self.positions.dtype} "
-                f"{list(self.positions.shape)}"
+                f"positions must be integer [{num_tokens}], got {positions.dtype} {list(positions.shape)}"
             )
+        if num_tokens > 1 and positions.stride(0) != 1:  # the kernel reads them at unit stride
+            raise ValueError(f"positions must be contiguous, got stride {positions.stride(0)}")
         if not self.positions.device == cos.device == sin.device:
             raise ValueError("positions and the rotary tables must be on one device")
         return rotary

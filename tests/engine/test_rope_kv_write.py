@@ -57,6 +57,7 @@ def _rotated_reference(q, k, rotary: RotaryEmbedding, positions):
         (64, 32, 3, 3, None),  # partial rotary (Phi), MHA, head counts not powers of two
         (128, 128, 8, 1, "int8"),  # per-row scales of the rotated keys
         (32, 32, 2, 2, "fp8"),
+        (80, 64, 5, 1, "int8"),  # head size not a power of two (Phi-2), padded lanes beside the scales
     ],
 )
 def test_rope_in_the_kv_write_rotates_then_writes(
@@ -152,6 +153,9 @@ def test_a_rotation_the_tables_do_not_fit_is_refused():
         backend.forward(*args, rotation=QKRotation(positions, odd, odd))
     with pytest.raises(ValueError, match="positions must be"):
         backend.forward(*args, rotation=QKRotation(positions[:1], table, table))
+    with pytest.raises(ValueError, match="contiguous, got stride 2"):
+        strided = torch.zeros(4, dtype=torch.long, device=DEVICE)[::2]
+        backend.forward(*args, rotation=QKRotation(strided, table, table))
     with pytest.raises(ValueError, match="one shape"):
         backend.forward(*args, rotation=QKRotation(positions, table, table[:4]))
     torch_backend = TorchAttentionBackend(2, 1, 64, 0.125)

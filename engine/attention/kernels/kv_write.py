@@ -101,7 +101,7 @@ def kv_write_kernel(
         key = key.to(key_ptr.dtype.element_ty)
         tl.store(key_src, key, mask=mask)
     else:
-        key = tl.load(key_src, mask=mask)
+        key = tl.load(key_src, mask=mask, other=0.0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -111,6 +111,7 @@ def kv_write_kernel(
     value = tl.load(
         value_ptr + token * stride_v_token + heads[:, None] * stride_v_head + dims[None, :] * stride_v_dim,
         mask=mask,
+        other=0.0,  # padded lanes join the per-row absmax of int8/fp8 scales: they must be 0
     )
     key_dst = (
         key_cache_ptr
