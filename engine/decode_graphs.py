@@ -197,6 +197,8 @@ class DecodeGraphs:
                 self._buckets[size] = self._capture(size)
         except Exception as err:
             self._buckets.clear()
+            if self.input_ids.device.type == "cuda":
+                torch.cuda.empty_cache()  # the pool of graphs captured before the failure goes back
             self.captured = False
             log.warning(
                 "decode graphs off, decode steps run eagerly: capturing failed (%s: %s)",
