@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.engine.attention.kernels.launch_math import cdiv, next_power_of_2
+from kvpilot.engine.attention.rotation import QKRotation
 from kvpilot.engine.model.rope import rotary_width
 
 #: widest row one program normalises in registers (hidden sizes of current models are <= 16384)
@@ -183,10 +184,7 @@ class TritonFusedOps:
         their first ``cos.shape[1]`` dims, with the tables' rows at ``positions``."""
         _check_rows(x, "x")
         rotary = rotary_width(x, num_heads, head_dim, cos)
-        if cos.shape != sin.shape or not (cos.is_contiguous() and sin.is_contiguous()):
-            raise ValueError("cos and sin must be contiguous tables of one shape")
-        if positions.shape != (x.shape[0],):
-            raise ValueError(f"{tuple(positions.shape)} positions for {x.shape[0]} rows")
+        QKRotation(positions, cos, sin).rotary_dim(head_dim, x.shape[0])  # the tables and positions
         if x.shape[0] and num_heads:
             half = rotary // 2
             _rope_kernel[(x.shape[0], num_heads)](
