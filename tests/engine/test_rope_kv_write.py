@@ -9,7 +9,7 @@ from triton_device import DEVICE  # isort: skip  (sets TRITON_INTERPRET=1 on CPU
 
 import pytest
 import torch
-from kv_quant_caches import clone_quant, empty_quantized_caches
+from kv_quant_caches import clone_quant, empty_quantized_caches, quant_on
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.attention.kernels import reference
@@ -18,7 +18,6 @@ from kvpilot.engine.attention.rotation import QKRotation
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
 from kvpilot.engine.attention.triton_loader import load_kernels
-from kvpilot.engine.kv.kv_quant import KVQuant
 from kvpilot.engine.model.fused_triton import TritonFusedOps
 from kvpilot.engine.model.rope import RotaryEmbedding
 
@@ -80,7 +79,7 @@ def test_rope_in_the_kv_write_rotates_then_writes(
         expected_quant = clone_quant(quant)
     expected_caches = [c.clone() for c in caches]
     device_caches = [c.to(DEVICE) for c in caches]
-    device_quant = None if quant is None else _on_device(quant)
+    device_quant = None if quant is None else quant_on(quant, DEVICE)
 
     KERNELS.kv_write.write_kv(
         k, v, *device_caches, slots.to(DEVICE), device_quant, q, QKRotation(positions, rotary.cos, rotary.sin)
@@ -100,11 +99,6 @@ def test_rope_in_the_kv_write_rotates_then_writes(
     if quant is not None and quant.key_scales is not None:
         assert torch.equal(device_quant.key_scales.cpu(), expected_quant.key_scales)
     assert (expected_caches[0].view(torch.uint8) != 0).any()  # the reference wrote something
-
-
-def _on_device(quant: KVQuant) -> KVQuant:
-    move = None if quant.key_scales is None else (quant.key_scales.to(DEVICE), quant.value_scales.to(DEVICE))
-    return KVQuant(quant.dtype, quant.k_scale, quant.v_scale, *(move or (None, None)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

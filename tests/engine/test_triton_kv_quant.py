@@ -8,23 +8,25 @@ from triton_device import DEVICE  # isort: skip
 
 import pytest
 import torch
-from kv_quant_caches import FORMATS, clone_quant, empty_quantized_caches, quantized_caches, spread_values
+from kv_quant_caches import (
+    FORMATS,
+    clone_quant,
+    empty_quantized_caches,
+    quant_on,
+    quantized_caches,
+    spread_values,
+)
 
 from kvpilot.engine.attention.kernels import reference
 from kvpilot.engine.attention.kernels.synthetic import make_paged_batch
 from kvpilot.engine.attention.kernels.tuning import KernelConfig
 from kvpilot.engine.attention.triton_loader import load_kernels
-from kvpilot.engine.kv.kv_quant import KVQuant, dequantize_caches
+from kvpilot.engine.kv.kv_quant import dequantize_caches
 
 pytestmark = pytest.mark.triton
 
 KERNELS = load_kernels(DEVICE)
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3}
-
-
-def _on_device(quant: KVQuant) -> KVQuant:
-    move = None if quant.key_scales is None else (quant.key_scales.to(DEVICE), quant.value_scales.to(DEVICE))
-    return KVQuant(quant.dtype, quant.k_scale, quant.v_scale, *(move or (None, None)))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
@@ -39,7 +41,7 @@ def test_kv_write_codes_equal_the_reference(kv_cache_dtype, head_dim, block_size
     qkv[:, 1] = spread_values(6 * kv_heads * head_dim, g).view(6, kv_heads, head_dim)
     key, value = qkv[:, 1], qkv[:, 2]
     slots = torch.tensor([0, block_size - 1, block_size, -1, 2 * block_size, num_blocks * block_size - 1])
-    dquant = _on_device(quant)
+    dquant = quant_on(quant, DEVICE)
     dk, dv = kc.to(DEVICE), vc.to(DEVICE)
     KERNELS.kv_write.write_kv(key.to(DEVICE), value.to(DEVICE), dk, dv, slots.to(DEVICE), dquant)
     reference.reference_write_kv(key, value, ekc, evc, slots, equant)
@@ -108,7 +110,7 @@ def test_decode_over_codes_matches_reference(
         partials,
         KernelConfig(tile_n=16, num_warps=4, num_stages=2),
         None,
-        _on_device(quant),
+        quant_on(quant, DEVICE),
     )
     expected = reference.reference_decode(
         query.float(), k_values, v_values, batch.block_tables, batch.seq_lens, scale, window
@@ -151,7 +153,7 @@ def test_prefill_over_codes_matches_reference(
         window,
         KernelConfig(tile_n=16, num_warps=4, num_stages=2, block_m=32),
         None,
-        _on_device(quant),
+        quant_on(quant, DEVICE),
     )
     expected = reference.reference_prefill(
         query.float(),

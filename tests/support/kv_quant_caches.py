@@ -50,6 +50,16 @@ def clone_quant(quant: KVQuant) -> KVQuant:
     )
 
 
+def quant_on(quant: KVQuant, device: torch.device) -> KVQuant:
+    """``quant`` with its per-row scales (if any) on ``device``."""
+    scales = (
+        (None, None)
+        if quant.key_scales is None
+        else (quant.key_scales.to(device), quant.value_scales.to(device))
+    )
+    return KVQuant(quant.dtype, quant.k_scale, quant.v_scale, *scales)
+
+
 def spread_values(n: int, generator: torch.Generator) -> torch.Tensor:
     """``n`` values spanning e4m3's whole range after fp8 scaling: normals, subnormals, values near a tie
     of two subnormal codes, saturation past 448, zeros and negative zero."""
