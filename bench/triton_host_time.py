@@ -2,14 +2,13 @@
 
     python bench/triton_host_time.py [--batch 64] [--calls 2000]
 
-On a GPU a small-batch decode step is bound by what the host does between launches, so the Python
-around each kernel (argument checks, launch arithmetic, the split plan) is what this times, on the CPU:
-the attention backend's ``prepare`` (once a step), its ``forward`` (RoPE and the K/V write in one launch,
+On a GPU a small-batch decode step is bound by what the host does between launches, so the Python around
+each kernel (argument checks, launch arithmetic, the split plan) is what this times, on the CPU: the
+attention backend's ``prepare`` (once a step), its ``forward`` (RoPE and the K/V write in one launch,
 then decode attention, once a layer) and the fused layer ops (two norms and the activation, once a
-layer), on a 1B-like decode
-shape (32 query heads over 8 KV heads of 64, hidden 2048). Launches are stubbed, so the figures leave
-out Triton's own launcher (tens of µs a launch) and every kernel's run time. Compare two builds by
-running this from each (same host, back to back).
+layer), on a 1B-like decode shape (32 query heads over 8 KV heads of 64, hidden 2048). Launches are
+stubbed, so the figures leave out Triton's own launcher (tens of µs a launch) and every kernel's run
+time. Compare two builds by running this from each (same host, back to back).
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Warm-up before ``/ready``: kernel tuning (Triton on CUDA), the capture of the decode graphs (CUDA,
-unless ``--enforce-eager``), and forward passes over the configured batch/length buckets through the real
-engine path (add_request → step → sample → detokenize →
-reclaim),
-so the first real requests do not pay for lazy initialisation, allocator growth or kernel compilation
+unless ``--enforce-eager``), and forward passes over the configured batch/length buckets through the
+real engine path (add_request → step → sample → detokenize → reclaim), so the first real requests do not
+pay for lazy initialisation, allocator growth or kernel compilation
 (docs/architecture.md#readiness-and-warm-up). Runs on the engine thread, before the engine loop serves
 anything.
 
