@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from kvpilot.engine.config import (
     ACTIVATION_QUANTIZATIONS,
@@ -17,6 +18,7 @@ from kvpilot.engine.config import (
     QUANTIZATIONS,
     ConfigError,
     EngineArgs,
+    EngineConfig,
 )
 
 _BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
@@ -163,14 +165,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_args_from_namespace(ns: argparse.Namespace, **overrides) -> EngineArgs:
+def engine_args_from_namespace(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
     names = list(EngineArgs.__dataclass_fields__)
     values = {n: getattr(ns, n) for n in names if hasattr(ns, n)}
     values.update(overrides)
     return EngineArgs.from_kwargs(**values)
 
 
-def config_from_namespace(parser: argparse.ArgumentParser, ns: argparse.Namespace, **overrides):
+def config_from_namespace(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, **overrides: Any
+) -> EngineConfig:
     """Validated ``EngineConfig``; an invalid argument exits with a CLI message (status 2), no traceback."""
     try:
         return engine_args_from_namespace(ns, **overrides).create_config()

@@ -65,9 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     gen_s = time.monotonic() - t1
     for prompt, out in zip(prompts, outs, strict=True):
         c = out.outputs[0]
+        ttft = (
+            "n/a" if out.metrics is None or out.metrics.ttft is None else f"{out.metrics.ttft * 1000:.0f} ms"
+        )
         print(
             f"### {prompt}\n{c.text}\n[{len(c.token_ids)} tokens, finish_reason={c.finish_reason}, "
-            f"ttft={out.metrics.ttft * 1000:.0f} ms]\n"
+            f"ttft={ttft}]\n"
         )
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     print(

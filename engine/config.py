@@ -191,7 +191,7 @@ class EngineArgs:
     disable_async_output_proc: bool = False
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> EngineArgs:
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:

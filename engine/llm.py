@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -78,7 +78,10 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (with the generation prompt) and generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        if messages and isinstance(messages[0], list):
+            conversations = messages
+        else:
+            conversations = [cast("list[dict]", messages)]
         tok = self.engine.tokenizer
         prompts = [{"prompt_token_ids": chat_prompt_ids(tok, c)} for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -95,13 +98,13 @@ class LLM:
         missing = [rid for rid, i in order.items() if results[i] is None]
         if missing:
             raise RuntimeError(f"engine stopped with unfinished requests {missing[:5]}")
-        return results  # type: ignore[return-value]
+        return cast("list[RequestOutput]", results)  # every slot is filled: checked just above
 
 
 def _as_prompt_list(prompts: PromptLike | Sequence[PromptLike]) -> list[PromptLike]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]  # one prompt given as token ids
-    return prompts
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [cast("list[int]", items)]  # one prompt given as token ids
+    return cast("list[PromptLike]", items)

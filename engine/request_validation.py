@@ -3,6 +3,8 @@ whose message names the offending field (the server turns it into an HTTP 400)."
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.tokenizer import Tokenizer
 
@@ -34,7 +36,7 @@ def validate_prompt(
 def validate_params(
     p: SamplingParams, vocab: int, max_logprobs: int, max_num_seqs: int | None = None
 ) -> None:
-    def ids_in_vocab(name: str, ids) -> None:
+    def ids_in_vocab(name: str, ids: Iterable[int]) -> None:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")

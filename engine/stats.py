@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpilot.engine.engine_core import LLMEngine
 
 _EMA = 0.2  # weight of the newest step in the moving averages
 
@@ -71,7 +75,7 @@ class EngineStats:
             )
 
 
-def load_snapshot(engine) -> dict:
+def load_snapshot(engine: LLMEngine) -> dict:
     """The ``/load`` body (minus server-owned fields such as readiness): queue depths, work in tokens,
     KV blocks, and the engine's measured speeds."""
     sched, pool, kv = engine.scheduler, engine.pool, engine.kv

@@ -18,7 +18,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import jinja2
 import jinja2.ext
@@ -56,7 +56,11 @@ class Tokenizer:
         if self.eos_token_id is not None:
             eos_ids.add(self.eos_token_id)
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
-        named = {self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id} - {None}
+        named = {
+            i
+            for i in (self.bos_token_id, self.eos_token_id, self.pad_token_id, self.unk_token_id)
+            if i is not None
+        }
         added_special = {i for i, token in backend.get_added_tokens_decoder().items() if token.special}
         self.all_special_ids: tuple[int, ...] = tuple(sorted(named | added_special))
 
@@ -125,6 +129,31 @@ class Tokenizer:
             return self._backend.id_to_token(_checked_ids([ids])[0])
         return [self._backend.id_to_token(i) for i in _checked_ids(ids)]
 
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ...,
+        **template_kwargs: Any,
+    ) -> str: ...
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tokenize: Literal[True],
+        **template_kwargs: Any,
+    ) -> list[int]: ...
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        *,
+        tokenize: Literal[True],
+        **template_kwargs: Any,
+    ) -> list[int]: ...
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -163,7 +192,7 @@ def _compile_chat_template(source: str) -> jinja2.Template:
         value: Any,
         ensure_ascii: bool = False,
         indent: int | None = None,
-        separators=None,
+        separators: tuple[str, str] | None = None,
         sort_keys: bool = False,
     ) -> str:
         # HF's tojson keeps non-ASCII text readable, unlike jinja2's built-in filter.

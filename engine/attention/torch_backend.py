@@ -29,7 +29,8 @@ tokens included, as the C and Triton kernels do, so all backends attend the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +77,24 @@ class _PrefillPlan:
     num_blocks: int
     #: bool [q_len, L] (True = attend), or None for a plain causal triangle from position 0
     mask: torch.Tensor | None
+
+
+@dataclass
+class _StepPlan:
+    """What ``prepare`` works out once per step for every layer (kept in ``meta.extras``)."""
+
+    decode_buckets: list[_DecodeBucket]
+    #: the native C kernels compute the prefill rows' attention
+    native_prefill: bool
+    #: (block, offset) of every new token's slot
+    write_block: torch.Tensor
+    write_offset: torch.Tensor
+    #: per (window, from_cache), built by the first layer that attends with it
+    prefill_plans: dict[tuple[int | None, bool], list[_PrefillPlan]] = field(default_factory=dict)
+
+
+def _step_plan(meta: AttentionMetadata) -> _StepPlan:
+    return cast(_StepPlan, meta.extras["torch_step_plan"])
 
 
 def _window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
@@ -142,13 +161,9 @@ class TorchAttentionBackend(AttentionBackend):
                 table = meta.block_tables.index_select(0, rows)[:, :num_blocks]
                 lens = meta.seq_lens.index_select(0, rows).long()
                 buckets.append(_DecodeBucket(rows, self._gather_rows(table), num_blocks, lens, {}))
-        meta.extras["decode_buckets"] = buckets
-        meta.extras["native_prefill"] = self._native_prefill()
-        #: per window, built by the first layer that attends with it
-        meta.extras["prefill_plans"] = {}
-        # write positions: (block, offset) of every new token
-        meta.extras["write_block"] = meta.slot_mapping // bs
-        meta.extras["write_offset"] = meta.slot_mapping % bs
+        meta.extras["torch_step_plan"] = _StepPlan(
+            buckets, self._native_prefill(), meta.slot_mapping // bs, meta.slot_mapping % bs
+        )
 
     def _prefill_plans(
         self, meta: AttentionMetadata, window: int | None, from_cache: bool
@@ -156,9 +171,10 @@ class TorchAttentionBackend(AttentionBackend):
         """One SDPA plan per prefill/extend sequence: its token range, the gather of its cached context, the
         mask when the causal triangle alone does not say what each query sees. ``from_cache``: read the new
         tokens' K/V from the (quantized) cache too."""
-        if meta.extras["native_prefill"]:
+        step = _step_plan(meta)
+        if step.native_prefill:
             return []
-        cached: dict[tuple[int | None, bool], list[_PrefillPlan]] = meta.extras["prefill_plans"]
+        cached = step.prefill_plans
         if (window, from_cache) in cached:
             return cached[window, from_cache]
         bs, nd = meta.block_size, meta.num_decodes
@@ -189,7 +205,15 @@ class TorchAttentionBackend(AttentionBackend):
             and self.head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
         )
 
-    def write_kv(self, key, value, key_cache, value_cache, meta, quant=None) -> None:
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        quant: KVQuant | None = None,
+    ) -> None:
         native_cache = quant is not None or key_cache.dtype == torch.float32
         if self.native is not None and key.dtype == torch.float32 and native_cache:
             tokens = key.shape[0]
@@ -202,7 +226,8 @@ class TorchAttentionBackend(AttentionBackend):
                 quant,
             )
             return
-        blk, off = meta.extras["write_block"], meta.extras["write_offset"]
+        step = _step_plan(meta)
+        blk, off = step.write_block, step.write_offset
         # HND cache: [blocks, heads, bs, D]; advanced indices on dims 0 and 2 put tokens first
         if quant is None:
             key_cache[blk, :, off] = key.to(key_cache.dtype)
@@ -248,7 +273,17 @@ class TorchAttentionBackend(AttentionBackend):
             out.append(dequantize(codes, tensor_scale, row_scales).to(dtype))
         return out[0], out[1]
 
-    def attend(self, query, key, value, key_cache, value_cache, meta, layer=None, quant=None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        layer: LayerAttention | None = None,
+        quant: KVQuant | None = None,
+    ) -> torch.Tensor:
         layer = layer or self.default_layer
         window, scale = layer.sliding_window, layer.scale
         out = torch.empty_like(query)
@@ -267,7 +302,8 @@ class TorchAttentionBackend(AttentionBackend):
                 quant,
             )
         caches = (key_cache, value_cache)
-        for bucket in meta.extras["decode_buckets"]:
+        step = _step_plan(meta)
+        for bucket in step.decode_buckets:
             n = bucket.rows.numel()
             k, v = self._gather_kv(caches, quant, bucket.gather_rows, n, bucket.num_blocks, query.dtype)
             q = query.index_select(0, bucket.rows).view(n, kvh, group, d)  # GQA group as query length
@@ -279,7 +315,7 @@ class TorchAttentionBackend(AttentionBackend):
                     q.unsqueeze(-3), k.unsqueeze(-3), v.unsqueeze(-3), mask[:, :, None], layer
                 )
             out.index_copy_(0, bucket.rows, o.reshape(n, self.num_heads, d))
-        if meta.extras["native_prefill"] and meta.num_seqs > meta.num_decodes:
+        if self.native is not None and step.native_prefill and meta.num_seqs > meta.num_decodes:
             nd = meta.num_decodes
             out[nd:] = self.native.attention.paged_prefill(
                 query.reshape(query.shape[0], -1),

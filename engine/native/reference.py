@@ -123,7 +123,9 @@ def reference_paged_prefill(
 ) -> torch.Tensor:
     """Each new token as its own query of ``reference_paged_decode`` over the positions up to its own."""
     starts = query_start_loc.tolist()
-    rows, tables, lens = [], [], []
+    rows: list[int] = []
+    tables: list[torch.Tensor] = []
+    lens: list[int] = []
     for s, length in enumerate(seq_lens.tolist()):
         count = starts[s + 1] - starts[s]
         rows += range(starts[s], starts[s + 1])

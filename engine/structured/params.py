@@ -64,14 +64,15 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise StructuredOutputsError(f"{name} must be a non-empty string", name)
-        if self.choice is not None:
+        choice: object = self.choice  # as given: a request's JSON may hold anything here
+        if choice is not None:
             if (
-                isinstance(self.choice, str)
-                or not self.choice
-                or not all(isinstance(c, str) and c for c in self.choice)
+                not isinstance(choice, (list, tuple))
+                or not choice
+                or not all(isinstance(c, str) and c for c in choice)
             ):
                 raise StructuredOutputsError("choice must be a non-empty list of non-empty strings", "choice")
-            object.__setattr__(self, "choice", tuple(self.choice))
+            object.__setattr__(self, "choice", tuple(choice))
         if self.json_object is not None and self.json_object is not True:
             raise StructuredOutputsError("json_object must be true when given", "json_object")
 

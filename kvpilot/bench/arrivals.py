@@ -47,6 +47,7 @@ def arrival_offsets(
         return offsets if duration_s is None else offsets[offsets < duration_s]
 
     # Duration only: draw gaps in batches until the schedule passes the end.
+    assert duration_s is not None  # checked on entry: a count or a duration
     pieces = [np.zeros(1)]
     last = 0.0
     while last < duration_s:

@@ -20,7 +20,8 @@ from kvpilot.bench.records import PHASE_MEASURED, PHASE_WARMUP, RequestRecord
 from kvpilot.bench.sse_client import OpenAIStreamClient
 from kvpilot.bench.workloads import RequestSpec
 
-OnDone = Callable[[RequestRecord], None]
+#: called with each finished record (its return value is ignored, so e.g. a progress bar's update fits)
+OnDone = Callable[[RequestRecord], object]
 
 
 async def run_open_loop(

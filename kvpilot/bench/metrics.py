@@ -155,7 +155,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLOConfig) -> PointSummary:
         e2e_s=e2e,
         send_lag_s=send_lag,
         slo=slo_result,
-        errors=dict(sorted(Counter(r.error_type for r in records if not r.ok).items())),
+        errors=dict(sorted(Counter(r.error_type or "unknown" for r in records if not r.ok).items())),
         output_token_source=_source_label(
             [r.output_token_source for r in ok], {"usage": "server usage", "chunks": "counted chunks"}
         ),

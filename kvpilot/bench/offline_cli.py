@@ -15,8 +15,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvpilot.bench.config import length_range, length_range_error
+
+if TYPE_CHECKING:
+    from kvpilot.engine.llm import LLM
 
 NAME = "offline"
 HELP = "engine-only throughput: queue N requests at once on the offline engine and time the batch"
@@ -73,7 +77,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[int(rank) - 1]
 
 
-def run_kvpilot(llm, workload: OfflineWorkload) -> dict:
+def run_kvpilot(llm: LLM, workload: OfflineWorkload) -> dict:
     """Time one batch of the workload on an ``LLM``; returns throughput and TTFT figures."""
     from kvpilot.engine import SamplingParams
 

@@ -58,6 +58,14 @@ def _jsonable(value: object) -> object:
     return value
 
 
+def _json_object(value: object) -> dict:
+    """``_jsonable`` of a dataclass (or mapping): a JSON object."""
+    out = _jsonable(value)
+    if not isinstance(out, dict):
+        raise TypeError(f"expected a dataclass or a mapping, got {type(value).__name__}")
+    return out
+
+
 def _redacted(config: dict) -> dict:
     """The config without the API key's value (reports get shared)."""
     if config["endpoint"]["api_key"] is not None:
@@ -79,7 +87,7 @@ def _point_dict(point: PointResult) -> dict:
 def report_dict(config: ServeBenchConfig, result: BenchmarkResult, plots: list[Path]) -> dict:
     saturation = None
     if result.saturation is not None:
-        saturation = _jsonable(result.saturation)
+        saturation = _json_object(result.saturation)
         index = result.saturation.saturation_index
         if index is not None:
             point = result.points[index]
@@ -92,7 +100,7 @@ def report_dict(config: ServeBenchConfig, result: BenchmarkResult, plots: list[P
         "version": __version__,
         "started_at": result.started_at,
         "model": result.model,
-        "config": _redacted(_jsonable(config)),
+        "config": _redacted(_json_object(config)),
         "definitions": DEFINITIONS,
         "cold_start": {
             "ready": _jsonable(result.cold_start.ready),

@@ -12,6 +12,7 @@ choice must be made before the engine reports ready, not on the first request th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -93,7 +94,7 @@ class ConfigTable:
         timings: list[tuple[float, KernelConfig]] = []
         for config in candidates:
             try:
-                elapsed = measure(lambda config=config: run(config))
+                elapsed = measure(functools.partial(run, config))
             except OutOfResources as exc:
                 logger.debug("%s %s: %s skipped (%s)", kernel, key, config, exc)
                 continue

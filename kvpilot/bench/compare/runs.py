@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,7 +62,12 @@ def bench_serve(args: list[str], log_path: Path, report_path: Path, timeout_s: f
 
 
 def measure_server(
-    spec: ServerSpec, plan: ComparePlan, work_dir: Path, plot_dir: Path | None, timeouts: Timeouts, say=print
+    spec: ServerSpec,
+    plan: ComparePlan,
+    work_dir: Path,
+    plot_dir: Path | None,
+    timeouts: Timeouts,
+    say: Callable[[str], None] = print,
 ) -> dict:
     """Start the server, wait until ready, run every closed-loop level and the open-loop sweep, stop it.
 
@@ -107,6 +113,8 @@ def measure_server(
                 )
             saturation = saturation_figures(report)
     say(f"[{spec.name}] stopped")
+    if first_report is None:  # ComparePlan.validate requires a closed-loop level
+        raise RunError(f"[{spec.name}] no closed-loop level ran, so there is no cold start to report")
     return {
         "cold_start": cold_start_figures(first_report, ready_s),
         "closed": closed,
@@ -123,7 +131,7 @@ def measure_hf(
     work_dir: Path,
     env: dict[str, str],
     timeout_s: float,
-    say=print,
+    say: Callable[[str], None] = print,
 ) -> dict:
     """HF ``generate`` at every batch size in a child process; returns its JSON result."""
     hf_dir = work_dir / "hf"

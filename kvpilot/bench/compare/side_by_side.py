@@ -38,6 +38,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from kvpilot.bench.compare.llamacpp import find_llama_server, measure_llamacpp
 from kvpilot.bench.compare.plan import ComparePlan, PlanError
@@ -191,7 +192,7 @@ def selected_systems(args: argparse.Namespace) -> list[str]:
 
 def plan_from_args(args: argparse.Namespace) -> ComparePlan:
     """The validated plan; raises PlanError naming the flag."""
-    sizes = QUICK if args.quick else {}
+    sizes: dict[str, Any] = dict(QUICK) if args.quick else {}
     given = {
         "concurrencies": args.concurrency,
         "request_rates": args.request_rate,
