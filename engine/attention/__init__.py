@@ -4,6 +4,7 @@
 - ``backend``   ``AttentionBackend`` interface and ``select_backend`` (auto | torch | triton)
 - ``rotation``  ``QKRotation``: the RoPE a backend may apply inside its KV write (one launch)
 - ``torch_backend``   the PyTorch path (CPU default): gathers paged K/V and runs SDPA
+- ``torch_plans``     its per-step plan, shared by every layer (decode buckets, prefill plans, slots)
 - ``triton_backend``  the Triton kernels (CUDA default; runs in the interpreter on CPU for tests)
 - ``triton_checks``   host-side checks of what the kernels are handed (layout, caches, q/k/v rows)
 - ``triton_loader``   imports the kernels compiled (CUDA) or interpreted (CPU), refusing a mixed import

@@ -29,82 +29,22 @@ tokens included, as the C and Triton kernels do, so all backends attend the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import cast
-
 import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.backend import AttentionBackend, LayerAttention
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.attention.torch_plans import (
+    DecodeBucket,
+    PrefillPlan,
+    StepPlan,
+    length_buckets,
+    step_plan,
+    window_mask,
+)
 from kvpilot.engine.kv.kv_quant import KVQuant, as_bytes, dequantize, quantize_rows
 from kvpilot.engine.native.ops import NativeOps
 from kvpilot.engine.native.paged_attention_ops import PREFILL_HEAD_DIM_MULTIPLE
-
-#: start a new decode bucket when a context is this much longer than the bucket's shortest one
-_BUCKET_GROWTH = 1.5
-_MAX_BUCKETS = 4
-
-
-@dataclass
-class _DecodeBucket:
-    #: flat-batch rows (== sequence indices, decodes come first) of this bucket's sequences
-    rows: torch.Tensor
-    #: int64 [B * kv_heads * blocks] rows of the (block, kv_head)-flattened cache to gather
-    gather_rows: torch.Tensor
-    num_blocks: int
-    #: int64 [B] the sequences' lengths
-    lens: torch.Tensor
-    #: per window: bool [B, 1, 1, L] keys each query may attend (within its length and window)
-    masks: dict[int | None, torch.Tensor]
-
-    def mask(self, window: int | None, block_size: int) -> torch.Tensor:
-        if window not in self.masks:
-            pos = torch.arange(self.num_blocks * block_size, device=self.lens.device)
-            valid = pos.unsqueeze(0) < self.lens.unsqueeze(1)
-            if window is not None:
-                valid &= pos.unsqueeze(0) >= (self.lens - window).unsqueeze(1)
-            self.masks[window] = valid[:, None, None, :]
-        return self.masks[window]
-
-
-@dataclass
-class _PrefillPlan:
-    token_start: int
-    token_end: int
-    #: gather rows of the whole context's blocks, or None when the context is only the new tokens
-    gather_rows: torch.Tensor | None
-    num_blocks: int
-    #: bool [q_len, L] (True = attend), or None for a plain causal triangle from position 0
-    mask: torch.Tensor | None
-
-
-@dataclass
-class _StepPlan:
-    """What ``prepare`` works out once per step for every layer (kept in ``meta.extras``)."""
-
-    decode_buckets: list[_DecodeBucket]
-    #: the native C kernels compute the prefill rows' attention
-    native_prefill: bool
-    #: (block, offset) of every new token's slot
-    write_block: torch.Tensor
-    write_offset: torch.Tensor
-    #: per (window, from_cache), built by the first layer that attends with it
-    prefill_plans: dict[tuple[int | None, bool], list[_PrefillPlan]] = field(default_factory=dict)
-
-
-def _step_plan(meta: AttentionMetadata) -> _StepPlan:
-    return cast(_StepPlan, meta.extras["torch_step_plan"])
-
-
-def _window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
-    """bool [len(q_pos), k_len]: causal (key <= query) and, with a window, query - key < window."""
-    k_pos = torch.arange(k_len, device=q_pos.device)
-    diff = q_pos.unsqueeze(1) - k_pos.unsqueeze(0)
-    mask = diff >= 0
-    if window is not None:
-        mask &= diff < window
-    return mask
 
 
 def _softcapped_attention(
@@ -124,20 +64,6 @@ def _softcapped_attention(
     return (torch.softmax(scores, dim=-1) @ v.float()).to(q.dtype)
 
 
-def _length_buckets(lengths: list[int]) -> list[list[int]]:
-    """Indices grouped by similar length (ascending), at most ``_MAX_BUCKETS`` groups."""
-    order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    buckets: list[list[int]] = []
-    for i in order:
-        if buckets and (
-            lengths[i] <= _BUCKET_GROWTH * lengths[buckets[-1][0]] or len(buckets) == _MAX_BUCKETS
-        ):
-            buckets[-1].append(i)
-        else:
-            buckets.append([i])
-    return buckets
-
-
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     kv_cache_layout = "HND"
@@ -152,48 +78,48 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, meta: AttentionMetadata) -> None:
         bs, nd = meta.block_size, meta.num_decodes
-        buckets: list[_DecodeBucket] = []
+        buckets: list[DecodeBucket] = []
         if nd and self.native is None:
             lens_host = meta.seq_lens_host[:nd]
-            for idx in _length_buckets(lens_host):
+            for idx in length_buckets(lens_host):
                 rows = torch.tensor(idx, device=meta.block_tables.device)
                 num_blocks = -(-max(lens_host[i] for i in idx) // bs)
                 table = meta.block_tables.index_select(0, rows)[:, :num_blocks]
                 lens = meta.seq_lens.index_select(0, rows).long()
-                buckets.append(_DecodeBucket(rows, self._gather_rows(table), num_blocks, lens, {}))
-        meta.extras["torch_step_plan"] = _StepPlan(
+                buckets.append(DecodeBucket(rows, self._gather_rows(table), num_blocks, lens, {}))
+        meta.extras["torchstep_plan"] = StepPlan(
             buckets, self._native_prefill(), meta.slot_mapping // bs, meta.slot_mapping % bs
         )
 
     def _prefill_plans(
         self, meta: AttentionMetadata, window: int | None, from_cache: bool
-    ) -> list[_PrefillPlan]:
+    ) -> list[PrefillPlan]:
         """One SDPA plan per prefill/extend sequence: its token range, the gather of its cached context, the
         mask when the causal triangle alone does not say what each query sees. ``from_cache``: read the new
         tokens' K/V from the (quantized) cache too."""
-        step = _step_plan(meta)
+        step = step_plan(meta)
         if step.native_prefill:
             return []
         cached = step.prefill_plans
         if (window, from_cache) in cached:
             return cached[window, from_cache]
         bs, nd = meta.block_size, meta.num_decodes
-        plans: list[_PrefillPlan] = []
+        plans: list[PrefillPlan] = []
         starts = meta.query_start_loc.tolist() if meta.num_seqs > nd else []
         for b in range(nd, meta.num_seqs):
             q_len, seq_len = meta.query_lens_host[b], meta.seq_lens_host[b]
             ctx = seq_len - q_len
             if ctx == 0 and window is None and not from_cache:
-                plans.append(_PrefillPlan(starts[b], starts[b + 1], None, 0, None))
+                plans.append(PrefillPlan(starts[b], starts[b + 1], None, 0, None))
                 continue
             num_blocks = -(-seq_len // bs)
             q_pos = torch.arange(ctx, seq_len, device=meta.block_tables.device)
             if ctx or from_cache:
-                mask = _window_mask(q_pos, num_blocks * bs, window)
+                mask = window_mask(q_pos, num_blocks * bs, window)
                 rows = self._gather_rows(meta.block_tables[b : b + 1, :num_blocks])
             else:  # sliding window over new tokens only
-                mask, rows = _window_mask(q_pos, seq_len, window), None
-            plans.append(_PrefillPlan(starts[b], starts[b + 1], rows, num_blocks, mask))
+                mask, rows = window_mask(q_pos, seq_len, window), None
+            plans.append(PrefillPlan(starts[b], starts[b + 1], rows, num_blocks, mask))
         cached[window, from_cache] = plans
         return plans
 
@@ -226,7 +152,7 @@ class TorchAttentionBackend(AttentionBackend):
                 quant,
             )
             return
-        step = _step_plan(meta)
+        step = step_plan(meta)
         blk, off = step.write_block, step.write_offset
         # HND cache: [blocks, heads, bs, D]; advanced indices on dims 0 and 2 put tokens first
         if quant is None:
@@ -302,7 +228,7 @@ class TorchAttentionBackend(AttentionBackend):
                 quant,
             )
         caches = (key_cache, value_cache)
-        step = _step_plan(meta)
+        step = step_plan(meta)
         for bucket in step.decode_buckets:
             n = bucket.rows.numel()
             k, v = self._gather_kv(caches, quant, bucket.gather_rows, n, bucket.num_blocks, query.dtype)
