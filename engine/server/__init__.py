@@ -39,6 +39,7 @@ Package map (request path first):
 - ``lifecycle``         phases loading → warming_up → ready → draining (/ready) and startup timings
 - ``drain``             the SIGTERM drain sequence
 - ``metrics``           Prometheus metrics (docs/metrics.md)
+- ``load_gauges``       its gauges, read at scrape time from the ``/load`` snapshot and the phase
 - ``structured_metrics`` structured-output metrics: requests by kind, grammar compile time, mask cost
 - ``spec_decode_metrics`` speculative-decoding metrics: drafts, accepted tokens by position, acceptance
                          length
