@@ -146,7 +146,7 @@ def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path):
 
     loop = EngineLoop(factory, ServerConfig(), lifecycle, metrics, placeholder_load(config), reasons.append)
     loop.start()
-    loop.stop()
+    loop.stop(timeout_s=120)  # returns once the thread has failed; a busy CI host can take over 10 s
     assert lifecycle.phase is Phase.FAILED and not loop.healthy(time.monotonic())
     assert len(reasons) == 1
     assert reasons[0].startswith("engine failed to start: ValueError: cannot resolve model")
