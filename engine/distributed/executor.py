@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from multiprocessing.connection import wait
+from typing import cast
 
 import torch
 import torch.multiprocessing as mp
@@ -91,7 +92,8 @@ class TensorParallelWorkers:
         pending = {p.sentinel: p for p in self.processes}
         while pending:
             for sentinel in wait(list(pending)):
-                proc = pending.pop(sentinel)  # type: ignore[call-overload]
+                # wait() returns the sentinels it was given (typeshed types them as any waitable)
+                proc = pending.pop(cast(int, sentinel))
                 proc.join()
                 if not self._stopping:
                     self._fail(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import Iterator
+from typing import Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,25 @@ import torch.distributed as dist
 RENDEZVOUS_HOST = "127.0.0.1"
 #: how long a worker waits for the next step (an idle engine) before giving up on rank 0
 CONTROL_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+class Collectives(Protocol):
+    """What a group is used for here. The groups are the gloo and NCCL backends themselves
+    (``ProcessGroupGloo``, ``ProcessGroupNCCL``: a ``Backend``, not a ``ProcessGroup``), whose bindings
+    have these collectives; torch's stub of ``Backend`` leaves them out."""
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> dist.Work: ...
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.GatherOptions,
+    ) -> dist.Work: ...
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def shutdown(self) -> None: ...
 
 
 class TensorParallelGroup:
@@ -52,8 +72,8 @@ class TensorParallelGroup:
             wait_for_workers=False,
         )
         self.port = self.store.port
-        self._control: dist.ProcessGroup | None = None
-        self._model: dist.ProcessGroup | None = None
+        self._control: Collectives | None = None
+        self._model: Collectives | None = None
         #: collectives are skipped (each rank computes its own shard alone): the memory profile of rank 0
         self._local_only = False
 
@@ -61,24 +81,26 @@ class TensorParallelGroup:
         """Join both groups; blocks until every rank has joined (or the store timeout passes)."""
         short = datetime.timedelta(seconds=self.collective_timeout_s)
         long = datetime.timedelta(seconds=CONTROL_TIMEOUT_S)
-        self._control = dist.ProcessGroupGloo(
-            dist.PrefixStore("control", self.store), self.rank, self.size, long
+        # cast: the backends' collectives are missing from torch's stub only (see ``Collectives``)
+        self._control = cast(
+            Collectives,
+            dist.ProcessGroupGloo(dist.PrefixStore("control", self.store), self.rank, self.size, long),
         )
         model_store = dist.PrefixStore("model", self.store)
         if self.device.type == "cuda":
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = short
-            self._model = dist.ProcessGroupNCCL(model_store, self.rank, self.size, opts)
+            self._model = cast(Collectives, dist.ProcessGroupNCCL(model_store, self.rank, self.size, opts))
         else:
-            self._model = dist.ProcessGroupGloo(model_store, self.rank, self.size, short)
+            self._model = cast(Collectives, dist.ProcessGroupGloo(model_store, self.rank, self.size, short))
 
     @property
-    def model_group(self) -> dist.ProcessGroup:
+    def model_group(self) -> Collectives:
         assert self._model is not None, "connect() first"
         return self._model
 
     @property
-    def control_group(self) -> dist.ProcessGroup:
+    def control_group(self) -> Collectives:
         assert self._control is not None, "connect() first"
         return self._control
 

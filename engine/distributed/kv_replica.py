@@ -9,6 +9,8 @@ before its forward, with rank 0's choice of host blocks.
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvpilot.engine.distributed.step_message import COPY, SWAP_IN, SWAP_OUT, KVOp
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 
@@ -16,7 +18,7 @@ from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 class RecordingKVCache(KVCache):
     """Rank 0's cache: copies blocks and records the copy for the workers."""
 
-    def __init__(self, *args, ops: list[KVOp], **kwargs) -> None:
+    def __init__(self, *args: Any, ops: list[KVOp], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ops = ops
 

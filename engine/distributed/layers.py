@@ -18,11 +18,17 @@ the shard inside it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from kvpilot.engine.distributed.groups import TensorParallelGroup
 from kvpilot.engine.distributed.sharding import TensorShard
+from kvpilot.engine.model.layers import MLP
+
+if TYPE_CHECKING:
+    from kvpilot.engine.model.llama import LlamaForCausalLM
 
 
 class RowParallel(nn.Module):
@@ -73,12 +79,14 @@ class LogitsGather:
         return local.new_empty((0, self.vocab_size)) if full is None else full[:, : self.vocab_size]
 
 
-def install_tensor_parallel(model: nn.Module, shard: TensorShard, group: TensorParallelGroup) -> None:
+def install_tensor_parallel(model: LlamaForCausalLM, shard: TensorShard, group: TensorParallelGroup) -> None:
     """Make the loaded shard ``model`` (a ``LlamaForCausalLM`` of ``shard.local_arch()``) one rank of the
     whole: all-reduces after the row-parallel projections and the embedding, a gather after the LM head."""
-    for layer in model.layers:
+    for layer in model.decoder_layers:
+        mlp = layer.mlp
+        assert isinstance(mlp, MLP), "Mixture-of-Experts models are not split (check_tensor_parallel)"
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, group)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+        mlp.down_proj = RowParallel(mlp.down_proj, group)
     model.embed_tokens = VocabParallelEmbedding(
         model.embed_tokens, shard.rank * shard.vocab_rows, shard.vocab_rows, group
     )

@@ -70,19 +70,17 @@ class StepInputs:
 
     def to(self, device: torch.device) -> StepInputs:
         """The tensors on ``device`` (a worker's GPU); the int32 ones stay int32."""
-        move = [
-            t.to(device)
-            for t in (
-                self.input_ids,
-                self.positions,
-                self.slot_mapping,
-                self.logits_indices,
-                self.query_start_loc,
-                self.seq_lens,
-                self.block_tables,
-            )
-        ]
-        return StepInputs(*move, num_decodes=self.num_decodes, kv_ops=self.kv_ops)
+        return StepInputs(
+            input_ids=self.input_ids.to(device),
+            positions=self.positions.to(device),
+            slot_mapping=self.slot_mapping.to(device),
+            logits_indices=self.logits_indices.to(device),
+            query_start_loc=self.query_start_loc.to(device),
+            seq_lens=self.seq_lens.to(device),
+            block_tables=self.block_tables.to(device),
+            num_decodes=self.num_decodes,
+            kv_ops=self.kv_ops,
+        )
 
 
 def encode_step(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:

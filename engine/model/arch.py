@@ -121,7 +121,9 @@ class ModelArchConfig:
             text = cfg.get("text_config")
             if not isinstance(text, dict):
                 raise ValueError(f"a {model_type!r} config needs its language model's text_config")
-            shared = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg}
+            shared: dict[str, Any] = {
+                k: cfg[k] for k in ("bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg
+            }
             inner = cls.from_dict({**shared, **text, "model_type": MULTIMODAL_TEXT_TYPES[model_type]})
             return replace(inner, model_type=model_type, text_only=True)
         heads = int(cfg["num_attention_heads"])

@@ -32,6 +32,10 @@ def onednn_available() -> bool:
 class PackedLinear(nn.Module):
     """``y = x Wᵀ + b`` with W packed for oneDNN; ``batch_hint`` tunes the packing (any M works)."""
 
+    packed_weight: torch.Tensor
+    bias: torch.Tensor | None
+    panel_weight: torch.Tensor | None
+
     def __init__(self, linear: nn.Linear, batch_hint: int, native: NativeOps | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -39,15 +43,17 @@ class PackedLinear(nn.Module):
             "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         )
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        usable = native is not None and native.has_fast_linear
+        fast = native if native is not None and native.has_fast_linear else None
         #: the native GEMM and the panel-packed weight it reads (None: oneDNN for every batch)
-        self.native = native if usable else None
+        self.native = fast
         self.register_buffer(
-            "panel_weight", native.pack_linear_weight(linear.weight.detach().contiguous()) if usable else None
+            "panel_weight",
+            None if fast is None else fast.pack_linear_weight(linear.weight.detach().contiguous()),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+        # the panels are packed with ``native`` set: both are set or neither
+        if self.native is not None and self.panel_weight is not None and x.shape[0] <= NATIVE_MAX_ROWS:
             return self.native.linear(x, self.panel_weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 

@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from kvpilot.engine.model.fp8_linear import (
     quantize_fp8,
 )
 from kvpilot.engine.model.moe import SparseMoeBlock
+
+if TYPE_CHECKING:
+    from kvpilot.engine.model.llama import LlamaForCausalLM
 
 #: checkpoint tensors that belong to a quantized weight rather than to a parameter
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
@@ -175,11 +179,11 @@ class Fp8Checkpoint(Mapping[str, torch.Tensor]):
         return len(self._names)
 
 
-def projection_tensors(model: nn.Module) -> dict[str, list[str]]:
+def projection_tensors(model: LlamaForCausalLM) -> dict[str, list[str]]:
     """Module path of each dense projection → the checkpoint weights whose rows make it, in order (as
     ``weights.load_hf_weights`` fuses them)."""
     arch, out = model.arch, {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers):
         p = f"model.layers.{i}."
         a, m = p + "self_attn.", p + "mlp."
         out[f"layers.{i}.self_attn.qkv_proj"] = (
@@ -198,7 +202,7 @@ def projection_tensors(model: nn.Module) -> dict[str, list[str]]:
 
 
 def install_fp8_weights(
-    model: nn.Module,
+    model: LlamaForCausalLM,
     checkpoint: Fp8Checkpoint,
     device: torch.device,
     dtype: torch.dtype,
@@ -224,7 +228,7 @@ def install_fp8_weights(
     return count
 
 
-def quantize_linears_fp8(model: nn.Module, triton: bool = False) -> int:
+def quantize_linears_fp8(model: LlamaForCausalLM, triton: bool = False) -> int:
     """Replace every float projection of the decoder layers by an ``Fp8Linear`` quantized per row from its
     loaded weight (a float checkpoint under ``quantization=fp8``); the embedding and LM head stay in float,
     as vLLM keeps them. Returns how many. ``triton``: their GEMMs run the Triton W8A16 kernel."""
@@ -234,7 +238,7 @@ def quantize_linears_fp8(model: nn.Module, triton: bool = False) -> int:
             if isinstance(child, nn.Linear):
                 weight = quantize_fp8(child.weight)
                 layer = Fp8Linear(weight, child.bias is not None, child.weight.dtype, triton)
-                if child.bias is not None:
+                if child.bias is not None and layer.bias is not None:  # the layer has one iff the child has
                     layer.bias.copy_(child.bias.detach())
                 setattr(module, name, layer)
                 count += 1

@@ -135,6 +135,10 @@ class Fp8Linear(nn.Module):
     """``y = x Wᵀ + b`` on an e4m3 ``W`` (buffers ``qweight`` and ``scales``); ``bias`` in ``dtype`` (loaded
     later from the checkpoint) when ``has_bias``; ``triton``: the Triton W8A16 GEMM computes it."""
 
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: Fp8Weight, has_bias: bool, dtype: torch.dtype, triton: bool = False) -> None:
         super().__init__()
         self.triton = triton

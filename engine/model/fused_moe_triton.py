@@ -111,7 +111,17 @@ def moe_gemm_kernel(
     tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-def _gemm(a, b, c, weights, align, tiles, num_valid: int, top_k: int, mul_weight: bool) -> None:
+def _gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    weights: torch.Tensor,
+    align: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    tiles: tuple[int, int, int],
+    num_valid: int,
+    top_k: int,
+    mul_weight: bool,
+) -> None:
     sorted_ids, block_experts, num_padded = align
     n_out, k_in = b.shape[1], b.shape[2]
     grid = (block_experts.numel(), cdiv(n_out, tiles[1]))

@@ -92,9 +92,12 @@ class Attention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        # q, k and v in one GEMM: one weight read per step instead of three
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        # q, k and v in one GEMM: one weight read per step instead of three. The projections are built as
+        # nn.Linear; loading may replace them (quantized, fp8, oneDNN-packed, row-parallel layers)
+        self.qkv_proj: nn.Module = nn.Linear(
+            arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias
+        )
+        self.o_proj: nn.Module = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
         norm = arch.qk_norm
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, arch.gemma_norms) if norm else None
@@ -174,8 +177,11 @@ class MLP(nn.Module):
         super().__init__()
         self.intermediate = arch.intermediate_size
         self.gelu = arch.hidden_act == "gelu_pytorch_tanh"
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        # nn.Linear as built; loading may replace them (quantized, fp8, oneDNN-packed, row-parallel layers)
+        self.gate_up_proj: nn.Module = nn.Linear(
+            arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias
+        )
+        self.down_proj: nn.Module = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

@@ -45,7 +45,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.backend = backend
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        #: an nn.Embedding as built; loading may replace it (quantized, vocabulary-parallel lookups)
+        self.embed_tokens: nn.Module = nn.Embedding(arch.vocab_size, arch.hidden_size)
         decoder = [DecoderLayer(arch, i) for i in range(arch.num_hidden_layers)]
         self.layers = nn.ModuleList(decoder)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.gemma_norms)
@@ -163,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        assert isinstance(weight, torch.Tensor), "a quantized LM head is a packed_lm_head"
         if hidden.device.type != "cpu":
             return F.linear(hidden, weight).float()
         # On CPU one GEMM against the whole [vocab, hidden] matrix streams it through the caches badly;

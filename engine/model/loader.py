@@ -150,14 +150,15 @@ def _uninitialized_parameters(dtype: torch.dtype) -> Iterator[None]:
     saved = [(cls, cls.reset_parameters) for cls in (nn.Linear, nn.Embedding)]
     old_dtype = torch.get_default_dtype()
     try:
+        # setattr: mypy refuses assigning to a method, which patching the class for a while is
         for cls, _ in saved:
-            cls.reset_parameters = lambda self: None
+            setattr(cls, "reset_parameters", lambda self: None)  # noqa: B010
         torch.set_default_dtype(dtype)
         yield
     finally:
         torch.set_default_dtype(old_dtype)
         for cls, fn in saved:
-            cls.reset_parameters = fn
+            setattr(cls, "reset_parameters", fn)  # noqa: B010
 
 
 def load_model(
@@ -190,6 +191,8 @@ def load_model(
         model = LlamaForCausalLM(arch, dtype, backend)
     if quantization == "gguf":
         # before the float weights load, so the float copies of these tensors are never read
+        if gguf_path is None:
+            raise ValueError("quantization='gguf' needs the GGUF file (gguf_path)")
         gguf = read_gguf_weights(gguf_path, full_arch)
         if tensor_parallel is not None:  # the rank's rows and block columns of the stored blocks
             gguf.weights = shard_quant_weights(gguf.weights, tensor_parallel.shard)
@@ -230,7 +233,9 @@ def load_model(
         # (113 MB each for SmolLM2) and the lookup keeps the plain weight
         if head is None:
             head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
-            head.weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            weight = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+            assert isinstance(weight, torch.Tensor), "a quantized LM head is quantized_lm_head's"
+            head.weight = weight
             model.packed_lm_head = PackedLinear(head, batch_hint, native)
     model.native = native
     if activation_quantization == "int8":

@@ -34,7 +34,9 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     return weights, ids
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+def _check(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
     tokens, hidden = x.shape
     experts, two_inter, w13_hidden = w13.shape
     if w13_hidden != hidden or tuple(w2.shape) != (experts, hidden, two_inter // 2) or two_inter % 2:

@@ -16,6 +16,8 @@ weights up to float32 summation order (``tests/engine/test_moe_quant.py``).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,8 +63,11 @@ class QuantExperts(nn.Module):
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``) in float32: the reference's weights."""
-        w13 = torch.stack([dequantize(layer.weight_q) for layer in self.gate_up])
-        return w13, torch.stack([dequantize(layer.weight_q) for layer in self.down])
+        # an nn.ModuleList types its items as Module: these are the QuantLinear layers built above
+        gate_up = cast("list[QuantLinear]", list(self.gate_up))
+        down = cast("list[QuantLinear]", list(self.down))
+        w13 = torch.stack([dequantize(layer.weight_q) for layer in gate_up])
+        return w13, torch.stack([dequantize(layer.weight_q) for layer in down])
 
     def forward(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, native: NativeOps | None = None

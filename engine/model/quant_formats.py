@@ -70,6 +70,7 @@ def unpack_blocks(weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torc
     if fmt.name in K_FORMATS:
         raise ValueError(f"{fmt.name} scales every 16 weights, not 32: dequantize it")
     if fmt.row_scales:
+        assert weight.scales is not None, "a row-scaled format's weight has its scales (__post_init__)"
         blocks = -(-weight.in_features // BLOCK)
         q = torch.zeros(n, blocks * BLOCK, device=data.device)
         q[:, : weight.in_features] = data.view(torch.int8).float()
@@ -153,7 +154,8 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
                 f"cannot fuse {part.format.name} x {part.in_features} rows with {first.format.name} x "
                 f"{first.in_features} rows"
             )
-    scales = None if first.scales is None else torch.cat([p.scales for p in parts])
+    # one format: every part has row scales or none does (``QuantWeight.__post_init__``)
+    scales = None if first.scales is None else torch.cat([p.scales for p in parts if p.scales is not None])
     return QuantWeight(
         first.format, torch.cat([p.data for p in parts]).contiguous(), scales, first.in_features
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,9 @@ def _scratch_floats(count: int) -> torch.Tensor:
 class _QuantWeightBuffers(nn.Module):
     """The buffers of one ``QuantWeight``: ``qweight`` (uint8 rows) and ``scales`` (int8 only)."""
 
+    qweight: torch.Tensor
+    scales: torch.Tensor | None
+
     def __init__(self, weight: QuantWeight) -> None:
         super().__init__()
         self.format = weight.format.name
@@ -86,6 +90,8 @@ class _QuantWeightBuffers(nn.Module):
 class QuantLinear(_QuantWeightBuffers):
     """``y = x Wᵀ + b`` on a quantized ``W``; ``bias`` (float32, loaded later) when ``has_bias``; ``triton``:
     the Triton GEMM computes it (else the native kernels, or PyTorch ops without them)."""
+
+    bias: torch.Tensor | None
 
     def __init__(
         self, weight: QuantWeight, has_bias: bool, native: NativeOps | None, triton: bool = False
@@ -154,6 +160,8 @@ class SplitQuantLinear(nn.Module):
     """A fused projection (q/k/v, gate/up) whose parts are stored in different formats: one ``QuantLinear``
     per part, their outputs side by side; ``bias`` (float32, loaded later) spans all of them."""
 
+    bias: torch.Tensor | None
+
     def __init__(
         self, parts: list[QuantWeight], has_bias: bool, native: NativeOps | None, triton: bool = False
     ) -> None:
@@ -166,8 +174,13 @@ class SplitQuantLinear(nn.Module):
         self.register_buffer("bias", torch.zeros(self.out_features) if has_bias else None)
 
     @property
+    def quant_parts(self) -> list[QuantLinear]:
+        """``parts`` as what they are (an ``nn.ModuleList`` types its items as ``Module``)."""
+        return cast("list[QuantLinear]", list(self.parts))
+
+    @property
     def formats(self) -> list[str]:
-        return [part.format for part in self.parts]
+        return [part.format for part in self.quant_parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([part(x) for part in self.parts], dim=-1)

@@ -34,6 +34,7 @@ from torch import nn
 from kvpilot.engine.model.fp8_checkpoint import read_checkpoint_quantization
 from kvpilot.engine.model.fp8_linear import Fp8Linear, w8a8_supported
 from kvpilot.engine.model.gguf_weights import GGUFWeights
+from kvpilot.engine.model.moe import SparseMoeBlock
 from kvpilot.engine.model.moe_quant import QuantExperts
 from kvpilot.engine.model.quant_formats import quantize_int8
 from kvpilot.engine.model.quant_linear import QuantEmbedding, QuantLinear, SplitQuantLinear
@@ -222,7 +223,9 @@ def install_gguf_weights(
         fused = SplitQuantLinear(parts, getattr(parent, name).bias is not None, native, triton)
         setattr(parent, name, fused)
     for path, (gate_up, down) in weights.experts.items():
-        model.get_submodule(path).keep_quantized_experts(QuantExperts(gate_up, down, native, triton))
+        block = model.get_submodule(path)
+        assert isinstance(block, SparseMoeBlock), f"{path}: GGUF experts are read for sparse layers only"
+        block.keep_quantized_experts(QuantExperts(gate_up, down, native, triton))
     if weights.dequantized:
         shown = ", ".join(f"{p} ({t})" for p, t in list(weights.dequantized.items())[:6])
         more = len(weights.dequantized) - 6
@@ -241,7 +244,7 @@ def quantize_linears_int8(model: nn.Module, native: NativeOps | None, triton: bo
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 layer = QuantLinear(quantize_int8(child.weight), child.bias is not None, native, triton)
-                if child.bias is not None:
+                if child.bias is not None and layer.bias is not None:  # the layer has one iff the child has
                     layer.bias.copy_(child.bias.detach())
                 setattr(module, name, layer)
                 count += 1
@@ -254,9 +257,10 @@ def quantize_linears_int8(model: nn.Module, native: NativeOps | None, triton: bo
 def quantized_lm_head(model: nn.Module, native: NativeOps | None, triton: bool = False) -> nn.Module | None:
     """The quantized LM head the logits use: the untied ``lm_head`` if quantized, else a head over the
     quantized embedding when tied; None when the head's weight is float."""
-    if isinstance(getattr(model, "lm_head", None), QuantLinear):
-        return model.lm_head
-    if getattr(model, "lm_head", None) is None and isinstance(model.embed_tokens, QuantEmbedding):
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, QuantLinear):
+        return lm_head
+    if lm_head is None and isinstance(model.embed_tokens, QuantEmbedding):
         return model.embed_tokens.as_linear(native, triton)
     return None
 

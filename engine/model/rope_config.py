@@ -87,8 +87,10 @@ def rope_settings(
 def rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
     """The dims of each head RoPE rotates: ``head_dim`` times ``partial_rotary_factor`` (HF's rounding)."""
     params = cfg.get("rope_parameters")
-    flat = isinstance(params, dict) and not any(isinstance(v, dict) for v in params.values())
-    partial = (params.get("partial_rotary_factor") if flat else None) or cfg.get("partial_rotary_factor")
+    partial = None
+    if isinstance(params, dict) and not any(isinstance(v, dict) for v in params.values()):  # flat
+        partial = params.get("partial_rotary_factor")
+    partial = partial or cfg.get("partial_rotary_factor")
     return int(head_dim * float(partial or 1.0))
 
 

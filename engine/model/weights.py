@@ -11,13 +11,18 @@ projection or embedding already replaced by a quantized layer
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvpilot.engine.kv.checkpoint_scales import is_kv_scale
+from kvpilot.engine.model.layers import MLP, RMSNorm
 from kvpilot.engine.model.moe import SparseMoeBlock
+
+if TYPE_CHECKING:
+    from kvpilot.engine.model.llama import LlamaForCausalLM
 
 
 class _Loader:
@@ -37,7 +42,7 @@ class _Loader:
         with torch.no_grad():
             param.copy_(value)
 
-    def norm(self, module: nn.Module | None, name: str) -> None:
+    def norm(self, module: RMSNorm | None, name: str) -> None:
         if module is not None:
             self.put(module.weight, self.take(name), name)
 
@@ -49,9 +54,12 @@ class _Loader:
         value = self.take(names[0]) if len(names) == 1 else torch.cat([self.take(n) for n in names])
         self.put(module.weight, value, label)
 
-    def bias(self, module: nn.Linear, names: list[str], label: str) -> None:
+    def bias(self, module: nn.Module, names: list[str], label: str) -> None:
+        """The bias of ``module``: an ``nn.Linear``'s, or a quantized layer's buffer."""
         value = self.take(names[0]) if len(names) == 1 else torch.cat([self.take(n) for n in names])
-        self.put(module.bias, value, label)
+        bias = module.bias
+        assert isinstance(bias, torch.Tensor), f"{label}: the layer was built without a bias"
+        self.put(bias, value, label)
 
 
 #: name prefixes of a vision-language checkpoint's text model (transformers 4.5x, and 5's nesting)
@@ -77,7 +85,7 @@ class _TextModelTensors(Mapping[str, torch.Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._names
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         return iter(self._names)
 
     def __len__(self) -> int:
@@ -93,7 +101,7 @@ def _text_name(name: str) -> str:
     return name
 
 
-def load_hf_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+def load_hf_weights(model: LlamaForCausalLM, tensors: Mapping[str, torch.Tensor]) -> None:
     """Fill ``model`` (a ``llama.LlamaForCausalLM``) from ``tensors``; raises ``ValueError`` naming the first
     missing, misshapen or unused tensor."""
     arch = model.arch
@@ -104,7 +112,7 @@ def load_hf_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> No
     w.norm(model.norm, "model.norm.weight")
     if model.lm_head is not None:
         w.weight(model.lm_head, ["lm_head.weight"], "lm_head.weight")
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(model.decoder_layers):
         p = f"model.layers.{i}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
             w.norm(getattr(layer, norm), p + norm + ".weight")
@@ -124,6 +132,7 @@ def load_hf_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> No
             layer.mlp.load_hf_weights(w.take, p)
             continue
         m, mlp = p + "mlp.", layer.mlp
+        assert isinstance(mlp, MLP), "a dense layer's MLP"
         gate_up = (
             [m + "gate_up_proj.weight"]
             if arch.fused_checkpoint

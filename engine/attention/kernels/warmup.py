@@ -7,6 +7,8 @@ non-reserved blocks, so it needs no extra KV memory.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvpilot.engine.attention.kernels.decode import paged_decode
@@ -38,7 +40,7 @@ def _cycling_block_tables(
     return ids.view(num_seqs, blocks_per_seq).to(torch.int32)
 
 
-def _measure_ms(fn) -> float:
+def _measure_ms(fn: Callable[[], object]) -> float:
     from triton.testing import do_bench  # CUDA-only timing; imported when a GPU is being tuned
 
     return do_bench(fn, warmup=5, rep=20)
