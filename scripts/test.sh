@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test command README documents and CI runs: lint, format check and types (scripts/typecheck.sh: mypy
-# over the packages [tool.mypy] lists), then the default suite (real-model smoke tests included; tests
+# over every module, as [tool.mypy] configures it), then the default suite (real-model smoke tests included; tests
 # marked slow are left for `scripts/test.sh -m slow`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
