@@ -8,9 +8,15 @@ every field and returns an ``EngineConfig`` made of one dataclass per area.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvpilot.engine.spec_decode.config import SpeculativeConfig, parse_speculative_config
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+#: one of the per-area config dataclasses ``create_config`` fills from the flat arguments
+_Area = TypeVar("_Area", bound="DataclassInstance")
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -205,7 +211,7 @@ class EngineArgs:
         except ValueError as err:
             raise ConfigError(str(err)) from None
 
-        def pick(area):
+        def pick(area: type[_Area]) -> _Area:
             return area(**{f.name: getattr(self, f.name) for f in fields(area)})
 
         top = {

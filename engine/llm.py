@@ -14,6 +14,7 @@ from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.prompt_render import chat_prompt_ids
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.tokenizer import Tokenizer
 
 PromptLike = str | Sequence[int] | dict
 
@@ -33,7 +34,7 @@ class LLM:
         llm._ids = itertools.count()
         return llm
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(

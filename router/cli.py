@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvpilot.router.config import (
     ScoringWeights,
     UpstreamConfig,
 )
+from kvpilot.router.endpointslices import SliceApi
 from kvpilot.router.server import RouterServer, load_profiler
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _kubernetes_api():
+def _kubernetes_api() -> Callable[[], SliceApi]:
     """The EndpointSlice API, configured now so that a missing kubeconfig is a CLI error, not a crash."""
     from kubernetes.config import ConfigException
 

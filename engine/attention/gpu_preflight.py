@@ -24,6 +24,7 @@ import sysconfig
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -66,7 +67,7 @@ def _add_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 @functools.cache
-def _jit_add_kernel():
+def _jit_add_kernel() -> Any:  # triton.jit's JITFunction (Triton has no types)
     return triton.jit(_add_kernel)
 
 

@@ -207,7 +207,14 @@ class DecoderLayer(nn.Module):
         sparse = moe is not None and moe.sparse_layers[index]
         self.mlp: nn.Module = SparseMoeBlock(arch.hidden_size, moe) if moe and sparse else MLP(arch)
 
-    def forward(self, hidden, rope, backend, kv_cache, meta):
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: RopeTables,
+        backend: AttentionBackend,
+        kv_cache: LayerKV,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), rope, backend, kv_cache, meta)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             hidden = hidden + attn

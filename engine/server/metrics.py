@@ -11,12 +11,15 @@ handlers (per-request latencies at emit time, finished/SLO counters, rejections)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from kvpilot.engine.server.load_gauges import LoadGauges
 from kvpilot.engine.server.spec_decode_metrics import SpecDecodeMetrics
 from kvpilot.engine.server.structured_metrics import StructuredMetrics
+
+_Family = TypeVar("_Family", Counter, Histogram)
 
 # Buckets: vLLM's, extended downwards (a small model on CPU decodes in a few ms per token).
 TTFT_BUCKETS = (
@@ -124,7 +127,7 @@ class ServerMetrics:
         ) -> Histogram:
             return Histogram(metric, doc, [*name, *labels], registry=r, buckets=buckets)
 
-        def one(family):  # the family's only series (label model_name)
+        def one(family: _Family) -> _Family:  # the family's only series (label model_name)
             return family.labels(m)
 
         # engine work (engine thread)
