@@ -154,6 +154,14 @@ class Tokenizer:
         tokenize: Literal[True],
         **template_kwargs: Any,
     ) -> list[int]: ...
+    @overload
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = ...,
+        tokenize: bool = ...,
+        **template_kwargs: Any,
+    ) -> str | list[int]: ...
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -87,7 +87,7 @@ class TorchAttentionBackend(AttentionBackend):
                 table = meta.block_tables.index_select(0, rows)[:, :num_blocks]
                 lens = meta.seq_lens.index_select(0, rows).long()
                 buckets.append(DecodeBucket(rows, self._gather_rows(table), num_blocks, lens, {}))
-        meta.extras["torchstep_plan"] = StepPlan(
+        meta.extras["torch_step_plan"] = StepPlan(
             buckets, self._native_prefill(), meta.slot_mapping // bs, meta.slot_mapping % bs
         )
 

@@ -63,7 +63,7 @@ class StepPlan:
 
 
 def step_plan(meta: AttentionMetadata) -> StepPlan:
-    return cast(StepPlan, meta.extras["torchstep_plan"])
+    return cast(StepPlan, meta.extras["torch_step_plan"])
 
 
 def window_mask(q_pos: torch.Tensor, k_len: int, window: int | None) -> torch.Tensor:
