@@ -83,10 +83,13 @@ if want tests; then
            test_fused_triton.py test_rope_kv_write.py test_decode_graphs.py test_warmup_graphs.py test_request_shapes.py test_parallel_samples.py
            test_engine_greedy_equivalence.py test_lifecycle.py)
     if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
-    KVPILOT_TEST_DEVICE=$dev timeout 110 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
+    # SIGINT at the limit: pytest stops where it is and still prints what passed and failed, and the
+    # slowest tests (a plain kill would leave only the progress dots)
+    KVPILOT_TEST_DEVICE=$dev timeout -s INT -k 10 110 python3 -m pytest -q -p no:cacheprovider --durations=15 \
+        --rootdir "$repo" \
         -c "$repo/pyproject.toml" "${files[@]/#/$repo/tests/engine/}" >"$out/tests.log" 2>&1
     record tests $? "$t"
-    tail -15 "$out/tests.log"
+    tail -30 "$out/tests.log"
 fi
 
 if want kernels; then
@@ -179,7 +182,7 @@ fi
 if want quant; then
     t=$(date +%s)
     log="$out/quant.log"
-    KVPILOT_TEST_DEVICE=$dev timeout 35 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
+    KVPILOT_TEST_DEVICE=$dev timeout -s INT -k 10 35 python3 -m pytest -q -p no:cacheprovider --rootdir "$repo" \
         -c "$repo/pyproject.toml" "$repo/tests/engine/test_quant_triton.py" "$repo/tests/engine/test_fp8_triton.py" \
         >"$log" 2>&1
     rc=$?
