@@ -8,7 +8,9 @@ the operator's autoscaler reads ``kvpilot_activator_held_requests`` and ``_held_
 process's ``/metrics`` and scales from zero at once; when a replica's router is Ready (the EndpointSlices
 of ``<name>-engines``, polled with the routers' ServiceAccount), every held request is forwarded to it and
 its answer streamed back. Held requests' time to first byte is ``kvpilot_activator_cold_start_ttft_seconds``,
-reported apart from the engines' steady-state TTFT. Once the Service selects the replicas again, no new
+reported apart from the engines' steady-state TTFT. A replica whose router refuses the connection (its pod
+is going away while the lookup still lists it) never saw the request: the next replica gets it, or the
+request is held for one, within the same hold timeout. Once the Service selects the replicas again, no new
 request comes here.
 """
 
@@ -79,6 +81,16 @@ def _unavailable(message: str, code: str, retry_after: int) -> aiohttp.web.Respo
     )
 
 
+@dataclass
+class _Upstream:
+    """What connecting a request gave: the replica's answer, or the 503 that refused it."""
+
+    answer: aiohttp.ClientResponse | None
+    #: it waited for a replica (its first byte counts as a cold start)
+    held: bool
+    refusal: aiohttp.web.Response | None
+
+
 class Activator:
     def __init__(self, config: ActivatorConfig, upstreams: Upstreams) -> None:
         self.config, self._upstreams = config, upstreams
@@ -102,10 +114,24 @@ class Activator:
                 self._available.clear()
             await asyncio.sleep(self.config.poll_seconds)
 
-    async def _wait_for_replica(self) -> aiohttp.web.Response | None:
-        """None once a replica is Ready; a 503 past the queue's size or the hold timeout."""
+    def _replica(self) -> str | None:
+        """The next Ready replica's router, round robin; None while there is none."""
+        if not self._available.is_set() or not self._ready:
+            return None
+        self._turn += 1
+        return self._ready[self._turn % len(self._ready)]
+
+    def _refused(self, upstream: str) -> None:
+        """``upstream`` refused a connection (its pod is going away, or the lookup is stale): skip it until
+        the next lookup lists it again."""
+        self._ready = [u for u in self._ready if u != upstream]
+        if not self._ready:
+            self._available.clear()
+
+    async def _wait_for_replica(self, deadline: float, first_hold: bool) -> aiohttp.web.Response | None:
+        """None once a replica is Ready; a 503 past the queue's size or the hold deadline."""
         config = self.config
-        if self._held >= config.queue_size:
+        if first_hold and self._held >= config.queue_size:
             self.metrics.rejected.labels("queue_full").inc()
             return _unavailable(
                 f"{config.name} is scaling from zero and {config.queue_size} requests already wait",
@@ -114,9 +140,10 @@ class Activator:
             )
         self._held += 1
         self.metrics.held.set(self._held)
-        self.metrics.held_total.inc()
+        if first_hold:
+            self.metrics.held_total.inc()
         try:
-            await asyncio.wait_for(self._available.wait(), config.hold_timeout_seconds)
+            await asyncio.wait_for(self._available.wait(), max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
             self.metrics.rejected.labels("hold_timeout").inc()
             return _unavailable(
@@ -129,22 +156,40 @@ class Activator:
             self.metrics.held.set(self._held)
         return None
 
+    async def _connect(self, request: aiohttp.web.Request, body: bytes, deadline: float) -> _Upstream:
+        """The first replica that takes the request's connection, holding the request while there is
+        none. A replica that refuses the connection never saw the request, so the next one (or the next
+        lookup's) gets it. A 503 once the hold deadline passes."""
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        held = False
+        while True:
+            upstream = self._replica()
+            if upstream is None:
+                refusal = await self._wait_for_replica(deadline, first_hold=not held)
+                if refusal is not None:
+                    return _Upstream(None, held, refusal)
+                held = True
+                continue
+            try:
+                answer = await self._session.request(
+                    request.method, f"{upstream}{request.rel_url}", data=body, headers=headers
+                )
+            except aiohttp.ClientConnectorError as error:
+                log.warning("replica %s refused the connection (%s); trying the next one", upstream, error)
+                self._refused(upstream)
+                continue
+            return _Upstream(answer, held, None)
+
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         arrived = time.monotonic()
         self.metrics.requests.inc()
         body = await request.read()
-        held = not self._available.is_set()
-        if held:
-            refusal = await self._wait_for_replica()
-            if refusal is not None:
-                return refusal
-        self._turn += 1
-        upstream = self._ready[self._turn % len(self._ready)]
-        assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        async with self._session.request(
-            request.method, f"{upstream}{request.rel_url}", data=body, headers=headers
-        ) as answer:
+        connected = await self._connect(request, body, arrived + self.config.hold_timeout_seconds)
+        if connected.answer is None:
+            assert connected.refusal is not None
+            return connected.refusal
+        async with connected.answer as answer:
             response = aiohttp.web.StreamResponse(
                 status=answer.status,
                 headers={k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS},
@@ -152,7 +197,7 @@ class Activator:
             await response.prepare(request)
             first = True
             async for chunk in answer.content.iter_any():
-                if first and held:
+                if first and connected.held:
                     self.metrics.cold_start_ttft.observe(time.monotonic() - arrived)
                 first = False
                 await response.write(chunk)

@@ -107,3 +107,47 @@ def test_held_requests_are_released_to_the_first_ready_replica_or_refused_with_r
     # held in all: the three released and the one that timed out (the refused one was never held)
     assert results["metrics_after"] == (0.0, 4.0)
     assert results["ttft_count"] == 3.0  # cold-start TTFT of the three released, apart from the rest
+
+
+async def _stale_scenario() -> dict:
+    """The lookup still lists a replica whose router is gone (nothing listens on its port)."""
+    dead, upstream_port, activator_port = _port(), _port(), _port()
+    ready = [f"http://127.0.0.1:{dead}"]
+
+    async def upstreams() -> list[str]:
+        return list(ready)
+
+    config = ActivatorConfig(namespace="ml", name="smol", hold_timeout_seconds=5.0, poll_seconds=0.05)
+    activator = Activator(config, upstreams)
+    runner = await _serve(activator.app(), activator_port)
+    router = await _serve(_router_app(), upstream_port)
+    base = f"http://127.0.0.1:{activator_port}"
+    results: dict = {}
+    try:
+        async with aiohttp.ClientSession() as client:
+
+            async def complete(prompt: str) -> tuple[int, str]:
+                async with client.post(f"{base}/v1/completions", json={"prompt": prompt}) as response:
+                    return response.status, await response.text()
+
+            await asyncio.sleep(0.2)  # the first lookup has listed the dead replica
+            # refused by the dead replica, so held until a live one is listed
+            pending = [asyncio.create_task(complete(f"q{i}")) for i in range(3)]
+            await asyncio.sleep(0.3)
+            results["held_while_only_dead"] = [task.done() for task in pending]
+            ready.append(f"http://127.0.0.1:{upstream_port}")
+            results["answered"] = await asyncio.gather(*pending)
+            results["next"] = await complete("q3")  # dead and live both listed: the live one answers
+    finally:
+        await runner.cleanup()
+        await router.cleanup()
+    return results
+
+
+def test_a_replica_that_refuses_connections_is_skipped_and_the_request_held_for_a_live_one():
+    results = asyncio.run(_stale_scenario())
+    assert results["held_while_only_dead"] == [False, False, False]
+    assert results["answered"] == [
+        (200, f'{{"path": "/v1/completions", "prompt": "q{i}"}}') for i in range(3)
+    ]
+    assert results["next"] == (200, '{"path": "/v1/completions", "prompt": "q3"}')
