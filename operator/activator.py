@@ -81,16 +81,6 @@ def _unavailable(message: str, code: str, retry_after: int) -> aiohttp.web.Respo
     )
 
 
-@dataclass
-class _Upstream:
-    """What connecting a request gave: the replica's answer, or the 503 that refused it."""
-
-    answer: aiohttp.ClientResponse | None
-    #: it waited for a replica (its first byte counts as a cold start)
-    held: bool
-    refusal: aiohttp.web.Response | None
-
-
 class Activator:
     def __init__(self, config: ActivatorConfig, upstreams: Upstreams) -> None:
         self.config, self._upstreams = config, upstreams
@@ -116,7 +106,7 @@ class Activator:
 
     def _replica(self) -> str | None:
         """The next Ready replica's router, round robin; None while there is none."""
-        if not self._available.is_set() or not self._ready:
+        if not self._ready:  # set and emptied together with _available
             return None
         self._turn += 1
         return self._ready[self._turn % len(self._ready)]
@@ -156,10 +146,13 @@ class Activator:
             self.metrics.held.set(self._held)
         return None
 
-    async def _connect(self, request: aiohttp.web.Request, body: bytes, deadline: float) -> _Upstream:
-        """The first replica that takes the request's connection, holding the request while there is
-        none. A replica that refuses the connection never saw the request, so the next one (or the next
-        lookup's) gets it. A 503 once the hold deadline passes."""
+    async def _connect(
+        self, request: aiohttp.web.Request, body: bytes, deadline: float
+    ) -> tuple[aiohttp.ClientResponse | aiohttp.web.Response, bool]:
+        """The answer of the first replica that takes the request's connection, holding the request while
+        there is none, or the 503 once the hold deadline passes; and whether it was held (its first byte
+        is then a cold start). A replica that refuses the connection never saw the request, so the next
+        one (or the next lookup's) gets it."""
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         held = False
@@ -168,7 +161,7 @@ class Activator:
             if upstream is None:
                 refusal = await self._wait_for_replica(deadline, first_hold=not held)
                 if refusal is not None:
-                    return _Upstream(None, held, refusal)
+                    return refusal, held
                 held = True
                 continue
             try:
@@ -179,17 +172,16 @@ class Activator:
                 log.warning("replica %s refused the connection (%s); trying the next one", upstream, error)
                 self._refused(upstream)
                 continue
-            return _Upstream(answer, held, None)
+            return answer, held
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         arrived = time.monotonic()
         self.metrics.requests.inc()
         body = await request.read()
-        connected = await self._connect(request, body, arrived + self.config.hold_timeout_seconds)
-        if connected.answer is None:
-            assert connected.refusal is not None
-            return connected.refusal
-        async with connected.answer as answer:
+        answer, held = await self._connect(request, body, arrived + self.config.hold_timeout_seconds)
+        if isinstance(answer, aiohttp.web.Response):
+            return answer
+        async with answer:
             response = aiohttp.web.StreamResponse(
                 status=answer.status,
                 headers={k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS},
@@ -197,7 +189,7 @@ class Activator:
             await response.prepare(request)
             first = True
             async for chunk in answer.content.iter_any():
-                if first and connected.held:
+                if first and held:
                     self.metrics.cold_start_ttft.observe(time.monotonic() - arrived)
                 first = False
                 await response.write(chunk)
