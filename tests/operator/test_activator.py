@@ -5,7 +5,9 @@ the autoscaler reads (held now, held in all)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 
 import aiohttp
 import aiohttp.web
@@ -44,51 +46,55 @@ def _router_app() -> aiohttp.web.Application:
     return app
 
 
-async def _scenario() -> dict:
-    upstream_port, activator_port = _port(), _port()
-    ready: list[str] = []
+@contextlib.asynccontextmanager
+async def _serving(config: ActivatorConfig, ready: list[str]) -> AsyncIterator[tuple[str, str]]:
+    """The activator (its lookup answers ``ready`` as it is then) and a live router: their base URLs."""
 
     async def upstreams() -> list[str]:
         return list(ready)
 
-    config = ActivatorConfig(
-        namespace="ml", name="smol", queue_size=3, hold_timeout_seconds=1.5, poll_seconds=0.05
-    )
-    activator = Activator(config, upstreams)
-    runner = await _serve(activator.app(), activator_port)
+    activator_port, upstream_port = _port(), _port()
+    runner = await _serve(Activator(config, upstreams).app(), activator_port)
     router = await _serve(_router_app(), upstream_port)
-    base = f"http://127.0.0.1:{activator_port}"
-    results: dict = {}
     try:
-        async with aiohttp.ClientSession() as client:
-
-            async def complete(prompt: str) -> tuple[int, str, str | None]:
-                async with client.post(f"{base}/v1/completions", json={"prompt": prompt}) as response:
-                    return response.status, await response.text(), response.headers.get("Retry-After")
-
-            # Four arrive at zero replicas: three are held, the fourth is past the queue.
-            held = [asyncio.create_task(complete(f"p{i}")) for i in range(3)]
-            await asyncio.sleep(0.3)
-            results["full"] = await complete("p3")
-            async with client.get(f"{base}/metrics") as response:
-                results["metrics_held"] = parse_activator_metrics(await response.text())
-            ready.append(f"http://127.0.0.1:{upstream_port}")  # a replica turns Ready
-            results["released"] = await asyncio.gather(*held)
-            results["direct"] = await complete("p4")  # a replica is there: straight through
-            ready.clear()
-            await asyncio.sleep(0.2)
-            results["timeout"] = await complete("p5")  # nobody comes back within 1.5 s
-            async with client.get(f"{base}/metrics") as response:
-                text = await response.text()
-            results["metrics_after"] = parse_activator_metrics(text)
-            results["ttft_count"] = next(
-                float(line.split()[-1])
-                for line in text.splitlines()
-                if line.startswith("kvpilot_activator_cold_start_ttft_seconds_count")
-            )
+        yield f"http://127.0.0.1:{activator_port}", f"http://127.0.0.1:{upstream_port}"
     finally:
         await runner.cleanup()
         await router.cleanup()
+
+
+async def _scenario() -> dict:
+    ready: list[str] = []
+    config = ActivatorConfig(
+        namespace="ml", name="smol", queue_size=3, hold_timeout_seconds=1.5, poll_seconds=0.05
+    )
+    results: dict = {}
+    async with _serving(config, ready) as (base, live), aiohttp.ClientSession() as client:
+
+        async def complete(prompt: str) -> tuple[int, str, str | None]:
+            async with client.post(f"{base}/v1/completions", json={"prompt": prompt}) as response:
+                return response.status, await response.text(), response.headers.get("Retry-After")
+
+        # Four arrive at zero replicas: three are held, the fourth is past the queue.
+        held = [asyncio.create_task(complete(f"p{i}")) for i in range(3)]
+        await asyncio.sleep(0.3)
+        results["full"] = await complete("p3")
+        async with client.get(f"{base}/metrics") as response:
+            results["metrics_held"] = parse_activator_metrics(await response.text())
+        ready.append(live)  # a replica turns Ready
+        results["released"] = await asyncio.gather(*held)
+        results["direct"] = await complete("p4")  # a replica is there: straight through
+        ready.clear()
+        await asyncio.sleep(0.2)
+        results["timeout"] = await complete("p5")  # nobody comes back within 1.5 s
+        async with client.get(f"{base}/metrics") as response:
+            text = await response.text()
+        results["metrics_after"] = parse_activator_metrics(text)
+        results["ttft_count"] = next(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("kvpilot_activator_cold_start_ttft_seconds_count")
+        )
     return results
 
 
@@ -111,36 +117,23 @@ def test_held_requests_are_released_to_the_first_ready_replica_or_refused_with_r
 
 async def _stale_scenario() -> dict:
     """The lookup still lists a replica whose router is gone (nothing listens on its port)."""
-    dead, upstream_port, activator_port = _port(), _port(), _port()
-    ready = [f"http://127.0.0.1:{dead}"]
-
-    async def upstreams() -> list[str]:
-        return list(ready)
-
+    ready = [f"http://127.0.0.1:{_port()}"]
     config = ActivatorConfig(namespace="ml", name="smol", hold_timeout_seconds=5.0, poll_seconds=0.05)
-    activator = Activator(config, upstreams)
-    runner = await _serve(activator.app(), activator_port)
-    router = await _serve(_router_app(), upstream_port)
-    base = f"http://127.0.0.1:{activator_port}"
     results: dict = {}
-    try:
-        async with aiohttp.ClientSession() as client:
+    async with _serving(config, ready) as (base, live), aiohttp.ClientSession() as client:
 
-            async def complete(prompt: str) -> tuple[int, str]:
-                async with client.post(f"{base}/v1/completions", json={"prompt": prompt}) as response:
-                    return response.status, await response.text()
+        async def complete(prompt: str) -> tuple[int, str]:
+            async with client.post(f"{base}/v1/completions", json={"prompt": prompt}) as response:
+                return response.status, await response.text()
 
-            await asyncio.sleep(0.2)  # the first lookup has listed the dead replica
-            # refused by the dead replica, so held until a live one is listed
-            pending = [asyncio.create_task(complete(f"q{i}")) for i in range(3)]
-            await asyncio.sleep(0.3)
-            results["held_while_only_dead"] = [task.done() for task in pending]
-            ready.append(f"http://127.0.0.1:{upstream_port}")
-            results["answered"] = await asyncio.gather(*pending)
-            results["next"] = await complete("q3")  # dead and live both listed: the live one answers
-    finally:
-        await runner.cleanup()
-        await router.cleanup()
+        await asyncio.sleep(0.2)  # the first lookup has listed the dead replica
+        # refused by the dead replica, so held until a live one is listed
+        pending = [asyncio.create_task(complete(f"q{i}")) for i in range(3)]
+        await asyncio.sleep(0.3)
+        results["held_while_only_dead"] = [task.done() for task in pending]
+        ready.append(live)
+        results["answered"] = await asyncio.gather(*pending)
+        results["next"] = await complete("q3")  # dead and live both listed: the live one answers
     return results
 
 
