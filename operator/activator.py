@@ -10,7 +10,10 @@ of ``<name>-engines``, polled with the routers' ServiceAccount), every held requ
 its answer streamed back. Held requests' time to first byte is ``kvpilot_activator_cold_start_ttft_seconds``,
 reported apart from the engines' steady-state TTFT. A replica whose router refuses the connection (its pod
 is going away while the lookup still lists it) never saw the request: the next replica gets it, or the
-request is held for one, within the same hold timeout. Once the Service selects the replicas again, no new
+request is held for one, within the same hold timeout. A replica that fails after taking the request may
+have started it, so it is not retried: the client gets an OpenAI-style 502 (``upstream_failed``), or, once
+the answer has begun, an SSE stream's error event and ``[DONE]`` (any other body ends with a broken
+connection), never a 500 or a body that looks complete. Once the Service selects the replicas again, no new
 request comes here.
 """
 
@@ -29,6 +32,7 @@ import aiohttp.web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpilot.operator import api_names
+from kvpilot.router.errors import end_broken, error_body, error_response
 
 log = logging.getLogger(__name__)
 HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
@@ -67,6 +71,11 @@ class ActivatorMetrics:
             "kvpilot_activator_cold_start_ttft_seconds",
             "Arrival to first response byte of requests held through a scale from zero.",
             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
+            registry=self.registry,
+        )
+        self.upstream_failures = Counter(
+            "kvpilot_activator_upstream_failures",
+            "Requests a replica took and failed to answer in full (answered 502, or ended with an error).",
             registry=self.registry,
         )
         for reason in ("queue_full", "hold_timeout"):
@@ -172,6 +181,13 @@ class Activator:
                 log.warning("replica %s refused the connection (%s); trying the next one", upstream, error)
                 self._refused(upstream)
                 continue
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                # it may have taken the request before failing: another try could run it twice
+                log.warning("replica %s failed before answering: %r", upstream, error)
+                self.metrics.upstream_failures.inc()
+                return error_response(
+                    502, f"a replica of {self.config.name} failed before answering", "upstream_failed"
+                ), held
             return answer, held
 
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
@@ -187,12 +203,23 @@ class Activator:
                 headers={k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS},
             )
             await response.prepare(request)
-            first = True
-            async for chunk in answer.content.iter_any():
-                if first and held:
-                    self.metrics.cold_start_ttft.observe(time.monotonic() - arrived)
-                first = False
-                await response.write(chunk)
+            # an SSE stream can end with an error event, at an event boundary (the engine writes whole ones)
+            events = response.content_type == "text/event-stream" and response.content_length is None
+            first, whole = True, True
+            try:
+                async for chunk in answer.content.iter_any():
+                    if first and held:
+                        self.metrics.cold_start_ttft.observe(time.monotonic() - arrived)
+                    first, whole = False, chunk.endswith(b"\n\n")
+                    await response.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as error:
+                log.warning("a replica of %s failed mid-response: %r", self.config.name, error)
+                self.metrics.upstream_failures.inc()
+                message = f"a replica of {self.config.name} failed mid-response: its connection broke"
+                await end_broken(
+                    request, response, events and whole, error_body(502, message, "upstream_failed")
+                )
+                return response
             await response.write_eof()
             return response
 

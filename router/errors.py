@@ -3,14 +3,17 @@ engine writes them (the engines' own errors pass through as is).
 
 Every response the router makes up is one: the handlers answer bad input with a 4xx, and
 :func:`json_errors` turns what escapes them (aiohttp's own HTTP errors, a bug) into the same shape instead
-of aiohttp's plain-text pages. A 500 means a bug in the router, never bad input.
+of aiohttp's plain-text pages. A 500 means a bug in the router, never bad input. :func:`end_broken` ends a
+response whose upstream failed after its first byte (the router's proxy and the scale-to-zero activator).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
+import orjson
 from aiohttp import web
 
 log = logging.getLogger(__name__)
@@ -25,6 +28,8 @@ _TYPES = {
     504: "timeout",
 }
 _CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+#: the last event of an SSE stream
+DONE = b"data: [DONE]\n\n"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -53,3 +58,16 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
             raise  # a response is already on its way: aiohttp closes the connection
         log.exception("unhandled error on %s %s", request.method, request.path)
         return error_response(500, "internal router error", "internal_error")
+
+
+async def end_broken(request: web.Request, response: web.StreamResponse, events: bool, error: dict) -> None:
+    """End a response whose upstream failed to finish it: an SSE stream as the engine ends a failed one (an
+    error event, then ``[DONE]``); any other body with a broken connection (no terminating chunk), so the
+    client never takes it for a complete one."""
+    if events:
+        with contextlib.suppress(ConnectionResetError):
+            await response.write(b"data: " + orjson.dumps(error) + b"\n\n" + DONE)
+            await response.write_eof()
+            return
+    if request.transport is not None:
+        request.transport.close()

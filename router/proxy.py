@@ -13,19 +13,17 @@ it (EndpointSlices), never by its address; a replica configured by URL (``--repl
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
-from kvpilot.router.errors import error_body, error_response
+from kvpilot.router.errors import end_broken, error_body, error_response
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.upstream import UpstreamClient, UpstreamError
@@ -50,7 +48,6 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
-DONE = b"data: [DONE]\n\n"
 # What ends an SSE event (a blank line, in any of the spec's line endings).
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
@@ -238,7 +235,7 @@ class Forwarder:
                 timed_out = isinstance(error, TimeoutError)
                 self._eject(replica, TIMEOUT if timed_out else ERROR)
                 problem = "it did not finish in time" if timed_out else "its connection broke"
-                await _end_broken(
+                await end_broken(
                     request,
                     response,
                     events,
@@ -267,16 +264,3 @@ def _complete_events(data: bytes) -> tuple[bytes, bytes]:
     """``data`` split after its last complete SSE event: (complete events, the incomplete rest)."""
     end = max(data.rfind(ending) + len(ending) if ending in data else 0 for ending in _EVENT_ENDS)
     return data[:end], data[end:]
-
-
-async def _end_broken(request: web.Request, response: web.StreamResponse, events: bool, error: dict) -> None:
-    """End a response its replica failed to finish: an SSE stream as the engine ends a failed one (an error
-    event, then ``[DONE]``); any other body with a broken connection (no terminating chunk), so the client
-    never takes it for a complete one."""
-    if events:
-        with contextlib.suppress(ConnectionResetError):
-            await response.write(b"data: " + orjson.dumps(error) + b"\n\n" + DONE)
-            await response.write_eof()
-            return
-    if request.transport is not None:
-        request.transport.close()

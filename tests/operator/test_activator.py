@@ -144,3 +144,62 @@ def test_a_replica_that_refuses_connections_is_skipped_and_the_request_held_for_
         (200, f'{{"path": "/v1/completions", "prompt": "q{i}"}}') for i in range(3)
     ]
     assert results["next"] == (200, '{"path": "/v1/completions", "prompt": "q3"}')
+
+
+def _failing_router_app() -> aiohttp.web.Application:
+    """A replica's router that takes each request and fails it: ``/v1/completions`` drops the connection
+    before answering, ``/v1/chat/completions`` after one SSE event."""
+
+    async def drop(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        await request.read()
+        assert request.transport is not None
+        request.transport.close()
+        return aiohttp.web.Response()  # never sent: the connection is gone
+
+    async def drop_mid_stream(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n')
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/v1/completions", drop)
+    app.router.add_post("/v1/chat/completions", drop_mid_stream)
+    return app
+
+
+async def _failing_scenario() -> dict:
+    port = _port()
+    failing = await _serve(_failing_router_app(), port)
+    config = ActivatorConfig(namespace="ml", name="smol", hold_timeout_seconds=5.0, poll_seconds=0.05)
+    results: dict = {}
+    try:
+        async with (
+            _serving(config, [f"http://127.0.0.1:{port}"]) as (base, _),
+            aiohttp.ClientSession() as client,
+        ):
+            await asyncio.sleep(0.2)  # the first lookup has listed the failing replica
+            async with client.post(f"{base}/v1/completions", json={"prompt": "x"}) as response:
+                results["before"] = response.status, await response.json()
+            async with client.post(f"{base}/v1/chat/completions", json={"messages": []}) as response:
+                results["mid"] = response.status, await response.text()
+            async with client.get(f"{base}/metrics") as response:
+                results["metrics"] = await response.text()
+    finally:
+        await failing.cleanup()
+    return results
+
+
+def test_a_replica_that_fails_after_taking_the_request_gets_the_client_a_502_or_an_error_event():
+    results = asyncio.run(_failing_scenario())
+    status, body = results["before"]
+    assert status == 502 and body["error"]["code"] == "upstream_failed"
+    assert body["error"]["type"] == "bad_gateway" and "smol" in body["error"]["message"]
+    status, text = results["mid"]
+    events = [line for line in text.split("\n\n") if line]
+    assert status == 200 and events[0] == 'data: {"choices": [{"delta": {"content": "Hi"}}]}'
+    assert '"code":"upstream_failed"' in events[1] and events[2] == "data: [DONE]"
+    assert len(events) == 3
+    assert "kvpilot_activator_upstream_failures_total 2.0" in results["metrics"]
