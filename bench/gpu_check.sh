@@ -9,8 +9,9 @@
 # (8 minutes if every step ran to its limit; each usually ends well before, leaving a session's 15 minutes
 # of device time room for one rerun):
 #   env      15 s  device, versions, C compiler and Python.h, the Triton start-up check     -> env.log
-#   tests   110 s  the CUDA test suite: kernels (incl. a KV cache past 2^31 elements, the fused layer ops), captured
-#                  decode graphs against eager, the Triton engine,
+#   tests   110 s  the CUDA test suite: asynchronous scheduling against synchronous, kernels (incl. a KV
+#                  cache past 2^31 elements, the fused layer ops), captured decode graphs against eager,
+#                  the Triton engine,
 #                  every request shape (n>1, best_of, beams, swap, logprobs, penalties, seeds, prefix hits),
 #                  greedy equivalence with HF, lifecycle; with the SmolLM2 GGUF also real-model sampling
 #                  and bf16-on-CUDA vs fp32-on-CPU agreement                                  -> tests.log
@@ -18,7 +19,8 @@
 #   models   45 s  random-weight Llama shaped like a 1B model (vocab 512: the tiny tokenizer's)
 #   profile  80 s  bench/step_profile.py, 128 decodes on the 1B shape in bf16, with captured decode graphs
 #                  and then --enforce-eager (40 s each): host time per stage and the GPU-busy fraction
-#                  from torch.profiler                                                       -> profile.log
+#                  from torch.profiler; with graphs also asynchronous scheduling on vs off, steps back to
+#                  back, and its GPU-busy fraction                                           -> profile.log
 #   offline  45 s  kvpilot bench offline on the 1B shape (the workload of the 3,804 tok/s baseline), its
 #                  JSON report appended                                                       -> offline.log
 #   serve    60 s  kvpilot serve (no fixed KV size: profiled from --gpu-memory-utilization) to /ready,
@@ -81,7 +83,7 @@ if want tests; then
     t=$(date +%s)
     # first what no GPU has run yet (captured graphs, the fused layer ops, RoPE in the K/V write), so a
     # step that runs out of time has still checked those
-    files=(test_decode_graphs.py test_warmup_graphs.py test_rope_kv_write.py test_fused_triton.py
+    files=(test_async_scheduling.py test_decode_graphs.py test_warmup_graphs.py test_rope_kv_write.py test_fused_triton.py
            test_triton_kernels.py test_triton_large_cache.py test_triton_engine.py test_gpu_preflight.py
            test_request_shapes.py test_parallel_samples.py test_engine_greedy_equivalence.py test_lifecycle.py)
     if [ "$has_smollm2" = 1 ]; then files+=(test_real_model_sampling.py test_low_precision_agreement.py); fi
@@ -123,7 +125,8 @@ if want profile; then
     rc=0
     : >"$out/profile.log"
     for mode in graphs eager; do  # captured decode, then the eager baseline
-        flag=(); if [ $mode = eager ]; then flag=(--enforce-eager); fi
+        # with graphs, asynchronous scheduling on and off alternating (and its GPU-busy fraction)
+        flag=(--ab-async-scheduling 2); if [ $mode = eager ]; then flag=(--enforce-eager); fi
         rm -f /tmp/profile.json
         timeout 40 python3 "$repo/bench/step_profile.py" --model "$model" --device "$dev" --dtype "$dtype" \
             --batch 128 --prompt-len 256 --steps 20 --gpu-busy "${flag[@]}" --output-json /tmp/profile.json \

@@ -5,19 +5,23 @@
 
 Fills a batch of ``--batch`` requests (``--output-kind``: delta outputs by default, as the server asks for
 them), runs their prompts, then times ``--steps`` decode-only steps (after ``--warmup`` untimed ones). Each
-step's wall time is split by wrapping the engine's stages: ``schedule``, ``build_batch`` (flattened inputs
-and block tables), ``forward`` (the model and logits; on CUDA followed
-by a synchronize so that GPU time is charged here, not to the next stage's first sync), ``sample``
-(sampler, appending tokens, stop checks, detokenizing), ``deferred`` (with asynchronous output processing,
-the CUDA default or ``--async-output``: the previous step's detokenizing and stop strings, run after the
-forward is launched) and ``outputs``. ``other`` is the rest of the tick.
-On CUDA the decode steps replay captured graphs unless ``--enforce-eager`` (the eager baseline). With
-``--gpu-busy`` (CUDA) the timed steps also run under ``torch.profiler`` without the extra synchronize: the
-union of the GPU kernels' intervals over the steps' wall time is the fraction of time
-the GPU was busy. With ``--ab-native-decode N`` (CPU, native kernels) N rounds then alternate decode steps
-with the one-call C decode step (``model.native_decode``) on and off, in the same process; each side's
-best round median counts. ``--cpu-time`` times steps in the thread's CPU time (with ``--threads 1``: robust
-on a shared host). Prints a table and, with ``--output-json``, writes the figures.
+step's wall time is split by wrapping the engine's stages: ``schedule``, ``build_batch`` (flattened inputs and
+block tables), ``forward`` (the model and logits; on CUDA followed by a synchronize so that GPU time is
+charged here, not to the next stage's first sync), ``sample`` (sampler, appending tokens, stop checks,
+detokenizing), ``deferred`` (with asynchronous output processing, the CUDA default or ``--async-output``: the
+previous step's detokenizing and stop strings, run after the forward is launched; with ``--async-scheduling``,
+appending the previous step's tokens) and ``outputs``. ``other`` is the rest of the tick. On CUDA the decode
+steps replay captured graphs unless ``--enforce-eager`` (the eager baseline). With ``--gpu-busy`` (CUDA) the
+timed steps also run under ``torch.profiler`` without the extra synchronize: the union of the GPU kernels'
+intervals over the steps' wall time is the fraction of time the GPU was busy. With ``--ab-native-decode N``
+(CPU, native kernels) N rounds then alternate decode steps with the one-call C decode step
+(``model.native_decode``) on and off, in the same process; each side's best round median counts. With
+``--ab-async-scheduling N`` N rounds alternate runs of 12 decode steps with asynchronous scheduling
+(``async_scheduling``, docs/architecture.md#asynchronous-scheduling) on and off, in the same process, timed
+with no synchronize between steps (what overlaps is the point); each side's best round counts, and with
+``--gpu-busy`` the GPU-busy fraction is taken again with it on. ``--cpu-time`` times steps in the thread's CPU
+time (with ``--threads 1``: robust on a shared host). Prints a table and, with ``--output-json``, writes the
+figures.
 """
 
 from __future__ import annotations
@@ -85,7 +89,9 @@ def sampling_params(sampling: bool, max_tokens: int, output_kind: str = "delta")
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     clock = time.thread_time if args.cpu_time else time.perf_counter
-    decode_steps = args.warmup + args.steps + 2 + args.ab_native_decode * 2 * 15
+    decode_steps = args.warmup + args.steps + 2 + (args.ab_native_decode + args.ab_async_scheduling) * 2 * 15
+    if args.gpu_busy and args.ab_async_scheduling:
+        decode_steps += args.steps
     llm = LLM(
         args.model,
         device=args.device,
@@ -97,9 +103,10 @@ def run(args: argparse.Namespace) -> dict:
         num_kv_blocks=args.batch * (-(-(args.prompt_len + decode_steps) // 16)) + 8,
         enable_prefix_caching=False,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
     )
     if args.async_output:  # on by default on CUDA only
-        llm.engine.output_processor.defer_detokenize = True
+        llm.engine.output_processor.appender.defer_detokenize = True
     engine = llm.engine
     cuda = engine.device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(engine.device)) if cuda else (lambda: None)
@@ -131,7 +138,9 @@ def run(args: argparse.Namespace) -> dict:
     timer.wrap(engine.runner, "execute", "forward", sync_after=cuda)
     timer.wrap(engine.output_processor, "sample", "sample")
     # asynchronous output processing (on CUDA): the previous step's text, while this step's forward runs
-    timer.wrap(engine.output_processor, "flush_deferred", "deferred")
+    timer.wrap(engine.output_processor.appender, "flush_deferred", "deferred")
+    # asynchronous scheduling: the previous step's tokens appended, while this step's forward runs
+    timer.wrap(engine.output_processor, "resolve_in_flight", "deferred")
     timer.wrap(engine.registry, "drain_outputs", "outputs")
     walls, stages = timed_steps(timer, args.steps)
     step_ms = statistics.median(walls) * 1e3
@@ -159,7 +168,35 @@ def run(args: argparse.Namespace) -> dict:
         result["gpu_busy_fraction"] = profile_gpu_busy(engine, sync, args.steps)
     if args.ab_native_decode:
         result["native_decode_ab_ms"] = native_decode_ab(engine, args.ab_native_decode, timed_steps)
+    if args.ab_async_scheduling:
+        result["async_scheduling_ab_ms"] = async_scheduling_ab(engine, sync, args.ab_async_scheduling)
+        if args.gpu_busy and cuda:
+            engine.output_processor.async_scheduling = True
+            result["gpu_busy_fraction_async"] = profile_gpu_busy(engine, sync, args.steps)
     return result
+
+
+def async_scheduling_ab(engine, sync: Callable[[], None], rounds: int) -> dict[str, float]:
+    """Best round's mean decode step (ms, 12 steps timed together: nothing synchronizes between them) with
+    asynchronous scheduling on and off, rounds alternating. Switching is safe between any two steps: a
+    token in flight is appended by the next step whatever the setting."""
+    processor = engine.output_processor
+    before = processor.async_scheduling
+    unwrap_execute(engine)
+    best = {"on": float("inf"), "off": float("inf")}
+    for _ in range(rounds):
+        for side in best:
+            processor.async_scheduling = side == "on"
+            for _ in range(3):  # settle
+                engine.step()
+            sync()
+            start = time.perf_counter()
+            for _ in range(12):
+                engine.step()
+            sync()
+            best[side] = min(best[side], (time.perf_counter() - start) / 12 * 1e3)
+    processor.async_scheduling = before
+    return best
 
 
 def native_decode_ab(engine, rounds: int, timed_steps) -> dict[str, float]:
@@ -179,9 +216,14 @@ def native_decode_ab(engine, rounds: int, timed_steps) -> dict[str, float]:
     return best
 
 
+def unwrap_execute(engine) -> None:
+    """The forward without the stage timer's synchronize after it."""
+    engine.runner.execute = type(engine.runner).execute.__get__(engine.runner)
+
+
 def profile_gpu_busy(engine, sync: Callable[[], None], steps: int) -> float:
     """Fraction of the steps' wall time with a GPU kernel running (no synchronize inside the steps)."""
-    engine.runner.execute = type(engine.runner).execute.__get__(engine.runner)  # unwrap: no extra sync
+    unwrap_execute(engine)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -237,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         help="asynchronous output processing on any device (the CUDA default): the deferred stage is the "
         "host time that runs while the next step's forward is on the device",
     )
+    parser.add_argument(
+        "--async-scheduling", action="store_true", help="asynchronous scheduling (the engine's flag)"
+    )
+    parser.add_argument("--ab-async-scheduling", type=int, default=0, metavar="ROUNDS")
     parser.add_argument("--output-json")
     args = parser.parse_args(argv)
     if min(args.batch, args.prompt_len, args.steps) < 1 or args.warmup < 0:
@@ -261,6 +307,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "gpu_busy_fraction" in result:
         print(f"  GPU busy {result['gpu_busy_fraction']:.1%} of the steps' wall time")
+    ab = result.get("async_scheduling_ab_ms")
+    if ab:
+        print(
+            f"  asynchronous scheduling: on {ab['on']:.2f} ms, off {ab['off']:.2f} ms a step (steps back to "
+            f"back), x{ab['off'] / ab['on']:.2f}"
+        )
+    if "gpu_busy_fraction_async" in result:
+        print(f"  GPU busy with asynchronous scheduling {result['gpu_busy_fraction_async']:.1%}")
     if args.output_json:
         with open(args.output_json, "w") as fh:
             json.dump(result, fh, indent=2)

@@ -36,7 +36,9 @@ The engine and its tick:
 - ``input_batch``        the persistent batch: per-slot token ids and sampling parameters, each step's flat
                          inputs built from them
 - ``staging``            host → device uploads through pinned staging buffers, non-blocking
-- ``output_processor``   logits → tokens → outputs: sampling, verified drafts, beams, appends, stop checks
+- ``output_processor``   logits → tokens → outputs: sampling, verified drafts, beams
+- ``token_appender``     appending a sampled token and its stop checks; asynchronous output processing
+- ``in_flight``          asynchronous scheduling's sampled ids still on the device, and their copy to the host
 - ``sequence_registry``  the live sequences and user requests; forks, releases and the single terminal
                          reclaim routine
 - ``stats``              engine counters and the ``/load`` snapshot

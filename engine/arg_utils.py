@@ -156,6 +156,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="on CUDA: detokenize each step's tokens before the next step instead of during its forward",
     )
     g.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        default=d.async_scheduling,
+        help="schedule each step before the previous step's tokens reach the host, so output processing "
+        "overlaps the forward (pays on a GPU; not with speculative decoding or tensor parallelism)",
+    )
+    g.add_argument(
         "--speculative-config",
         default=None,
         help='speculative decoding as JSON with vLLM\'s keys, e.g. \'{"method": "ngram", '

@@ -154,6 +154,12 @@ class EngineConfig:
     #: forward (vLLM's flag). Asynchronous output processing runs on CUDA only, where the host waits on the
     #: device (docs/architecture.md#asynchronous-output-processing)
     disable_async_output_proc: bool = False
+    #: schedule and launch each step before the host has the previous step's sampled tokens (vLLM's
+    #: flag): the step reads them on the device, and the host appends them, with every stop check, while
+    #: it computes. A sequence that stops computes one row more, dropped; steps with logprobs or beams
+    #: sample synchronously. Not with speculative decoding or tensor parallelism
+    #: (docs/architecture.md#asynchronous-scheduling)
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -195,6 +201,7 @@ class EngineArgs:
     enforce_eager: bool = False
     cuda_graph_sizes: tuple[int, ...] | list[int] = ()
     disable_async_output_proc: bool = False
+    async_scheduling: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -225,6 +232,11 @@ class EngineArgs:
             raise ConfigError(
                 "speculative_config method 'draft_model' with tensor_parallel_size > 1: the draft model is "
                 "not split across ranks yet; use method 'ngram' or tensor_parallel_size=1"
+            )
+        if self.async_scheduling and (speculative is not None or self.tensor_parallel_size > 1):
+            raise ConfigError(
+                "async_scheduling does not run with speculative decoding or tensor_parallel_size > 1 yet: "
+                "their steps need the last step's tokens on the host"
             )
         return EngineConfig(
             model=pick(ModelConfig), cache=pick(CacheConfig), scheduler=pick(SchedulerConfig), **top

@@ -167,7 +167,11 @@ class LLMEngine:
             self.stats,
             self.max_model_len,
             # on a GPU the host detokenizes a step's tokens while the device runs the next step's forward
-            defer_detokenize=self.device.type == "cuda" and not config.disable_async_output_proc,
+            # (asynchronous scheduling does that for the whole of a step's output processing)
+            defer_detokenize=self.device.type == "cuda"
+            and not config.disable_async_output_proc
+            and not config.async_scheduling,
+            async_scheduling=config.async_scheduling,
         )
         #: what the draft-model proposer reads each step (None: no draft model)
         self._draft = (
@@ -268,7 +272,7 @@ class LLMEngine:
     def abort_request(self, request_id: str, status: SequenceStatus = S.CANCELLED) -> bool:
         """Cancel / time out / fail a live request. Idempotent: False when it had already ended."""
         # a stop string found first ends it as it would have; other requests' wait for the next step
-        self.output_processor.flush_deferred(request_id)
+        self.output_processor.appender.flush_deferred(request_id)
         return self.registry.abort(request_id, status)
 
     def set_backpressure(self, request_id: str, paused: bool) -> None:
@@ -291,7 +295,7 @@ class LLMEngine:
 
     # ---- the tick ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self.output_processor.expire(time.monotonic())
+        self.output_processor.appender.expire(time.monotonic())
         start = time.perf_counter()
         if self.speculative is not None:
             propose_drafts(self.scheduler.running, self.speculative, self.max_model_len, self._draft)
@@ -305,18 +309,24 @@ class LLMEngine:
                 req.times.first_scheduled = now
                 self.stats.prefix_cache_queries += req.num_prompt_tokens
                 self.stats.prefix_cache_hits += req.num_cached_tokens
+        processor = self.output_processor
         if not out.is_empty:
-            batch = self.runner.build_batch(out.scheduled)
+            in_flight = processor.in_flight
+            batch = self.runner.build_batch(out.scheduled, None if in_flight is None else in_flight.ids)
             logits = self.runner.execute(batch)
             if self.draft_model is not None:
                 self.draft_model.observe(batch)  # its cache follows the target's, slot for slot
             self.scheduler.update_after_step(out)
-            # the previous step's text and stop strings while the device computes this step's forward
-            self.output_processor.flush_deferred()
             # a speculating sequence's tokens are a decode's (its drafts are dropped once verified)
             prefill = sum(
-                n for r, n in out.scheduled if (n > 1 and not r.spec_token_ids) or r.num_output_tokens == 0
+                n
+                for r, n in out.scheduled
+                if (n > 1 and not r.spec_token_ids) or r.num_output_tokens + r.num_pending == 0
             )
+            # the previous step's text and stop strings (asynchronous scheduling: its tokens) while the
+            # device computes this step's forward
+            processor.appender.flush_deferred()
+            processor.resolve_in_flight()
             num_rows = sum(batch.sample_row_counts)
             self.output_processor.record_prompt_logprobs(batch, logits)
             if num_rows:
@@ -326,7 +336,8 @@ class LLMEngine:
             self.stats.prompt_tokens += prefill
             self.stats.record_step(time.perf_counter() - start, prefill, out.num_batched_tokens - prefill)
         else:
-            self.output_processor.flush_deferred()
+            processor.appender.flush_deferred()
+            processor.resolve_in_flight()
         return self.registry.drain_outputs()  # one output per changed request
 
     # ---- introspection -------------------------------------------------------------------------------

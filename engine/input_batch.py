@@ -16,7 +16,9 @@ after a preemption keeps its tokens (a sequence's tokens only ever grow).
 ``build`` turns a scheduler tick into the flat batch with array operations over the scheduled sequences —
 token ids and slots gathered from the per-slot tables at each token's position, block tables as a gather of
 rows (a view when the batch is slots 0..B-1 in order) — and uploads the index arrays in two non-blocking
-copies from pinned staging buffers (``engine/staging.py``).
+copies from pinned staging buffers (``engine/staging.py``). Under asynchronous scheduling a sequence's
+newest token may still be on the device (``Sequence.pending_row``): its input is copied there from the last
+step's sampled ids, so building the step never waits for them (docs/architecture.md#asynchronous-scheduling).
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class InputBatch:
         """The slot of ``req`` (which holds a block table), with its rows brought up to date."""
         slot = self.blocks.slot_of[req.seq_id]
         num_tokens = req.num_tokens
-        width = num_tokens + len(req.spec_token_ids)
+        width = num_tokens + req.num_pending + len(req.spec_token_ids)
         if slot >= len(self.owner) or width > self.token_ids.shape[1]:
             self._grow(max(self.blocks.capacity, len(self.owner)), max(width, self.token_ids.shape[1]))
         if self.owner[slot] is not req:
@@ -99,8 +101,12 @@ class InputBatch:
         return slot
 
     # ---- one step ------------------------------------------------------------------------------------
-    def build(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        """``scheduled`` in batch order (one-token sequences first), every one holding a block table."""
+    def build(
+        self, scheduled: list[tuple[Sequence, int]], in_flight: torch.Tensor | None = None
+    ) -> StepBatch:
+        """``scheduled`` in batch order (one-token sequences first), every one holding a block table.
+        ``in_flight``: the last step's sampled ids, on the device, where a sequence's token that is not
+        known on the host yet (``Sequence.pending_row``, asynchronous scheduling) is taken from."""
         slots: list[int] = []
         starts, seq_lens, query_lens = [0], [], []
         logits_rows: list[int] = []
@@ -109,6 +115,7 @@ class InputBatch:
         prompt_spans: list[tuple[Sequence, int, int, int]] = []
         num_decodes = 0
         row_counts: list[int] = []
+        pending_rows: list[int] = []  # (flat-batch row, row in ``in_flight``) of tokens taken on the device
         for req, n in scheduled:
             slot = self.sync(req)
             slots.append(slot)
@@ -123,7 +130,9 @@ class InputBatch:
             query_lens.append(n)
             if n == 1 and len(query_lens) == num_decodes + 1:
                 num_decodes += 1
-            if c + n >= req.num_tokens:
+            if req.pending_row is not None and c <= req.num_tokens < c + n:
+                pending_rows += (starts[-2] + req.num_tokens - c, req.pending_row)
+            if c + n >= req.num_tokens_ahead:
                 # a speculating sequence is scored at its last token and after each draft
                 first = starts[-1] - 1 - len(drafts)
                 logits_rows.extend(range(first, starts[-1]))
@@ -150,13 +159,18 @@ class InputBatch:
         tables = self.blocks.host.numpy()
         slot_mapping = tables[token_slot, positions // bs].astype(np.int64) * bs + positions % bs
         self.blocks.commit()
-        input_ids, pos, slot_map, logits_idx, slot_dev = self._ints.upload(
+        input_ids, pos, slot_map, logits_idx, slot_dev, pending = self._ints.upload(
             self.token_ids[token_slot, positions].astype(np.int64),
             positions,
             slot_mapping,
             np.asarray(logits_rows + prompt_rows, dtype=np.int64),
             slot_arr,
+            np.asarray(pending_rows, dtype=np.int64),
         )
+        if pending_rows:
+            assert in_flight is not None, "a sequence has a token in flight but no step's ids were given"
+            pairs = pending.view(-1, 2)
+            input_ids.index_copy_(0, pairs[:, 0], in_flight.index_select(0, pairs[:, 1]))
         qsl, lens_dev = self._int32s.upload(np.asarray(starts, dtype=np.int32), lens.astype(np.int32))
         width = max(self.blocks.num_blocks[s] for s in slots)
         table = self.blocks.device_table[:, :width]

@@ -33,9 +33,12 @@ class ModelRunner:
         #: captured decode (``engine/decode_graphs.py``); None = every step eager
         self.decode_graphs: DecodeGraphs | None = None
 
-    def build_batch(self, scheduled: list[tuple[Sequence, int]]) -> StepBatch:
-        """``scheduled`` in batch order (one-token sequences first), each holding its block table."""
-        return self.input_batch.build(scheduled)
+    def build_batch(
+        self, scheduled: list[tuple[Sequence, int]], in_flight: torch.Tensor | None = None
+    ) -> StepBatch:
+        """``scheduled`` in batch order (one-token sequences first), each holding its block table;
+        ``in_flight``: the last step's sampled ids on the device (asynchronous scheduling)."""
+        return self.input_batch.build(scheduled, in_flight)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Run the forward pass; float32 logits for ``batch.logits_indices`` (sampling rows first)."""

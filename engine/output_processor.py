@@ -6,13 +6,13 @@
 - beams: each live beam reports its log-distribution; when all have, the beam search selects, forks the
   beams that continue with several tokens and releases those that continue with none.
 - speculating sequences: their drafts are verified by the exact rule and what they emit is appended.
-- per token: detokenize incrementally, hold back possible stop strings, check EOS / stop tokens / stop
-  strings / max_tokens / context limit, release a finished sequence's blocks at once and end its request
-  through the registry's one terminal routine (``sequence_registry``).
-- asynchronous output processing (``defer_detokenize``, on CUDA): a sampled token's text and stop strings
-  wait for the next step, whose ``flush_deferred`` runs while the device computes that step's forward
-  (docs/architecture.md#asynchronous-output-processing); every other stop is still found when the token
-  is appended.
+- per token (``TokenAppender``, ``engine/token_appender.py``): append, detokenize, check every stop, end
+  what finished; on CUDA a token's text and stop strings can wait for the next step's forward
+  (asynchronous output processing).
+- asynchronous scheduling (``async_scheduling``): the rows that want no logprobs, scores or beams leave
+  their tokens on the device (``engine/in_flight.py``); the next step is scheduled and launched first,
+  then ``resolve_in_flight`` appends them, with every stop check, while that step computes
+  (docs/architecture.md#asynchronous-scheduling). The other rows sample as before.
 """
 
 from __future__ import annotations
@@ -22,16 +22,18 @@ import time
 import numpy as np
 import torch
 
+from kvpilot.engine.in_flight import InFlightTokens, TokenCopy
 from kvpilot.engine.input_batch import InputBatch, StepBatch
 from kvpilot.engine.outputs import Logprob
-from kvpilot.engine.sampling.logits_processors import RowState, update_ngram_index
+from kvpilot.engine.sampling.logits_processors import RowState
 from kvpilot.engine.sampling.sampler import Sampler, top_logprobs_of
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
-from kvpilot.engine.sequence_group import SampleState, SequenceGroup
+from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.verify import verify_drafts
 from kvpilot.engine.stats import EngineStats
+from kvpilot.engine.token_appender import TokenAppender
 from kvpilot.engine.tokenizer import Tokenizer
 
 S = SequenceStatus
@@ -51,6 +53,7 @@ class OutputProcessor:
         stats: EngineStats,
         max_model_len: int,
         defer_detokenize: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.registry = registry
         self.sampler = sampler
@@ -58,13 +61,15 @@ class OutputProcessor:
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.stats = stats
-        self.max_model_len = max_model_len
-        #: leave plain samples' detokenization and stop-string checks to the next step's
-        #: ``flush_deferred`` (set by the engine on CUDA); False = in the step that samples the token
-        self.defer_detokenize = defer_detokenize
-        #: tokens whose text was deferred so far (a figure for tests and logs)
-        self.num_deferred_tokens = 0
-        self._deferred: list[tuple[Sequence, SampleState]] = []
+        #: appending each token and its stop checks (``defer_detokenize``: asynchronous output processing)
+        self.appender = TokenAppender(registry, stats, max_model_len, defer_detokenize)
+        #: leave a step's plain samples on the device for ``resolve_in_flight`` (asynchronous scheduling)
+        self.async_scheduling = async_scheduling
+        #: the last step's tokens not yet appended; None when every sampled token is
+        self.in_flight: InFlightTokens | None = None
+        #: steps whose tokens were left in flight so far (a figure for tests and logs)
+        self.num_in_flight_steps = 0
+        self._token_copy = TokenCopy(input_batch.device)
 
     # ---- prompt logprobs -----------------------------------------------------------------------------
     def record_prompt_logprobs(self, batch: StepBatch, logits: torch.Tensor) -> None:
@@ -127,7 +132,7 @@ class OutputProcessor:
             seq.num_draft_tokens += len(seq.spec_token_ids)
             seq.num_accepted_tokens += result.num_accepted
             for token, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs, strict=True):
-                self._append(seq, token, now, lp, top)
+                self.appender.append(seq, token, now, lp, top)
                 if seq.is_finished:  # a stop, EOS or max_tokens cut the speculation: the rest is dropped
                     break
             else:
@@ -155,19 +160,11 @@ class OutputProcessor:
             if len(sources) == len(seqs)
             else logits.index_select(0, torch.tensor(sources, device=logits.device))
         )
-        states = [
-            RowState(
-                s.params,
-                s.prompt_token_ids,
-                s.output_token_ids,
-                s.eos_token_ids,
-                s.bad_word_ids,
-                s.ngram_index,
-                self.registry.generators.get(s.seq_id),
-                s.grammar,
-            )
-            for s, _ in rows
-        ]
+        if self.async_scheduling:
+            rows, row_logits = self._sample_in_flight(rows, row_logits)
+            if not rows:
+                return
+        states = [self._row_state(s) for s, _ in rows]
         res = self.sampler.sample(
             row_logits,
             states,
@@ -185,113 +182,67 @@ class OutputProcessor:
                 if beam.report(seq.seq_id, res.full_logprobs[i]) and seq.group not in beams_ready:
                     beams_ready.append(seq.group)
             else:
-                self._append(
+                self.appender.append(
                     seq,
                     res.token_ids[i],
                     now,
                     res.sampled_logprobs[i],
                     res.top_logprobs[i],
-                    self.defer_detokenize,
+                    self.appender.defer_detokenize,
                 )
         for group in beams_ready:
             self._beam_step(group, now)
 
-    # ---- per token -----------------------------------------------------------------------------------
-    def _append(
-        self,
-        seq: Sequence,
-        token: int,
-        now: float,
-        logprob: float | None,
-        top: dict[int, Logprob] | None,
-        defer: bool = False,
-    ) -> None:
-        """Append ``token`` and check the stops; with ``defer``, a sample that detokenizes and does not stop
-        otherwise keeps the token's text and stop strings for ``flush_deferred``."""
-        seq.append_output_token(token)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)  # a refused token leaves the matcher in error: _stop_reason ends it
-        self.stats.generation_tokens += 1
-        times = seq.times
-        if times.first_token is None:
-            times.first_token = now
-        times.last_token = now
-        times.token_times.append(now)
-        if seq.status in (S.PREFILL, S.RUNNABLE):
-            seq.transition(S.DECODE)
-        if seq.params.no_repeat_ngram_size:
-            update_ngram_index(seq.ngram_index, seq.output_token_ids, seq.params.no_repeat_ngram_size)
-        group: SequenceGroup = seq.group
-        if group.beam is not None:
-            self.registry.touched(group)
+    def resolve_in_flight(self) -> None:
+        """Append the last step's tokens left on the device, with their stop checks (the engine calls it
+        once this step's forward is launched, before this step samples)."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is None:
             return
-        sample = group.sample_of(seq)
-        if defer and sample.detok is not None and self._stop_reason(seq, token, None)[0] is None:
-            if not sample.pending:
-                self._deferred.append((seq, sample))
-            sample.pending.append((token, logprob, top))
-            self.num_deferred_tokens += 1
-            return
-        self.registry.touched(group)
-        matched = group.take_pending(sample)  # empty: the step flushed before sampling
-        matched = group.on_token(sample, token, logprob, top) or matched
-        reason, stop_reason = self._stop_reason(seq, token, matched)
-        if reason is not None:
-            self._finish(seq, sample, reason, stop_reason)
+        now = time.monotonic()
+        for seq, token in in_flight.take():
+            if not seq.is_finished:  # aborted or timed out since it was sampled: the token is dropped
+                self.appender.append(seq, token, now, None, None)
 
-    def flush_deferred(self, request_id: str | None = None) -> None:
-        """The deferred tokens' text and stop strings: a stop string ends its sequence now, one step after
-        its token was sampled (the engine calls this before the step's sampling, so that sequence's new
-        row is dropped and its outputs equal the synchronous path's). With ``request_id``, only that
-        request's: ending others outside a step would leave their final outputs waiting for one."""
-        if request_id is None:
-            deferred, self._deferred = self._deferred, []
-        else:
-            deferred = [d for d in self._deferred if d[0].group.request_id == request_id]
-            self._deferred = [d for d in self._deferred if d[0].group.request_id != request_id]
-        for seq, sample in deferred:
-            if not sample.pending:  # ended meanwhile: ``on_finish`` took them
-                continue
-            self.registry.touched(seq.group)
-            matched = seq.group.take_pending(sample)
-            if matched is not None:
-                self._finish(seq, sample, FinishReason.STOP, matched)
+    def _sample_in_flight(
+        self, rows: list[tuple[Sequence, str]], logits: torch.Tensor
+    ) -> tuple[list[tuple[Sequence, str]], torch.Tensor]:
+        """Sample the plain rows (no logprobs, scores or beams) onto the device for ``resolve_in_flight``;
+        the rows left, and their logits, sample synchronously."""
+        plain = [
+            i
+            for i, (s, kind) in enumerate(rows)
+            if kind == "sample" and s.params.logprobs is None and not s.group.wants_scores
+        ]
+        if not plain:
+            return rows, logits
+        assert self.in_flight is None, "the last step's tokens were not resolved before sampling"
+        keep = set(plain)
+        rest = [i for i in range(len(rows)) if i not in keep]
+        device = logits.device
+        seqs = [rows[i][0] for i in plain]
+        ids = self.sampler.sample_tokens(
+            logits if not rest else logits.index_select(0, torch.tensor(plain, device=device)),
+            [self._row_state(s) for s in seqs],
+            self.input_batch.sampling_tensors(seqs),
+        )
+        self.in_flight = InFlightTokens(seqs, ids, self._token_copy)
+        self.num_in_flight_steps += 1
+        if not rest:
+            return [], logits
+        return [rows[i] for i in rest], logits.index_select(0, torch.tensor(rest, device=device))
 
-    def expire(self, now: float) -> None:
-        """Time out the requests whose deadline has passed at ``now``, after the deferred tokens' stops
-        (a request a stop string ended in time is not timed out)."""
-        if self.registry.expired(now):
-            self.flush_deferred()
-            self.registry.expire(now)
-
-    def _finish(
-        self, seq: Sequence, sample: SampleState, reason: FinishReason, stop_reason: str | int | None
-    ) -> None:
-        group: SequenceGroup = seq.group
-        group.on_finish(sample, reason, stop_reason)
-        self.registry.release(seq, S.FINISHED, reason)
-        if not group.live_samples():
-            self.registry.reclaim(group, S.FINISHED, reason)
-
-    def _stop_reason(
-        self, seq: Sequence, token: int, matched: str | None
-    ) -> tuple[FinishReason | None, str | int | None]:
-        p = seq.params
-        if matched is not None:
-            return FinishReason.STOP, matched
-        if seq.grammar is not None and seq.grammar.is_finished:
-            # the grammar is complete (or refused a token other constraints forced, an error)
-            return (FinishReason.STOP if seq.grammar.error is None else FinishReason.ERROR), None
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in seq.eos_token_ids:
-                return FinishReason.STOP, None
-            if token in p.stop_token_ids:
-                return FinishReason.STOP, token
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
+    def _row_state(self, s: Sequence) -> RowState:
+        return RowState(
+            s.params,
+            s.prompt_token_ids,
+            s.output_token_ids,
+            s.eos_token_ids,
+            s.bad_word_ids,
+            s.ngram_index,
+            self.registry.generators.get(s.seq_id),
+            s.grammar,
+        )
 
     # ---- beams ---------------------------------------------------------------------------------------
     def _beam_step(self, group: SequenceGroup, now: float) -> None:
@@ -314,7 +265,7 @@ class OutputProcessor:
             used.add(c.parent)
             targets.append((seq, c.token, c.cum_logprob))
         for seq, token, _ in targets:
-            self._append(seq, token, now, None, None)
+            self.appender.append(seq, token, now, None, None)
         beam.rekey({seq.seq_id: (list(seq.output_token_ids), cum) for seq, _, cum in targets})
         if step.done:
             for seq, _, _ in targets:

@@ -5,7 +5,7 @@ Each ``schedule()`` call is one tick (docs/architecture.md#scheduling): it fills
 unfinished prefill), then swaps requests back in, then admits waiting requests in queue order (priority, then
 arrival) as long as their blocks can be allocated and the sequence cap allows. Scheduling is in tokens, not
 phases: a request simply asks for ``num_tokens - num_computed_tokens`` more tokens, whether those are prompt
-or output.
+or output (under asynchronous scheduling ``num_tokens_ahead``: a sampled token still in flight counts).
 
 Preemption (when a running request cannot get blocks for its next tokens): the victim is the running
 request with the lowest priority (largest value), latest arrival among those not yet scheduled in this
@@ -93,16 +93,18 @@ class Scheduler:
 
         # 1) running requests, highest priority first; decodes before prefill chunks, so a long prompt
         #    ahead of them in priority never takes the tokens they need (their count is <= max_num_seqs)
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        for req in sorted(self.running, key=lambda r: r.num_tokens_ahead - r.num_computed_tokens > 1):
             if budget <= 0:
                 break
             if req.seq_id in preempted_ids or req.status is S.BACKPRESSURED:
                 continue
+            if req.pending_row is not None and self._ends_at_length(req):
+                continue  # its token in flight is its last (max_tokens, context): no step to compute for it
             if req.paused and req.status is S.DECODE:
                 req.transition(S.BACKPRESSURED)  # holds its blocks, gets no decode steps until drained
                 continue
             # draft tokens (speculative decoding) ride on a decode; the budget and the cache may cut them
-            n = min(req.num_tokens - req.num_computed_tokens + len(req.spec_token_ids), budget)
+            n = min(req.num_tokens_ahead - req.num_computed_tokens + len(req.spec_token_ids), budget)
             if n <= 0:
                 continue
             if len(req.spec_token_ids) >= n:  # the budget cuts the draft (and what was allocated for it)
@@ -127,7 +129,7 @@ class Scheduler:
         if not out.preempted:
             while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                n = min(req.num_tokens_ahead - req.num_computed_tokens, budget)
                 if not self.kv.swap_in(req, n):
                     break
                 self.swapped.pop(0)
@@ -152,7 +154,7 @@ class Scheduler:
                     break
                 # prompt logprobs need every prompt position's logits, so such requests compute it all
                 hits = [] if req.params.prompt_logprobs is not None else self.kv.lookup_prefix(req)
-                remaining = req.num_tokens - len(hits) * self.block_size
+                remaining = req.num_tokens_ahead - len(hits) * self.block_size
                 if not self.config.enable_chunked_prefill and remaining > budget:
                     break
                 n = min(remaining, budget)
@@ -181,6 +183,14 @@ class Scheduler:
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
         return out
+
+    def _ends_at_length(self, req: Sequence) -> bool:
+        """Whether the token ``req`` has in flight (asynchronous scheduling) ends it whatever it is: its
+        ``max_tokens``, or the context limit."""
+        max_tokens = req.params.max_tokens
+        return req.num_tokens_ahead >= self.max_model_len or (
+            max_tokens is not None and req.num_output_tokens + req.num_pending >= max_tokens
+        )
 
     def _output_reserve(self, req: Sequence, held: int | None = None, samples: int = 1) -> int:
         """Blocks ``reserved_output_fraction`` keeps free for ``req``'s growth beyond the ``held`` blocks
@@ -239,11 +249,12 @@ class Scheduler:
             # draft tokens' K/V count once verification accepts them (``spec_decode``)
             n -= len(req.spec_token_ids)
             req.num_computed_tokens += n
-            self.kv.commit_computed(req, req.num_computed_tokens)
+            # a token in flight is not known yet: its block is cached at a later step's update
+            self.kv.commit_computed(req, min(req.num_computed_tokens, req.num_tokens))
             if req.status is S.RUNNABLE:
                 # a resumed request with output that only needs its next token is decoding again
                 req.transition(S.DECODE if n == 1 and req.num_output_tokens else S.PREFILL)
-            if req.num_computed_tokens >= req.num_tokens:
+            if req.num_computed_tokens >= req.num_tokens_ahead:
                 sampled.append(req)
         return sampled
 

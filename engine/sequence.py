@@ -161,6 +161,9 @@ class Sequence:
         #: draft tokens verified for this sequence over its life, and how many were accepted
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+        #: asynchronous scheduling: the row of its next token in the last step's sampled ids, still on the
+        #: device and not yet in its tokens (``engine/in_flight.py``); None = every token it has is known
+        self.pending_row: int | None = None
 
     @property
     def group(self) -> SequenceGroup:
@@ -181,6 +184,16 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self._all_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Sampled tokens not yet in ``all_token_ids`` (0, or 1 under asynchronous scheduling)."""
+        return 0 if self.pending_row is None else 1
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Its tokens with the one in flight: what the scheduler computes up to."""
+        return len(self._all_token_ids) + (0 if self.pending_row is None else 1)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -213,30 +213,50 @@ class Sampler:
         # the kernel gives tokens only: not for rows that report or score the processed distribution
         needs_processed = (raw_lp is None and any(want_lp)) or any(want_full)
         if not needs_processed and (native := self._draw_natively(logits, states, row_params)) is not None:
-            return self._outputs(native, states, want_lp, want_full, raw_lp, None)
+            return self._outputs(native.tolist(), states, want_lp, want_full, raw_lp, None)
         dist = self.distributions(logits, states, row_params)
+        tokens = self._draw(dist, states)
         final = dist.proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
+        if dist.scaled is not None and (any(want_lp) or any(want_full)):
+            final = dist.drawn_from()
+        proc_lp = final.log_softmax(dim=-1) if needs_processed else None
+        return self._outputs(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
+
+    def sample_tokens(
+        self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None = None
+    ) -> torch.Tensor:
+        """One token per row of ``logits`` [N, V], as ``sample`` draws it, left on the logits' device (int64
+        [N]) with no host sync: asynchronous scheduling reads them there. For rows that want no logprobs."""
+        need_constraints, need_penalties = _stages_needed(states)
+        if all(st.params.is_greedy for st in states) and not (need_constraints or need_penalties):
+            return logits.argmax(dim=-1)
+        native = self._draw_natively(logits, states, row_params)
+        return (
+            native
+            if native is not None
+            else self._draw(self.distributions(logits, states, row_params), states)
+        )
+
+    def _draw(self, dist: Distributions, states: Sequence[RowState]) -> torch.Tensor:
+        """Step 5: each row's token (greedy rows the argmax of their constrained logits), on the device."""
         tokens = None if dist.every_row_samples else dist.proc.argmax(dim=-1)
         if dist.scaled is not None:
             probs = dist.scaled.softmax(dim=-1)
             # one uniform per row (``draw.py``); a seeded row takes its own from its generator
             gens = [states[i].generator for i in dist.sample_rows]
-            uniform = uniform_numbers(gens, 1, self.generator, logits.device)[:, 0]
+            uniform = uniform_numbers(gens, 1, self.generator, probs.device)[:, 0]
             drawn = inverse_cdf_draw(probs, uniform)
             if dist.idx is None:
                 tokens = drawn
             else:
                 assert tokens is not None  # argmax of every row, greedy rows kept
                 tokens.index_copy_(0, dist.idx, drawn)
-            if any(want_lp) or any(want_full):
-                final = dist.drawn_from()
         assert tokens is not None  # every row is greedy or sampled
-        proc_lp = final.log_softmax(dim=-1) if needs_processed else None
-        return self._outputs(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
+        return tokens
 
     def _draw_natively(
         self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None
-    ) -> list[int] | None:
+    ) -> torch.Tensor | None:
         """Every row's token with steps 3-5 of the sampled rows in the C kernel, or None where the kernel
         does not apply (no kernel, not float32 CPU logits, no sampled row). Rows with typical-p or a
         near-zero temperature, which the kernel does not take, are truncated by the tensor pipeline and
@@ -273,10 +293,10 @@ class Sampler:
             assert dist.scaled is not None  # every one of these rows samples
             drawn[t] = inverse_cdf_draw(dist.scaled.softmax(dim=-1), uniform[t])
         if rows.idx is None:
-            return drawn.tolist()
+            return drawn
         tokens = proc.argmax(dim=-1)
         tokens.index_copy_(0, rows.idx, drawn)
-        return tokens.tolist()
+        return tokens
 
     @staticmethod
     def _outputs(

@@ -52,3 +52,14 @@ def test_ab_rounds_time_the_c_decode_step_on_and_off(tmp_path, tiny_model_dir):
     assert step_profile.main([*argv, "--ab-native-decode", "1", "--output-json", str(out)]) == 0
     ab = json.loads(out.read_text())["native_decode_ab_ms"]
     assert set(ab) == {"on", "off"} and min(ab.values()) > 0
+
+
+def test_ab_rounds_time_asynchronous_scheduling_on_and_off(tmp_path, tiny_model_dir):
+    out = tmp_path / "ab.json"
+    argv = ["--batch", "3", "--prompt-len", "5", "--steps", "2", "--warmup", "1", "--async-scheduling"]
+    assert step_profile.main([*argv, "--ab-async-scheduling", "1", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    ab = result["async_scheduling_ab_ms"]
+    assert set(ab) == {"on", "off"} and min(ab.values()) > 0
+    # the appends of each step's in-flight tokens are timed as the deferred stage
+    assert result["stage_ms_p50"]["deferred"] > 0

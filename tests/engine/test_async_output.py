@@ -1,4 +1,4 @@
-"""Asynchronous output processing (``OutputProcessor.defer_detokenize``, on by default on CUDA): a token's
+"""Asynchronous output processing (``TokenAppender.defer_detokenize``, on by default on CUDA): a token's
 text and stop strings are processed in the next step, while the device runs that step's forward. The
 outputs must be the synchronous path's exactly — text, token ids, finish and stop reasons, logprobs,
 streamed deltas — and a stop string found one step late costs one extra computed row, never a token.
@@ -24,7 +24,7 @@ PROMPTS = [[(13 * i + 5 * j) % 200 + 20 for j in range(5 + 3 * i)] for i in rang
 
 def _llm(defer: bool) -> LLM:
     llm = LLM(**ENGINE)
-    llm.engine.output_processor.defer_detokenize = defer
+    llm.engine.output_processor.appender.defer_detokenize = defer
     return llm
 
 
@@ -71,8 +71,8 @@ def test_deferred_text_and_stop_strings_give_the_synchronous_outputs():
     assert _final(got) == _final(want)
     reasons = [c.stop_reason for o in want for c in o.outputs]
     assert sum(isinstance(r, str) for r in reasons) >= 3  # stop strings did end requests
-    assert deferred.engine.output_processor.num_deferred_tokens > 0
-    assert sync.engine.output_processor.num_deferred_tokens == 0
+    assert deferred.engine.output_processor.appender.num_deferred_tokens > 0
+    assert sync.engine.output_processor.appender.num_deferred_tokens == 0
     # each stop string was found a step late: its sequence computed one more row, and appended nothing more
     assert deferred.engine.stats.generation_tokens == sync.engine.stats.generation_tokens
     records = deferred.engine.terminal_records
@@ -184,12 +184,12 @@ def test_preemptions_under_deferral_give_the_synchronous_outputs(mode):
     results = {}
     for defer in (False, True):
         llm = LLM(**engine)
-        llm.engine.output_processor.defer_detokenize = defer
+        llm.engine.output_processor.appender.defer_detokenize = defer
         outputs = llm.generate(prompts, params)
         llm.engine.check_invariants()
         assert llm.engine.stats.preemptions > 0  # the scenario really preempts
         if defer:
-            assert llm.engine.output_processor.num_deferred_tokens > 0
+            assert llm.engine.output_processor.appender.num_deferred_tokens > 0
         results[defer] = _final(outputs)
     # the schedules differ (a deferred stop holds its blocks a step longer), so the rows a recompute
     # shares a batch with differ too: tokens, text and ends exactly, scores to float rounding

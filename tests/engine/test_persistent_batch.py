@@ -7,7 +7,8 @@ sequences' own; and every step's flat batch (token ids, positions, slots, query 
 block tables, logits rows) and sampling tensors must equal what a per-token reference computes from the
 requests and their block tables. A property test drives an engine through random joins, leaves (finishes,
 aborts), backpressure, preemption (recompute and swap), prefix-cache hits, chunked prefill, n > 1 forks and
-beam search, checking all of it at every step.
+beam search, checking all of it at every step, with and without asynchronous scheduling (a step's inputs
+then include tokens still in flight, read from the last step's sampled ids).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def test_block_table_tensor_writes_rows_and_reuses_the_lowest_slot():
 
 
 # ---- the per-step reference ----------------------------------------------------------------------------
-def reference_batch(engine, scheduled) -> dict[str, list]:
-    """The flat batch, token by token, from the requests and the KV manager's lists."""
+def reference_batch(engine, scheduled, in_flight=None) -> dict[str, list]:
+    """The flat batch, token by token, from the requests and the KV manager's lists (a token still in flight,
+    under asynchronous scheduling, from the last step's sampled ids)."""
     bs = engine.kv.block_size
     ref: dict[str, list] = {
         "ids": [],
@@ -64,13 +66,14 @@ def reference_batch(engine, scheduled) -> dict[str, list]:
     for req, n in scheduled:
         c, table = req.num_computed_tokens, engine.kv.block_table(req)
         for p in range(c, c + n):
-            ref["ids"].append(req.all_token_ids[p])
+            known = p < req.num_tokens
+            ref["ids"].append(req.all_token_ids[p] if known else int(in_flight[req.pending_row]))
             ref["pos"].append(p)
             ref["slots"].append(table[p // bs] * bs + p % bs)
         start = ref["qsl"][-1]
         ref["qsl"].append(start + n)
         ref["lens"].append(c + n)
-        if c + n >= req.num_tokens:
+        if c + n >= req.num_tokens_ahead:
             ref["rows"].append(start + n - 1)
         if req.params.prompt_logprobs is not None and req.num_output_tokens == 0:
             ref["prompt"].extend(range(start, start + max(0, min(c + n, req.num_prompt_tokens - 1) - c)))
@@ -89,9 +92,9 @@ def checked(engine) -> dict[str, int]:
     runner, batch = engine.runner, engine.runner.input_batch
     build, sampling_tensors = runner.build_batch, batch.sampling_tensors
 
-    def build_checked(scheduled):
-        ref = reference_batch(engine, scheduled)
-        out = build(scheduled)
+    def build_checked(scheduled, in_flight=None):
+        ref = reference_batch(engine, scheduled, in_flight)
+        out = build(scheduled, in_flight)
         got = {
             "ids": out.input_ids.tolist(),
             "pos": out.positions.tolist(),
@@ -175,7 +178,7 @@ def drive(engine, events, rng: random.Random) -> None:
     assert not engine.kv.block_tensor.slot_of
 
 
-def small_engine(preemption: str, max_num_seqs: int = 4):
+def small_engine(preemption: str, max_num_seqs: int = 4, asynchronous: bool = False):
     extra = {"swap_space": 0.01} if preemption == "swap" else {}
     return LLM(
         "tiny-random",
@@ -185,32 +188,40 @@ def small_engine(preemption: str, max_num_seqs: int = 4):
         max_num_batched_tokens=8,  # chunked prefill: prompts of up to 29 tokens take several steps
         preemption_mode=preemption,
         enable_prefix_caching=True,
+        async_scheduling=asynchronous,
         **extra,
         **ENGINE_DEVICE,
     ).engine
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 @settings(max_examples=25, deadline=None, derandomize=True)
 @given(events=st.lists(EVENTS, min_size=5, max_size=40))
-def test_persistent_batch_equals_a_rebuild_after_every_step(preemption, events):
-    engine = small_engine(preemption)
+def test_persistent_batch_equals_a_rebuild_after_every_step(preemption, asynchronous, events):
+    """Also under asynchronous scheduling, where a step reads tokens still in flight."""
+    engine = small_engine(preemption, asynchronous=asynchronous)
     checked(engine)
     drive(engine, events, random.Random(len(events)))
 
 
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
-def test_a_busy_run_goes_through_every_kind_of_change(preemption):
+def test_a_busy_run_goes_through_every_kind_of_change(preemption, asynchronous):
     """Negative control for the property test's coverage: a fixed busy schedule preempts, hits the prefix
     cache, chunks prompts, forks samples and beams, and reuses slots — all checked as above."""
-    engine = small_engine(preemption)
+    engine = small_engine(preemption, asynchronous=asynchronous)
     seen = checked(engine)
     events = [("add", i % len(SHAPES), i % 4, 5 + 3 * i) for i in range(10)] + [("step",)] * 6
     events += [("abort", 3), ("pause", 1, True), ("step",), ("step",), ("pause", 1, False)]
+    # two more with one prefix, a few steps apart: the second hits what the first cached, whatever the
+    # schedule before them was (it differs under asynchronous scheduling)
+    events += [("add", 0, 1, 2), ("step",), ("step",), ("step",), ("step",), ("add", 0, 1, 3)]
     drive(engine, events, random.Random(0))
     assert engine.stats.preemptions > 0 and engine.stats.prefix_cache_hits > 0
     assert seen["prefill_chunks"] > 0 and seen["sampling_rows"] > 0
-    assert sum(1 for r in engine.terminal_records if r.request_id.startswith("q")) == 10
+    assert (engine.output_processor.num_in_flight_steps > 0) == asynchronous  # steps read tokens in flight
+    assert sum(1 for r in engine.terminal_records if r.request_id.startswith("q")) == 12
 
 
 def test_steady_decode_batch_reads_block_tables_without_a_copy():
