@@ -368,7 +368,7 @@ def run_backends(args: argparse.Namespace) -> None:
 
 
 def run_engine(args: argparse.Namespace) -> None:
-    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.engine_args import EngineArgs
     from kvpilot.engine.engine_core import LLMEngine
     from kvpilot.engine.sampling.params import SamplingParams
     from kvpilot.engine.structured.params import StructuredOutputsParams

@@ -3,7 +3,8 @@
 Package map:
 
 Configuration and entry points:
-- ``config``             typed engine configuration (``EngineArgs`` → ``EngineConfig``), validated once
+- ``config``             typed engine configuration (``EngineConfig``, one dataclass per area) and its choices
+- ``engine_args``        ``EngineArgs``: the flat vLLM-named arguments, validated once into ``EngineConfig``
 - ``arg_utils``          engine-arg CLI flags (vLLM's names), shared by ``kvpilot generate`` and ``serve``
 - ``llm``                offline ``LLM`` API (vLLM-shaped)
 - ``cli``                ``kvpilot generate``: offline generation from the command line
@@ -71,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 _LAZY = {
     "LLM": "kvpilot.engine.llm",
     "LLMEngine": "kvpilot.engine.engine_core",
-    "EngineArgs": "kvpilot.engine.config",
+    "EngineArgs": "kvpilot.engine.engine_args",
     "EngineConfig": "kvpilot.engine.config",
     "SamplingParams": "kvpilot.engine.sampling.params",
     "RequestOutput": "kvpilot.engine.outputs",
@@ -89,7 +90,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvpilot.engine.config import EngineArgs, EngineConfig
+    from kvpilot.engine.config import EngineConfig
+    from kvpilot.engine.engine_args import EngineArgs
     from kvpilot.engine.engine_core import LLMEngine
     from kvpilot.engine.llm import LLM
     from kvpilot.engine.outputs import CompletionOutput, RequestOutput

@@ -17,9 +17,9 @@ from kvpilot.engine.config import (
     PREEMPTION_MODES,
     QUANTIZATIONS,
     ConfigError,
-    EngineArgs,
     EngineConfig,
 )
+from kvpilot.engine.engine_args import EngineArgs
 
 _BOOL_FLAGS = ("enable_prefix_caching", "enable_chunked_prefill")
 

@@ -9,7 +9,7 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.prompt_render import chat_prompt_ids

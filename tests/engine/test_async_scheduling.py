@@ -12,7 +12,8 @@ import pytest
 from engine_device import ENGINE_DEVICE
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.sequence import SequenceStatus
 from kvpilot.engine.structured.params import StructuredOutputsParams
 

@@ -9,11 +9,11 @@ import pytest
 from kvpilot.engine.config import (
     CacheConfig,
     ConfigError,
-    EngineArgs,
     EngineConfig,
     ModelConfig,
     SchedulerConfig,
 )
+from kvpilot.engine.engine_args import EngineArgs
 
 
 def test_engine_args_are_the_union_of_the_area_configs_with_equal_defaults():

@@ -16,8 +16,9 @@ from graph_replay import EagerReplay
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
 from kvpilot.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, capture_sizes
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.input_batch import StepBatch
 from kvpilot.engine.model.fused_triton import TritonFusedOps
 

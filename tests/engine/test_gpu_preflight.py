@@ -196,7 +196,7 @@ def fake_cuda_engine(monkeypatch: pytest.MonkeyPatch) -> list[torch.device]:
 
 
 def make_engine(device: str, backend: str):
-    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.engine_args import EngineArgs
     from kvpilot.engine.engine_core import LLMEngine
 
     config = EngineArgs(

@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.arg_utils import add_engine_args, engine_args_from_namespace
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.kv.kv_cache import HostSwapSpace, KVCache
 from kvpilot.engine.kv.kv_quant import KVQuant
 from kvpilot.engine.model.tiny import write_tiny_llama

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.memory_profile import MemoryProfile, kv_budget_bytes
 from kvpilot.engine.stats import load_snapshot

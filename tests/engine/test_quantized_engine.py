@@ -23,7 +23,8 @@ from quantized_ggufs import write_k_quant_gguf, write_mixed_gguf
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.arg_utils import add_engine_args, config_from_namespace
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.model.quant_formats import QuantWeight, dequantize, quantize_int8
 from kvpilot.engine.model.quant_linear import (
     QUANT_NATIVE_MAX_ROWS,

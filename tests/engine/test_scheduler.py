@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLMEngine, SamplingParams
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.sequence import SequenceStatus
 
 

@@ -14,7 +14,8 @@ import pytest
 from engine_runs import run_checked as run
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.spec_decode import verify
 from kvpilot.engine.structured.params import StructuredOutputsParams
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 from engine_runs import run_checked
 
-from kvpilot.engine.config import ConfigError, EngineArgs
+from kvpilot.engine.config import ConfigError
 from kvpilot.engine.distributed.sharding import TensorShard, check_tensor_parallel
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.llm import LLM
 from kvpilot.engine.model.arch import ModelArchConfig
 from kvpilot.engine.model.tiny import write_tiny_llama

@@ -14,8 +14,8 @@ import time
 import pytest
 from polling import process_alive, wait_until
 
-from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.distributed.executor import TensorParallelError
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.sampling.params import SamplingParams
 

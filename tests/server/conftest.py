@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 from live_server import ServerProcess, free_port, wait_ready
 
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.server.app import build_state, create_app
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.http_protocol import http_protocol

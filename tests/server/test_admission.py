@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.engine_core import LLMEngine
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.server.admission import Admission

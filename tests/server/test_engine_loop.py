@@ -10,7 +10,7 @@ import time
 import pytest
 from polling import async_wait_until
 
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.engine_info import placeholder_load

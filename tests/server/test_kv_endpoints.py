@@ -107,7 +107,7 @@ def test_a_reader_from_the_future_sees_a_gap_and_since_is_validated(tiny_server)
 
 def test_dropped_events_are_a_gap_and_a_new_engine_a_new_epoch(start_in_process):
     def engine_with_a_short_log():
-        from kvpilot.engine.config import EngineArgs
+        from kvpilot.engine.engine_args import EngineArgs
         from kvpilot.engine.engine_core import LLMEngine
 
         engine = LLMEngine(EngineArgs(model="tiny-random", num_kv_blocks=64).create_config())

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.drain import drain
 
