@@ -218,6 +218,14 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
     text = render_markdown(busy_later)
     assert "as each system started: kvpilot 1.20" in text and "Noisy" in text
     assert "fp32 GEMM GFLOP/s available (1 s probe, 2 threads) as each system started: kvpilot 61;" in text
+    # the previous system's own threads still in the load average, the GEMM rate free: quiet
+    after_vllm = _summary(load_1min=0.1)
+    after_vllm["systems"]["kvpilot"].update(load_at_start=[1.9, 0.8, 0.5], gemm_gflops_at_start=182.0)
+    assert "Noisy" not in render_markdown(after_vllm)
+    # no probe (an older summary): the load at the start decides
+    unprobed = _summary(load_1min=0.1)
+    unprobed["systems"]["kvpilot"].update(load_at_start=[1.9, 0.8, 0.5])
+    assert "Noisy" in render_markdown(unprobed)
 
 
 def test_vllm_startup_note_reads_compile_time_and_a_failed_reload_from_the_log():

@@ -46,14 +46,22 @@ def _header(columns: list[str]) -> list[str]:
 
 
 def _is_busy(summary: dict) -> bool:
-    """Busy when others loaded the machine: the load before the run or before any system started (the
-    load after the run still carries the last system's own threads, so it is not a sign of others)."""
-    cores = summary["environment"].get("cpu_count") or 1
-    loads = [summary["environment"].get("load_before", [0.0])[0]]
-    loads += [
-        system["load_at_start"][0] for system in summary["systems"].values() if system.get("load_at_start")
-    ]
-    return max(loads) / cores > BUSY_LOAD_PER_CORE
+    """Busy when others loaded the machine: the load before the run, or, as each system started, less fp32
+    GEMM rate than a quiet machine gives (its load average then still carries the previous system's own
+    threads for a minute or two, so it is read only where no probe ran; the load after the run carries the
+    last system's)."""
+    env = summary["environment"]
+    cores = env.get("cpu_count") or 1
+    if env.get("load_before", [0.0])[0] / cores > BUSY_LOAD_PER_CORE:
+        return True
+    for system in summary["systems"].values():
+        probe = system.get("gemm_gflops_at_start")
+        if probe is not None:
+            if probe < QUIET_GEMM_GFLOPS:
+                return True
+        elif system.get("load_at_start") and system["load_at_start"][0] / cores > BUSY_LOAD_PER_CORE:
+            return True
+    return False
 
 
 def _environment_lines(summary: dict) -> list[str]:
@@ -86,7 +94,8 @@ def _environment_lines(summary: dict) -> list[str]:
         lines += [
             "",
             "> **Noisy:** the machine was shared and busy during this run (load average above "
-            f"{BUSY_LOAD_PER_CORE:g} per core). Treat every figure as indicative only; the final "
+            f"{BUSY_LOAD_PER_CORE:g} per core before it, or less than {QUIET_GEMM_GFLOPS:.0f} fp32 GEMM "
+            "GFLOP/s free as a system started). Treat every figure as indicative only; the final "
             "figures must be re-taken on a quiet machine.",
         ]
     lines += [
