@@ -64,7 +64,9 @@ TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     S.RUNNABLE: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
     S.PREFILL: frozenset({S.PREFILL, S.DECODE, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
     S.DECODE: frozenset({S.DECODE, S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
-    S.BACKPRESSURED: frozenset({S.DECODE, S.PREEMPTED, S.SWAPPED} | _ABORTS),
+    # FINISHED: a stop in the last token, found after the scheduler paused it (asynchronous scheduling's
+    # token in flight, a deferred stop string)
+    S.BACKPRESSURED: frozenset({S.DECODE, S.PREEMPTED, S.SWAPPED, S.FINISHED} | _ABORTS),
     S.PREEMPTED: frozenset({S.RUNNABLE, S.FINISHED} | _ABORTS),
     S.SWAPPED: frozenset({S.RUNNABLE, S.FINISHED} | _ABORTS),
     **{t: frozenset() for t in TERMINAL},

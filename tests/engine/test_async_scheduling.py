@@ -103,6 +103,30 @@ def test_a_token_in_flight_that_ends_its_sequence_is_not_computed_again():
     assert steps == {False: 6, True: 6}
 
 
+def test_a_request_paused_while_its_stop_token_is_in_flight_finishes():
+    """A slow stream reader pauses a request after the step that sampled its stop token. Asynchronously
+    that token is still in flight when the next tick moves the paused sequence to BACKPRESSURED; the stop
+    found then ends it as the synchronous engine ends it (it raised IllegalTransition, failing the engine)."""
+    probe = _llm(False).generate(PROMPTS[4], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    tokens = probe[0].outputs[0].token_ids
+    last = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # first stop: at index last
+    ends = {}
+    for asynchronous in (False, True):
+        engine = _llm(asynchronous).engine
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, stop_token_ids=[tokens[last]])
+        engine.add_request("r", PROMPTS[4], params)
+        outputs = []
+        for _ in range(last + 1):  # the stop token sampled (synchronously: appended and finished)
+            outputs += engine.step()
+        engine.set_backpressure("r", True)
+        for _ in range(3):
+            outputs += engine.step()
+        engine.check_invariants()
+        assert not engine.has_unfinished_requests() and not engine.kv.sequence_ids
+        ends[asynchronous] = (outputs[-1].outputs[0].token_ids, outputs[-1].outputs[0].finish_reason)
+    assert ends[True] == ends[False] == (tokens[: last + 1], "stop")
+
+
 def _streamed(asynchronous: bool, abort_at: int | None = None, registry: bool = False) -> dict[str, tuple]:
     """Each request's text and token ids as its delta outputs add up, stepping the engine by hand; with
     ``abort_at``, ``r0`` is cancelled after that many steps (while a token of its is in flight), through
