@@ -32,6 +32,7 @@ from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
 from kvpilot.engine.spec_decode.verify import verify_drafts
+from kvpilot.engine.staging import to_device
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.token_appender import TokenAppender
 from kvpilot.engine.tokenizer import Tokenizer
@@ -95,7 +96,7 @@ class OutputProcessor:
         if any(seq.is_finished for seq in seqs):
             keep = [i for i, seq in enumerate(seqs) if not seq.is_finished]
             kept_rows = [r for i in keep for r in range(starts[i], starts[i] + row_counts[i])]
-            logits = logits.index_select(0, torch.tensor(kept_rows, dtype=torch.long, device=logits.device))
+            logits = logits.index_select(0, to_device(kept_rows, torch.long, logits.device))
             seqs, row_counts = [seqs[i] for i in keep], [row_counts[i] for i in keep]
             starts = np.cumsum([0, *row_counts[:-1]])
             if not seqs:
@@ -158,7 +159,7 @@ class OutputProcessor:
         row_logits = (
             logits
             if len(sources) == len(seqs)
-            else logits.index_select(0, torch.tensor(sources, device=logits.device))
+            else logits.index_select(0, to_device(sources, torch.long, logits.device))
         )
         if self.async_scheduling:
             rows, row_logits = self._sample_in_flight(rows, row_logits)
@@ -222,7 +223,7 @@ class OutputProcessor:
         device = logits.device
         seqs = [rows[i][0] for i in plain]
         ids = self.sampler.sample_tokens(
-            logits if not rest else logits.index_select(0, torch.tensor(plain, device=device)),
+            logits if not rest else logits.index_select(0, to_device(plain, torch.long, device)),
             [self._row_state(s) for s in seqs],
             self.input_batch.sampling_tensors(seqs),
         )
@@ -230,7 +231,7 @@ class OutputProcessor:
         self.num_in_flight_steps += 1
         if not rest:
             return [], logits
-        return [rows[i] for i in rest], logits.index_select(0, torch.tensor(rest, device=device))
+        return [rows[i] for i in rest], logits.index_select(0, to_device(rest, torch.long, device))
 
     def _row_state(self, s: Sequence) -> RowState:
         return RowState(

@@ -9,12 +9,16 @@ page-locked when CUDA is available, so the copy is a real asynchronous DMA — a
 The staging buffer is reused every step, so it must not be overwritten while the previous copy out of it
 may still be in flight: each upload records a CUDA event after its copy and the next one waits on that
 event first. In the synchronous engine the step's sampled-token transfer has already waited for much more,
-so the wait returns at once; it keeps the buffer safe once steps overlap (issue 20 item 3).
+so the wait returns at once; it keeps the buffer safe once steps overlap (asynchronous scheduling).
+
+``to_device`` is the one-off form for a short host list (row indices, per-row penalties): a copy from
+pageable memory would wait for everything queued on the device first, ending the overlap.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -57,3 +61,20 @@ class Staging:
                 self._done = torch.cuda.Event()
             self._done.record()
         return [packed[s:e] for s, e in itertools.pairwise(offsets)]
+
+
+def to_device(
+    values: Sequence[int] | Sequence[float] | Sequence[Sequence[float]] | np.ndarray,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """A host list or array as a tensor on ``device``; on a GPU copied from page-locked memory without
+    waiting (torch's pinned allocator keeps the buffer until the copy is done)."""
+    host = (
+        torch.from_numpy(values).to(dtype)
+        if isinstance(values, np.ndarray)
+        else torch.tensor(values, dtype=dtype)
+    )
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

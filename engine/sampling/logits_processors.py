@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.staging import to_device
 from kvpilot.engine.structured.bitmask import GrammarMasks
 from kvpilot.engine.structured.matcher import GrammarMatcher
 
@@ -70,16 +72,21 @@ def banned_by_ngrams(index: dict[tuple[int, ...], set[int]], output: Sequence[in
 def _mask(logits: torch.Tensor, row: int, tokens: set[int] | list[int]) -> None:
     ids = [t for t in tokens if 0 <= t < logits.shape[1]]
     if ids:
-        logits[row, ids] = NEG_INF
+        logits[row].index_fill_(0, to_device(ids, torch.long, logits.device), NEG_INF)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """[len(values), 1] float32 per-row factors on ``device``."""
+    return to_device(values, torch.float32, device).unsqueeze(1)
 
 
 def _counts(rows: list[int], id_lists: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(rows), vocab] float counts of token ids per row (one batched scatter-add)."""
     width = max((len(ids) for ids in id_lists), default=0)
-    padded = torch.full((len(rows), max(width, 1)), vocab, dtype=torch.long, device=device)
+    host = np.full((len(rows), max(width, 1)), vocab, dtype=np.int64)  # padding counts in column vocab
     for i, ids in enumerate(id_lists):
-        if ids:
-            padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long, device=device)
+        host[i, : len(ids)] = ids
+    padded = to_device(host, torch.long, device)
     counts = torch.zeros(len(rows), vocab + 1, device=device)
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
     return counts[:, :vocab]
@@ -105,12 +112,14 @@ def apply_constraints(
         p = st.params
         if p.allowed_token_ids is not None:
             allowed = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            allowed[[t for t in p.allowed_token_ids if t < vocab]] = True
+            allowed_ids = to_device([t for t in p.allowed_token_ids if t < vocab], torch.long, logits.device)
+            allowed[allowed_ids] = True
             logits[i].masked_fill_(~allowed, NEG_INF)
         if p.logit_bias:
             bias = p.clamped_logit_bias
             ids = [t for t in bias if t < vocab]
-            logits[i, ids] += torch.tensor([bias[t] for t in ids], dtype=logits.dtype, device=logits.device)
+            values = to_device([bias[t] for t in ids], logits.dtype, logits.device)
+            logits[i].index_add_(0, to_device(ids, torch.long, logits.device), values)
         if st.bad_word_ids:
             _mask(logits, i, banned_by_bad_words(st.output_token_ids, st.bad_word_ids))
         if len(st.output_token_ids) < p.min_tokens:
@@ -134,8 +143,8 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[RowState]) -> torch.T
             )
             > 0
         )
-        r = torch.tensor([states[i].params.repetition_penalty for i in rep_rows], device=dev).unsqueeze(1)
-        idx = torch.tensor(rep_rows, device=dev)
+        r = _column([states[i].params.repetition_penalty for i in rep_rows], dev)
+        idx = to_device(rep_rows, torch.long, dev)
         z = logits.index_select(0, idx)
         penalised = torch.where(z > 0, z / r, z * r)
         logits.index_copy_(0, idx, torch.where(seen, penalised, z))
@@ -146,9 +155,9 @@ def apply_penalties(logits: torch.Tensor, states: Sequence[RowState]) -> torch.T
     ]
     if fp_rows:
         counts = _counts(fp_rows, [states[i].output_token_ids for i in fp_rows], vocab, dev)
-        freq = torch.tensor([states[i].params.frequency_penalty for i in fp_rows], device=dev).unsqueeze(1)
-        pres = torch.tensor([states[i].params.presence_penalty for i in fp_rows], device=dev).unsqueeze(1)
-        idx = torch.tensor(fp_rows, device=dev)
+        freq = _column([states[i].params.frequency_penalty for i in fp_rows], dev)
+        pres = _column([states[i].params.presence_penalty for i in fp_rows], dev)
+        idx = to_device(fp_rows, torch.long, dev)
         z = logits.index_select(0, idx)
         logits.index_copy_(0, idx, z - freq * counts - pres * (counts > 0).to(z.dtype))
     return logits

@@ -10,7 +10,7 @@ larger ones are clamped to 2^24, which is off for any vocabulary this size or sm
 ``FilterRows`` is the host-side half, read from the parameters the host already has: the rows each filter
 applies to (None: all of them) and the largest top-k, so the filters never ask the device which rows are
 active — that question (``nonzero``) is a host sync on a GPU. Host lists reach a GPU through
-``to_device``: a copy from pageable memory would wait for everything queued on the device first.
+``staging.to_device``: a copy from pageable memory would wait for everything queued on the device first.
 """
 
 from __future__ import annotations
@@ -21,21 +21,11 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE, SamplingParams
+from kvpilot.engine.staging import to_device
 
 #: the columns of ``SamplingTensors.values``, in order
 COLUMNS = ("temperature", "min_p", "top_k", "top_p", "typical_p")
 _TOP_K_LIMIT = 1 << 24
-
-
-def to_device(
-    values: Sequence[int] | Sequence[Sequence[float]], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A host list as a tensor on ``device``; on a GPU copied from page-locked memory without waiting
-    (torch's pinned allocator keeps the buffer until the copy is done)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def param_row(p: SamplingParams) -> list[float]:

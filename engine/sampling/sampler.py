@@ -37,7 +37,8 @@ from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
-from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors, to_device
+from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors
+from kvpilot.engine.staging import to_device
 from kvpilot.engine.structured.bitmask import GrammarMasks
 
 

@@ -21,6 +21,7 @@ import llguidance
 import numpy as np
 import torch
 
+from kvpilot.engine.staging import to_device
 from kvpilot.engine.structured.matcher import GrammarMatcher
 
 WORD_BITS = 32
@@ -112,7 +113,7 @@ class GrammarMasks:
             rows = [r + j for r, d in zip(rows, drafts, strict=True) for j in range(1 + len(d))]
         else:
             bitmask = self.fill(matchers, logits.shape[1], pin=pin)
-        index = None if len(rows) == logits.shape[0] else torch.tensor(rows, device=logits.device)
+        index = None if len(rows) == logits.shape[0] else to_device(rows, torch.long, logits.device)
         apply_token_bitmask_(logits, bitmask, index)
         self.rows += len(rows)
         self.seconds += time.perf_counter() - start

@@ -225,20 +225,45 @@ def test_async_scheduling_with_speculation_or_tensor_parallelism_is_refused(extr
         EngineArgs(model="tiny-random", async_scheduling=True, **extra).create_config()
 
 
+#: what the rows of the CUDA sync check use besides temperature, top-p and top-k: nothing, or the logits
+#: processors (penalties, logit bias, allowed ids, min_tokens' and the n-gram ban's masks), which run
+#: every step they are in the batch
+_ROW_EXTRAS = {
+    "plain": [{}],
+    "processors": [
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.5, "presence_penalty": 0.3},
+        {"logit_bias": {7: 5.0, 11: -5.0}},
+        {"allowed_token_ids": list(range(20, 120))},
+        {"min_tokens": 30, "no_repeat_ngram_size": 2},
+    ],
+}
+
+
 @pytest.mark.skipif(ENGINE_DEVICE["device"] != "cuda", reason="host syncs exist only with a GPU")
-def test_a_decode_step_waits_for_the_device_only_to_read_the_last_steps_tokens(monkeypatch):
+@pytest.mark.parametrize("rows", sorted(_ROW_EXTRAS))
+def test_a_decode_step_waits_for_the_device_only_to_read_the_last_steps_tokens(monkeypatch, rows):
     """On CUDA, with every row in flight (sampled and greedy, no logprobs), the only place a step may wait
     for the device is ``InFlightTokens.take``, which reads the previous step's ids once this step's
-    forward is launched."""
+    forward is launched. Host lists reach the device through pinned non-blocking copies (a pageable copy
+    waits for the forward)."""
     import torch
 
     from kvpilot.engine.in_flight import InFlightTokens
 
     llm = _llm(True)
     engine = llm.engine
+    extras = _ROW_EXTRAS[rows]
     for i, prompt in enumerate(PROMPTS):
         temperature = 0.0 if i % 2 else 0.8
-        params = SamplingParams(max_tokens=40, temperature=temperature, top_p=0.9, top_k=20, ignore_eos=True)
+        params = SamplingParams(
+            max_tokens=40,
+            temperature=temperature,
+            top_p=0.9,
+            top_k=20,
+            ignore_eos=True,
+            **extras[i % len(extras)],
+        )
         engine.add_request(f"r{i}", prompt, params)
     while any(s.num_output_tokens < 2 for s in engine.sequences.values()):
         engine.step()  # prompts done, every sequence decoding, a step's tokens in flight
