@@ -19,6 +19,7 @@ are torch-free and shared with the router):
 - ``prompt_bound``       a lower bound on a text's token count without tokenizing it (refuses huge prompts)
 - ``tenancy``            a request's tenant (``x-tenant``, else an API-key digest): the prefix-cache salt
 - ``request_validation`` prompt and sampling checks against the loaded model (``RequestError``)
+- ``request_intake``     a request's first sequence: tokenized, checked, bad words and grammar prepared
 - ``sequence``           ``Sequence``: one sequence's state (tokens, progress, status) and the lifecycle
                          state machine (``SequenceStatus``)
 - ``sequence_group``     ``SequenceGroup``: a user request and its sequences (parallel samples, beams);
@@ -29,8 +30,8 @@ are torch-free and shared with the router):
 
 The engine and its tick:
 - ``engine_core``        ``LLMEngine``: add requests, ``step()`` (one scheduler tick), abort, invariants
-- ``engine_setup``       start-up: a served model (weights, backend, quantization; target and draft) and the
-                         paged KV cache sized for it
+- ``engine_setup``       start-up: a served model (weights, backend, quantization; target and draft), the
+                         paged KV cache sized for it and the runner over it
 - ``scheduler``          token-budget scheduler: continuous batching, chunked prefill, preemption
 - ``model_runner``       builds the flattened batch of a tick and runs the model
 - ``decode_graphs``      captured decode on CUDA: decode-only steps replay CUDA graphs at bucketed batch sizes

@@ -17,11 +17,9 @@ from pathlib import Path
 import torch
 
 from kvpilot.engine.config import EngineConfig
-from kvpilot.engine.decode_graphs import decode_graphs_for
-from kvpilot.engine.distributed.executor import TensorParallelRunner, start_workers
+from kvpilot.engine.distributed.executor import start_workers
 from kvpilot.engine.distributed.step_message import KVOp
-from kvpilot.engine.engine_setup import build_paged_kv, load_served_model, memory_baseline
-from kvpilot.engine.input_batch import InputBatch
+from kvpilot.engine.engine_setup import build_paged_kv, build_runner, load_served_model, memory_baseline
 from kvpilot.engine.kv.events import KVEventLog
 from kvpilot.engine.memory_profile import DeviceMemory
 from kvpilot.engine.model.loader import (
@@ -31,15 +29,10 @@ from kvpilot.engine.model.loader import (
     resolve_native_ops,
 )
 from kvpilot.engine.model.registry import default_cache_dir
-from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.output_processor import OutputProcessor
 from kvpilot.engine.outputs import RequestOutput, TerminalRecord
-from kvpilot.engine.request_validation import (
-    RequestError,
-    bad_word_token_ids,
-    validate_params,
-    validate_prompt,
-)
+from kvpilot.engine.request_intake import RequestIntake
+from kvpilot.engine.request_validation import RequestError
 from kvpilot.engine.sampling.params import SamplingParams
 from kvpilot.engine.sampling.sampler import Sampler
 from kvpilot.engine.scheduler import Scheduler
@@ -50,7 +43,6 @@ from kvpilot.engine.spec_decode.draft_model import DraftModel
 from kvpilot.engine.spec_decode.drafting import DraftContext, propose_drafts
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.structured.compiler import GrammarCompiler
-from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.tokenizer import Tokenizer
 
 S = SequenceStatus
@@ -133,18 +125,7 @@ class LLMEngine:
                 self.kv_cache.num_blocks, cc.block_size, self.backend.kv_cache_layout
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        input_batch = InputBatch(paged.block_tensor, self.max_model_len, cc.block_size, self.device)
-        self.runner = (
-            ModelRunner(self.model, self.kv_cache, self.device, input_batch)
-            if self.tp_workers is None or kv_ops is None
-            else TensorParallelRunner(
-                self.model, self.kv_cache, self.device, input_batch, self.tp_workers, kv_ops, arch.vocab_size
-            )
-        )
-        if self.tp_workers is None:  # a tensor-parallel step runs eagerly on every rank
-            self.runner.decode_graphs = decode_graphs_for(
-                self.model, self.kv_cache, self.max_model_len, config
-            )
+        self.runner = build_runner(config, target, paged, self.device, self.tp_workers, kv_ops)
         self.sampler = Sampler(
             torch.Generator(device=self.device).manual_seed(mc.seed),
             config.logprobs_mode,
@@ -154,6 +135,9 @@ class LLMEngine:
         #: structured outputs' grammars, compiled on their own threads
         #: (docs/architecture.md#structured-outputs)
         self.grammars = GrammarCompiler(self.tokenizer, arch.vocab_size, self.eos_token_ids)
+        self.intake = RequestIntake(
+            config, self.tokenizer, arch.vocab_size, self.max_model_len, self.eos_token_ids, self.grammars
+        )
         self.stats = EngineStats()
         #: live sequences and user requests, and the terminal routine every request goes through
         self.registry = SequenceRegistry(self.scheduler, self.kv, self.stats, self.device)
@@ -219,36 +203,15 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.registry.in_use(request_id) or request_id == _ADMISSION_PROBE_ID:
             raise RequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, token_ids = None, [int(t) for t in prompt]
-        sc = self.config.scheduler
-        validate_prompt(
-            token_ids,
-            self.arch.vocab_size,
-            self.max_model_len,
-            sc.max_num_batched_tokens,
-            sc.enable_chunked_prefill,
-        )
-        validate_params(params, self.arch.vocab_size, self.config.max_logprobs, sc.max_num_seqs)
-        seq = Sequence(
+        seq, text = self.intake.first_sequence(
             request_id,
-            token_ids,
+            prompt,
             params,
             arrival_time=arrival_time,
             priority=priority,
             cache_salt=cache_salt,
-            prompt=text,
             deadline=deadline,
-            eos_token_ids=self.eos_token_ids,
         )
-        seq.bad_word_ids = bad_word_token_ids(self.tokenizer, params.bad_words)
-        if params.structured_outputs is not None:
-            try:  # compiled already when the server checked the request; else compiled now, off this thread
-                seq.grammar = self.grammars.matcher(params.structured_outputs)
-            except GrammarError as err:
-                raise RequestError(f"structured_outputs: {err}") from None
         group = SequenceGroup.start(seq, text, self.tokenizer, self.max_model_len)
         self.registry.add(seq, group)
         self.scheduler.add_request(seq)

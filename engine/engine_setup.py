@@ -1,6 +1,6 @@
-"""How an engine is put together at start-up: a served model (weights, attention backend, quantization)
-and the paged KV cache sized for it (docs/architecture.md#kv-lifecycle). The target model and a
-speculative draft model load the same way."""
+"""How an engine is put together at start-up: a served model (weights, attention backend, quantization),
+the paged KV cache sized for it (docs/architecture.md#kv-lifecycle) and the runner that steps the model
+over it. The target model and a speculative draft model load the same way."""
 
 from __future__ import annotations
 
@@ -15,9 +15,12 @@ from kvpilot.engine.attention.backend import AttentionBackend, select_backend
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
 from kvpilot.engine.capacity_plan import kv_cache_sizing, plan_max_model_len, plan_num_kv_blocks
 from kvpilot.engine.config import EngineConfig
+from kvpilot.engine.decode_graphs import decode_graphs_for
+from kvpilot.engine.distributed.executor import TensorParallelRunner, TensorParallelWorkers
 from kvpilot.engine.distributed.kv_replica import RecordingKVCache, RecordingSwapSpace
 from kvpilot.engine.distributed.sharding import TensorParallelRank, check_tensor_parallel
 from kvpilot.engine.distributed.step_message import KVOp
+from kvpilot.engine.input_batch import InputBatch
 from kvpilot.engine.kv.block_hash import root_hash
 from kvpilot.engine.kv.block_pool import BlockPool
 from kvpilot.engine.kv.block_table import BlockTableTensor
@@ -39,6 +42,7 @@ from kvpilot.engine.model.llama import LlamaForCausalLM
 from kvpilot.engine.model.loader import load_model
 from kvpilot.engine.model.quantization import resolve_activation_quantization, resolve_quantization
 from kvpilot.engine.model.registry import gguf_source, model_fingerprint, resolve_model
+from kvpilot.engine.model_runner import ModelRunner
 from kvpilot.engine.native.ops import NativeOps
 
 log = logging.getLogger(__name__)
@@ -255,6 +259,26 @@ def build_paged_kv(
     block_tensor = BlockTableTensor(sc.max_num_seqs, blocks_for_tokens(max_model_len, cc.block_size), device)
     kv = KVCacheManager(pool, cc.block_size, root_hash(target.identity()), kv_cache, swap, block_tensor)
     return PagedKV(kv_cache, pool, kv, block_tensor, max_model_len, sizing)
+
+
+def build_runner(
+    config: EngineConfig,
+    target: ServedModel,
+    paged: PagedKV,
+    device: torch.device,
+    tp_workers: TensorParallelWorkers | None,
+    kv_ops: list[KVOp] | None,
+) -> ModelRunner:
+    """The runner over the persistent batch: one process's, with its decode graphs (None where they are
+    off), or rank 0's of a tensor-parallel model, whose step runs eagerly on every rank."""
+    input_batch = InputBatch(paged.block_tensor, paged.max_model_len, config.cache.block_size, device)
+    if tp_workers is None or kv_ops is None:
+        runner = ModelRunner(target.model, paged.kv_cache, device, input_batch)
+        runner.decode_graphs = decode_graphs_for(target.model, paged.kv_cache, paged.max_model_len, config)
+        return runner
+    return TensorParallelRunner(
+        target.model, paged.kv_cache, device, input_batch, tp_workers, kv_ops, target.arch.vocab_size
+    )
 
 
 def memory_baseline(
