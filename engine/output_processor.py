@@ -26,7 +26,8 @@ from kvpilot.engine.in_flight import InFlightTokens, TokenCopy
 from kvpilot.engine.input_batch import InputBatch, StepBatch
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.logits_processors import RowState
-from kvpilot.engine.sampling.sampler import Sampler, top_logprobs_of
+from kvpilot.engine.sampling.sampler import Sampler
+from kvpilot.engine.sampling.sampler_output import top_logprobs_of
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SequenceGroup

@@ -8,6 +8,6 @@
 - ``draw``               one token per row by a two-level inverse CDF (one uniform number per row)
 - ``row_params``         per-row parameters as one tensor (``SamplingTensors``) and the rows each filter
                          touches, decided on the host (``FilterRows``)
-- ``sampler``            the batched pipeline: greedy / temperature / filters / draw, per-request generators,
-                         logprobs
+- ``sampler``            the batched pipeline: greedy / temperature / filters / draw, per-request generators
+- ``sampler_output``     what it gives back: tokens, sampled and top-N logprobs, beams' whole distributions
 """

@@ -32,25 +32,14 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.native.sampling_ops import SamplingKernels
-from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
 from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
 from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors
+from kvpilot.engine.sampling.sampler_output import SamplerOutput, sampler_output
 from kvpilot.engine.staging import to_device
 from kvpilot.engine.structured.bitmask import GrammarMasks
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    #: logprob of each sampled token under the reported distribution (None where not requested)
-    sampled_logprobs: list[float | None]
-    #: per row: {token_id: Logprob} for the top-N and the sampled token (None where not requested)
-    top_logprobs: list[dict[int, Logprob] | None]
-    #: per row that asked for it (``RowState``-parallel): the whole log-distribution, for beam search
-    full_logprobs: dict[int, torch.Tensor]
 
 
 @dataclass
@@ -79,19 +68,6 @@ class Distributions:
         final = self.proc.clone()
         final.index_copy_(0, self.idx, self.scaled)
         return final
-
-
-def top_logprobs_of(logprobs: torch.Tensor, token: int, top_n: int) -> dict[int, Logprob]:
-    """Top-``top_n`` entries of one log-distribution plus ``token``, each with its 1-based rank."""
-    out: dict[int, Logprob] = {}
-    if top_n > 0:
-        values, ids = logprobs.topk(min(top_n, logprobs.shape[-1]))
-        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-            out[t] = Logprob(v, rank)
-    if token not in out:
-        lp = float(logprobs[token])
-        out[token] = Logprob(lp, int((logprobs > lp).sum()) + 1)
-    return out
 
 
 def _stages_needed(states: Sequence[RowState]) -> tuple[bool, bool]:
@@ -214,14 +190,14 @@ class Sampler:
         # the kernel gives tokens only: not for rows that report or score the processed distribution
         needs_processed = (raw_lp is None and any(want_lp)) or any(want_full)
         if not needs_processed and (native := self._draw_natively(logits, states, row_params)) is not None:
-            return self._outputs(native.tolist(), states, want_lp, want_full, raw_lp, None)
+            return sampler_output(native.tolist(), states, want_lp, want_full, raw_lp, None)
         dist = self.distributions(logits, states, row_params)
         tokens = self._draw(dist, states)
         final = dist.proc  # the distribution each row is drawn from (greedy rows: the constrained logits)
         if dist.scaled is not None and (any(want_lp) or any(want_full)):
             final = dist.drawn_from()
         proc_lp = final.log_softmax(dim=-1) if needs_processed else None
-        return self._outputs(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
+        return sampler_output(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
 
     def sample_tokens(
         self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None = None
@@ -298,31 +274,3 @@ class Sampler:
         tokens = proc.argmax(dim=-1)
         tokens.index_copy_(0, rows.idx, drawn)
         return tokens
-
-    @staticmethod
-    def _outputs(
-        token_list: list[int],
-        states: Sequence[RowState],
-        want_lp: Sequence[bool],
-        want_full: Sequence[bool],
-        raw_lp: torch.Tensor | None,
-        proc_lp: torch.Tensor | None,
-    ) -> SamplerOutput:
-        n = len(token_list)
-        sampled_lp: list[float | None] = [None] * n
-        top: list[dict[int, Logprob] | None] = [None] * n
-        full: dict[int, torch.Tensor] = {}
-        for i, st in enumerate(states):
-            if want_full[i]:
-                assert proc_lp is not None  # computed whenever a row wants its full distribution
-                full[i] = proc_lp[i]  # beam search scores the constrained, penalised distribution
-            if want_lp[i]:
-                if raw_lp is not None:
-                    row = raw_lp[i]
-                else:
-                    assert proc_lp is not None  # computed when a row wants logprobs and raw ones are off
-                    row = proc_lp[i]
-                sampled_lp[i] = float(row[token_list[i]])
-                if st.params.logprobs is not None:
-                    top[i] = top_logprobs_of(row, token_list[i], st.params.logprobs)
-        return SamplerOutput(token_list, sampled_lp, top, full)

@@ -18,7 +18,8 @@ import torch
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.logits_processors import RowState
 from kvpilot.engine.sampling.row_params import SamplingTensors
-from kvpilot.engine.sampling.sampler import Distributions, Sampler, top_logprobs_of
+from kvpilot.engine.sampling.sampler import Distributions, Sampler
+from kvpilot.engine.sampling.sampler_output import top_logprobs_of
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.spec_decode.rejection import accept_greedy, accept_sampled
 
