@@ -31,6 +31,7 @@ Package map (request path first):
 - ``request_stream``    bounded engine-thread → handler hand-off that drives backpressure
 - ``serving_request``   one engine request as the server tracks it; ``Failure``
 - ``engine_loop``       the engine thread: load, warm up, then commands → admission → step → outputs
+- ``loop_commands``     the commands handlers send the engine thread; the KV snapshot it answers
 - ``engine_info``       immutable facts of the loaded engine; ``/load`` before the engine exists
 - ``admission``         exact admission after prefix lookup: KV reservation, bounded queue, deadline, degrade
 - ``output_deltas``     cumulative engine outputs → per-chunk deltas (on the engine thread)

@@ -22,7 +22,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvpilot.engine.sequence import SequenceStatus
@@ -32,6 +31,15 @@ from kvpilot.engine.server.engine_info import EngineInfo
 from kvpilot.engine.server.engine_telemetry import EngineTelemetry
 from kvpilot.engine.server.errors import APIError
 from kvpilot.engine.server.lifecycle import Lifecycle, Phase
+from kvpilot.engine.server.loop_commands import (
+    Abort,
+    Drain,
+    KVSnapshot,
+    Resume,
+    Stop,
+    Submit,
+    kv_snapshot,
+)
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.output_deltas import max_json_bytes
 from kvpilot.engine.server.serving_request import ServingRequest
@@ -44,34 +52,6 @@ if TYPE_CHECKING:  # torch: the engine is imported on the engine thread (app.py)
 log = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.25  # longest sleep with nothing to do (bounds heartbeat age and /load staleness)
 QUEUED_WAIT_S = 0.02  # sleep while requests wait for headroom (bounds queue-deadline lateness)
-
-
-@dataclass
-class _Submit:
-    batch: list[ServingRequest]
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-@dataclass
-class _Resume:
-    request_id: str
-
-
-@dataclass
-class _Snapshot:
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-
-
-class _Drain:
-    pass
-
-
-class _Stop:
-    pass
 
 
 class EngineLoop:
@@ -105,24 +85,24 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, batch: list[ServingRequest]) -> None:
-        self._commands.put(_Submit(batch))
+        self._commands.put(Submit(batch))
 
     def abort(self, request_ids: list[str]) -> None:
-        self._commands.put(_Abort(list(request_ids)))
+        self._commands.put(Abort(list(request_ids)))
 
     def resume(self, request_id: str) -> None:
-        self._commands.put(_Resume(request_id))
+        self._commands.put(Resume(request_id))
 
     def drain(self) -> None:
-        self._commands.put(_Drain())
+        self._commands.put(Drain())
 
     def kv_snapshot(self) -> concurrent.futures.Future:
-        cmd = _Snapshot()
+        cmd = KVSnapshot()
         self._commands.put(cmd)
         return cmd.future
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self._commands.put(_Stop())
+        self._commands.put(Stop())
         if self._thread.is_alive():
             self._thread.join(timeout_s)
 
@@ -258,7 +238,7 @@ class EngineLoop:
         except queue.Empty:
             return True
         while True:
-            if isinstance(cmd, _Stop):
+            if isinstance(cmd, Stop):
                 return False
             self._handle(cmd)
             try:
@@ -268,32 +248,26 @@ class EngineLoop:
 
     def _handle(self, cmd: object) -> None:
         engine = self._engine
-        if isinstance(cmd, _Submit):
+        if isinstance(cmd, Submit):
             if self._draining:
                 for req in cmd.batch:
                     req.fail(draining_error(self._config.retry_after_s), None, whole_batch=True)
             else:
                 self._admission.submit(cmd.batch)
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, Abort):
             for rid in cmd.request_ids:
                 if not self._admission.remove_pending(rid) and self._active.pop(rid, None) is not None:
                     engine.abort_request(rid, SequenceStatus.CANCELLED)
-        elif isinstance(cmd, _Resume):
+        elif isinstance(cmd, Resume):
             resumed = self._active.get(cmd.request_id)
             if resumed is not None:
                 engine.set_backpressure(cmd.request_id, False)
                 resumed.paused_since = None
-        elif isinstance(cmd, _Snapshot):
+        elif isinstance(cmd, KVSnapshot):
             if not cmd.future.set_running_or_notify_cancel():
                 return
-            cmd.future.set_result(
-                {
-                    "epoch": engine.kv_events.epoch,
-                    "seq": engine.kv_events.seq,
-                    "block_hashes": [h.hex() for h in engine.pool.cached_hashes()],
-                }
-            )
-        elif isinstance(cmd, _Drain):
+            cmd.future.set_result(kv_snapshot(engine))
+        elif isinstance(cmd, Drain):
             self._draining = True
             self._admission.drain()
 
