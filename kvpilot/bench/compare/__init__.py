@@ -19,5 +19,6 @@ Package map (one responsibility per module):
 - ``probe``         the 1 s fp32 GEMM probe of how much compute the machine gives right now
 - ``results``       ``bench serve`` reports and HF output reduced to the comparison's figures
 - ``table``         the markdown report (pure)
+- ``environment``   its first section: the machine, its load and free compute (Noisy or not), the workload
 - ``plots``         the PNG plots
 """

@@ -18,10 +18,11 @@ from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
 from kvpilot.bench.compare.results import (
     GEMM_CEILING_OUTPUT_TPS,
     REFERENCE_OUTPUT_TPS,
+    SERVERS,
     STATUS_OK,
+    SYSTEM_TITLES,
     output_tps_by_level,
 )
-from kvpilot.bench.compare.table import SERVERS, SYSTEM_TITLES
 from kvpilot.bench.plots import to_ms
 
 THROUGHPUT_PNG = "throughput_by_concurrency.png"

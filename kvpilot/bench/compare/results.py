@@ -10,6 +10,14 @@ from __future__ import annotations
 from kvpilot.bench.metrics import P99_MIN_SAMPLES
 
 STATUS_OK, STATUS_FAILED, STATUS_SKIPPED = "ok", "failed", "skipped"
+#: each system's name in tables and plots, in the order they are shown
+SYSTEM_TITLES = {
+    "hf": "HF generate",
+    "vllm": "vLLM (CPU)",
+    "llamacpp": "llama.cpp server",
+    "kvpilot": "kvpilot",
+}
+SERVERS = ("vllm", "llamacpp", "kvpilot")
 
 # The figures from a machine of this kind (2 cores, fp32, 64 greedy tokens): output tokens/s by
 # batch (HF) or concurrency (vLLM, with torch.compile). Shown beside ours; not measured here.
