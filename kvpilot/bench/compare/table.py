@@ -152,16 +152,16 @@ def _open_loop_lines(summary: dict) -> list[str]:
             lines.append(_row(_latency_row(name, _num(figures["offered_rps"], 2), figures)))
         saturation = system.get("saturation")
         if saturation is not None:
-            where = (
-                "not saturated within the sweep"
-                if not saturation["saturated"]
-                else (
-                    f"saturation point {saturation['load']} req/s offered"
-                    if saturation["load"] is not None
-                    else "saturated already at the lowest rate"
+            if not saturation["saturated"]:  # the reason says only that: give the bound instead
+                note = (
+                    f"not saturated within the sweep: it kept up with its highest rate, {saturation['load']} "
+                    f"req/s ({saturation['request_rps']:.2f} achieved), a lower bound"
                 )
-            )
-            saturation_notes.append(f"- {SYSTEM_TITLES[name]}: {where} ({saturation['reason']})")
+            elif saturation["load"] is not None:
+                note = f"saturation point {saturation['load']} req/s offered ({saturation['reason']})"
+            else:
+                note = f"saturated already at the lowest rate ({saturation['reason']})"
+            saturation_notes.append(f"- {SYSTEM_TITLES[name]}: {note}")
     lines += [
         "",
         "Offered req/s is the rate the Poisson schedule actually produced; latency counts from each "
