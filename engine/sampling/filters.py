@@ -124,19 +124,30 @@ def _prefix_reaching(probs_sorted: torch.Tensor, order: torch.Tensor, mass: torc
 _TOP_P_CANDIDATES = (64, 1024)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+def apply_top_p(
+    logits: torch.Tensor,
+    top_p: torch.Tensor,
+    rows: torch.Tensor | None = None,
+    sync_free: bool | None = None,
+) -> torch.Tensor:
     """``top_p`` [N] (1 = off).
 
-    Sorting a 50k vocabulary per row costs far more than the rest of sampling, so each row is first tried
-    on its ``topk`` candidates, re-ordered by (probability desc, id). That answer is the full sort's
-    whenever every kept token is strictly more likely than the least likely candidate: then the kept
-    tokens and every token before them in the global order are among the candidates. Rows where that
-    does not hold (flat distributions) try more candidates, then the full sort. Picking those rows out is
-    data-dependent: on a GPU each round's selection is a host sync (issue 20 item 2)."""
+    Where ``sync_free`` (default: off the CPU), one full stable sort of every row (vLLM's PyTorch path
+    does the same): no shape depends on the data, so nothing waits for the device. On the CPU, where
+    such waits cost nothing, a full sort of a 50k vocabulary per row costs far more than the rest of
+    sampling, so each row is first tried on its ``topk`` candidates, re-ordered by (probability desc,
+    id). That answer is the full sort's whenever every kept token is strictly more likely than the least
+    likely candidate: then the kept tokens and every token before them in the global order are among the
+    candidates. Rows where that does not hold (flat distributions) try more candidates, then the full
+    sort. Both give the sort-based definition's mask exactly."""
     vocab = logits.shape[-1]
     sub, mass = _take(logits, top_p, rows)
     inactive = mass >= 1.0
     probs = sub.softmax(dim=-1)
+    if logits.device.type != "cpu" if sync_free is None else sync_free:
+        probs_sorted, order = probs.sort(dim=-1, descending=True, stable=True)
+        _put(logits, rows, sub, _prefix_reaching(probs_sorted, order, mass) | inactive.unsqueeze(1))
+        return logits
     keep = torch.zeros_like(sub, dtype=torch.bool)
     todo = torch.arange(sub.shape[0], device=logits.device)
     for count in _TOP_P_CANDIDATES:

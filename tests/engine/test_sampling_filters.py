@@ -222,15 +222,20 @@ def test_top_k_without_a_sort_keeps_the_sorted_definitions_support(vocab, spread
     assert torch.equal(apply_top_k(z.clone(), k), reference_top_k(z.clone(), k))
 
 
+@pytest.mark.parametrize("sync_free", [False, True], ids=["candidates", "sync-free"])
 @pytest.mark.parametrize("vocab, spread", [(50, 1.0), (300, 0.3), (2000, 3.0), (2000, 0.05), (5000, 8.0)])
-def test_top_p_on_candidates_keeps_the_sorted_definitions_support(vocab, spread):
-    """Peaked rows resolve on 64 candidates, flatter ones on 1024, flat ones by the full sort: every
-    path must give the full sort's support exactly (ties by id included)."""
+def test_top_p_keeps_the_sorted_definitions_support(vocab, spread, sync_free):
+    """On candidates (the CPU's path) peaked rows resolve on 64, flatter ones on 1024, flat ones by the
+    full sort; the sync-free path (off the CPU) sorts every row whole. Every path must give the full
+    sort's support exactly (ties by id included), for all rows and for host-chosen ones."""
     from kvpilot.engine.sampling.filters import reference_top_p
 
     z = _logit_rows(vocab + 1, vocab, 10, spread)
     p = torch.tensor([0.1, 0.5, 0.8, 0.9, 0.95, 0.99, 0.999, 1.0, 0.3, 0.7])
-    assert torch.equal(apply_top_p(z.clone(), p), reference_top_p(z.clone(), p))
+    expected = reference_top_p(z.clone(), p)
+    assert torch.equal(apply_top_p(z.clone(), p, sync_free=sync_free), expected)
+    rows = torch.tensor([1, 3, 6, 9])
+    assert torch.equal(apply_top_p(z.clone(), p, rows, sync_free=sync_free)[rows], expected[rows])
 
 
 def test_top_p_candidate_paths_are_all_exercised():

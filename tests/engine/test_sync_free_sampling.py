@@ -129,7 +129,9 @@ def test_filters_make_no_synchronizing_call_on_cuda():
     try:
         apply_min_p(z.clone(), p)
         apply_top_k(z.clone(), k, k_max=40)
+        apply_top_p(z.clone(), p)
         apply_typical_p(z.clone(), torch.full((16,), 0.9, device="cuda"))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(apply_top_k(z.clone(), k, k_max=40).cpu(), reference_top_k(z.cpu(), k.cpu()))
+    assert torch.equal(apply_top_p(z.clone(), p).cpu(), reference_top_p(z.cpu(), p.cpu()))
