@@ -18,6 +18,7 @@ import torch
 
 from kvpilot.engine.kv.capacity import kv_bytes_per_token
 from kvpilot.engine.kv.kv_quant import KVQuant, LayerKV, as_bytes, scale_bytes_per_element_row, storage_dtype
+from kvpilot.engine.staging import to_device
 
 
 def _tensors(layer: LayerKV) -> list[torch.Tensor]:
@@ -92,8 +93,8 @@ class KVCache:
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks ``src[i]`` → ``dst[i]`` in every layer (copy-on-write of shared blocks)."""
-        s = torch.tensor(src, device=self.layers[0].key.device)
-        d = torch.tensor(dst, device=self.layers[0].key.device)
+        device = self.layers[0].key.device
+        s, d = to_device(src, torch.long, device), to_device(dst, torch.long, device)  # no wait for the queue
         for layer in self.layers:
             for t in _tensors(layer):
                 t.index_copy_(0, d, t.index_select(0, s))
@@ -131,19 +132,22 @@ class HostSwapSpace:
     def copy_out(self, device_blocks: list[int], host_blocks: list[int]) -> None:
         """Device blocks → the given host blocks, every layer (a tensor-parallel worker replays rank 0's
         choice of host blocks through it)."""
-        src = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
+        src = to_device(device_blocks, torch.long, self.cache.layers[0].key.device)
         dst = torch.tensor(host_blocks)
         for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
             for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
-                hst.index_copy_(0, dst, dev.index_select(0, src).cpu())
+                hst.index_copy_(0, dst, dev.index_select(0, src).cpu())  # the host needs the bytes: a wait
 
     def copy_in(self, host_blocks: list[int], device_blocks: list[int]) -> None:
         """Host blocks → device blocks, every layer; the host blocks stay allocated."""
         src = torch.tensor(host_blocks)
-        dst = torch.tensor(device_blocks, device=self.cache.layers[0].key.device)
+        device = self.cache.layers[0].key.device
+        dst = to_device(device_blocks, torch.long, device)
+        pin = device.type == "cuda"  # a gathered copy in pinned memory goes up without waiting for the queue
         for layer, host_tensors in zip(self.cache.layers, self.layers, strict=True):
             for dev, hst in zip(_tensors(layer), host_tensors, strict=True):
-                dev.index_copy_(0, dst, hst.index_select(0, src).to(dev.device, non_blocking=True))
+                rows = hst.index_select(0, src)
+                dev.index_copy_(0, dst, (rows.pin_memory() if pin else rows).to(device, non_blocking=True))
 
     def release(self, host_blocks: list[int]) -> None:
         self._free.extend(host_blocks)
