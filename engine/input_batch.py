@@ -170,7 +170,9 @@ class InputBatch:
         if pending_rows:
             assert in_flight is not None, "a sequence has a token in flight but no step's ids were given"
             pairs = pending.view(-1, 2)
-            input_ids.index_copy_(0, pairs[:, 0], in_flight.index_select(0, pairs[:, 1]))
+            # a row that got NO_TOKEN (its constraints left none) computes from token 0, a row dropped once
+            # the host reads that its sequence ended
+            input_ids.index_copy_(0, pairs[:, 0], in_flight.index_select(0, pairs[:, 1]).clamp_(min=0))
         qsl, lens_dev = self._int32s.upload(np.asarray(starts, dtype=np.int32), lens.astype(np.int32))
         width = max(self.blocks.num_blocks[s] for s in slots)
         table = self.blocks.device_table[:, :width]

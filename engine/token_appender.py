@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.logits_processors import update_ngram_index
+from kvpilot.engine.sampling.sampler_output import NO_TOKEN
 from kvpilot.engine.sequence import FinishReason, Sequence, SequenceStatus
 from kvpilot.engine.sequence_group import SampleState, SequenceGroup
 from kvpilot.engine.sequence_registry import SequenceRegistry
@@ -49,7 +50,13 @@ class TokenAppender:
         defer: bool = False,
     ) -> None:
         """Append ``token`` and check the stops; with ``defer``, a sample that detokenizes and does not stop
-        otherwise keeps the token's text and stop strings for ``flush_deferred``."""
+        otherwise keeps the token's text and stop strings for ``flush_deferred``. ``NO_TOKEN`` (the
+        constraints left no token) appends nothing and ends the sequence with finish reason "error"."""
+        if token == NO_TOKEN:
+            group: SequenceGroup = seq.group
+            self.registry.touched(group)
+            self._finish(seq, group.sample_of(seq), FinishReason.ERROR, None)
+            return
         seq.append_output_token(token)
         if seq.grammar is not None:
             seq.grammar.accept(token)  # a refused token leaves the matcher in error: _stop_reason ends it
@@ -63,7 +70,7 @@ class TokenAppender:
             seq.transition(S.DECODE)
         if seq.params.no_repeat_ngram_size:
             update_ngram_index(seq.ngram_index, seq.output_token_ids, seq.params.no_repeat_ngram_size)
-        group: SequenceGroup = seq.group
+        group = seq.group
         if group.beam is not None:
             self.registry.touched(group)
             return

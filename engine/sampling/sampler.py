@@ -33,11 +33,11 @@ import torch
 
 from kvpilot.engine.native.sampling_ops import SamplingKernels
 from kvpilot.engine.sampling.draw import inverse_cdf_draw, uniform_numbers
-from kvpilot.engine.sampling.filters import apply_min_p, apply_top_k, apply_top_p, apply_typical_p
+from kvpilot.engine.sampling.filters import NEG_INF, apply_min_p, apply_top_k, apply_top_p, apply_typical_p
 from kvpilot.engine.sampling.logits_processors import RowState, apply_constraints, apply_penalties
 from kvpilot.engine.sampling.params import NEAR_ZERO_TEMPERATURE
 from kvpilot.engine.sampling.row_params import FilterRows, SamplingTensors
-from kvpilot.engine.sampling.sampler_output import SamplerOutput, sampler_output
+from kvpilot.engine.sampling.sampler_output import NO_TOKEN, SamplerOutput, sampler_output
 from kvpilot.engine.staging import to_device
 from kvpilot.engine.structured.bitmask import GrammarMasks
 
@@ -54,6 +54,9 @@ class Distributions:
     idx: torch.Tensor | None
     #: [len(sample_rows), V] the sampled rows' filtered z/T (its softmax is what they are drawn from)
     scaled: torch.Tensor | None
+    #: [N] bool on the device: rows whose constraints leave no token (``NO_TOKEN`` is drawn there); None
+    #: when no row has constraints
+    dead: torch.Tensor | None = None
 
     @property
     def every_row_samples(self) -> bool:
@@ -125,7 +128,10 @@ class Sampler:
     ) -> Distributions:
         """Steps 1-4 of the pipeline for every row of ``logits`` [N, V]: what each row is drawn from (or,
         for greedy rows, the argmax of), without drawing. Speculative verification scores drafts with it."""
-        return self._truncated(self._constrained(logits, states), states, row_params)
+        proc, dead = self._constrained(logits, states)
+        dist = self._truncated(proc, states, row_params)
+        dist.dead = dead
+        return dist
 
     def _truncated(
         self, proc: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None
@@ -153,15 +159,24 @@ class Sampler:
             apply_typical_p(scaled, row_params.typical_p, plan.typical_p_rows)
         return Distributions(proc, rows.indices, rows.idx, scaled)
 
-    def _constrained(self, logits: torch.Tensor, states: Sequence[RowState]) -> torch.Tensor:
-        """Steps 1-2: ``logits`` itself when no row has constraints or penalties, else a changed copy."""
+    def _constrained(
+        self, logits: torch.Tensor, states: Sequence[RowState]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 1-2: ``logits`` itself when no row has constraints or penalties, else a changed copy; and
+        with constraints the rows they leave without any token (``Distributions.dead``), which are
+        zeroed so that every later step has a distribution to work on (their draw is then replaced)."""
         need_constraints, need_penalties = _stages_needed(states)
         proc = logits.clone() if (need_constraints or need_penalties) else logits
+        dead = None
         if need_constraints:
             apply_constraints(proc, states, self.grammar_masks)
+            # masks only remove tokens, so a row with none left is all -inf (nothing later can add one);
+            # finding it costs a max per row and no host sync
+            dead = proc.amax(dim=-1) == NEG_INF
+            proc.masked_fill_(dead.unsqueeze(1), 0.0)
         if need_penalties:
             apply_penalties(proc, states)
-        return proc
+        return proc, dead
 
     def sample(
         self,
@@ -197,6 +212,8 @@ class Sampler:
         if dist.scaled is not None and (any(want_lp) or any(want_full)):
             final = dist.drawn_from()
         proc_lp = final.log_softmax(dim=-1) if needs_processed else None
+        if proc_lp is not None and dist.dead is not None:
+            proc_lp.masked_fill_(dist.dead.unsqueeze(1), NEG_INF)  # no token is possible there: a beam ends
         return sampler_output(tokens.tolist(), states, want_lp, want_full, raw_lp, proc_lp)
 
     def sample_tokens(
@@ -229,7 +246,7 @@ class Sampler:
                 assert tokens is not None  # argmax of every row, greedy rows kept
                 tokens.index_copy_(0, dist.idx, drawn)
         assert tokens is not None  # every row is greedy or sampled
-        return tokens
+        return _no_token_where(dist.dead, tokens)
 
     def _draw_natively(
         self, logits: torch.Tensor, states: Sequence[RowState], row_params: SamplingTensors | None
@@ -243,7 +260,7 @@ class Sampler:
         rows = _SampledRows.of(states, row_params, logits.device)
         if rows is None:
             return None
-        proc = self._constrained(logits, states)
+        proc, dead = self._constrained(logits, states)
         gens = [states[i].generator for i in rows.indices]
         uniform = uniform_numbers(gens, 1, self.generator, logits.device)[:, 0]
         sampled, values = rows.take(proc), rows.row_params.values
@@ -270,7 +287,12 @@ class Sampler:
             assert dist.scaled is not None  # every one of these rows samples
             drawn[t] = inverse_cdf_draw(dist.scaled.softmax(dim=-1), uniform[t])
         if rows.idx is None:
-            return drawn
+            return _no_token_where(dead, drawn)
         tokens = proc.argmax(dim=-1)
         tokens.index_copy_(0, rows.idx, drawn)
-        return tokens
+        return _no_token_where(dead, tokens)
+
+
+def _no_token_where(dead: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens`` with ``NO_TOKEN`` on the rows no token was possible for (on the device, no sync)."""
+    return tokens if dead is None else tokens.masked_fill(dead, NO_TOKEN)

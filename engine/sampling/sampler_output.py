@@ -12,6 +12,11 @@ import torch
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.logits_processors import RowState
 
+#: the token a row gets when its constraints (allowed ids, bad words, min_tokens, n-grams, a grammar) leave
+#: none: its sequence ends with finish reason "error" (``TokenAppender``) instead of taking a token the
+#: constraints forbid
+NO_TOKEN = -1
+
 
 @dataclass
 class SamplerOutput:
@@ -56,7 +61,7 @@ def sampler_output(
         if want_full[i]:
             assert proc_lp is not None  # computed whenever a row wants its full distribution
             full[i] = proc_lp[i]  # beam search scores the constrained, penalised distribution
-        if want_lp[i]:
+        if want_lp[i] and token_list[i] != NO_TOKEN:
             if raw_lp is not None:
                 row = raw_lp[i]
             else:

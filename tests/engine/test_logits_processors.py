@@ -111,3 +111,68 @@ def test_all_greedy_fast_path_matches_the_full_pipeline():
         z, [RowState(SamplingParams(temperature=0, logprobs=0), [], [])] * 6
     )
     assert fast.token_ids == full.token_ids == z.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["tensor", "native"])
+@pytest.mark.parametrize(
+    "kw", [{"temperature": 0.0}, {"temperature": 1.0, "top_p": 0.9}, {"temperature": 0.7, "logprobs": 1}]
+)
+def test_a_row_whose_constraints_leave_no_token_gets_no_token(kw, native, kvpilot_cache_dir):
+    """allowed_token_ids = [EOS] while min_tokens masks EOS: no token is possible. That row gets NO_TOKEN
+    (never an id its constraints forbid, nor an index error in the draw); the others are untouched."""
+    from kvpilot.engine.native import ops
+    from kvpilot.engine.sampling.sampler_output import NO_TOKEN
+
+    kernels = ops.load_native_ops(kvpilot_cache_dir, ()).sampling if native else None
+    z = torch.randn(3, 40, generator=torch.Generator().manual_seed(1))
+    dead = RowState(SamplingParams(allowed_token_ids=[0], min_tokens=2, **kw), [5], [], frozenset({0}))
+    plain = RowState(SamplingParams(**kw), [5], [])
+    sampler = Sampler(torch.Generator().manual_seed(3), native=kernels)
+    out = sampler.sample(z, [plain, dead, plain])
+    assert out.token_ids[1] == NO_TOKEN
+    assert all(0 <= t < 40 for t in (out.token_ids[0], out.token_ids[2]))
+    if "logprobs" in kw:
+        assert out.top_logprobs[1] is None and out.sampled_logprobs[1] is None
+    on_device = sampler.sample_tokens(z, [plain, dead, plain])
+    assert on_device[1].item() == NO_TOKEN
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 0.0, "allowed_token_ids": [2], "min_tokens": 2},
+        {"temperature": 1.0, "top_p": 0.9, "allowed_token_ids": [2], "min_tokens": 2},
+        # three allowed ids, each banned once it has appeared: the fourth step has none left
+        {"temperature": 1.0, "seed": 0, "no_repeat_ngram_size": 1, "allowed_token_ids": [8, 272, 329]},
+    ],
+    ids=["greedy", "top-p", "n-grams"],
+)
+def test_a_request_left_without_tokens_ends_with_an_error_and_spares_the_batch(kw, asynchronous):
+    """It crashed the step (an out-of-vocabulary id from the draw), which fails every open request in the
+    server; greedy rows emitted token 0, which allowed_token_ids forbids."""
+    from engine_device import ENGINE_DEVICE
+
+    from kvpilot.engine import LLM
+
+    def run(with_dead: bool) -> dict[str, tuple]:
+        engine = LLM("tiny-random", num_kv_blocks=64, async_scheduling=asynchronous, **ENGINE_DEVICE).engine
+        engine.add_request("bystander", [5, 6, 7], SamplingParams(temperature=0, max_tokens=10))
+        if with_dead:
+            engine.add_request("dead", [235], SamplingParams(max_tokens=6, **kw))
+        done = {}
+        for _ in range(50):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+            if not engine.has_unfinished_requests():
+                break
+        engine.check_invariants()
+        assert not engine.has_unfinished_requests() and engine.pool.num_in_use == 0
+        return done
+
+    done = run(True)
+    tokens, reason = done["dead"]
+    assert reason == "error" and set(tokens) <= set(kw["allowed_token_ids"])
+    assert len(tokens) == (3 if "no_repeat_ngram_size" in kw else 0)
+    assert done["bystander"] == run(False)["bystander"]
