@@ -180,14 +180,22 @@ class SequenceGroup:
             matched = self.on_token(sample, token, logprob, top) or matched
         return matched
 
-    def on_finish(self, sample: SampleState, reason: FinishReason, stop_reason: str | int | None) -> None:
+    def on_finish(
+        self, sample: SampleState, reason: FinishReason, stop_reason: str | int | None
+    ) -> FinishReason:
+        """End ``sample`` with ``reason``; returns the reason it ended with (STOP when the text held back
+        until now completes a stop string)."""
         self.take_pending(sample)  # however it ends, its text covers every appended token
+        if sample.detok is not None and sample.stops.matched is None:
+            # the detokenizer's held-back tail (an unfinished UTF-8 sequence) can complete a stop string
+            matched = sample.stops.push(sample.detok.flush())
+            if matched is not None:
+                reason, stop_reason = FinishReason.STOP, matched
+            sample.stops.flush()
         sample.finish_reason = reason
         sample.stop_reason = stop_reason
-        if sample.detok is not None and sample.stops.matched is None:
-            sample.stops.push(sample.detok.flush())
-            sample.stops.flush()
         sample.num_emitted = sample.seq.num_output_tokens
+        return reason
 
     # ---- outputs ---------------------------------------------------------------------------------------
     def completions(self) -> list[CompletionOutput]:

@@ -117,7 +117,7 @@ class TokenAppender:
         self, seq: Sequence, sample: SampleState, reason: FinishReason, stop_reason: str | int | None
     ) -> None:
         group: SequenceGroup = seq.group
-        group.on_finish(sample, reason, stop_reason)
+        reason = group.on_finish(sample, reason, stop_reason)
         self.registry.release(seq, S.FINISHED, reason)
         if not group.live_samples():
             self.registry.reclaim(group, S.FINISHED, reason)

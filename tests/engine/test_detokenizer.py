@@ -115,3 +115,29 @@ def test_a_stream_whose_window_stops_extending_restarts_without_losing_text(tiny
     detok = IncrementalDetokenizer(tiny_tok, [])
     assert "".join(detok.push(t) for t in ids) + detok.flush() == text
     assert calls["n"] > 9  # the failure happened mid-stream
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_completed_by_the_final_flush_is_reported(include):
+    """The last token ends inside a UTF-8 character, so its text waits in the detokenizer until the finish;
+    a stop string it completes there cut the text but the output said finish "length", no stop_reason."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    llm = LLM("tiny-random", device="cpu", num_kv_blocks=32)
+    tok = llm.get_tokenizer()
+    partial = next(t for t in range(3, 512) if tok.decode([t]) == REPLACEMENT)  # a lone lead byte
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=2,
+        logit_bias={partial: 100},
+        stop=[REPLACEMENT],
+        include_stop_str_in_output=include,
+    )
+    (out,) = llm.generate([[5, 6, 7]], params)[0].outputs
+    assert (out.text, out.finish_reason, out.stop_reason) == (
+        REPLACEMENT if include else "",
+        "stop",
+        REPLACEMENT,
+    )
+    (record,) = llm.engine.terminal_records
+    assert record.finish_reason == "stop"
