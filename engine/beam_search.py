@@ -4,14 +4,16 @@ length_penalty`` (len = generated tokens). Beams are engine sequences that share
 a beam that continues with several tokens is forked, a beam that continues with none is released.
 
 Per step, each live beam proposes its ``2 × width`` best tokens; candidates are ranked by score (ties by
-beam, then token id). An EOS candidate among the top ``width`` becomes a finished hypothesis; the first
-``width`` non-EOS candidates continue. The search ends when no beam continues, when ``max_tokens`` is
-reached, or when ``width`` hypotheses are finished and no live beam's current normalised score beats the
-worst of them (the usual ``early_stopping=False`` heuristic: pruning, so not guaranteed globally optimal).
+beam, then token id). An EOS (or ``stop_token_ids``) candidate among the top ``width`` becomes a finished
+hypothesis; the first ``width`` other candidates continue. The search ends when no beam continues, when
+``max_tokens`` is reached, or when ``width`` hypotheses are finished and no live beam's current normalised
+score beats the worst of them (the usual ``early_stopping=False`` heuristic: pruning, so not guaranteed
+globally optimal).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -24,14 +26,30 @@ if TYPE_CHECKING:
     from kvpilot.engine.tokenizer import Tokenizer
 
 
+def normalised_score(cum_logprob: float, length: int, length_penalty: float) -> float:
+    """``cum_logprob / length ** length_penalty``; where that power leaves float range (a large or very
+    negative penalty), the same quotient by logarithms, saturating at 0 and -1e308: any penalty ranks
+    without an overflow or a division by zero."""
+    length = max(1, length)
+    try:
+        return cum_logprob / length**length_penalty
+    except (OverflowError, ZeroDivisionError):
+        if cum_logprob == 0.0:
+            return 0.0
+        magnitude = math.log(-cum_logprob) - length_penalty * math.log(length)
+        return -math.exp(min(magnitude, 709.0))
+
+
 @dataclass
 class Hypothesis:
     tokens: list[int]
     cum_logprob: float
-    finish_reason: str  # "stop" (EOS) or "length"
+    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    #: the stop token that ended it (``stop_token_ids``), else None
+    stop_reason: int | None = None
 
     def score(self, length_penalty: float) -> float:
-        return self.cum_logprob / max(1, len(self.tokens)) ** length_penalty
+        return normalised_score(self.cum_logprob, len(self.tokens), length_penalty)
 
 
 @dataclass
@@ -58,6 +76,8 @@ class BeamSearch:
     max_tokens: int
     eos_token_ids: frozenset[int]
     ignore_eos: bool = False
+    #: tokens that end a hypothesis as EOS does (``stop_token_ids``), whatever ``ignore_eos`` says
+    stop_token_ids: frozenset[int] = frozenset()
     #: live beam key → (its generated tokens, cumulative logprob)
     live: dict[str, tuple[list[int], float]] = field(default_factory=dict)
     finished: list[Hypothesis] = field(default_factory=list)
@@ -85,9 +105,10 @@ class BeamSearch:
         chosen: list[Continuation] = []
         for rank, (score, _order, tok, key) in enumerate(cands):
             toks = self.live[key][0]
-            if tok in self.eos_token_ids and not self.ignore_eos:
+            stop_token = tok in self.stop_token_ids
+            if stop_token or (tok in self.eos_token_ids and not self.ignore_eos):
                 if rank < self.width:
-                    self.finished.append(Hypothesis([*toks, tok], score, "stop"))
+                    self.finished.append(Hypothesis([*toks, tok], score, "stop", tok if stop_token else None))
                 continue
             chosen.append(Continuation(key, tok, score))
             if len(chosen) == self.width:
@@ -102,7 +123,7 @@ class BeamSearch:
             worst_kept = sorted((h.score(self.length_penalty) for h in self.finished), reverse=True)[
                 self.width - 1
             ]
-            best_live = max(c.cum_logprob for c in chosen) / new_len**self.length_penalty
+            best_live = normalised_score(max(c.cum_logprob for c in chosen), new_len, self.length_penalty)
             if best_live <= worst_kept:
                 chosen = []
         continuing = {c.parent for c in chosen}
@@ -129,7 +150,7 @@ class BeamSearch:
                 if params.detokenize
                 else ""
             )
-            reason, stop_reason = h.finish_reason, None
+            reason, stop_reason = h.finish_reason, h.stop_reason  # type: str, str | int | None
             for stop in params.stop:
                 pos = text.find(stop)
                 if pos >= 0:

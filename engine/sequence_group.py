@@ -115,6 +115,7 @@ class SequenceGroup:
                 min(params.max_tokens or limit, limit),
                 seq.eos_token_ids,
                 params.ignore_eos,
+                frozenset(params.stop_token_ids),
             )
             group.beam.start(seq.seq_id)
         if params.prompt_logprobs is not None:

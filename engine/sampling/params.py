@@ -243,3 +243,8 @@ class SamplingParams:
                 self.top_p == 1 and self.top_k in (-1, 0) and self.min_p == 0 and self.typical_p == 1,
                 "beam search does not combine with top_p/top_k/min_p/typical_p",
             )
+            need(
+                self.logprobs is None,
+                "logprobs are not reported with use_beam_search (each hypothesis gives its "
+                "cumulative_logprob); leave logprobs unset",
+            )

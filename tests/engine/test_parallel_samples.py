@@ -101,6 +101,62 @@ def test_beam_search_matches_a_reference_and_frees_every_block(llm, tiny_model_d
     assert llm.engine.pool.num_in_use == 0
 
 
+@pytest.mark.parametrize("length_penalty", [1000.0, -1000.0, 1e308])
+def test_beam_search_ranks_with_any_length_penalty(llm, length_penalty):
+    """len ** length_penalty leaves float range here: scoring raised OverflowError / ZeroDivisionError on
+    the engine thread, which stopped the server."""
+    params = SamplingParams(
+        use_beam_search=True, beam_width=2, n=2, max_tokens=4, length_penalty=length_penalty
+    )
+    out = llm.generate([PROMPT], params)[0]
+    assert len(out.outputs) == 2 and all(c.token_ids for c in out.outputs)
+    assert llm.engine.pool.num_in_use == 0
+
+
+def test_normalised_score_keeps_the_order_of_the_plain_quotient():
+    """In range it is the plain quotient; past it (a power that overflows or underflows) it still ranks
+    as the quotient would, saturating at 0 and -1e308 where floats end, and never raises."""
+    from kvpilot.engine.beam_search import normalised_score
+
+    assert normalised_score(-6.0, 3, 1.0) == -2.0
+    assert normalised_score(0.0, 5, 1e308) == 0.0
+    for penalty in (1000.0, 1e308):  # longer hypotheses are divided by more: they rank at least as high
+        assert normalised_score(-1.0, 3, penalty) >= normalised_score(-1.0, 2, penalty)
+    for penalty in (-1000.0, -1e308):  # shorter ones rank at least as high, down to -1e308 not -inf
+        longer, shorter = normalised_score(-1.0, 3, penalty), normalised_score(-1.0, 2, penalty)
+        assert -1e308 <= longer <= shorter < 0.0
+
+
+def test_beam_search_ends_hypotheses_at_stop_token_ids(llm):
+    """stop_token_ids were ignored by beam search (only EOS ended a hypothesis)."""
+    free = llm.generate(
+        [PROMPT], SamplingParams(use_beam_search=True, beam_width=2, max_tokens=6, ignore_eos=True)
+    )
+    tokens = free[0].outputs[0].token_ids
+    stop = tokens[2]
+    params = SamplingParams(
+        use_beam_search=True, beam_width=2, max_tokens=6, ignore_eos=True, stop_token_ids=[stop]
+    )
+    for c in llm.generate([PROMPT], params)[0].outputs:
+        assert stop not in c.token_ids[:-1]  # nothing continues past a stop token
+        if c.token_ids[-1] == stop:
+            assert (c.finish_reason, c.stop_reason) == ("stop", stop)
+
+
+def test_a_stop_token_candidate_becomes_a_finished_hypothesis():
+    from kvpilot.engine.beam_search import BeamSearch
+
+    logprobs = torch.tensor([0.0, 1.0, 2.0, 5.0, 0.0]).log_softmax(-1)
+    for stops, continued in ((frozenset({3}), [2, 1]), (frozenset(), [3, 2])):
+        search = BeamSearch(2, 1.0, 5, frozenset({0}), ignore_eos=True, stop_token_ids=stops)
+        search.start("a")
+        search.report("a", logprobs)
+        assert [c.token for c in search.select().continue_with] == continued
+        assert [(h.tokens, h.finish_reason, h.stop_reason) for h in search.finished] == (
+            [([3], "stop", 3)] if stops else []
+        )
+
+
 @pytest.mark.parametrize(
     ("params", "generated"),
     [

@@ -198,6 +198,8 @@ def test_seeded_rows_do_not_depend_on_the_rest_of_the_batch():
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"stop": [""]}, "stop"),
         ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+        # beams report no per-token logprobs: refused rather than silently left out
+        ({"use_beam_search": True, "n": 2, "logprobs": 2}, "logprobs"),
     ],
 )
 def test_invalid_parameters_name_the_field(kwargs, field):
