@@ -13,6 +13,8 @@ tick — possibly the request itself. ``recompute`` frees its blocks and requeue
 at the front of its priority class); ``swap`` copies its blocks to host memory first (falling back to
 recompute when the swap space is full). Merely descheduling a request does not free memory and is never
 used as a memory remedy. A waiting request never preempts a running one; priority decides queue order.
+The one exception is within a beam search: a beam that cannot come back evicts its search's idle beams,
+which wait for it with nothing to compute (docs/architecture.md#scheduling).
 """
 
 from __future__ import annotations
@@ -130,9 +132,12 @@ class Scheduler:
             while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.swapped[0]
                 n = min(req.num_tokens_ahead - req.num_computed_tokens, budget)
+                evicted = False
                 if not self.kv.swap_in(req, n):
-                    break
-                self.swapped.pop(0)
+                    evicted = self._evict_idle_beams(req, out, scheduled_ids)
+                    if not (evicted and self.kv.swap_in(req, n)):
+                        break
+                self.swapped.remove(req)  # evicted siblings may now sort before it
                 req.transition(S.RUNNABLE)
                 bisect.insort(self.running, req, key=Sequence.sort_key)
                 out.swapped_in.append(req)
@@ -141,21 +146,31 @@ class Scheduler:
                     budget -= n
                 else:  # a beam waiting for its siblings' distributions: resident again, nothing to compute
                     req.transition(S.DECODE)
+                if evicted:
+                    break  # what left for it stays out this tick
 
         # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
         static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)
-        if not out.preempted and not self.swapped and not static_busy:
+        if not out.preempted and not self.swapped:
             reserving = self.config.reserved_output_fraction > 0.0
             promised = sum(self._output_reserve(r) for r in self.running) if reserving else 0
             while self.waiting and budget > 0:
                 req = self.waiting[0]
+                if static_busy and req.status is not S.PREEMPTED:
+                    break  # a static batch takes new requests once it has finished; its own come back
                 seats = self._seats(req)
                 if len(self.running) + seats > self.config.max_num_seqs:
                     break
                 # prompt logprobs need every prompt position's logits, so such requests compute it all
                 hits = [] if req.params.prompt_logprobs is not None else self.kv.lookup_prefix(req)
                 remaining = req.num_tokens_ahead - len(hits) * self.block_size
-                if not self.config.enable_chunked_prefill and remaining > budget:
+                # a preempted sequence recomputes its prompt and output, which together may exceed any
+                # budget: that recompute is chunked whatever enable_chunked_prefill says
+                if (
+                    not self.config.enable_chunked_prefill
+                    and remaining > budget
+                    and req.status is not S.PREEMPTED
+                ):
                     break
                 n = min(remaining, budget)
                 if reserving:
@@ -169,9 +184,12 @@ class Scheduler:
                     ):
                         break  # the outputs already running (and this one's) keep their share of the cache
                     promised += future
+                evicted = False
                 if not self.kv.allocate(req, n, hits):
-                    break
-                self.waiting.pop(0)
+                    evicted = self._evict_idle_beams(req, out, scheduled_ids)
+                    if not (evicted and self.kv.allocate(req, n, hits)):
+                        break
+                self.waiting.remove(req)  # evicted siblings may now sort before it
                 self.kv.release_reservation(req)
                 req.num_computed_tokens = len(hits) * self.block_size
                 if req.status is not S.PREEMPTED:
@@ -180,6 +198,8 @@ class Scheduler:
                 bisect.insort(self.running, req, key=Sequence.sort_key)
                 self._take(req, n, out, scheduled_ids)
                 budget -= n
+                if evicted:
+                    break  # what left for it stays out this tick
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
         return out
@@ -223,6 +243,25 @@ class Scheduler:
             if cand.seq_id not in scheduled_ids:
                 return cand
         raise RuntimeError("no preemption victim: every running request is already scheduled")
+
+    def _evict_idle_beams(self, req: Sequence, out: SchedulerOutput, scheduled_ids: set[str]) -> bool:
+        """``req``, a beam out of the cache, cannot get blocks back: the running beams of its search that
+        have reported and wait for it (nothing to compute, not scheduled) would hold theirs until it
+        reports, which it cannot: they leave the cache too (same preemption mode), so the search goes on
+        one beam at a time if it must. Returns whether any left."""
+        group = req.group
+        if group is None or group.beam is None:
+            return False
+        idle = [
+            s
+            for s in self.running
+            if s.group is group
+            and s.seq_id not in scheduled_ids
+            and s.num_tokens_ahead - s.num_computed_tokens <= 0
+        ]
+        for seq in idle:
+            self._preempt(seq, out)
+        return bool(idle)
 
     def _preempt(self, req: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(req)

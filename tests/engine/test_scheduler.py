@@ -295,3 +295,82 @@ def test_randomized_forks_swaps_and_releases_leave_no_kv_state(seed):
     assert engine.pool.num_in_use == 0
     if engine.kv.swap is not None:
         assert engine.kv.swap.num_free == engine.kv.swap.num_blocks
+
+
+def _run_to_the_end(engine, requests, steps: int = 400) -> dict[str, list[list[int]]]:
+    """Add ``(request id, prompt, params)`` in order and step until every request ended (a bounded
+    number of steps: a stuck engine fails here instead of hanging); each request's outputs' token ids."""
+    for rid, prompt, params in requests:
+        engine.add_request(rid, prompt, params)
+    done: dict[str, list[list[int]]] = {}
+    for _ in range(steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = [c.token_ids for c in out.outputs]
+        engine.check_invariants()
+    assert not engine.has_unfinished_requests(), "stuck: a request never ends"
+    assert engine.pool.num_in_use == 0
+    return done
+
+
+def _tiny(**args):
+    from engine_device import ENGINE_DEVICE
+
+    from kvpilot.engine import LLM
+
+    return LLM("tiny-random", **args, **ENGINE_DEVICE).engine
+
+
+def test_a_preempted_sequence_recomputes_in_chunks_without_chunked_prefill():
+    """Its prompt and output together (17 tokens) exceed the budget (8): with chunking off it waited for a
+    step that could take them all at once, which never comes (every later step was empty)."""
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
+    requests = [("a", [5, 6, 7, 8], params), ("b", [9, 10, 11, 12], params)]
+    small = dict(enable_chunked_prefill=False, max_num_batched_tokens=8, max_num_seqs=2, block_size=4)
+    engine = _tiny(num_kv_blocks=9, **small)
+    done = _run_to_the_end(engine, requests)
+    assert engine.scheduler.num_preemptions >= 1
+    assert done == _run_to_the_end(_tiny(num_kv_blocks=64, **small), requests)
+
+
+BEAM_PROMPT = [168, 340, 3, 395, 110, 463, 268, 460, 393, 503, 161, 327, 80, 303]
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "extra"),
+    [
+        ({}, {"prompt_logprobs": 1}),  # prompt logprobs skip the prefix cache: the recompute needs new blocks
+        ({"enable_prefix_caching": False}, {}),
+        ({"enable_prefix_caching": False, "preemption_mode": "swap", "swap_space": 0.01}, {}),
+    ],
+    ids=["prompt-logprobs", "no-prefix-caching", "swap"],
+)
+def test_beam_search_goes_on_when_a_preempted_beam_needs_its_siblings_blocks(engine_args, extra):
+    """A beam preempted while its sibling, resident and unscheduled, waits for its distribution could not
+    come back: the blocks it needed were the sibling's, which nothing freed (every step empty, forever).
+    The idle sibling now leaves the cache too, and the beams are the unpreempted run's."""
+    requests = [
+        ("r0", [396], SamplingParams(max_tokens=16)),
+        ("r1", BEAM_PROMPT, SamplingParams(use_beam_search=True, beam_width=2, **extra)),
+    ]
+    engine = _tiny(block_size=4, num_kv_blocks=14, max_num_seqs=4, **engine_args)
+    done = _run_to_the_end(engine, requests)
+    assert engine.scheduler.num_preemptions >= 1
+    roomy = _run_to_the_end(_tiny(block_size=4, num_kv_blocks=64, max_num_seqs=4, **engine_args), requests)
+    assert done["r1"] == roomy["r1"]
+
+
+def test_static_batching_lets_a_preempted_beam_back_into_its_own_batch():
+    """Static batching admitted waiting sequences only once nothing ran, and a preempted beam's siblings
+    (waiting for it) counted as running: neither could move."""
+    other = [405, 85, 211, 372, 194, 291, 335, 399, 208, 132, 413, 464, 415, 172, 253, 203, 157, 260]
+    requests = [
+        ("beams", [378, 461, 316, 477], SamplingParams(use_beam_search=True, beam_width=3)),
+        ("other", [*other, 446, 280, 173, 364, 114, 421, 53, 468, 161, 67, 260, 97, 40], SamplingParams()),
+    ]
+    engine = _tiny(block_size=4, num_kv_blocks=20, max_model_len=52, batching_mode="static")
+    engine.add_request(*requests[1], priority=-1)
+    done = _run_to_the_end(engine, requests[:1])
+    assert engine.scheduler.num_preemptions >= 1 and len(done["beams"]) == 1
