@@ -110,7 +110,7 @@ def _response_format(fmt: dict[str, Any]) -> StructuredOutputsParams | None:
             "response_format.json_schema.schema must be a JSON schema object",
             "response_format.json_schema.schema",
         )
-    return StructuredOutputsParams(json=schema)
+    return _spec("response_format.json_schema.schema", json=schema)
 
 
 def _structured_outputs(value: dict[str, Any]) -> StructuredOutputsParams:

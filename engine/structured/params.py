@@ -43,6 +43,15 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.json, str):
+            try:
+                object.__setattr__(self, "json", _json.loads(self.json))
+            except ValueError as err:
+                raise StructuredOutputsError(f"json is not valid JSON: {err}", "json") from None
+        if self.json is False:
+            raise StructuredOutputsError(
+                "the JSON schema false accepts no value, so no output can match", "json"
+            )
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise StructuredOutputsError(
@@ -50,16 +59,8 @@ class StructuredOutputsParams:
                 + (", ".join(given) if given else "none"),
                 "structured_outputs",
             )
-        if self.json is not None:
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = _json.loads(schema)
-                except ValueError as err:
-                    raise StructuredOutputsError(f"json is not valid JSON: {err}", "json") from None
-            if not isinstance(schema, (dict, bool)):
-                raise StructuredOutputsError("json must be a JSON schema (an object or a boolean)", "json")
-            object.__setattr__(self, "json", schema)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise StructuredOutputsError("json must be a JSON schema (an object or a boolean)", "json")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

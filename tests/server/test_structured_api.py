@@ -151,6 +151,13 @@ def test_vllm_extras_on_completions(client, extra, check):
             "response_format.json_schema.name",
         ),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        # the schema false accepts nothing: a 400, where it raised StopIteration / an uncaught error (500)
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"guided_json": "false"}, "guided_json"),
+        ({"structured_outputs": {"json": False}}, "structured_outputs.json"),
         ({"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
