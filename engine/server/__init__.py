@@ -21,6 +21,7 @@ Package map (request path first):
                         before queueing (a 400 names an unsupported JSON-schema keyword)
 - ``tool_calls``        ``tools`` and ``tool_choice``: validation; the grammar of ``required`` and named calls
 - ``tool_parsers``      the model's tool-call text → OpenAI ``tool_calls`` and their stream deltas
+- ``tool_call_scan``    reading that text as it grows: JSON extents, the calls so far, tags outside strings
 - ``completions``       ``POST /v1/completions`` and its response/stream shapes
 - ``chat``              ``POST /v1/chat/completions`` and its response/stream shapes
 - ``logprobs_format``   engine logprobs in OpenAI's completions and chat shapes

@@ -22,12 +22,11 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from kvpilot.engine.server.tool_call_scan import ScannedCall, find_outside_strings, scan_calls, skip_space
 from kvpilot.engine.tool_prompt import HERMES
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
-_WS = " \t\n\r"
-_ARG_KEYS = ("arguments", "parameters")
 
 
 @dataclass
@@ -42,125 +41,6 @@ class ToolCallDelta:
             return {"index": self.index, "function": {"arguments": self.arguments}}
         function = {"name": self.name, "arguments": self.arguments}
         return {"index": self.index, "id": self.id, "type": "function", "function": function}
-
-
-@dataclass
-class _Call:
-    name: str | None = None
-    #: the raw JSON text of the arguments value seen so far (None: its key not reached yet)
-    arguments: str | None = None
-    arguments_done: bool = False
-    #: the whole object has been read
-    complete: bool = False
-
-
-def _skip(s: str, i: int) -> int:
-    while i < len(s) and s[i] in _WS:
-        i += 1
-    return i
-
-
-def _value_end(s: str, i: int) -> int | None:
-    """End (exclusive) of the JSON value that starts at ``s[i]``; None if the text ends first."""
-    c = s[i]
-    if c in "{[":
-        depth, in_string, escaped = 0, False, False
-        for j in range(i, len(s)):
-            ch = s[j]
-            if in_string:
-                escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
-            elif ch == '"':
-                in_string = True
-            elif ch in "{[":
-                depth += 1
-            elif ch in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-        return None
-    if c == '"':
-        escaped = False
-        for j in range(i + 1, len(s)):
-            if escaped:
-                escaped = False
-            elif s[j] == "\\":
-                escaped = True
-            elif s[j] == '"':
-                return j + 1
-        return None
-    j = i
-    while j < len(s) and s[j] not in ",}];" + _WS:
-        j += 1
-    return j if j < len(s) else None
-
-
-NOT_A_CALL = -1
-
-
-def _scan_object(s: str, i: int, call: _Call) -> int | None:
-    """Fill ``call`` from the object at ``s[i] == '{'``: its end, None if incomplete, ``NOT_A_CALL``."""
-    j = _skip(s, i + 1)
-    while j < len(s):
-        if s[j] == "}":
-            return j + 1
-        if s[j] != '"':
-            return NOT_A_CALL
-        key_end = _value_end(s, j)
-        if key_end is None:
-            return None
-        key = json.loads(s[j:key_end])
-        j = _skip(s, key_end)
-        if j >= len(s):
-            return None
-        if s[j] != ":":
-            return NOT_A_CALL
-        j = _skip(s, j + 1)
-        if j >= len(s):
-            return None
-        end = _value_end(s, j)
-        if key == "name":
-            if end is None:
-                return None
-            name = json.loads(s[j:end])
-            if not isinstance(name, str):
-                return NOT_A_CALL
-            call.name = name
-        elif key in _ARG_KEYS:
-            call.arguments, call.arguments_done = s[j : len(s) if end is None else end], end is not None
-        if end is None:
-            return None
-        j = _skip(s, end)
-        if j < len(s) and s[j] == ",":
-            j = _skip(s, j + 1)
-        elif j < len(s) and s[j] != "}":
-            return NOT_A_CALL
-    return None
-
-
-def scan_calls(s: str, separator: str) -> tuple[list[_Call], bool]:
-    """The calls in ``s``: one object, a ``[...]`` list of them, or objects joined by ``separator``.
-    Returns them with whether the text is still the format (False: something else was found)."""
-    calls: list[_Call] = []
-    j = _skip(s, 0)
-    in_list = j < len(s) and s[j] == "["
-    j = _skip(s, j + 1) if in_list else j
-    while j < len(s):
-        if s[j] != "{":
-            return calls, False
-        call = _Call()
-        calls.append(call)
-        end = _scan_object(s, j, call)
-        if end is None or end == NOT_A_CALL:
-            return calls, end is None
-        call.complete = True
-        j = _skip(s, end)
-        if j < len(s) and s[j] in (",", separator) and (in_list or s[j] == separator):
-            j = _skip(s, j + 1)
-        elif j < len(s) and not (in_list and s[j] == "]"):
-            return calls, False
-        elif j < len(s):
-            return calls, _skip(s, j + 1) == len(s)
-    return calls, True
 
 
 @dataclass
@@ -197,9 +77,9 @@ class ToolCallStream:
         deltas: list[ToolCallDelta] = []
         s = self._text
         if not self._decided:
-            start = _skip(s, 0)
+            start = skip_space(s, 0)
             if s.startswith(PYTHON_TAG, start):  # when special tokens are kept in the text
-                start = _skip(s, start + len(PYTHON_TAG))
+                start = skip_space(s, start + len(PYTHON_TAG))
             if (start == len(s) or PYTHON_TAG.startswith(s[start:])) and not final:
                 return "", []
             self._decided = True
@@ -216,7 +96,8 @@ class ToolCallStream:
                 content.append(s[self._pos : k])
                 self._in_block = self._pos = k + len(OPEN)
                 continue
-            close = s.find(CLOSE, self._in_block) if self._fmt == HERMES else -1
+            # a close tag inside one of the call's JSON strings is the call's text, not its end
+            close = find_outside_strings(s, CLOSE, self._in_block, final) if self._fmt == HERMES else -1
             block = s[self._in_block : close if close >= 0 else len(s)]
             calls, _ = scan_calls(block, ";" if self._fmt != HERMES else ",")
             found = self._diff(calls, deltas)
@@ -232,7 +113,7 @@ class ToolCallStream:
                 break
         return self._content("".join(content), final), deltas
 
-    def _diff(self, calls: list[_Call], deltas: list[ToolCallDelta]) -> bool:
+    def _diff(self, calls: list[ScannedCall], deltas: list[ToolCallDelta]) -> bool:
         """Deltas for what ``calls`` add to what was sent; whether the block has a call at all."""
         for offset, call in enumerate(calls):
             index = self._block_first + offset

@@ -60,6 +60,23 @@ HERMES_TEXTS = {
         [("s", '{"a": 1}')],
     ),
     "no arguments": ('<tool_call>{"name": "noargs"}</tool_call>', None, [("noargs", "{}")]),
+    # a stream sent '{"a": 1}' and then the tail of a later arguments key, joining into invalid JSON
+    "a second arguments key": (
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}, "parameters": {"bbbbbbbb": 2}}\n</tool_call>',
+        None,
+        [("f", '{"a": 1}')],
+    ),
+    # the close tag inside a string ended the block there, in the stream and in the whole parse
+    "a close tag inside a string": (
+        '<tool_call>\n{"name": "f", "arguments": {"x": "</tool_call>"}}\n</tool_call> done',
+        " done",
+        [("f", '{"x": "</tool_call>"}')],
+    ),
+    "an unclosed string in a block that is not a call": (
+        '<tool_call>say "hi</tool_call> then',
+        '<tool_call>say "hi</tool_call> then',
+        [],
+    ),
 }
 
 
