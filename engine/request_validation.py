@@ -10,26 +10,33 @@ from kvpilot.engine.tokenizer import Tokenizer
 
 
 class RequestError(ValueError):
-    """A request cannot be served as given (e.g. prompt longer than the context); message says why."""
+    """A request cannot be served as given (e.g. prompt longer than the context); message says why,
+    ``param`` names the request's field (the 400's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def validate_prompt(
     token_ids: list[int], vocab: int, max_model_len: int, max_num_batched_tokens: int, chunked_prefill: bool
 ) -> None:
     if not token_ids:
-        raise RequestError("the prompt is empty")
+        raise RequestError("the prompt is empty", "prompt")
     bad = [t for t in token_ids if not 0 <= t < vocab]
     if bad:
-        raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        raise RequestError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
     if len(token_ids) >= max_model_len:
         raise RequestError(
             f"prompt has {len(token_ids)} tokens; the context limit is {max_model_len} "
-            "(prompt + at least one generated token)"
+            "(prompt + at least one generated token)",
+            "prompt",
         )
     if not chunked_prefill and len(token_ids) > max_num_batched_tokens:
         raise RequestError(
             f"prompt has {len(token_ids)} tokens, more than max_num_batched_tokens "
-            f"({max_num_batched_tokens}) with chunked prefill disabled"
+            f"({max_num_batched_tokens}) with chunked prefill disabled",
+            "prompt",
         )
 
 
@@ -39,7 +46,7 @@ def validate_params(
     def ids_in_vocab(name: str, ids: Iterable[int]) -> None:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise RequestError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", name)
 
     ids_in_vocab("logit_bias", p.logit_bias)
     ids_in_vocab("stop_token_ids", p.stop_token_ids)
@@ -47,13 +54,14 @@ def validate_params(
         ids_in_vocab("allowed_token_ids", p.allowed_token_ids)
     for name, value in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
         if value is not None and value > max_logprobs:
-            raise RequestError(f"{name}={value} exceeds the server's max_logprobs ({max_logprobs})")
+            raise RequestError(f"{name}={value} exceeds the server's max_logprobs ({max_logprobs})", name)
     if max_num_seqs is not None and p.num_samples > max_num_seqs:
         # every sample (or beam) is a sequence of the batch: more than the batch holds could never run
         what = "beam width" if p.use_beam_search else ("best_of" if p.best_of is not None else "n")
         raise RequestError(
             f"{what}={p.num_samples} exceeds the server's max_num_seqs ({max_num_seqs}): "
-            "its samples run as parallel sequences of one batch"
+            "its samples run as parallel sequences of one batch",
+            "best_of" if p.best_of is not None else "n",
         )
 
 

@@ -108,10 +108,7 @@ def check_against_engine(
     except RequestError as err:
         message = str(err)
         code = "context_length_exceeded" if "context limit" in message else "invalid_request"
-        param = "prompt" if "prompt" in message else None
-        if "max_num_seqs" in message:  # parallel samples beyond the batch: name the request's field
-            param = "best_of" if message.startswith("best_of=") else "n"
-        raise bad_request(message, param, code=code) from None
+        raise bad_request(message, err.param, code=code) from None
     if (
         explicit_max_tokens
         and params.max_tokens is not None
