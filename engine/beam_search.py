@@ -83,6 +83,9 @@ class BeamSearch:
     finished: list[Hypothesis] = field(default_factory=list)
     pending: dict[str, torch.Tensor] = field(default_factory=dict)
     done: bool = False
+    #: next-token distributions the model computed for the search: one per live beam per step (its
+    #: usage's generated tokens; forked beams copy their parent's tokens, so their lengths overcount)
+    num_scored: int = 0
 
     def start(self, key: str) -> None:
         self.live[key] = ([], 0.0)
@@ -93,6 +96,7 @@ class BeamSearch:
         return set(self.pending) >= set(self.live)
 
     def select(self) -> BeamStep:
+        self.num_scored += len(self.live)
         cands: list[tuple[float, int, int, str]] = []
         for order, (key, (_toks, cum)) in enumerate(self.live.items()):
             values, ids = self.pending[key].topk(min(2 * self.width, self.pending[key].shape[-1]))

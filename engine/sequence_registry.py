@@ -159,7 +159,11 @@ def _terminal_record(group: SequenceGroup, status: SequenceStatus, reason: Finis
         request_id=group.request_id,
         status=status.value,
         finish_reason=reason.value,
-        num_generated=sum(s.seq.num_output_tokens for s in group.samples),
+        num_generated=(
+            group.beam.num_scored
+            if group.beam is not None
+            else sum(s.seq.num_output_tokens for s in group.samples)
+        ),
         num_emitted=committed if group.hides_samples else sum(s.num_emitted for s in group.samples),
         num_committed=committed,
         num_prompt_tokens=primary.num_prompt_tokens,

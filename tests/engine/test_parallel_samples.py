@@ -101,6 +101,19 @@ def test_beam_search_matches_a_reference_and_frees_every_block(llm, tiny_model_d
     assert llm.engine.pool.num_in_use == 0
 
 
+@pytest.mark.parametrize(("width", "generated"), [(1, 8), (2, 1 + 2 * 7)])
+def test_beam_search_counts_the_distributions_it_scored_as_generated(llm, width, generated):
+    """Forks copy their parent's tokens and a hypothesis' last token is never appended to a sequence, so
+    summing the beams' lengths gave 7 generated for 8 committed at width 1 (and overcounted wider)."""
+    rid = f"beams-{width}"
+    params = SamplingParams(use_beam_search=True, beam_width=width, max_tokens=8, ignore_eos=True)
+    llm.engine.add_request(rid, PROMPT, params)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    (record,) = [r for r in llm.engine.terminal_records if r.request_id == rid]
+    assert (record.num_generated, record.num_committed) == (generated, 8)
+
+
 @pytest.mark.parametrize("length_penalty", [1000.0, -1000.0, 1e308])
 def test_beam_search_ranks_with_any_length_penalty(llm, length_penalty):
     """len ** length_penalty leaves float range here: scoring raised OverflowError / ZeroDivisionError on
