@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -78,10 +79,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    # drop "body" and the union-member tags pydantic puts in the path ("str", "list[int]", ...)
-    loc = [
-        str(p) for p in first.get("loc", ()) if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)
-    ]
+    if tuple(first.get("loc", ())) == ("body",) and first.get("type") in (
+        "model_attributes_type",
+        "dict_type",
+    ):
+        # a form or text body (curl -d without a Content-Type header sends a form)
+        return "the body must be a JSON object, sent with Content-Type: application/json", None
+
+    def field_of(error: Any) -> list[str]:  # "body" and the union-member tags ("str", "list[int]") dropped
+        return [
+            str(p)
+            for p in error.get("loc", ())
+            if p != "body" and str(p) not in _TYPE_TAGS and "[" not in str(p)
+        ]
+
+    loc = field_of(first)
+    # of a union's errors for one field, the member of the value's own kind says what is wrong with it (a
+    # list of 65 stop strings is too long, not "not a string")
+    kind = "list[" if isinstance(first.get("input"), list) else None
+    for error in errors:
+        if kind and field_of(error) == loc and any(str(p).startswith(kind) for p in error.get("loc", ())):
+            first = error
+            break
     param = ".".join(loc) or None
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     return (

@@ -153,6 +153,21 @@ def test_a_wrong_type_names_the_field_not_the_union_member(tiny_server):
     assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt")
 
 
+def test_a_too_long_list_is_told_so_not_that_it_is_not_a_string(tiny_server):
+    r = tiny_server.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "stop": ["s"] * 65})
+    error = r.json()["error"]
+    assert (r.status_code, error["param"]) == (400, "stop")
+    assert "at most" in error["message"] and "valid string" not in error["message"], error["message"]
+
+
+def test_a_form_body_is_told_to_send_json(tiny_server):
+    """curl -d without a Content-Type header sends a form: the message said "Input should be a valid
+    dictionary or object to extract fields from"."""
+    r = httpx.post(tiny_server.url + "/v1/completions", data={"prompt": "x"}, headers=tiny_server.headers)
+    assert r.status_code == 400
+    assert "Content-Type: application/json" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("request_bytes", MALFORMED)
 def test_security_a_request_uvicorn_cannot_parse_gets_an_openai_json_400(tiny_server, request_bytes):
     """uvicorn's own answer is a plain-text 400; the server's protocol class writes the same JSON error as
