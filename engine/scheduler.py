@@ -13,8 +13,8 @@ tick — possibly the request itself. ``recompute`` frees its blocks and requeue
 at the front of its priority class); ``swap`` copies its blocks to host memory first (falling back to
 recompute when the swap space is full). Merely descheduling a request does not free memory and is never
 used as a memory remedy. A waiting request never preempts a running one; priority decides queue order.
-The one exception is within a beam search: a beam that cannot come back evicts its search's idle beams,
-which wait for it with nothing to compute (docs/architecture.md#scheduling).
+The one exception is within a beam search: beams that wait, with nothing to compute, for a beam of their
+search that is out of the cache leave it too at the start of a tick (docs/architecture.md#scheduling).
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class Scheduler:
         scheduled_ids: set[str] = set()
         preempted_ids: set[str] = set()
 
+        self._evict_stalled_beams(out)
         # 1) running requests, highest priority first; decodes before prefill chunks, so a long prompt
         #    ahead of them in priority never takes the tokens they need (their count is <= max_num_seqs)
         for req in sorted(self.running, key=lambda r: r.num_tokens_ahead - r.num_computed_tokens > 1):
@@ -129,29 +130,25 @@ class Scheduler:
 
         # 2) swapped requests come back before new work, unless this tick had to preempt
         if not out.preempted:
-            while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.swapped[0]
+            for req in list(self.swapped):
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
                 n = min(req.num_tokens_ahead - req.num_computed_tokens, budget)
-                evicted = False
+                if not n:
+                    continue  # a beam waiting for its siblings' distributions: back once it has a token
                 if not self.kv.swap_in(req, n):
-                    evicted = self._evict_idle_beams(req, out, scheduled_ids)
-                    if not (evicted and self.kv.swap_in(req, n)):
-                        break
-                self.swapped.remove(req)  # evicted siblings may now sort before it
+                    break
+                self.swapped.remove(req)
                 req.transition(S.RUNNABLE)
                 bisect.insort(self.running, req, key=Sequence.sort_key)
                 out.swapped_in.append(req)
-                if n:
-                    self._take(req, n, out, scheduled_ids)
-                    budget -= n
-                else:  # a beam waiting for its siblings' distributions: resident again, nothing to compute
-                    req.transition(S.DECODE)
-                if evicted:
-                    break  # what left for it stays out this tick
+                self._take(req, n, out, scheduled_ids)
+                budget -= n
 
         # 3) waiting requests in queue order (head-of-line: stop at the first that does not fit)
         static_busy = self.config.batching_mode == "static" and bool(self.running or out.scheduled)
-        if not out.preempted and not self.swapped:
+        # (a swapped beam with nothing to compute waits for its siblings, which may be among these)
+        if not out.preempted and not any(_has_work(r) for r in self.swapped):
             reserving = self.config.reserved_output_fraction > 0.0
             promised = sum(self._output_reserve(r) for r in self.running) if reserving else 0
             while self.waiting and budget > 0:
@@ -173,23 +170,12 @@ class Scheduler:
                 ):
                     break
                 n = min(remaining, budget)
-                if reserving:
-                    future = self._output_reserve(
-                        req, blocks_for_tokens(len(hits) * self.block_size + n, self.block_size), seats
-                    )
-                    if (
-                        self.running
-                        and self.kv.blocks_to_allocate(req, n, hits) + future + promised
-                        > self.kv.pool.num_free
-                    ):
-                        break  # the outputs already running (and this one's) keep their share of the cache
-                    promised += future
-                evicted = False
-                if not self.kv.allocate(req, n, hits):
-                    evicted = self._evict_idle_beams(req, out, scheduled_ids)
-                    if not (evicted and self.kv.allocate(req, n, hits)):
-                        break
-                self.waiting.remove(req)  # evicted siblings may now sort before it
+                held = blocks_for_tokens(len(hits) * self.block_size + n, self.block_size)
+                future = self._output_reserve(req, held, seats) if reserving else 0
+                if not self._start(req, n, hits, future + promised):
+                    break
+                promised += future
+                self.waiting.pop(0)
                 self.kv.release_reservation(req)
                 req.num_computed_tokens = len(hits) * self.block_size
                 if req.status is not S.PREEMPTED:
@@ -198,8 +184,6 @@ class Scheduler:
                 bisect.insort(self.running, req, key=Sequence.sort_key)
                 self._take(req, n, out, scheduled_ids)
                 budget -= n
-                if evicted:
-                    break  # what left for it stays out this tick
 
         out.scheduled.sort(key=lambda item: item[1] != 1)  # stable: one-token sequences first
         return out
@@ -244,24 +228,33 @@ class Scheduler:
                 return cand
         raise RuntimeError("no preemption victim: every running request is already scheduled")
 
-    def _evict_idle_beams(self, req: Sequence, out: SchedulerOutput, scheduled_ids: set[str]) -> bool:
-        """``req``, a beam out of the cache, cannot get blocks back: the running beams of its search that
-        have reported and wait for it (nothing to compute, not scheduled) would hold theirs until it
-        reports, which it cannot: they leave the cache too (same preemption mode), so the search goes on
-        one beam at a time if it must. Returns whether any left."""
-        group = req.group
-        if group is None or group.beam is None:
+    def _start(self, req: Sequence, n: int, hits: list, reserve: int) -> bool:
+        """Allocate the blocks of ``req``'s first ``n`` tokens after its prefix ``hits``, unless that would
+        leave fewer than ``reserve`` blocks free (``reserved_output_fraction``: the outputs already running,
+        and this one's, keep their share of the cache)."""
+        needed = self.kv.blocks_to_allocate(req, n, hits)
+        if reserve and self.running and needed + reserve > self.kv.pool.num_free:
             return False
+        return self.kv.allocate(req, n, hits)
+
+    def _evict_stalled_beams(self, out: SchedulerOutput) -> None:
+        """Running beams that have reported their distribution and wait for a beam of their search that is
+        out of the cache with tokens to compute leave it too (same preemption mode): they have nothing to
+        compute until it reports, and the blocks they hold may be the ones it, or any other request, needs
+        to come back (docs/architecture.md#scheduling)."""
         idle = [
-            s
-            for s in self.running
-            if s.group is group
-            and s.seq_id not in scheduled_ids
-            and s.num_tokens_ahead - s.num_computed_tokens <= 0
+            r for r in self.running if r.group is not None and r.group.beam is not None and not _has_work(r)
         ]
+        if not idle:
+            return
+        waiting_for = {
+            id(r.group)
+            for r in itertools.chain(self.waiting, self.swapped)
+            if r.group is not None and _has_work(r)
+        }
         for seq in idle:
-            self._preempt(seq, out)
-        return bool(idle)
+            if id(seq.group) in waiting_for:
+                self._preempt(seq, out)
 
     def _preempt(self, req: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -313,3 +306,9 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
                 return
+
+
+def _has_work(seq: Sequence) -> bool:
+    """Whether ``seq`` has tokens to compute (a beam that has reported its distribution has none until its
+    search's next selection)."""
+    return seq.num_tokens_ahead - seq.num_computed_tokens > 0

@@ -374,3 +374,56 @@ def test_static_batching_lets_a_preempted_beam_back_into_its_own_batch():
     engine.add_request(*requests[1], priority=-1)
     done = _run_to_the_end(engine, requests[:1])
     assert engine.scheduler.num_preemptions >= 1 and len(done["beams"]) == 1
+
+
+def _beam_mix(seed: int) -> tuple[dict, list[tuple[str, list[int], SamplingParams, int]]]:
+    """Swap preemption on a cache of 8-16 blocks of 4: two to four requests, about half of them beam
+    searches, arriving over the first steps (request id, prompt, params, arrival step)."""
+    rng = random.Random(seed)
+    cfg = dict(
+        block_size=4,
+        num_kv_blocks=rng.choice([9, 11, 13, 17]),
+        max_num_seqs=4,
+        preemption_mode="swap",
+        swap_space=0.01,
+        max_num_batched_tokens=rng.choice([8, 12, 16]),
+        enable_prefix_caching=rng.random() < 0.5,
+    )
+    requests = []
+    for i in range(rng.randint(2, 4)):
+        beam = rng.random() < 0.5
+        prompt = [rng.randrange(3, 500) for _ in range(rng.randint(1, 20))]
+        params = (
+            SamplingParams(use_beam_search=True, beam_width=rng.choice([2, 3]), max_tokens=rng.randint(3, 12))
+            if beam
+            else SamplingParams(temperature=0, max_tokens=rng.randint(3, 20), ignore_eos=True)
+        )
+        requests.append((f"q{i}", prompt, params, rng.randint(0, 3)))
+    return cfg, requests
+
+
+@pytest.mark.parametrize("seed", [1, 21, 28, 29, 39, 49, 72, 86])
+def test_beams_waiting_for_a_swapped_or_preempted_sibling_never_stall_the_engine(seed):
+    """Each of these mixes stalled before (every step empty): resident beams that had reported held the
+    blocks their out-of-cache sibling, or another request swapped out, needed to come back. Every request
+    now ends, with the outputs of a run whose cache never preempts."""
+
+    def run(num_kv_blocks: int | None) -> dict[str, list[list[int]]]:
+        cfg, requests = _beam_mix(seed)
+        engine = _tiny(**{**cfg, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})})
+        done: dict[str, list[list[int]]] = {}
+        for step in range(600):
+            for rid, prompt, params, arrival in requests:
+                if arrival == step:
+                    engine.add_request(rid, prompt, params)
+            if step > 3 and not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = [c.token_ids for c in out.outputs]
+            engine.check_invariants()
+        assert not engine.has_unfinished_requests(), "stuck: a request never ends"
+        assert engine.pool.num_in_use == 0
+        return done
+
+    assert run(None) == run(256)
