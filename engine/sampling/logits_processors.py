@@ -69,12 +69,6 @@ def banned_by_ngrams(index: dict[tuple[int, ...], set[int]], output: Sequence[in
     return index.get(tuple(output[len(output) - (n - 1) :]) if n > 1 else (), set())
 
 
-def _mask(logits: torch.Tensor, row: int, tokens: set[int] | list[int]) -> None:
-    ids = [t for t in tokens if 0 <= t < logits.shape[1]]
-    if ids:
-        logits[row].index_fill_(0, to_device(ids, torch.long, logits.device), NEG_INF)
-
-
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """[len(values), 1] float32 per-row factors on ``device``."""
     return to_device(values, torch.float32, device).unsqueeze(1)
@@ -108,6 +102,8 @@ def apply_constraints(
             [st.grammar for st in with_grammar if st.grammar is not None],
             [st.grammar_drafts for st in with_grammar],
         )
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
     for i, st in enumerate(states):
         p = st.params
         if p.allowed_token_ids is not None:
@@ -120,12 +116,21 @@ def apply_constraints(
             ids = [t for t in bias if t < vocab]
             values = to_device([bias[t] for t in ids], logits.dtype, logits.device)
             logits[i].index_add_(0, to_device(ids, torch.long, logits.device), values)
+        banned: set[int] = set()
         if st.bad_word_ids:
-            _mask(logits, i, banned_by_bad_words(st.output_token_ids, st.bad_word_ids))
+            banned |= banned_by_bad_words(st.output_token_ids, st.bad_word_ids)
         if len(st.output_token_ids) < p.min_tokens:
-            _mask(logits, i, set(st.eos_token_ids) | set(p.stop_token_ids))
+            banned |= set(st.eos_token_ids) | set(p.stop_token_ids)
         if p.no_repeat_ngram_size:
-            _mask(logits, i, banned_by_ngrams(st.ngram_index, st.output_token_ids, p.no_repeat_ngram_size))
+            banned |= banned_by_ngrams(st.ngram_index, st.output_token_ids, p.no_repeat_ngram_size)
+        ids = [t for t in banned if 0 <= t < vocab]
+        mask_rows += [i] * len(ids)
+        mask_ids += ids
+    if mask_ids:
+        # every row's bad words, min_tokens and n-gram bans in one copy and one indexed write (they come
+        # after the bias, which cannot revive a token they remove); per row it was a copy and a fill each
+        at = to_device(np.array([mask_rows, mask_ids], dtype=np.int64), torch.long, logits.device)
+        logits[at[0], at[1]] = NEG_INF
     return logits
 
 
