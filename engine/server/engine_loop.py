@@ -42,6 +42,7 @@ from kvpilot.engine.server.loop_commands import (
 )
 from kvpilot.engine.server.metrics import ServerMetrics
 from kvpilot.engine.server.output_deltas import max_json_bytes
+from kvpilot.engine.server.request_stream import Wakes, wake_all
 from kvpilot.engine.server.serving_request import ServingRequest
 from kvpilot.engine.server.warmup import effective_buckets, run_warmup
 from kvpilot.engine.stats import load_snapshot
@@ -197,17 +198,19 @@ class EngineLoop:
         steps = engine.num_steps
         outs = engine.step()
         self._telemetry.after_step(self._active)
+        wakes: Wakes = {}
         for out in outs:
             req = self._active.get(out.request_id)
             if req is None:
                 continue  # aborted by the server a moment ago; its client was already answered
             chunk = req.deltas.update(out)
-            if chunk is not None and req.stream.put(chunk, max_json_bytes(chunk)):
+            if chunk is not None and req.stream.put(chunk, max_json_bytes(chunk), wakes):
                 engine.set_backpressure(req.request_id, True)
                 req.paused_since = time.monotonic()
                 self._metrics.backpressure_pauses.inc()
             if out.finished:
                 del self._active[out.request_id]
+        wake_all(wakes)  # the step's waiting handlers, in one hop to the event loop
         return engine.num_steps != steps
 
     def _expire_backpressure(self, now: float) -> None:

@@ -10,7 +10,8 @@ most ``capacity`` chunks and ``capacity_bytes`` bytes + (one engine step's chunk
 its generation (docs/architecture.md#backpressure-and-cancellation).
 
 The deque is guarded by a lock (two threads); the asyncio event is only touched on the event loop, woken
-through ``call_soon_threadsafe`` and only when the handler is actually waiting.
+through ``call_soon_threadsafe`` and only when the handler is actually waiting (the engine loop wakes a
+whole step's handlers in one such call, ``wake_all``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+#: handlers' events to set, by event loop (``RequestStream.put``, then ``wake_all``)
+Wakes = dict[asyncio.AbstractEventLoop, list[asyncio.Event]]
 
 
 class RequestStream:
@@ -50,9 +54,10 @@ class RequestStream:
         self._backpressured = False
 
     # ---- engine thread -----------------------------------------------------------------------------
-    def put(self, item: Any, nbytes: int = 0) -> bool:
+    def put(self, item: Any, nbytes: int = 0, wakes: Wakes | None = None) -> bool:
         """Append ``item`` of ``nbytes``; True exactly when this put filled the buffer (the caller pauses
-        the request)."""
+        the request). With ``wakes``, a waiting handler's event is added there for the caller to set with
+        ``wake_all`` (one thread hop for a whole step's chunks) instead of being woken now."""
         with self._lock:
             self._items.append((item, nbytes))
             self._bytes += nbytes
@@ -64,7 +69,10 @@ class RequestStream:
                 self._backpressured = True
             wake, self._consumer_waiting = self._consumer_waiting, False
         if wake:
-            self._loop.call_soon_threadsafe(self._event.set)
+            if wakes is None:
+                self._loop.call_soon_threadsafe(self._event.set)
+            else:
+                wakes.setdefault(self._loop, []).append(self._event)
         return pause
 
     # ---- event loop ----------------------------------------------------------------------------------
@@ -113,3 +121,16 @@ class RequestStream:
     def backpressured(self) -> bool:
         with self._lock:
             return self._backpressured
+
+
+def wake_all(wakes: Wakes) -> None:
+    """From the engine thread: set the events ``RequestStream.put`` collected, one ``call_soon_threadsafe``
+    per event loop: each call writes to the loop's wake-up pipe, a system call per request per step
+    otherwise."""
+    for loop, events in wakes.items():
+        loop.call_soon_threadsafe(_set_each, events)
+
+
+def _set_each(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()

@@ -33,3 +33,36 @@ def test_without_a_byte_bound_only_chunks_count():
         assert [stream.put(i, 10**9) for i in range(3)] == [False, False, True]
 
     asyncio.run(main())
+
+
+def test_a_steps_waiting_handlers_are_woken_together_by_wake_all():
+    """Handlers already waiting when the engine thread puts their chunks wake only at ``wake_all`` (one
+    thread hop per step, not one per request), and then each gets its own chunk."""
+    import threading
+
+    from kvpilot.engine.server.request_stream import Wakes, wake_all
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(loop, 4, 1, lambda: None) for _ in range(3)]
+        getters = [asyncio.ensure_future(s.get()) for s in streams]
+        await asyncio.sleep(0)  # every handler is waiting now
+        wakes: Wakes = {}
+        hops = []
+        real = loop.call_soon_threadsafe
+
+        def counting(*args):
+            hops.append(args)
+            return real(*args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        put = threading.Thread(target=lambda: [s.put(i, 1, wakes) for i, s in enumerate(streams)])
+        put.start()
+        put.join()
+        await asyncio.sleep(0.05)
+        assert not any(g.done() for g in getters) and hops == []  # collected, not woken
+        threading.Thread(target=wake_all, args=(wakes,)).start()
+        assert await asyncio.wait_for(asyncio.gather(*getters), 5) == [0, 1, 2]
+        assert len(hops) == 1
+
+    asyncio.run(main())
