@@ -44,7 +44,7 @@ def normalised_score(cum_logprob: float, length: int, length_penalty: float) -> 
 class Hypothesis:
     tokens: list[int]
     cum_logprob: float
-    finish_reason: str  # "stop" (EOS or a stop token) or "length"
+    finish_reason: str  # "stop" (EOS or a stop token), "length", or "error" (no token was possible)
     #: the stop token that ended it (``stop_token_ids``), else None
     stop_reason: int | None = None
 
@@ -98,13 +98,16 @@ class BeamSearch:
     def select(self) -> BeamStep:
         self.num_scored += len(self.live)
         cands: list[tuple[float, int, int, str]] = []
-        for order, (key, (_toks, cum)) in enumerate(self.live.items()):
+        for order, (key, (toks, cum)) in enumerate(self.live.items()):
             values, ids = self.pending[key].topk(min(2 * self.width, self.pending[key].shape[-1]))
-            cands += [
+            finite = [
                 (cum + v, order, t, key)
                 for v, t in zip(values.tolist(), ids.tolist(), strict=True)
                 if v != float("-inf")
             ]
+            if not finite:  # its constraints leave it no token: it ends here, as a plain sample would
+                self.finished.append(Hypothesis(list(toks), cum, "error"))
+            cands += finite
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         chosen: list[Continuation] = []
         for rank, (score, _order, tok, key) in enumerate(cands):

@@ -272,4 +272,11 @@ class OutputProcessor:
         if step.done:
             for seq, _, _ in targets:
                 self.registry.release(seq, S.FINISHED, FinishReason.STOP)
-            self.registry.reclaim(group, S.FINISHED, FinishReason.STOP)
+            kept = beam.best(group.params.n)
+            # every hypothesis kept ended without a possible token: the request ends in error, as a sample's
+            ended = (
+                FinishReason.ERROR
+                if kept and all(h.finish_reason == "error" for h in kept)
+                else FinishReason.STOP
+            )
+            self.registry.reclaim(group, S.FINISHED, ended)

@@ -19,7 +19,7 @@ from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling.logits_processors import RowState
 from kvpilot.engine.sampling.row_params import SamplingTensors
 from kvpilot.engine.sampling.sampler import Distributions, Sampler
-from kvpilot.engine.sampling.sampler_output import top_logprobs_of
+from kvpilot.engine.sampling.sampler_output import NO_TOKEN, top_logprobs_of
 from kvpilot.engine.sequence import Sequence
 from kvpilot.engine.spec_decode.rejection import accept_greedy, accept_sampled
 
@@ -119,6 +119,8 @@ def verify_drafts(
         )
         tokens.index_copy_(0, si, t)
         counts.index_copy_(0, si, c)
+    if dist.dead is not None:
+        _stop_at_dead_rows(tokens, counts, dist.dead[rows_dev])
     out_host = torch.cat([tokens, counts.unsqueeze(1)], dim=1).tolist()  # the one transfer
     results = []
     log_dist = _logprob_rows(sampler, logits, dist) if any(want_logprobs) else None
@@ -129,12 +131,27 @@ def verify_drafts(
         if want_logprobs[i] and log_dist is not None:
             top_n = seqs[i].params.logprobs
             for j, tok in enumerate(emitted):
+                if tok == NO_TOKEN:
+                    break
                 lp_row = log_dist[int(offsets[i]) + j]
                 lps[j] = float(lp_row[tok])
                 if top_n is not None:
                     tops[j] = top_logprobs_of(lp_row, tok, top_n)
         results.append(VerifiedDraft(emitted, lps, tops))
     return results
+
+
+def _stop_at_dead_rows(tokens: torch.Tensor, counts: torch.Tensor, dead: torch.Tensor) -> None:
+    """In place: a sequence whose emitted positions include one where its constraints leave no token
+    (``dead`` [B, k + 1]) emits up to it and ``NO_TOKEN`` there (no draft is accepted at such a row, which
+    the sampler zeroed), with no host sync."""
+    emitted = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0) < counts.unsqueeze(1)
+    hit = dead & emitted
+    has = hit.any(dim=1)
+    first = hit.to(torch.int8).argmax(dim=1)  # the first dead position (0 where none)
+    counts.copy_(torch.where(has, first + 1, counts))
+    at = first.unsqueeze(1)
+    tokens.scatter_(1, at, torch.where(has.unsqueeze(1), NO_TOKEN, tokens.gather(1, at)))
 
 
 def _draft_probs(seqs: abc.Sequence[Sequence], k: int, vocab: int, dev: torch.device) -> torch.Tensor | None:

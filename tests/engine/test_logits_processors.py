@@ -176,3 +176,39 @@ def test_a_request_left_without_tokens_ends_with_an_error_and_spares_the_batch(k
     assert reason == "error" and set(tokens) <= set(kw["allowed_token_ids"])
     assert len(tokens) == (3 if "no_repeat_ngram_size" in kw else 0)
     assert done["bystander"] == run(False)["bystander"]
+
+
+# "xx" is tokenized [123, 123]: once the one allowed token has been generated, bad_words bans it
+_DEAD_END = {"allowed_token_ids": [123], "bad_words": ["xx"], "max_tokens": 8}
+_DEAD_END_PROMPT = [123, 40, 50] * 4 + [123]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_speculation_stops_where_the_constraints_leave_no_token(temperature):
+    """Verification drew from the zeroed row: greedy emitted token 0, sampling random ids, around the one
+    allowed token ([123, 0, 123, 0, ...])."""
+    from engine_device import ENGINE_DEVICE
+
+    from kvpilot.engine import LLM
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=temperature, seed=1, **_DEAD_END)
+    for speculative in (None, spec):
+        llm = LLM("tiny-random", num_kv_blocks=64, speculative_config=speculative, **ENGINE_DEVICE)
+        (out,) = llm.generate([_DEAD_END_PROMPT], params)[0].outputs
+        assert (out.token_ids, out.finish_reason) == ([123], "error")
+
+
+@pytest.mark.parametrize("width", [1, 2])
+def test_a_beam_search_left_without_tokens_ends_with_an_error_and_keeps_its_hypothesis(width):
+    """Every candidate was -inf, so the search ended with no hypothesis: no choices and finish "stop"."""
+    from engine_device import ENGINE_DEVICE
+
+    from kvpilot.engine import LLM
+
+    llm = LLM("tiny-random", num_kv_blocks=64, **ENGINE_DEVICE)
+    params = SamplingParams(use_beam_search=True, beam_width=width, **_DEAD_END)
+    (out,) = llm.generate([_DEAD_END_PROMPT], params)[0].outputs
+    assert (out.token_ids, out.finish_reason) == ([123], "error")
+    (record,) = llm.engine.terminal_records
+    assert record.finish_reason == "error" and llm.engine.pool.num_in_use == 0
