@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 def normalised_score(cum_logprob: float, length: int, length_penalty: float) -> float:
     """``cum_logprob / length ** length_penalty``; where that power leaves float range (a large or very
-    negative penalty), the same quotient by logarithms, saturating at 0 and -1e308: any penalty ranks
+    negative penalty), the same quotient by logarithms, saturating at 0 and about -8e307: any penalty ranks
     without an overflow or a division by zero."""
     length = max(1, length)
     try:

@@ -128,14 +128,14 @@ def test_beam_search_ranks_with_any_length_penalty(llm, length_penalty):
 
 def test_normalised_score_keeps_the_order_of_the_plain_quotient():
     """In range it is the plain quotient; past it (a power that overflows or underflows) it still ranks
-    as the quotient would, saturating at 0 and -1e308 where floats end, and never raises."""
+    as the quotient would, saturating at 0 and about -8e307 where floats end, and never raises."""
     from kvpilot.engine.beam_search import normalised_score
 
     assert normalised_score(-6.0, 3, 1.0) == -2.0
     assert normalised_score(0.0, 5, 1e308) == 0.0
     for penalty in (1000.0, 1e308):  # longer hypotheses are divided by more: they rank at least as high
         assert normalised_score(-1.0, 3, penalty) >= normalised_score(-1.0, 2, penalty)
-    for penalty in (-1000.0, -1e308):  # shorter ones rank at least as high, down to -1e308 not -inf
+    for penalty in (-1000.0, -1e308):  # shorter ones rank at least as high, never -inf
         longer, shorter = normalised_score(-1.0, 3, penalty), normalised_score(-1.0, 2, penalty)
         assert -1e308 <= longer <= shorter < 0.0
 
