@@ -297,14 +297,17 @@ def test_randomized_forks_swaps_and_releases_leave_no_kv_state(seed):
         assert engine.kv.swap.num_free == engine.kv.swap.num_blocks
 
 
-def _run_to_the_end(engine, requests, steps: int = 400) -> dict[str, list[list[int]]]:
-    """Add ``(request id, prompt, params)`` in order and step until every request ended (a bounded
-    number of steps: a stuck engine fails here instead of hanging); each request's outputs' token ids."""
-    for rid, prompt, params in requests:
-        engine.add_request(rid, prompt, params)
+def _run_to_the_end(engine, requests, steps: int = 600) -> dict[str, list[list[int]]]:
+    """Add ``(request id, prompt, params[, arrival step])`` (arrival 0 by default) and step until every
+    request ended (a bounded number of steps: a stuck engine fails here instead of hanging); each
+    request's outputs' token ids."""
+    last_arrival = max((r[3] for r in requests if len(r) > 3), default=0)
     done: dict[str, list[list[int]]] = {}
-    for _ in range(steps):
-        if not engine.has_unfinished_requests():
+    for step in range(steps):
+        for rid, prompt, params, *arrival in requests:
+            if (arrival[0] if arrival else 0) == step:
+                engine.add_request(rid, prompt, params)
+        if step >= last_arrival and not engine.has_unfinished_requests():
             break
         for out in engine.step():
             if out.finished:
@@ -408,22 +411,7 @@ def test_beams_waiting_for_a_swapped_or_preempted_sibling_never_stall_the_engine
     blocks their out-of-cache sibling, or another request swapped out, needed to come back. Every request
     now ends, with the outputs of a run whose cache never preempts."""
 
-    def run(num_kv_blocks: int | None) -> dict[str, list[list[int]]]:
-        cfg, requests = _beam_mix(seed)
-        engine = _tiny(**{**cfg, **({"num_kv_blocks": num_kv_blocks} if num_kv_blocks else {})})
-        done: dict[str, list[list[int]]] = {}
-        for step in range(600):
-            for rid, prompt, params, arrival in requests:
-                if arrival == step:
-                    engine.add_request(rid, prompt, params)
-            if step > 3 and not engine.has_unfinished_requests():
-                break
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = [c.token_ids for c in out.outputs]
-            engine.check_invariants()
-        assert not engine.has_unfinished_requests(), "stuck: a request never ends"
-        assert engine.pool.num_in_use == 0
-        return done
-
-    assert run(None) == run(256)
+    cfg, requests = _beam_mix(seed)
+    assert _run_to_the_end(_tiny(**cfg), requests) == _run_to_the_end(
+        _tiny(**{**cfg, "num_kv_blocks": 256}), requests
+    )
