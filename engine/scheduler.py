@@ -170,11 +170,19 @@ class Scheduler:
                 ):
                     break
                 n = min(remaining, budget)
-                held = blocks_for_tokens(len(hits) * self.block_size + n, self.block_size)
-                future = self._output_reserve(req, held, seats) if reserving else 0
-                if not self._start(req, n, hits, future + promised):
+                if reserving:
+                    future = self._output_reserve(
+                        req, blocks_for_tokens(len(hits) * self.block_size + n, self.block_size), seats
+                    )
+                    if (
+                        self.running
+                        and self.kv.blocks_to_allocate(req, n, hits) + future + promised
+                        > self.kv.pool.num_free
+                    ):
+                        break  # the outputs already running (and this one's) keep their share of the cache
+                    promised += future
+                if not self.kv.allocate(req, n, hits):
                     break
-                promised += future
                 self.waiting.pop(0)
                 self.kv.release_reservation(req)
                 req.num_computed_tokens = len(hits) * self.block_size
@@ -227,15 +235,6 @@ class Scheduler:
             if cand.seq_id not in scheduled_ids:
                 return cand
         raise RuntimeError("no preemption victim: every running request is already scheduled")
-
-    def _start(self, req: Sequence, n: int, hits: list, reserve: int) -> bool:
-        """Allocate the blocks of ``req``'s first ``n`` tokens after its prefix ``hits``, unless that would
-        leave fewer than ``reserve`` blocks free (``reserved_output_fraction``: the outputs already running,
-        and this one's, keep their share of the cache)."""
-        needed = self.kv.blocks_to_allocate(req, n, hits)
-        if reserve and self.running and needed + reserve > self.kv.pool.num_free:
-            return False
-        return self.kv.allocate(req, n, hits)
 
     def _evict_stalled_beams(self, out: SchedulerOutput) -> None:
         """Running beams that have reported their distribution and wait for a beam of their search that is
