@@ -204,12 +204,28 @@ class SequenceGroup:
         n = self.params.n
         if self.beam is not None:
             return self.beam.completions(n, self.tokenizer, self.params) if self.finished else []
-        samples = self.samples
-        if self.hides_samples:
-            if not self.finished:
-                return []
-            samples = sorted(samples, key=lambda s: -s.cumulative_logprob)[:n]
-        return [s.complete(i, self.wants_scores) for i, s in enumerate(samples)]
+        if self.hides_samples and not self.finished:
+            return []
+        return [s.complete(i, self.wants_scores) for i, s in enumerate(self.kept_samples())]
+
+    def kept_samples(self) -> list[SampleState]:
+        """The samples the user gets: all of them, or for ``best_of`` the ``n`` with the highest cumulative
+        logprob among those that did not end in error (a sample left without a possible token scores only
+        the tokens it had, so it would otherwise outrank every longer one)."""
+        if len(self.samples) <= self.params.n:
+            return self.samples
+        return sorted(
+            self.samples, key=lambda s: (s.finish_reason is FinishReason.ERROR, -s.cumulative_logprob)
+        )[: self.params.n]
+
+    def samples_finish_reason(self) -> FinishReason:
+        """The request's reason once its last sample has ended: the best kept output's, ERROR only when
+        every kept output ended in error (as for beams)."""
+        kept = self.kept_samples()
+        ok = [s.finish_reason for s in kept if s.finish_reason is not FinishReason.ERROR]
+        reason = (ok or [s.finish_reason for s in kept])[0]
+        assert reason is not None, "every sample has ended"
+        return reason
 
     @property
     def hides_samples(self) -> bool:

@@ -120,7 +120,7 @@ class TokenAppender:
         reason = group.on_finish(sample, reason, stop_reason)
         self.registry.release(seq, S.FINISHED, reason)
         if not group.live_samples():
-            self.registry.reclaim(group, S.FINISHED, reason)
+            self.registry.reclaim(group, S.FINISHED, group.samples_finish_reason())
 
     def _stop_reason(
         self, seq: Sequence, token: int, matched: str | None

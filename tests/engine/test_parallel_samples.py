@@ -72,6 +72,18 @@ def test_best_of_returns_the_n_most_likely_samples(llm):
     assert record.num_generated == 5 * 4 and record.num_committed == 2 * 4
 
 
+def test_best_of_never_prefers_a_sample_that_ended_without_a_possible_token(llm):
+    """A sample left without a token (here the three allowed ids' bigrams run out) scored only the tokens
+    it had, so best_of returned it first over every longer sample, and the request ended "error"."""
+    kw = dict(temperature=1.0, seed=18, max_tokens=7, no_repeat_ngram_size=2, allowed_token_ids=[8, 272, 329])
+    every = llm.generate([[235, 17]], SamplingParams(n=8, logprobs=0, **kw))[0].outputs
+    assert [c.finish_reason for c in every].count("error") == 1  # the control: one sample dies
+    ranked = sorted((c for c in every if c.finish_reason != "error"), key=lambda c: -c.cumulative_logprob)
+    kept = llm.generate([[235, 17]], SamplingParams(n=2, best_of=8, **kw))[0].outputs
+    assert [(c.token_ids, c.finish_reason) for c in kept] == [(c.token_ids, "length") for c in ranked[:2]]
+    assert llm.engine.terminal_records[-1].finish_reason == "length"
+
+
 def reference_beam_search(
     hf, prompt: list[int], width: int, steps: int, length_penalty: float
 ) -> list[list[int]]:
