@@ -221,11 +221,9 @@ class SequenceGroup:
     def samples_finish_reason(self) -> FinishReason:
         """The request's reason once its last sample has ended: the best kept output's, ERROR only when
         every kept output ended in error (as for beams)."""
-        kept = self.kept_samples()
-        ok = [s.finish_reason for s in kept if s.finish_reason is not FinishReason.ERROR]
-        reason = (ok or [s.finish_reason for s in kept])[0]
-        assert reason is not None, "every sample has ended"
-        return reason
+        reasons = [s.finish_reason for s in self.kept_samples() if s.finish_reason is not None]
+        assert reasons, "every sample has ended"
+        return next((r for r in reasons if r is not FinishReason.ERROR), reasons[0])
 
     @property
     def hides_samples(self) -> bool:
