@@ -212,7 +212,7 @@ class SequenceGroup:
         """The samples the user gets: all of them, or for ``best_of`` the ``n`` with the highest cumulative
         logprob among those that did not end in error (a sample left without a possible token scores only
         the tokens it had, so it would otherwise outrank every longer one)."""
-        if len(self.samples) <= self.params.n:
+        if not self.hides_samples:
             return self.samples
         return sorted(
             self.samples, key=lambda s: (s.finish_reason is FinishReason.ERROR, -s.cumulative_logprob)
