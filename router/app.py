@@ -225,8 +225,10 @@ class RouterApp:
                 )
             except UpstreamFailure as error:
                 log.warning("request failed before its first byte: %s", error)
-                self.fleet.eject(replica, error.reason)
                 failure = error
+                if not error.replica_fault:
+                    break  # this request's failure: the replica stays, and the request runs no second time
+                self.fleet.eject(replica, error.reason)
             finally:
                 replica.finish(dispatch, time.perf_counter())
                 if replica.url in self.fleet.replicas:

@@ -141,6 +141,13 @@ class UpstreamClient:
         return sock
 
 
+def error_text(error: BaseException) -> str:
+    """An upstream error for a log line: its type and ``str()`` (status, message, URL), never its ``repr()``,
+    which for a ``ClientResponseError`` holds the request's headers: the client's key, the router's token."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 async def _written(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
     request_context = context.trace_request_ctx
     on_written = request_context.on_written if request_context is not None else None
