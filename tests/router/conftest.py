@@ -4,8 +4,9 @@ A fake engine speaks the engine ⇄ router contract (docs/engine-router-contract
 derives prompt ids and block hashes with the same shared functions as the real engine, holds a prefix
 cache, publishes ``/kv/events`` and ``/kv/snapshot``, reports ``/load`` from its own queue, and streams SSE.
 Its behaviour (prefill time per uncached token, status to answer, hanging, readiness, overridden ``/load``
-fields, dropping a request unanswered, an oversize answer header) is a mutable :class:`FakeEngineBehavior`; ``crash()`` drops every connection and the listener. A
-body it cannot derive a prompt from gets a 400 OpenAI error, as from the real engine.
+fields, dropping a request unanswered, an oversize answer header) is a mutable :class:`FakeEngineBehavior`;
+``crash()`` drops every connection and the listener. A body it cannot derive a prompt from gets a 400
+OpenAI error, as from the real engine.
 """
 
 from __future__ import annotations
