@@ -17,7 +17,7 @@ from aiohttp import web
 from kvpilot.engine.tenancy import TenantError, resolve_tenant
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.endpointslices import Endpoint, EndpointSliceWatcher, SliceApi
-from kvpilot.router.errors import error_response, json_errors
+from kvpilot.router.errors import close_after, error_response, json_errors
 from kvpilot.router.fleet import Fleet
 from kvpilot.router.json_body import BodyError, read_json_object
 from kvpilot.router.metrics import CONTENT_TYPE, RouterMetrics
@@ -153,7 +153,10 @@ class RouterApp:
             raw, body = await read_json_object(request, limits.max_body_bytes, limits.body_read_timeout_s)
             tenant = resolve_tenant(request.headers, self._tenant_policy)
         except BodyError as error:
-            return self._count(error_response(error.status, str(error), error.code))
+            refusal = self._count(error_response(error.status, str(error), error.code))
+            if error.status == 408:
+                await close_after(request, refusal)
+            return refusal
         except TenantError as error:
             return self._count(error_response(400, str(error), "invalid_tenant"))
         profile = None
@@ -225,8 +228,10 @@ class RouterApp:
                 )
             except UpstreamFailure as error:
                 log.warning("request failed before its first byte: %s", error)
-                self.fleet.eject(replica, error.reason)
                 failure = error
+                if not error.replica_fault:
+                    break  # this request's failure: the replica stays, and the request runs no second time
+                self.fleet.eject(replica, error.reason)
             finally:
                 replica.finish(dispatch, time.perf_counter())
                 if replica.url in self.fleet.replicas:

@@ -4,7 +4,8 @@ engine writes them (the engines' own errors pass through as is).
 Every response the router makes up is one: the handlers answer bad input with a 4xx, and
 :func:`json_errors` turns what escapes them (aiohttp's own HTTP errors, a bug) into the same shape instead
 of aiohttp's plain-text pages. A 500 means a bug in the router, never bad input. :func:`end_broken` ends a
-response whose upstream failed after its first byte (the router's proxy and the scale-to-zero activator).
+response whose upstream failed after its first byte (the router's proxy and the scale-to-zero activator);
+:func:`close_after` ends a connection whose request body the router gave up waiting for.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ _TYPES = {
     400: "invalid_request_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",  # the client sent its request too slowly: its error, as a 400 or 413
     413: "invalid_request_error",
     502: "bad_gateway",
     503: "service_unavailable",
@@ -71,3 +73,12 @@ async def end_broken(request: web.Request, response: web.StreamResponse, events:
             return
     if request.transport is not None:
         request.transport.close()
+
+
+async def close_after(request: web.Request, response: web.StreamResponse) -> None:
+    """Send ``response`` and close the connection, the rest of the request body unread (aiohttp would linger
+    10 s reading it first): for a body that did not arrive in time."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()  # asyncio flushes what was written, then closes

@@ -1,8 +1,10 @@
 """Forwards one client request to one replica and streams the answer back, byte for byte.
 
-Nothing reaches the client until the upstream's first body byte has arrived, so every failure up to that
-point (connect error, timeout, HTTP 502/503/504, a connection dropped before the first byte) can be retried
-on another replica without the client noticing. After the first byte the client gets the error, never a
+Nothing reaches the client until the upstream's first body byte has arrived, so every failure of the
+replica up to that point (connect error or timeout, HTTP 502/503/504, a connection dropped before the first
+byte) can be retried on another replica without the client noticing. A failure of the request alone ejects
+nothing and runs nothing twice (docs/architecture.md#engine-and-router): past ``--request-timeout`` it is a
+504, an answer head that does not parse a 502. After the first byte the client gets the error, never a
 silently truncated answer that looks complete: an SSE stream ends as the engine ends one that fails, with a
 ``data: {"error": ...}`` event and ``data: [DONE]`` (an event the replica left half-written is dropped, so
 the error starts on an event boundary); any other body ends with a broken connection.
@@ -26,7 +28,7 @@ from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
 from kvpilot.router.errors import end_broken, error_body, error_response
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
-from kvpilot.router.upstream import UpstreamClient, UpstreamError
+from kvpilot.router.upstream import UpstreamClient, UpstreamError, error_text
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvpilot-replica"
@@ -53,8 +55,9 @@ _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
 
 class UpstreamFailure(Exception):
-    """The replica failed before the client got any byte: eject it and retry elsewhere. ``str()`` is for the
-    log (it holds the replica's URL); :meth:`client_message` is for the client."""
+    """The request failed before the client got any byte: by the replica's fault (eject it, retry elsewhere)
+    or, not ``replica_fault``, its own (answer ``status`` at once). ``str()`` is for the log (it holds the
+    replica's URL); :meth:`client_message` is for the client."""
 
     def __init__(
         self,
@@ -62,11 +65,17 @@ class UpstreamFailure(Exception):
         detail: str,
         problem: str,
         response: tuple[int, CIMultiDict[str], bytes] | None = None,
+        *,
+        replica_fault: bool = True,
+        status: int = 502,
+        code: str = "upstream_failed",
     ):
         super().__init__(detail)
         self.reason = reason
         self.problem = problem  # what went wrong, without addresses
         self.response = response  # what the replica answered, if it answered (502/503/504)
+        self.replica_fault = replica_fault
+        self.status, self.code = status, code  # the client's answer when the replica gave none
         self.replica_url: str | None = None
         self.replica_id = ""  # the x-kvpilot-replica value of the replica that failed
         self.replica_name = describe(None)
@@ -76,10 +85,10 @@ class UpstreamFailure(Exception):
 
     def client_response(self) -> web.Response:
         """What the client gets when no replica answered: the last replica's own 502/503/504 as it said it,
-        else a 502 naming the failure."""
+        else a 502 (504 for the request timeout) naming the failure."""
         replica = {REPLICA_HEADER: self.replica_id}
         if self.response is None:
-            return error_response(502, self.client_message(), "upstream_failed", headers=replica)
+            return error_response(self.status, self.client_message(), self.code, headers=replica)
         status, headers, body = self.response
         response = web.Response(status=status, body=body, headers=headers)
         response.headers.update(replica)
@@ -151,15 +160,33 @@ class Forwarder:
         on_first_byte: Callable[[], None] | None,
     ) -> web.StreamResponse:
         headers = forward_headers(request.headers, self._vouch)
+        # the target's path and query only: an absolute-form target (``POST http://x/v1/...``) is routed by
+        # its path, and its scheme and host are the client's, not the replica's
+        path = request.rel_url.raw_path_qs
         try:
             async with self._client.request(
-                replica.url, request.method, request.raw_path, headers, body, on_written
+                replica.url, request.method, path, headers, body, on_written
             ) as upstream:
                 return await self._answer(request, upstream, replica, dispatch, on_first_byte)
+        except aiohttp.InvalidURL as error:  # the router's own doing: a 500 (errors.json_errors), no ejection
+            raise RuntimeError(f"the router built an invalid upstream URL: {error}") from None
+        except aiohttp.ConnectionTimeoutError:
+            raise UpstreamFailure(
+                TIMEOUT, f"{replica.url}: no connection in time", "it accepted no connection in time"
+            ) from None
         except TimeoutError:
-            raise UpstreamFailure(TIMEOUT, f"{replica.url}: no answer in time", "no answer in time") from None
+            raise _request_timeout(replica) from None
+        except aiohttp.ClientResponseError as error:  # the answer's head could not be parsed
+            raise UpstreamFailure(
+                ERROR,
+                f"{replica.url}: malformed answer: {error_text(error)}",
+                "its answer was malformed",
+                replica_fault=False,
+            ) from None
         except UpstreamError as error:
-            raise UpstreamFailure(ERROR, f"{replica.url}: {error!r}", "its connection failed") from None
+            raise UpstreamFailure(
+                ERROR, f"{replica.url}: {error_text(error)}", "its connection failed"
+            ) from None
 
     async def _answer(
         self,
@@ -180,13 +207,11 @@ class Forwarder:
         try:
             first = await upstream.content.readany()
         except TimeoutError:
-            raise UpstreamFailure(
-                TIMEOUT, f"{replica.url}: no first byte in time", "no first byte in time"
-            ) from None
+            raise _request_timeout(replica) from None
         except UpstreamError as error:
             raise UpstreamFailure(
                 ERROR,
-                f"{replica.url}: dropped before the first byte: {error!r}",
+                f"{replica.url}: dropped before the first byte: {error_text(error)}",
                 "its connection dropped before the first byte",
             ) from None
         replica.first_byte(dispatch, time.perf_counter())
@@ -231,10 +256,13 @@ class Forwarder:
             try:
                 chunk = await upstream.content.readany()
             except (TimeoutError, UpstreamError) as error:
-                log.warning("replica %s failed mid-response: %r", replica.url, error)
                 timed_out = isinstance(error, TimeoutError)
-                self._eject(replica, TIMEOUT if timed_out else ERROR)
-                problem = "it did not finish in time" if timed_out else "its connection broke"
+                if timed_out:  # the request ran long: no fault of the replica's
+                    log.info("request to replica %s ran past the request timeout", replica.url)
+                else:
+                    log.warning("replica %s failed mid-response: %s", replica.url, error_text(error))
+                    self._eject(replica, ERROR)
+                problem = "it ran past the router's request timeout" if timed_out else "its connection broke"
                 await end_broken(
                     request,
                     response,
@@ -251,6 +279,17 @@ class Forwarder:
         if held:
             await response.write(held)  # the replica ended its body there: pass on what it sent
         await response.write_eof()
+
+
+def _request_timeout(replica: Replica) -> UpstreamFailure:
+    return UpstreamFailure(
+        TIMEOUT,
+        f"{replica.url}: no answer within the request timeout",
+        "it ran past the router's request timeout",
+        replica_fault=False,
+        status=504,
+        code="upstream_timeout",
+    )
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:

@@ -3,9 +3,11 @@ keep-alive connections, with the router's timeouts and the one silent retry a ke
 
 A pooled connection the engine closed while idle fails before any response byte, with no way to tell
 whether the engine saw the request. Engines close idle connections only when no request is on them, so
-that one failure is retried once on a fresh connection (as urllib3 does) instead of counting against the
-replica. Bodies pass byte for byte: nothing is decompressed and no header is added but Host and
-Content-Length.
+that one failure, on a reused connection only, is retried once on a fresh one instead of counting against
+the replica. A fresh connection that drops was dropped by an engine that had the request (it may have
+read it and run it): re-sending a POST there could run it twice, so it is never retried (the rule of Go's
+``net/http``; aiohttp itself re-sends only idempotent methods). Bodies pass byte for byte: nothing is
+decompressed and no header is added but Host and Content-Length.
 
 A replica that leaves the fleet keeps its session until its last request ends (a draining pod finishes
 its streams); then the session and its connections close.
@@ -45,6 +47,7 @@ class UpstreamClient:
         self._trace = aiohttp.TraceConfig()
         self._trace.on_request_headers_sent.append(_written)
         self._trace.on_request_chunk_sent.append(_written)
+        self._trace.on_connection_reuseconn.append(_reused)
         self._sessions: dict[str, aiohttp.ClientSession] = {}
         self._leaving: dict[str, aiohttp.ClientSession] = {}
         self._active: Counter[str] = Counter()
@@ -65,8 +68,10 @@ class UpstreamClient:
         or ``TimeoutError`` before the response's head."""
         session = self._session(url)
         self._active[url] += 1
+        context = SimpleNamespace(on_written=on_written, reused=False)
         try:
             for attempt in range(2):
+                context.reused = False
                 try:
                     response = await session.request(
                         method,
@@ -75,11 +80,11 @@ class UpstreamClient:
                         headers=headers,
                         skip_auto_headers=_NO_AUTO_HEADERS,
                         allow_redirects=False,
-                        trace_request_ctx=SimpleNamespace(on_written=on_written),
+                        trace_request_ctx=context,
                     )
                     break
                 except aiohttp.ServerDisconnectedError:
-                    if attempt:
+                    if attempt or not context.reused:
                         raise
             async with response:
                 yield response
@@ -136,9 +141,21 @@ class UpstreamClient:
         return sock
 
 
+def error_text(error: BaseException) -> str:
+    """An upstream error for a log line: its type and ``str()`` (status, message, URL), never its ``repr()``,
+    which for a ``ClientResponseError`` holds the request's headers: the client's key, the router's token."""
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 async def _written(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
     request_context = context.trace_request_ctx
     on_written = request_context.on_written if request_context is not None else None
     if on_written is not None:
         request_context.on_written = None
         on_written()
+
+
+async def _reused(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
+    if context.trace_request_ctx is not None:
+        context.trace_request_ctx.reused = True  # the request goes out on a pooled keep-alive connection

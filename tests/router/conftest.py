@@ -4,8 +4,9 @@ A fake engine speaks the engine ⇄ router contract (docs/engine-router-contract
 derives prompt ids and block hashes with the same shared functions as the real engine, holds a prefix
 cache, publishes ``/kv/events`` and ``/kv/snapshot``, reports ``/load`` from its own queue, and streams SSE.
 Its behaviour (prefill time per uncached token, status to answer, hanging, readiness, overridden ``/load``
-fields) is a mutable :class:`FakeEngineBehavior`; ``crash()`` drops every connection and the listener. A
-body it cannot derive a prompt from gets a 400 OpenAI error, as from the real engine.
+fields, dropping a request unanswered, an oversize answer header) is a mutable :class:`FakeEngineBehavior`;
+``crash()`` drops every connection and the listener. A body it cannot derive a prompt from gets a 400
+OpenAI error, as from the real engine.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class FakeEngineBehavior:
     load: dict[str, Any] = field(default_factory=dict)  # /load fields to override
     load_delay_s: float = 0.0  # /load answers this late
     tear_stream: bool = False  # after the tokens of a stream, write half an event and drop the connection
+    drop_unanswered: bool = False  # read an inference request, then close its connection without answering
+    header_bytes: int = 0  # a non-streamed answer carries an ``x-big`` header of this many bytes
     tenancy: TenantPolicy = field(default_factory=TenantPolicy)  # how it derives tenants (e.g. with API keys)
 
 
@@ -207,6 +210,10 @@ class FakeEngine:
             request.transport.get_extra_info("peername") if request.transport else None
         )
         b = self.behavior
+        if b.drop_unanswered:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
         if b.inference_status != 200:
             return web.json_response(
                 {"error": {"message": "fake failure", "code": b.inference_status}}, status=b.inference_status
@@ -274,7 +281,8 @@ class FakeEngine:
                     "choices": [{"text": "t0 t1 t2"}],
                     "usage": usage,
                     "served_by": self.port,
-                }
+                },
+                headers={"x-big": "a" * self.behavior.header_bytes} if self.behavior.header_bytes else None,
             )
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

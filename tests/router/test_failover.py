@@ -69,16 +69,6 @@ async def test_a_replica_that_stops_being_ready_or_answers_load_too_slowly_is_ej
     await until(lambda: len(router.router.fleet.routable()) == 3)  # re-admitted once ready and prompt
 
 
-async def test_a_hanging_replica_times_out_and_the_retry_answers(fake_engines, routers, http):
-    hanging, healthy = await fake_engines(2)
-    healthy.behavior.load = SLOW
-    hanging.behavior.hang = True
-    router = await routers([hanging.url, healthy.url], request_timeout_s=0.5)
-    async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
-        assert (response.status, response.headers[REPLICA_HEADER]) == (200, healthy.url)
-    assert sample(router, "kvpilot_router_ejections_total", replica=hanging.url, reason="timeout") == 1
-
-
 async def test_when_every_try_fails_the_client_gets_the_last_answer_or_a_502(fake_engines, routers, http):
     first, second = await fake_engines(2, inference_status=503)
     second.behavior.load = SLOW

@@ -327,6 +327,32 @@ async def test_security_a_trickled_body_is_timed_out_with_408(fake_engines, rout
     assert engine.received == []
 
 
+async def test_a_body_timeout_is_an_invalid_request_error_and_its_connection_closes_at_once(
+    fake_engines, routers
+):
+    """408 is the client's doing (OpenAI's and vLLM's type for it): not a server_error. The router reads no
+    more of a body it gave up on: aiohttp would linger 10 s reading it before closing the connection."""
+    import time
+
+    from raw_http import error_of, exchange_async
+
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], body_read_timeout_s=0.3)
+    start = time.monotonic()
+    status, headers, body = await exchange_async(
+        router.url,
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"prompt": ',
+        timeout_s=5,
+    )  # read until the router closes
+    assert (status, error_of(body)["type"], error_of(body)["code"]) == (
+        408,
+        "invalid_request_error",
+        "request_timeout",
+    )
+    assert headers["connection"] == "close" and time.monotonic() - start < 3
+
+
 async def test_security_with_the_engines_keys_the_router_predicts_the_tenant_from_the_key(
     fake_engines, routers, http
 ):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
 from multidict import CIMultiDict
 
@@ -183,6 +184,26 @@ async def test_a_pooled_connection_closed_while_idle_is_retried_once_on_a_new_on
             async with request(client, server) as response:
                 assert await response.read() == b'{"a": 1}'
         assert server.connections == 2
+        await client.close()
+
+
+async def test_a_fresh_connection_dropped_after_the_request_is_never_sent_the_request_again():
+    """The engine read the request on a new connection and closed it unanswered: it may have run it, so
+    re-sending the POST could run it twice; only a reused keep-alive connection is retried."""
+
+    def make(server: RawServer) -> Handler:
+        async def handle(reader, writer):
+            await server.read_request(reader)  # reads it, then closes without an answer
+
+        return handle
+
+    async with await serve(make) as server:
+        client = UpstreamClient(2.0, 5.0)
+        written = []
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            async with request(client, server, on_written=lambda: written.append(1)):
+                pass
+        assert (len(server.requests), server.connections, written) == (1, 1, [1])
         await client.close()
 
 
