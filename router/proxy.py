@@ -47,6 +47,9 @@ _HOP_BY_HOP = frozenset(
         "server",
     }
 )
+# Content-Encodings aiohttp's request parser decodes (aiohttp.http_parser.HttpParser.parse_headers): the
+# router forwards such a body decoded, so the header no longer describes it.
+_DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
 # What ends an SSE event (a blank line, in any of the spec's line endings).
 _EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
@@ -97,13 +100,17 @@ def describe(replica: Replica | None) -> str:
     return f"engine replica {pod}" if pod else "an upstream replica"
 
 
-def forward_headers(headers: Any, vouch: str | None = None) -> CIMultiDict[str]:
+def forward_headers(headers: Any, vouch: str | None = None, decoded: bool = False) -> CIMultiDict[str]:
     """Headers to pass across the proxy: without hop-by-hop ones and without any router token the other side
-    sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``)."""
+    sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``).
+    ``decoded``: the body goes on as aiohttp decoded it, so a Content-Encoding it undid is dropped
+    (Content-Length, hop-by-hop, is the sent body's)."""
     forwarded = CIMultiDict(
         (k, v)
         for k, v in headers.items()
-        if (lower := k.lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER
+        if (lower := k.lower()) not in _HOP_BY_HOP
+        and lower != ROUTER_TOKEN_HEADER
+        and not (decoded and lower == "content-encoding" and v.isascii() and v.lower() in _DECODED_ENCODINGS)
     )
     if vouch is not None:
         forwarded[ROUTER_TOKEN_HEADER] = vouch
@@ -150,7 +157,7 @@ class Forwarder:
         on_written: Callable[[], None] | None,
         on_first_byte: Callable[[], None] | None,
     ) -> web.StreamResponse:
-        headers = forward_headers(request.headers, self._vouch)
+        headers = forward_headers(request.headers, self._vouch, decoded=True)
         try:
             async with self._client.request(
                 replica.url, request.method, request.raw_path, headers, body, on_written
