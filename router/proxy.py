@@ -5,7 +5,8 @@ point (connect error, timeout, HTTP 502/503/504, a connection dropped before the
 on another replica without the client noticing. After the first byte the client gets the error, never a
 silently truncated answer that looks complete: an SSE stream ends as the engine ends one that fails, with a
 ``data: {"error": ...}`` event and ``data: [DONE]`` (an event the replica left half-written is dropped, so
-the error starts on an event boundary); any other body ends with a broken connection.
+the error starts on an event boundary; ``sse_events`` holds only so much of one, and a stream that fails
+inside a longer one ends broken); any other body ends with a broken connection.
 
 Messages to clients, and the ``x-kvpilot-replica`` header, name a replica by its pod where discovery knows
 it (EndpointSlices), never by its address; a replica configured by URL (``--replicas``) is named by that URL.
@@ -26,6 +27,7 @@ from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
 from kvpilot.router.errors import end_broken, error_body, error_response
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
+from kvpilot.router.sse_events import EventSplitter
 from kvpilot.router.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,6 @@ _HOP_BY_HOP = frozenset(
 # router forwards such a body decoded, so the header no longer describes it.
 _DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
-# What ends an SSE event (a blank line, in any of the spec's line endings).
-_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
 
 class UpstreamFailure(Exception):
@@ -221,12 +221,11 @@ class Forwarder:
     ) -> None:
         # an SSE stream that can take an error event after a failure (one of known length cannot)
         events = response.content_type == "text/event-stream" and response.content_length is None
-        held = b""  # an SSE event not complete yet: relayed with its end, dropped if the replica dies first
+        # an SSE event not complete yet is relayed with its end, dropped if the replica dies first
+        splitter = EventSplitter() if events else None
         while True:
-            if events and not chunk.endswith(_EVENT_ENDS):  # the engine writes whole events: rarely taken
-                chunk, held = _complete_events(held + chunk)
-            elif held:
-                chunk, held = held + chunk, b""
+            if splitter is not None:
+                chunk = splitter.feed(chunk)
             if chunk:
                 await response.write(chunk)
                 # aiohttp waits for a paused transport only every 64 KiB written: wait at once, so the
@@ -245,7 +244,7 @@ class Forwarder:
                 await end_broken(
                     request,
                     response,
-                    events,
+                    splitter is not None and not splitter.torn,  # an error event, unless after half an event
                     error_body(
                         504 if timed_out else 502,
                         f"{describe(replica)} failed mid-response: {problem}",
@@ -255,8 +254,8 @@ class Forwarder:
                 return
             if not chunk:
                 break
-        if held:
-            await response.write(held)  # the replica ended its body there: pass on what it sent
+        if splitter is not None and (rest := splitter.rest()):
+            await response.write(rest)  # the replica ended its body there: pass on what it sent
         await response.write_eof()
 
 
@@ -265,9 +264,3 @@ async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
         return await response.read()
     except (TimeoutError, UpstreamError):
         return b""
-
-
-def _complete_events(data: bytes) -> tuple[bytes, bytes]:
-    """``data`` split after its last complete SSE event: (complete events, the incomplete rest)."""
-    end = max(data.rfind(ending) + len(ending) if ending in data else 0 for ending in _EVENT_ENDS)
-    return data[:end], data[end:]
