@@ -206,8 +206,7 @@ class RouterApp:
                 self._count_decision(decision, profile)
             if profile is not None:
                 dispatch.chains = replica.chains(profile)
-            replica.begin(dispatch)
-            self.metrics.in_flight.labels(replica.url).inc()
+            replica.begin(dispatch)  # counted in flight (metrics.InFlight) until replica.finish
             # the routing overhead: arrival → the first try's request going out to its replica
             written = (
                 functools.partial(self._observe_overhead, arrival)
@@ -229,8 +228,6 @@ class RouterApp:
                 failure = error
             finally:
                 replica.finish(dispatch, time.perf_counter())
-                if replica.url in self.fleet.replicas:
-                    self.metrics.in_flight.labels(replica.url).dec()
         return self._no_answer(failure)
 
     def _observe_overhead(self, arrival: float) -> None:

@@ -329,3 +329,52 @@ async def test_a_replica_dying_inside_an_event_too_long_to_hold_breaks_the_conne
             await response.read()
     assert received == b'data: {"choices": [{"text": "t0"}]}\n\n'
     await until(lambda: not router.router.fleet.routable())
+
+
+def replica_series(router, url: str) -> list[str]:
+    """Every exported sample that names replica ``url``."""
+    return [
+        f"{sample.name}{sample.labels}"
+        for family in router.router.metrics.registry.collect()
+        for sample in family.samples
+        if sample.labels.get("replica") == url
+    ]
+
+
+async def test_a_replica_removed_while_a_request_is_in_flight_leaves_no_series_behind(
+    fake_engines, routers, http, until
+):
+    (engine,) = await fake_engines(1, hang=True)
+    router = await routers([engine.url])
+    fleet = router.router.fleet
+    request = asyncio.ensure_future(http.post(router.url + "/v1/completions", json=completion()))
+    await until(lambda: engine.waiting == 1)
+    fleet.set_endpoints([])  # discovery drops it; its request goes on
+    assert replica_series(router, engine.url) == []
+    await engine.crash()  # the request fails there: the removed replica is not counted again
+    async with await request as response:
+        assert response.status == 502
+    assert replica_series(router, engine.url) == []
+
+
+async def test_the_in_flight_gauge_never_goes_negative_when_a_replica_is_removed_and_readded(
+    fake_engines, routers, http, until
+):
+    (engine,) = await fake_engines(1, hang=True)
+    router = await routers([engine.url])
+    fleet = router.router.fleet
+    in_flight = "kvpilot_router_in_flight_requests"
+    request = asyncio.ensure_future(http.post(router.url + "/v1/completions", json=completion(stream=False)))
+    await until(lambda: engine.waiting == 1)
+    assert sample(router, in_flight, replica=engine.url) == 1
+    fleet.set_endpoints([])
+    fleet.set_endpoints([Endpoint(engine.url)])  # back, as a new replica: the old request is not its own
+    await until(lambda: bool(fleet.routable()))
+    assert sample(router, in_flight, replica=engine.url) == 0
+    engine.behavior.hang = False
+    async with await request as response:
+        assert response.status == 200
+    assert sample(router, in_flight, replica=engine.url) == 0
+    async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
+        assert response.status == 200
+    assert sample(router, in_flight, replica=engine.url) == 0
