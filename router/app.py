@@ -235,7 +235,9 @@ class RouterApp:
 
     def _observe_ttft(self, dispatch: Dispatch) -> Callable[[], None]:
         def observe() -> None:
-            if dispatch.first_byte_at is not None:
+            if (
+                dispatch.computed and dispatch.first_byte_at is not None
+            ):  # an engine's refusal is no first token
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
 
         return observe

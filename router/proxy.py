@@ -196,7 +196,7 @@ class Forwarder:
                 f"{replica.url}: dropped before the first byte: {error!r}",
                 "its connection dropped before the first byte",
             ) from None
-        replica.first_byte(dispatch, time.perf_counter())
+        replica.first_byte(dispatch, time.perf_counter(), upstream.status)
         response = web.StreamResponse(
             status=upstream.status, reason=upstream.reason or None, headers=forward_headers(upstream.headers)
         )

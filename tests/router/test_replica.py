@@ -95,7 +95,7 @@ def test_sent_prompts_count_as_cached_while_in_flight_and_until_an_events_poll_c
     assert replica.cached_tokens(follower) == 80
     replica.kv_applied(sent_at=11.5)  # an events poll cannot confirm a request still in flight
     assert replica.cached_tokens(follower) == 80
-    replica.first_byte(dispatch, 11.5)
+    replica.first_byte(dispatch, 11.5, 200)
     replica.finish(dispatch, now=12.0)
     assert replica.cached_tokens(follower) == 80  # finished, not yet in the index
     replica.kv_applied(sent_at=11.9)  # a poll sent before the finish does not confirm it
@@ -125,7 +125,7 @@ def finish_unique(replica: Replica, count: int, tokens: int, start: float) -> li
         sent = start + i / 1000
         dispatch = Dispatch(sent, 0, tokens, 1, chains=replica.chains(request))
         replica.begin(dispatch)
-        replica.first_byte(dispatch, sent + 0.0002)
+        replica.first_byte(dispatch, sent + 0.0002, 200)
         replica.finish(dispatch, now=sent + 0.0005)
         requests.append(request)
     return requests
@@ -154,6 +154,27 @@ def test_sent_prompts_hold_a_bounded_number_of_tokens_and_only_for_a_while():
     (fresh,) = finish_unique(replica, 1, 64, start=later)
     assert len(replica.sent) == 1  # what finished more than MAX_HELD_AGE_S before is dropped
     assert replica.cached_tokens(requests[-1]) == 0 and replica.cached_tokens(fresh) == 48
+
+
+def test_a_refused_request_computed_nothing_and_teaches_no_rate():
+    """An engine's 4xx (or 5xx) answer is a first byte but no prefill: its prompt is not held as cached
+    there, and its quick answer is not a prefill speed."""
+    replica = synced_replica()
+    request = profile(1000)
+    for status in (400, 429, 500):
+        dispatch = Dispatch(11.0, 1000, 1000, 63, chains=replica.chains(request))
+        replica.begin(dispatch)
+        replica.first_byte(dispatch, 11.001, status)
+        assert not dispatch.computed
+        replica.finish(dispatch, now=11.002)
+        assert replica.cached_tokens(request) == 0 and len(replica.sent) == 0
+        assert replica.rate.observed_rate is None
+    dispatch = Dispatch(12.0, 1000, 1000, 63, chains=replica.chains(request))
+    replica.begin(dispatch)
+    replica.first_byte(dispatch, 12.5, 200)
+    replica.finish(dispatch, now=13.0)
+    assert dispatch.computed and replica.cached_tokens(request) == 992
+    assert replica.rate.observed_rate == 2000.0
 
 
 def test_a_hit_stops_at_the_first_missing_block_and_never_covers_the_last_token():
