@@ -209,8 +209,7 @@ class RouterApp:
                 self._count_decision(decision, profile)
             if profile is not None:
                 dispatch.chains = replica.chains(profile)
-            replica.begin(dispatch)
-            self.metrics.in_flight.labels(replica.url).inc()
+            replica.begin(dispatch)  # counted in flight (metrics.InFlight) until replica.finish
             # the routing overhead: arrival → the first try's request going out to its replica
             written = (
                 functools.partial(self._observe_overhead, arrival)
@@ -234,8 +233,6 @@ class RouterApp:
                 self.fleet.eject(replica, error.reason)
             finally:
                 replica.finish(dispatch, time.perf_counter())
-                if replica.url in self.fleet.replicas:
-                    self.metrics.in_flight.labels(replica.url).dec()
         return self._no_answer(failure)
 
     def _observe_overhead(self, arrival: float) -> None:
@@ -243,7 +240,9 @@ class RouterApp:
 
     def _observe_ttft(self, dispatch: Dispatch) -> Callable[[], None]:
         def observe() -> None:
-            if dispatch.first_byte_at is not None:
+            if (
+                dispatch.computed and dispatch.first_byte_at is not None
+            ):  # an engine's refusal is no first token
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
 
         return observe

@@ -33,6 +33,7 @@ class Fleet:
         self._on_removed = on_removed
         #: set whenever some replica becomes routable (lets startup and tests wait without sleeping)
         self.changed = asyncio.Event()
+        metrics.in_flight.source = lambda: [(url, len(r.in_flight)) for url, r in self.replicas.items()]
 
     def set_endpoints(self, endpoints: Iterable[Endpoint]) -> None:
         """Make the fleet exactly ``endpoints``: start polling new ones, drop the missing ones (their
@@ -51,7 +52,6 @@ class Fleet:
                 replica.zone, replica.pod = endpoint.zone, endpoint.pod
                 continue
             replica = self.replicas[url] = Replica(url, endpoint.zone, endpoint.pod)
-            self._metrics.in_flight.labels(url).set(0)
             poller = ReplicaPoller(replica, self._session, self._interval_s, self)
             self._pollers[url] = asyncio.get_running_loop().create_task(poller.run(), name=f"poll {url}")
         self._refresh_gauges()
@@ -72,9 +72,14 @@ class Fleet:
                 await task
         self._pollers.clear()
 
+    def _member(self, replica: Replica) -> bool:
+        """Whether ``replica`` is (still) in the fleet: a removed one's late failures and polls are not
+        counted, or they would bring back the series its removal dropped."""
+        return self.replicas.get(replica.url) is replica
+
     # PollListener
     def on_eject(self, replica: Replica, reason: str, was_routable: bool) -> None:
-        if was_routable:
+        if was_routable and self._member(replica):
             self._metrics.ejections.labels(replica.url, reason).inc()
         self._refresh_gauges()
 
@@ -84,7 +89,8 @@ class Fleet:
         self._refresh_gauges()
 
     def on_resync(self, replica: Replica) -> None:
-        self._metrics.kv_resyncs.labels(replica.url).inc()
+        if self._member(replica):
+            self._metrics.kv_resyncs.labels(replica.url).inc()
 
     def _refresh_gauges(self) -> None:
         self._metrics.known.set(len(self.replicas))

@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 import orjson
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http_exceptions import ContentEncodingError
 
 
 def parse_json(raw: bytes) -> object:
@@ -40,9 +41,10 @@ class BodyError(ValueError):
 async def read_json_object(
     request: web.Request, max_bytes: int, timeout_s: float
 ) -> tuple[bytes, dict[str, Any]]:
-    """The raw body (forwarded as it came) and its JSON object. A declared Content-Length over ``max_bytes``
-    is refused unread (a client declaring 30 MB gets its answer before sending any of it); a body that
-    takes longer than ``timeout_s`` to arrive gets 408."""
+    """The body as aiohttp decoded it (its Content-Encoding undone: what is forwarded) and its JSON object.
+    A declared Content-Length over ``max_bytes`` is refused unread (a client declaring 30 MB gets its answer
+    before sending any of it); a body that takes longer than ``timeout_s`` to arrive gets 408; one that does
+    not decode as its Content-Encoding says, or breaks its framing, gets 400."""
     too_large = BodyError(413, f"request body exceeds {max_bytes} bytes", "request_too_large")
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large
@@ -54,6 +56,12 @@ async def read_json_object(
         ) from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
+    except web.RequestPayloadError as error:
+        if isinstance(error.__cause__, ContentEncodingError):
+            encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+            message = f"request body is not valid {encoding} (its Content-Encoding)"
+            raise BodyError(400, message, "invalid_encoding") from None
+        raise BodyError(400, "request body does not match its framing", "invalid_body") from None
     try:
         body = parse_json(raw)
     except ValueError as error:

@@ -5,9 +5,12 @@ counters end in ``_total``) and pass ``promtool check metrics``."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from kvpilot.router.scoring import REASONS
 
@@ -62,12 +65,8 @@ class RouterMetrics:
             buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge(
-            "kvpilot_router_in_flight_requests",
-            "Requests this router has in flight, per replica",
-            ["replica"],
-            registry=r,
-        )
+        self.in_flight = InFlight()
+        r.register(self.in_flight)
         self.retries = Counter(
             "kvpilot_router_retries",
             "Requests retried on another replica after the first failed before any byte reached the client",
@@ -103,9 +102,8 @@ class RouterMetrics:
 
     def forget_replica(self, url: str) -> None:
         """Drop a removed replica's labelled series (keeps cardinality bounded as pods come and go)."""
-        for metric in (self.in_flight, self.kv_resyncs):
-            with contextlib.suppress(KeyError):
-                metric.remove(url)
+        with contextlib.suppress(KeyError):
+            self.kv_resyncs.remove(url)
         for labels in [s.labels for m in self.ejections.collect() for s in m.samples]:
             if labels.get("replica") == url:
                 with contextlib.suppress(KeyError):
@@ -113,3 +111,23 @@ class RouterMetrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class InFlight(Collector):
+    """``kvpilot_router_in_flight_requests``, read from the replicas at each scrape rather than counted up
+    and down: a replica removed (or removed and added again) while its requests run can neither keep a
+    series nor go below zero."""
+
+    def __init__(self) -> None:
+        #: (replica URL, requests in flight there) of every replica in the fleet; set by the fleet
+        self.source: Callable[[], Iterable[tuple[str, int]]] = lambda: ()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvpilot_router_in_flight_requests",
+            "Requests this router has in flight, per replica",
+            labels=["replica"],
+        )
+        for url, count in self.source():
+            family.add_metric([url], count)
+        yield family

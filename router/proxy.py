@@ -7,7 +7,8 @@ nothing and runs nothing twice (docs/architecture.md#engine-and-router): past ``
 504, an answer head that does not parse a 502. After the first byte the client gets the error, never a
 silently truncated answer that looks complete: an SSE stream ends as the engine ends one that fails, with a
 ``data: {"error": ...}`` event and ``data: [DONE]`` (an event the replica left half-written is dropped, so
-the error starts on an event boundary); any other body ends with a broken connection.
+the error starts on an event boundary; ``sse_events`` holds only so much of one, and a stream that fails
+inside a longer one ends broken); any other body ends with a broken connection.
 
 Messages to clients, and the ``x-kvpilot-replica`` header, name a replica by its pod where discovery knows
 it (EndpointSlices), never by its address; a replica configured by URL (``--replicas``) is named by that URL.
@@ -28,6 +29,7 @@ from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
 from kvpilot.router.errors import end_broken, error_body, error_response
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
+from kvpilot.router.sse_events import EventSplitter
 from kvpilot.router.upstream import UpstreamClient, UpstreamError, error_text
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,10 @@ _HOP_BY_HOP = frozenset(
         "server",
     }
 )
+# Content-Encodings aiohttp's request parser decodes (aiohttp.http_parser.HttpParser.parse_headers): the
+# router forwards such a body decoded, so the header no longer describes it.
+_DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
-# What ends an SSE event (a blank line, in any of the spec's line endings).
-_EVENT_ENDS = (b"\n\n", b"\r\r", b"\n\r\n")
 
 
 class UpstreamFailure(Exception):
@@ -106,13 +109,17 @@ def describe(replica: Replica | None) -> str:
     return f"engine replica {pod}" if pod else "an upstream replica"
 
 
-def forward_headers(headers: Any, vouch: str | None = None) -> CIMultiDict[str]:
+def forward_headers(headers: Any, vouch: str | None = None, decoded: bool = False) -> CIMultiDict[str]:
     """Headers to pass across the proxy: without hop-by-hop ones and without any router token the other side
-    sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``)."""
+    sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``).
+    ``decoded``: the body goes on as aiohttp decoded it, so a Content-Encoding it undid is dropped
+    (Content-Length, hop-by-hop, is the sent body's)."""
     forwarded = CIMultiDict(
         (k, v)
         for k, v in headers.items()
-        if (lower := k.lower()) not in _HOP_BY_HOP and lower != ROUTER_TOKEN_HEADER
+        if (lower := k.lower()) not in _HOP_BY_HOP
+        and lower != ROUTER_TOKEN_HEADER
+        and not (decoded and lower == "content-encoding" and v.isascii() and v.lower() in _DECODED_ENCODINGS)
     )
     if vouch is not None:
         forwarded[ROUTER_TOKEN_HEADER] = vouch
@@ -159,7 +166,7 @@ class Forwarder:
         on_written: Callable[[], None] | None,
         on_first_byte: Callable[[], None] | None,
     ) -> web.StreamResponse:
-        headers = forward_headers(request.headers, self._vouch)
+        headers = forward_headers(request.headers, self._vouch, decoded=True)
         # the target's path and query only: an absolute-form target (``POST http://x/v1/...``) is routed by
         # its path, and its scheme and host are the client's, not the replica's
         path = request.rel_url.raw_path_qs
@@ -214,7 +221,7 @@ class Forwarder:
                 f"{replica.url}: dropped before the first byte: {error_text(error)}",
                 "its connection dropped before the first byte",
             ) from None
-        replica.first_byte(dispatch, time.perf_counter())
+        replica.first_byte(dispatch, time.perf_counter(), upstream.status)
         response = web.StreamResponse(
             status=upstream.status, reason=upstream.reason or None, headers=forward_headers(upstream.headers)
         )
@@ -239,12 +246,11 @@ class Forwarder:
     ) -> None:
         # an SSE stream that can take an error event after a failure (one of known length cannot)
         events = response.content_type == "text/event-stream" and response.content_length is None
-        held = b""  # an SSE event not complete yet: relayed with its end, dropped if the replica dies first
+        # an SSE event not complete yet is relayed with its end, dropped if the replica dies first
+        splitter = EventSplitter() if events else None
         while True:
-            if events and not chunk.endswith(_EVENT_ENDS):  # the engine writes whole events: rarely taken
-                chunk, held = _complete_events(held + chunk)
-            elif held:
-                chunk, held = held + chunk, b""
+            if splitter is not None:
+                chunk = splitter.feed(chunk)
             if chunk:
                 await response.write(chunk)
                 # aiohttp waits for a paused transport only every 64 KiB written: wait at once, so the
@@ -266,7 +272,7 @@ class Forwarder:
                 await end_broken(
                     request,
                     response,
-                    events,
+                    splitter is not None and not splitter.torn,  # an error event, unless after half an event
                     error_body(
                         504 if timed_out else 502,
                         f"{describe(replica)} failed mid-response: {problem}",
@@ -276,8 +282,8 @@ class Forwarder:
                 return
             if not chunk:
                 break
-        if held:
-            await response.write(held)  # the replica ended its body there: pass on what it sent
+        if splitter is not None and (rest := splitter.rest()):
+            await response.write(rest)  # the replica ended its body there: pass on what it sent
         await response.write_eof()
 
 
@@ -297,9 +303,3 @@ async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
         return await response.read()
     except (TimeoutError, UpstreamError):
         return b""
-
-
-def _complete_events(data: bytes) -> tuple[bytes, bytes]:
-    """``data`` split after its last complete SSE event: (complete events, the incomplete rest)."""
-    end = max(data.rfind(ending) + len(ending) if ending in data else 0 for ending in _EVENT_ENDS)
-    return data[:end], data[end:]

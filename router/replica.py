@@ -34,6 +34,8 @@ class Dispatch:
     #: the request's prompts as block chains under this replica's root (empty if the root is unknown)
     chains: tuple[BlockChain, ...] = ()
     first_byte_at: float | None = None
+    #: the replica's answer was a success (2xx): its prefill ran there (an engine's 4xx/5xx computed none)
+    computed: bool = False
 
 
 class Replica:
@@ -123,13 +125,16 @@ class Replica:
         self.in_flight.add(dispatch)
         self.sent.add(dispatch.chains)
 
-    def first_byte(self, dispatch: Dispatch, now: float) -> None:
+    def first_byte(self, dispatch: Dispatch, now: float, status: int) -> None:
+        """The answer's first byte came, with HTTP ``status``; only a success measured a prefill."""
         dispatch.first_byte_at = now
-        self.rate.observe(dispatch.prefill_work_tokens, now - dispatch.sent_at)
+        dispatch.computed = 200 <= status < 300
+        if dispatch.computed:
+            self.rate.observe(dispatch.prefill_work_tokens, now - dispatch.sent_at)
 
     def finish(self, dispatch: Dispatch, now: float) -> None:
         if dispatch not in self.in_flight:
             return
         self.in_flight.discard(dispatch)
-        # A first byte means its prefill ran there: its blocks are cached until a poll says otherwise.
-        self.sent.finish(dispatch.chains, now, computed=dispatch.first_byte_at is not None)
+        # A successful answer means its prefill ran there: its blocks are cached until a poll says otherwise.
+        self.sent.finish(dispatch.chains, now, computed=dispatch.computed)

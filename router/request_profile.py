@@ -26,6 +26,10 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 _TIE_ROOT = b"kvpilot-router-tie-v1"
 _TOKEN_ID_LIMIT = 1 << 32  # block hashes hold ids as uint32; the engine refuses larger ones anyway
 _MAX_OUTPUT_BUDGET = 1 << 53  # beyond any KV cache, and still exact as the float the scoring divides
+#: a request's prompts the router tokenizes and hashes at most (each costs a tokenizer call on the event loop)
+MAX_PROFILED_PROMPTS = 128
+#: characters the router tokenizes for one request at most (~0.5 s of one core), whatever the context limit
+MAX_PROFILED_CHARS = 1 << 20
 # What rendering and tokenizing arbitrary client JSON can raise: all of it is the request's fault.
 _BAD_INPUT = (ValueError, TypeError, LookupError, RecursionError, ArithmeticError)
 
@@ -75,13 +79,21 @@ class RequestProfiler:
         #: the fleet's largest context limit in tokens (None: unknown yet); set by the app
         self.context_limit: Callable[[], int | None] = lambda: None
 
-    def _check_length(self, chars: int) -> None:
-        """Refuse to tokenize a text whose length alone proves it longer than every replica's context (the
-        engine's own character bound, ``kvpilot.engine.prompt_bound``): it is routed without locality and
-        the engine answers 400 without tokenizing it either."""
+    def _check_length(self, chars: int, prompts: int = 1) -> None:
+        """Refuse to tokenize what is more work than one request may cost the router's event loop: texts
+        whose length alone proves them longer than every replica's context (the engine's own character
+        bound, ``kvpilot.engine.prompt_bound``), or over :data:`MAX_PROFILED_CHARS`, or more than
+        :data:`MAX_PROFILED_PROMPTS` prompts. The bound is on all of a request's texts together: such a
+        request is routed without locality, and the engine, the authority, answers it (400 for a text
+        beyond its context, without tokenizing it either)."""
+        if prompts > MAX_PROFILED_PROMPTS:
+            raise PromptError(f"{prompts} prompts: the router profiles at most {MAX_PROFILED_PROMPTS}")
+        what = f"{chars} characters" if prompts == 1 else f"{prompts} prompts of {chars} characters in all"
         limit = self.context_limit()
         if limit and self._chars_per_token and min_tokens(chars, self._chars_per_token) >= limit:
-            raise PromptError(f"{chars} characters cannot fit a {limit}-token context")
+            raise PromptError(f"{what} cannot fit a {limit}-token context")
+        if chars > MAX_PROFILED_CHARS:
+            raise PromptError(f"{what}: over the {MAX_PROFILED_CHARS} the router tokenizes for one request")
 
     def profile(self, path: str, body: dict[str, Any], tenant: str | None) -> RequestProfile:
         """Raises :class:`PromptError` when the body does not give a prompt the router can tokenize."""
@@ -97,9 +109,7 @@ class RequestProfiler:
             prompts: tuple[Sequence[int], ...] = (self._chat_ids(body),)
         elif path == COMPLETIONS:
             texts = _completion_prompts(body)
-            for prompt in texts:
-                if isinstance(prompt, str):
-                    self._check_length(len(prompt))
+            self._check_length(sum(len(p) for p in texts if isinstance(p, str)), len(texts))
             prompts = tuple(completion_prompt_ids(self._tokenizer, p) for p in texts)
         else:
             raise PromptError(f"no prompt on {path}")

@@ -7,9 +7,12 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
+from aiohttp import web
 
 from kvpilot.router.endpointslices import Endpoint
 from kvpilot.router.proxy import REPLICA_HEADER
+from kvpilot.router.sse_events import HELD_EVENT_BYTES
 
 SLOW = {"queued_prefill_tokens": 1_000_000}  # /load override: this replica looks far slower (chosen second)
 
@@ -256,3 +259,112 @@ async def test_an_engine_dying_mid_run_loses_no_request_that_had_not_started_str
     retried = sample(first, "kvpilot_router_retries_total") + sample(second, "kvpilot_router_retries_total")
     assert retried >= 1, "the crash should have caught requests before their first byte"
     assert len(outcomes) == 40
+
+
+def endless_event(monkeypatch, engine, size: int, release: asyncio.Event, then_crash: bool = False) -> None:
+    """``engine`` answers a stream with one whole event, then ``size`` bytes of one event that never ends
+    (no blank line), then waits for ``release``, then ends its body (or dies, ``then_crash``)."""
+
+    async def answer(request, body, ids, cached):
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "t0"}]}\n\n')
+        await response.write(b"data: ")
+        for _ in range(size // 4096):
+            await response.write(b"x" * 4096)
+        await asyncio.wait_for(release.wait(), 10)
+        if then_crash:
+            await engine.crash()
+            return response
+        await response.write_eof()
+        return response
+
+    monkeypatch.setattr(engine, "_answer", answer)
+
+
+async def test_an_event_longer_than_the_router_holds_is_passed_on_as_it_comes(
+    fake_engines, routers, http, until, monkeypatch
+):
+    """The router holds an unfinished event to drop it if the replica dies, but never more than
+    HELD_EVENT_BYTES of it (it held every byte of a stream without a blank line, and rescanned them all
+    on each chunk): a longer event reaches the client before it ends, byte for byte."""
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    release = asyncio.Event()
+    endless_event(monkeypatch, engine, 4 * HELD_EVENT_BYTES, release)
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        received = bytearray()
+
+        async def read_some() -> None:
+            received.extend(await response.content.readany())
+
+        while len(received) < 2 * HELD_EVENT_BYTES:  # the engine waits: all it wrote is in flight
+            await asyncio.wait_for(read_some(), 5)
+        release.set()
+        received += await response.read()
+    assert bytes(received) == b'data: {"choices": [{"text": "t0"}]}\n\ndata: ' + b"x" * (4 * HELD_EVENT_BYTES)
+
+
+async def test_a_replica_dying_inside_an_event_too_long_to_hold_breaks_the_connection(
+    fake_engines, routers, http, until, monkeypatch
+):
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url])
+    release = asyncio.Event()
+    endless_event(monkeypatch, engine, 2 * HELD_EVENT_BYTES, release, then_crash=True)
+    async with http.post(router.url + "/v1/completions", json=completion()) as response:
+        received = await response.content.readexactly(len(b'data: {"choices": [{"text": "t0"}]}\n\n'))
+        release.set()
+        with pytest.raises(aiohttp.ClientPayloadError):  # not an error event glued to half an event
+            await response.read()
+    assert received == b'data: {"choices": [{"text": "t0"}]}\n\n'
+    await until(lambda: not router.router.fleet.routable())
+
+
+def replica_series(router, url: str) -> list[str]:
+    """Every exported sample that names replica ``url``."""
+    return [
+        f"{sample.name}{sample.labels}"
+        for family in router.router.metrics.registry.collect()
+        for sample in family.samples
+        if sample.labels.get("replica") == url
+    ]
+
+
+async def test_a_replica_removed_while_a_request_is_in_flight_leaves_no_series_behind(
+    fake_engines, routers, http, until
+):
+    (engine,) = await fake_engines(1, hang=True)
+    router = await routers([engine.url])
+    fleet = router.router.fleet
+    request = asyncio.ensure_future(http.post(router.url + "/v1/completions", json=completion()))
+    await until(lambda: engine.waiting == 1)
+    fleet.set_endpoints([])  # discovery drops it; its request goes on
+    assert replica_series(router, engine.url) == []
+    await engine.crash()  # the request fails there: the removed replica is not counted again
+    async with await request as response:
+        assert response.status == 502
+    assert replica_series(router, engine.url) == []
+
+
+async def test_the_in_flight_gauge_never_goes_negative_when_a_replica_is_removed_and_readded(
+    fake_engines, routers, http, until
+):
+    (engine,) = await fake_engines(1, hang=True)
+    router = await routers([engine.url])
+    fleet = router.router.fleet
+    in_flight = "kvpilot_router_in_flight_requests"
+    request = asyncio.ensure_future(http.post(router.url + "/v1/completions", json=completion(stream=False)))
+    await until(lambda: engine.waiting == 1)
+    assert sample(router, in_flight, replica=engine.url) == 1
+    fleet.set_endpoints([])
+    fleet.set_endpoints([Endpoint(engine.url)])  # back, as a new replica: the old request is not its own
+    await until(lambda: bool(fleet.routable()))
+    assert sample(router, in_flight, replica=engine.url) == 0
+    engine.behavior.hang = False
+    async with await request as response:
+        assert response.status == 200
+    assert sample(router, in_flight, replica=engine.url) == 0
+    async with http.post(router.url + "/v1/completions", json=completion(stream=False)) as response:
+        assert response.status == 200
+    assert sample(router, in_flight, replica=engine.url) == 0

@@ -392,3 +392,21 @@ async def test_security_a_trickled_request_head_is_timed_out_with_408(fake_engin
     )
     assert status_line.startswith(b"HTTP/1.1 408") and seconds < 3
     assert engine.received == []
+
+
+async def test_a_prompt_the_engine_refused_is_not_taken_for_cached_there(fake_engines, routers, http):
+    """A 400 is the engine's answer before any prefill: the prompt is not counted as cached on that replica
+    (no affinity, no cached tokens for the next request with it), nor its answer time as a first token."""
+    engines = await fake_engines(2, inference_status=400)
+    router = await routers([e.url for e in engines], poll_interval_s=60)  # no events poll confirms anything
+    async with http.post(router.url + "/v1/chat/completions", json=chat("refused", stream=False)) as response:
+        assert response.status == 400
+    for engine in engines:
+        engine.behavior.inference_status = 200
+    async with http.post(router.url + "/v1/chat/completions", json=chat("refused", stream=False)) as response:
+        assert response.status == 200
+    decisions = "kvpilot_router_decisions_total"
+    assert router_sample(router, decisions, policy="cache_aware", reason="affinity") == 0
+    assert router_sample(router, decisions, policy="cache_aware", reason="cold") == 2
+    assert router_sample(router, "kvpilot_router_cached_prompt_tokens_total") == 0
+    assert router_sample(router, "kvpilot_router_observed_ttft_seconds_count") == 1  # the 200 only

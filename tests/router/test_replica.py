@@ -13,6 +13,7 @@ from kvpilot.router.prefill_rate import PrefillRateEstimator
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import RequestProfile
 from kvpilot.router.scoring import rendezvous_weight
+from kvpilot.router.sent_prompts import MAX_HELD_AGE_S, MAX_HELD_CHAINS, MAX_HELD_TOKENS
 
 ROOT = bytes(16)
 LOAD = {
@@ -94,7 +95,7 @@ def test_sent_prompts_count_as_cached_while_in_flight_and_until_an_events_poll_c
     assert replica.cached_tokens(follower) == 80
     replica.kv_applied(sent_at=11.5)  # an events poll cannot confirm a request still in flight
     assert replica.cached_tokens(follower) == 80
-    replica.first_byte(dispatch, 11.5)
+    replica.first_byte(dispatch, 11.5, 200)
     replica.finish(dispatch, now=12.0)
     assert replica.cached_tokens(follower) == 80  # finished, not yet in the index
     replica.kv_applied(sent_at=11.9)  # a poll sent before the finish does not confirm it
@@ -113,6 +114,67 @@ def test_a_request_that_failed_before_its_first_byte_leaves_nothing_held():
     replica.begin(dispatch)
     replica.finish(dispatch, now=12.0)
     assert replica.cached_tokens(request) == 0 and len(replica.sent) == 0
+
+
+def finish_unique(replica: Replica, count: int, tokens: int, start: float) -> list[RequestProfile]:
+    """``count`` requests with prompts of ``tokens`` tokens that share no block, sent and finished one after
+    another (their prefill ran), with no events poll confirming them."""
+    requests = []
+    for i in range(count):
+        request = RequestProfile(None, (list(range(i * tokens, (i + 1) * tokens)),), 0, b"")
+        sent = start + i / 1000
+        dispatch = Dispatch(sent, 0, tokens, 1, chains=replica.chains(request))
+        replica.begin(dispatch)
+        replica.first_byte(dispatch, sent + 0.0002, 200)
+        replica.finish(dispatch, now=sent + 0.0005)
+        requests.append(request)
+    return requests
+
+
+def test_security_sent_prompts_stay_bounded_while_no_events_poll_confirms_them():
+    """A replica whose /kv/* fails never confirms what it computed: the held prompts are capped (oldest go
+    first), so the router's memory stays flat instead of keeping every prompt it ever sent there."""
+    replica = synced_replica()
+    requests = finish_unique(replica, 3000, 64, start=11.0)  # 4 blocks each, well within the token cap
+    assert len(replica.sent) == MAX_HELD_CHAINS
+    assert replica.cached_tokens(requests[-1]) == 48  # the newest are still held
+    assert replica.cached_tokens(requests[-MAX_HELD_CHAINS]) == 48
+    assert replica.cached_tokens(requests[-MAX_HELD_CHAINS - 1]) == 0
+    replica.kv_applied(sent_at=1e9)  # a poll confirms what is left
+    assert len(replica.sent) == 0
+
+
+def test_sent_prompts_hold_a_bounded_number_of_tokens_and_only_for_a_while():
+    replica = synced_replica()
+    long = 16 * 1024
+    requests = finish_unique(replica, 40, long, start=11.0)
+    assert len(replica.sent) == MAX_HELD_TOKENS // long
+    assert replica.cached_tokens(requests[-1]) == long - 16
+    later = 11.0 + 1 + MAX_HELD_AGE_S
+    (fresh,) = finish_unique(replica, 1, 64, start=later)
+    assert len(replica.sent) == 1  # what finished more than MAX_HELD_AGE_S before is dropped
+    assert replica.cached_tokens(requests[-1]) == 0 and replica.cached_tokens(fresh) == 48
+
+
+def test_a_refused_request_computed_nothing_and_teaches_no_rate():
+    """An engine's 4xx (or 5xx) answer is a first byte but no prefill: its prompt is not held as cached
+    there, and its quick answer is not a prefill speed."""
+    replica = synced_replica()
+    request = profile(1000)
+    for status in (400, 429, 500):
+        dispatch = Dispatch(11.0, 1000, 1000, 63, chains=replica.chains(request))
+        replica.begin(dispatch)
+        replica.first_byte(dispatch, 11.001, status)
+        assert not dispatch.computed
+        replica.finish(dispatch, now=11.002)
+        assert replica.cached_tokens(request) == 0 and len(replica.sent) == 0
+        assert replica.rate.observed_rate is None
+    dispatch = Dispatch(12.0, 1000, 1000, 63, chains=replica.chains(request))
+    replica.begin(dispatch)
+    replica.first_byte(dispatch, 12.5, 200)
+    replica.finish(dispatch, now=13.0)
+    assert dispatch.computed and replica.cached_tokens(request) == 992
+    assert replica.rate.observed_rate == 2000.0
 
 
 def test_a_hit_stops_at_the_first_missing_block_and_never_covers_the_last_token():

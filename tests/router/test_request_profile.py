@@ -8,9 +8,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpilot.engine.kv.block_hash import block_hashes, encode_extra_keys, root_hash
+from kvpilot.engine.prompt_bound import max_chars_per_token
 from kvpilot.engine.prompt_render import chat_prompt_ids, completion_prompt_ids
 from kvpilot.router.block_chain import BlockChain
-from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS, PromptError
+from kvpilot.router.request_profile import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    MAX_PROFILED_CHARS,
+    MAX_PROFILED_PROMPTS,
+    PromptError,
+)
 from kvpilot.router.segment_tokenizer import SegmentTokenizer
 
 ROOT = root_hash("test-model")
@@ -196,3 +203,36 @@ def test_security_a_text_longer_than_every_context_is_not_tokenized(tiny_model_d
     assert profiler.profile(
         COMPLETIONS, {"prompt": "short", "max_tokens": 1}, None
     ).prompts  # small ones still
+
+
+def test_security_a_batch_is_profiled_only_within_one_requests_bounded_work(tiny_model_dir, monkeypatch):
+    """The length check bounds the whole request, not each text: many texts that each fit a context (the
+    probe's 160 of 47k characters, 7.5 MB, ~3 s of tokenizing on the event loop) are routed without
+    locality, untokenized, like one text that cannot fit; so is a batch of more than MAX_PROFILED_PROMPTS
+    prompts or of more than MAX_PROFILED_CHARS characters while no context limit is known."""
+    from kvpilot.router import request_profile
+    from kvpilot.router.server import load_profiler
+
+    profiler = load_profiler(str(tiny_model_dir))
+    calls = []
+    real = request_profile.completion_prompt_ids
+    monkeypatch.setattr(request_profile, "completion_prompt_ids", lambda *a: calls.append(1) or real(*a))
+    fits = "x" * (511 * max_chars_per_token(profiler._tokenizer))  # alone, it may fit 512 tokens
+    profiler.context_limit = lambda: 512
+    assert profiler.profile(COMPLETIONS, {"prompt": [fits]}, None).prompts and calls == [1]
+    with pytest.raises(PromptError, match=f"2 prompts of {2 * len(fits)} characters in all"):
+        profiler.profile(COMPLETIONS, {"prompt": [fits, fits]}, None)
+    profiler.context_limit = lambda: None
+    many = ["a"] * MAX_PROFILED_PROMPTS
+    assert len(profiler.profile(COMPLETIONS, {"prompt": many}, None).prompts) == MAX_PROFILED_PROMPTS
+    calls.clear()
+    with pytest.raises(PromptError, match=f"{MAX_PROFILED_PROMPTS + 1} prompts"):
+        profiler.profile(COMPLETIONS, {"prompt": [*many, "a"]}, None)
+    with pytest.raises(PromptError, match=f"{MAX_PROFILED_PROMPTS + 1} prompts"):
+        profiler.profile(COMPLETIONS, {"prompt": [[1]] * (MAX_PROFILED_PROMPTS + 1)}, None)
+    half = "y" * (MAX_PROFILED_CHARS // 2 + 1)
+    with pytest.raises(PromptError, match=f"2 prompts of {2 * len(half)} characters in all"):
+        profiler.profile(COMPLETIONS, {"prompt": [half, half]}, None)
+    with pytest.raises(PromptError, match=f"characters: over the {MAX_PROFILED_CHARS} the router tokenizes"):
+        profiler.profile(CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": half * 2}]}, None)
+    assert calls == []  # none of them reached the tokenizer

@@ -5,6 +5,7 @@ JSON, arbitrary bytes, methods and paths, as the engine was fuzzed (tests/server
 
 from __future__ import annotations
 
+import gzip
 import json
 from typing import Any
 
@@ -245,3 +246,58 @@ async def test_security_a_request_aiohttp_cannot_parse_gets_an_openai_json_400(r
     error = error_of(body)
     assert (error["code"], error["type"]) == ("invalid_http_request", "invalid_request_error")
     assert router.engine.received == []
+
+
+NOT_GZIP = "request body is not valid gzip (its Content-Encoding)"
+
+
+@pytest.mark.parametrize(
+    ("encoding", "raw", "code", "message"),
+    [
+        ("gzip", b"not gzip at all", "invalid_encoding", NOT_GZIP),
+        (
+            "GZIP",
+            b"not gzip at all",
+            "invalid_encoding",
+            "request body is not valid GZIP (its Content-Encoding)",
+        ),
+        (
+            "deflate",
+            b"\x78\x9c not deflate",
+            "invalid_encoding",
+            "request body is not valid deflate (its Content-Encoding)",
+        ),
+        # a gzip stream cut short decodes to a prefix of its JSON (aiohttp does not ask for its end)
+        (
+            "gzip",
+            gzip.compress(b'{"prompt": "hello"}', mtime=0)[:12],
+            "invalid_json",
+            "request body must be a JSON object: ",
+        ),
+    ],
+)
+async def test_security_a_body_that_does_not_decode_as_its_content_encoding_is_a_400(
+    router, http, encoding: str, raw: bytes, code: str, message: str
+) -> None:
+    status, body = await answer(
+        http, "POST", router.url + COMPLETIONS, data=raw, headers={"Content-Encoding": encoding}
+    )
+    error = assert_openai_error(status, body)
+    assert (status, error["code"], error["message"][: len(message)]) == (400, code, message)
+    assert router.engine.received == []
+
+
+async def test_a_compressed_body_is_forwarded_decoded_with_headers_that_describe_it(router, http) -> None:
+    plain = b'{"prompt": "hello", "max_tokens": 3}'
+    status, body = await answer(
+        http,
+        "POST",
+        router.url + COMPLETIONS,
+        data=gzip.compress(plain, mtime=0),
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert (status, json.loads(body)["usage"]["prompt_tokens"]) == (200, 3)
+    ((_, headers, received),) = router.engine.received
+    assert received == {"prompt": "hello", "max_tokens": 3}
+    assert "Content-Encoding" not in headers
+    assert headers["Content-Length"] == str(len(plain))
