@@ -117,6 +117,7 @@ def _status(
         max_replicas=isvc.spec.scaling.max_replicas,
         spare=isvc.spec.scaling.spare,
         allowance=sizing.disruption_allowance,
+        clamped=sizing.spec_replicas is None,
     )
     status: dict[str, Any] = {
         "phase": phase,

@@ -34,7 +34,8 @@ def _condition() -> dict[str, Any]:
                 "maxLength": 1024,
                 "description": "Machine-readable cause: ReplicasReady, RolloutInProgress, ReplicasFailing, "
                 "ReplicasLost, ScaledToZero, InvalidSpec (Progressing: Idle outside a rollout); "
-                "CapacityLimited: MaxReplicasReached or WithinMaxReplicas; SpareAvailable: SpareReplicas, "
+                "CapacityLimited: MaxReplicasReached, WithinMaxReplicas or ExternalReplicas (mode external follows "
+                "spec.replicas unclamped); SpareAvailable: SpareReplicas, "
                 "NoSpare, SpareClamped or ScaledToZero.",
             },
             "message": {
@@ -97,7 +98,8 @@ def _sizing() -> dict[str, Any]:
             "capacityLimited": {
                 "type": "boolean",
                 "description": "N alone exceeds scaling.maxReplicas: the clamp leaves the load short of "
-                "capacity (condition CapacityLimited).",
+                "capacity (condition CapacityLimited); never in mode external with spec.replicas set, "
+                "which runs unclamped.",
             },
             "formula": {"type": "string", "description": "The arithmetic with its numbers."},
             "arrivalRate": _number("Mode Autoscaler: measured arrival rate, requests/s (λ)."),
