@@ -178,6 +178,16 @@ RULES: tuple[CrossFieldRule, ...] = (
         holds=lambda r: "gpuType" not in r or r["gpus"] > 0,
     ),
     CrossFieldRule(
+        node=("spec", "engine"),
+        field="kvCacheMemory",
+        # The operator renders whole bytes (spec.kv_cache_memory_bytes), and the engine refuses 0: a budget
+        # under one byte ("0", "0.5", "100m") would be a pod that exits 2 at every start.
+        cel="!has(self.kvCacheMemory) || !quantity(self.kvCacheMemory).isLessThan(quantity('1'))",
+        message="engine.kvCacheMemory must be at least 1 byte: the engine takes its KV budget as a positive "
+        "whole number of bytes (--kv-cache-memory-bytes), e.g. 2Gi",
+        holds=lambda e: "kvCacheMemory" not in e or parse_quantity(e["kvCacheMemory"]) >= 1,
+    ),
+    CrossFieldRule(
         node=("spec",),
         field="engine.kvCacheMemory",
         cel="self.resources.gpus > 0 || quantity(has(self.engine.kvCacheMemory) ? self.engine.kvCacheMemory "
