@@ -34,9 +34,9 @@ def _condition() -> dict[str, Any]:
                 "maxLength": 1024,
                 "description": "Machine-readable cause: ReplicasReady, RolloutInProgress, ReplicasFailing, "
                 "ReplicasLost, ScaledToZero, InvalidSpec (Progressing: Idle outside a rollout); "
-                "CapacityLimited: MaxReplicasReached, WithinMaxReplicas or ExternalReplicas (mode external follows "
-                "spec.replicas unclamped); SpareAvailable: SpareReplicas, "
-                "NoSpare, SpareClamped or ScaledToZero.",
+                "CapacityLimited: MaxReplicasReached, WithinMaxReplicas or ExternalReplicas (mode external "
+                "follows spec.replicas unclamped); SpareAvailable: SpareReplicas, NoSpare, SpareClamped or "
+                "ScaledToZero.",
             },
             "message": {
                 "type": "string",
