@@ -3,6 +3,7 @@ argument parser (``kvpilot serve``), so the two cannot drift apart into pods tha
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 
@@ -11,6 +12,7 @@ from kubernetes.utils import parse_quantity
 
 from kvpilot.engine.arg_utils import config_from_namespace
 from kvpilot.engine.server.cli import build_parser
+from kvpilot.operator.crd_rules import OPERATOR_OWNED_OPTIONS
 from kvpilot.operator.pod_template import engine_args
 from kvpilot.operator.spec import InferenceService, SpecError
 
@@ -64,3 +66,83 @@ def test_kv_cache_memory_is_admitted_exactly_when_the_engine_takes_it(quantity, 
         return
     assert admitted
     assert engine_accepts(engine_args(isvc))
+
+
+def rendered_options(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of the engine flags the operator renders, over specs that render each of them."""
+    cpu = manifest({"enablePrefixCaching": False, "enableChunkedPrefill": False})
+    gpu = manifest(
+        {
+            "kvCacheDtype": "fp8",
+            "activationQuantization": "fp8",
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 2},
+        }
+    )
+    gpu["spec"]["model"]["quantization"] = "fp8"
+    gpu["spec"]["resources"] = {"gpus": 2, "memory": "16Gi"}
+    flags = {
+        arg
+        for body in (manifest({}), cpu, gpu)
+        for arg in engine_args(InferenceService.from_manifest(body))
+        if arg.startswith("-")
+    }
+    return {
+        option
+        for action in parser._actions
+        if flags & set(action.option_strings)
+        for option in action.option_strings
+    }
+
+
+def test_the_owned_options_are_every_spelling_of_every_rendered_flag_in_the_engine_parser():
+    # aliases included: -q is --quantization, -tp is --tensor-parallel-size
+    assert rendered_options(build_parser()) == set(OPERATOR_OWNED_OPTIONS)
+
+
+def _dests_set_by(parser: argparse.ArgumentParser, arg: str) -> set[str]:
+    """The destinations ``arg`` (followed by a value) sets, or none when the parser refuses it."""
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            namespace, _ = parser.parse_known_args([arg, "7"])
+        except SystemExit:
+            return set()
+    defaults = parser.parse_known_args([])[0]
+    return {dest for dest, value in vars(namespace).items() if value != getattr(defaults, dest)}
+
+
+@pytest.mark.parametrize("allow_abbrev", [False, True])  # True: engine images from before the fix
+def test_every_argument_the_engine_reads_as_an_owned_flag_is_refused_and_no_other(allow_abbrev):
+    parser = build_parser()
+    parser.allow_abbrev = allow_abbrev
+    for action in parser._actions:  # any value goes, so that only the spelling decides
+        action.type, action.choices = None, None
+    owned = {
+        action.dest for action in parser._actions if set(action.option_strings) & set(OPERATOR_OWNED_OPTIONS)
+    }
+    options = [option for action in parser._actions for option in action.option_strings]
+    spellings = {option[:end] for option in options for end in range(2, len(option) + 1)}
+    spellings |= {f"{s}=7" for s in set(spellings)} | {f"{option}7" for option in options}
+    overriding = {arg for arg in spellings if _dests_set_by(parser, arg) & owned}
+    assert {"-tp", "-t", "-q", "-q7", "-tp=7", "--served-model-name=7"} <= overriding
+    assert ({"--served-model", "--por=7", "--mod"} <= overriding) is allow_abbrev
+    refused = {arg for arg in overriding if not _admitted([arg])}
+    assert refused == overriding
+    others = [o for o in options if o not in OPERATOR_OWNED_OPTIONS and o != "-h"]
+    assert len(others) > 30 and all(_admitted([o]) and _admitted([f"{o}=7"]) for o in others)
+
+
+def _admitted(extra_args: list[str]) -> bool:
+    try:
+        InferenceService.from_manifest(manifest({"extraArgs": extra_args}))
+    except SpecError as error:
+        assert error.field == "spec.engine.extraArgs"
+        return False
+    return True
+
+
+def test_the_probes_extra_args_no_longer_override_the_spec():
+    for arg in ("-tp", "-q", "--served-model", "--por", "--mod", "--max-num-batched", "--block", "-qint8"):
+        assert not _admitted([arg, "4"]), arg
+    # a value with a newline still names its flag, in Python as in RE2 (where $ is the end of the text)
+    assert not _admitted(["--served-model-name=a\nb"])
+    assert _admitted(["--seed", "7", "--max-model-len=512", "--enforce-eager"])
