@@ -169,7 +169,9 @@ def status_schema() -> dict[str, Any]:
             },
             "endpoint": {
                 "type": "string",
-                "description": "In-cluster URL of the client Service (the routers); OpenAI paths under /v1.",
+                "description": "In-cluster URL of the client Service (the routers), "
+                "http://<name>.<namespace>.svc.<cluster domain> (the operator's --cluster-domain, "
+                "cluster.local by default); OpenAI paths under /v1.",
             },
             "sizing": _sizing(),
             "selector": {

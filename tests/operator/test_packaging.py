@@ -161,6 +161,15 @@ def test_a_metrics_port_on_the_health_port_is_refused_and_the_health_port_moves(
     rendered("metrics.port=8081", "metrics.enabled=false")  # no metrics endpoint, no collision
 
 
+def test_the_cluster_domain_reaches_the_operator():
+    def args(*values: str) -> list[str]:
+        return one(rendered(*values), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--cluster-domain=cluster.local" in args()
+    assert "--cluster-domain=corp.example" in args("operator.clusterDomain=corp.example")
+    assert "operator.clusterDomain: Does not match pattern" in refused("operator.clusterDomain=Corp_Example")
+
+
 @pytest.mark.parametrize(
     "values",
     [

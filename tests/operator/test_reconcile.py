@@ -138,3 +138,16 @@ def test_external_mode_beyond_max_replicas_reports_no_capacity_limit():
         "autoscaling.mode external: spec.replicas 150 runs as set (the external autoscaler's bounds apply, "
         "not scaling.maxReplicas)",
     )
+
+
+def test_the_status_endpoint_is_in_the_configured_cluster_domain():
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"source": "tiny-random"}},
+    }
+    default = reconcile(MemoryApi(), body, OperatorConfig(default_image="img:1")).status_patch
+    assert default["endpoint"] == "http://smol.ml.svc.cluster.local"
+    config = OperatorConfig(default_image="img:1", cluster_domain="corp.example")
+    assert reconcile(MemoryApi(), body, config).status_patch["endpoint"] == "http://smol.ml.svc.corp.example"
