@@ -25,7 +25,7 @@ import yaml
 
 from kvpilot.operator.activator import add_arguments as add_activator_arguments
 from kvpilot.operator.api_names import DEFAULT_IMAGE
-from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
 from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
 
 if TYPE_CHECKING:
@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--engine-probe-timeout", type=float, default=1.0, metavar="SECONDS")
     run.add_argument("--metrics-port", type=int, help="serve the operator's Prometheus metrics on this port")
+    run.add_argument(
+        "--cluster-domain",
+        default=os.environ.get("CLUSTER_DOMAIN") or DEFAULT_CLUSTER_DOMAIN,
+        help="the cluster's DNS domain, for status.endpoint (default: $CLUSTER_DOMAIN, else cluster.local)",
+    )
     election = run.add_argument_group("leader election (one of several replicas reconciles)")
     election.add_argument(
         "--leader-elect", action="store_true", help="reconcile only while holding a coordination.k8s.io Lease"
@@ -166,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
             resync_interval_seconds=args.resync_interval,
             engine_probe_timeout_seconds=args.engine_probe_timeout,
             metrics_port=args.metrics_port,
+            cluster_domain=args.cluster_domain,
         )
         lease = _lease_settings(args) if args.leader_elect else None
     except ValueError as error:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvpilot.operator.api_names import DEFAULT_IMAGE
+
+#: the cluster's DNS domain when neither --cluster-domain nor $CLUSTER_DOMAIN says (Kubernetes' default)
+DEFAULT_CLUSTER_DOMAIN = "cluster.local"
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -16,6 +21,8 @@ class OperatorConfig:
     resync_interval_seconds: float = 300.0
     engine_probe_timeout_seconds: float = 1.0  # per /ready call to a not-yet-ready engine
     metrics_port: int | None = None  # Prometheus endpoint of the operator itself; None: off
+    #: the DNS domain of status.endpoint (<name>.<namespace>.svc.<domain>); kubelet's --cluster-domain
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN
 
     def __post_init__(self) -> None:
         if self.status_interval_seconds <= 0:
@@ -26,3 +33,7 @@ class OperatorConfig:
             raise ValueError("--engine-probe-timeout must be positive")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError("--metrics-port must be a TCP port (1-65535)")
+        if len(self.cluster_domain) > 253 or not _DNS_SUBDOMAIN.fullmatch(self.cluster_domain):
+            raise ValueError(
+                f"--cluster-domain must be a DNS domain like cluster.local, got {self.cluster_domain!r}"
+            )

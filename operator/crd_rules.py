@@ -17,31 +17,83 @@ from kubernetes.utils import parse_quantity
 
 from kvpilot.operator.model_source import SINGLE_FILE_PATTERN
 
-# Flags the operator derives from the spec; repeating one in extraArgs would silently override the spec.
-OPERATOR_OWNED_FLAGS = (
-    "model",
-    "port",
-    "served-model-name",
-    "dtype",
-    "block-size",
-    "max-num-seqs",
-    "max-num-batched-tokens",
-    "kv-cache-memory-bytes",
-    "gpu-memory-utilization",
-    "slo-ttft",
-    "slo-tpot",
-    "(no-)?enable-prefix-caching",
-    "(no-)?enable-chunked-prefill",
-    "speculative-config",
-    "kv-cache-dtype",
-    "quantization",
-    "activation-quantization",
-    "tensor-parallel-size",
+# Every option string of the engine flags the operator derives from the spec, aliases included (the list is
+# checked against `kvpilot serve`'s own parser by tests/operator/test_engine_flags.py; the operator does not
+# import the engine). Repeating one in extraArgs would silently override the spec.
+OPERATOR_OWNED_OPTIONS = (
+    "--model",
+    "--port",
+    "--served-model-name",
+    "--dtype",
+    "--block-size",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization",
+    "--slo-ttft",
+    "--slo-tpot",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+    "--speculative-config",
+    "--kv-cache-dtype",
+    "--quantization",
+    "-q",
+    "--activation-quantization",
+    "--tensor-parallel-size",
+    "-tp",
 )
-OWNED_FLAG_PATTERN = "^--(" + "|".join(OPERATOR_OWNED_FLAGS) + ")(=.*)?$"
 # Multi-node pipeline parallelism (LeaderWorkerSet) is the next step after tensor parallelism: until the
-# engine has it, asking for it is refused in the spec instead of failing every pod's start.
-PIPELINE_FLAG_PATTERN = "^(--pipeline-parallel-size|-pp)(=.*)?$"
+# engine has it, asking for it (vLLM's spelling) is refused in the spec instead of failing every pod's start.
+PIPELINE_OPTIONS = ("--pipeline-parallel-size", "-pp")
+
+
+def _prefixes(node: dict[str, Any]) -> tuple[str, bool]:
+    """A regex for any non-empty path from the root of a character trie, and whether it is one group."""
+    parts = []
+    for char, child in sorted(node.items()):
+        rest, grouped = _prefixes(child) if child else ("", False)
+        parts.append(char + (rest + "?" if grouped else f"(?:{rest})?" if rest else ""))
+    return (parts[0], False) if len(parts) == 1 else ("(?:" + "|".join(parts) + ")", True)
+
+
+def _any_prefix(words: list[str]) -> str:
+    trie: dict[str, Any] = {}
+    for word in words:
+        assert re.fullmatch("[a-z0-9-]+", word), word  # literal in RE2 and Python alike, no escaping
+        node = trie
+        for char in word:
+            node = node.setdefault(char, {})
+    return _prefixes(trie)[0]
+
+
+def _spellings(options: tuple[str, ...]) -> str:
+    """Every argument argparse may read as one of ``options``: the option itself, ``option=value``, any
+    prefix abbreviation (engine images from before ``allow_abbrev=False`` take those) and, for a one-letter
+    option, its value glued on (``-qint8``)."""
+    glued = [o for o in options if len(o) == 2 and o[1] != "-"]
+    single = [o[1:] for o in options if o[1] != "-" and o not in glued]
+    forms = [f"--{_any_prefix([o[2:] for o in options if o[1] == '-'])}(?:=.*)?"]
+    forms += [f"-{_any_prefix(single)}(?:=.*)?"] if single else []
+    return "|".join(forms + [f"{o}.*" for o in glued])
+
+
+def _whole(alternatives: str) -> tuple[str, re.Pattern[str]]:
+    """The CEL (RE2) regex matching a whole argument, and its Python twin. RE2's ``$`` is the end of the
+    text while Python's also matches before a final newline, so Python uses fullmatch; ``(?s)`` lets ``.``
+    cross newlines in both (a value with a newline in it still names the flag)."""
+    return f"(?s)^(?:{alternatives})$", re.compile(f"(?s)(?:{alternatives})")
+
+
+OWNED_FLAG_PATTERN, _OWNED_FLAG = _whole(_spellings(OPERATOR_OWNED_OPTIONS))
+PIPELINE_FLAG_PATTERN, _PIPELINE_FLAG = _whole("(?:--pipeline-parallel-size|-pp)(?:=.*)?")
+
+
+def refuses_flag(pattern: re.Pattern[str], args: list[str]) -> bool:
+    return any(pattern.fullmatch(arg) for arg in args)
+
+
 # The KV budget of a CPU pod whose spec sets none (the engine's own CPU default); a GPU pod without one
 # sizes its cache from engine.gpuMemoryUtilization instead.
 CPU_KV_CACHE_MEMORY = "1Gi"
@@ -61,6 +113,11 @@ class CrossFieldRule:
     def field_path(self) -> str:
         """Dotted path from the CR root, as Kubernetes names fields in its error messages."""
         return ".".join((*self.node, *self.field.split(".")))
+
+
+def _cel_string(pattern: str) -> str:
+    """A regular expression as a single-quoted CEL string literal (backslashes escaped)."""
+    return "'" + pattern.replace("\\", "\\\\") + "'"
 
 
 def _quantity_less(smaller: str, larger: str) -> bool:
@@ -144,17 +201,18 @@ RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         node=("spec", "engine"),
         field="extraArgs",
-        cel=f"self.extraArgs.all(a, !a.matches('{OWNED_FLAG_PATTERN}'))",
-        message="engine.extraArgs must not repeat a flag the operator sets from the spec",
-        holds=lambda e: not any(re.match(OWNED_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
+        cel=f"self.extraArgs.all(a, !a.matches({_cel_string(OWNED_FLAG_PATTERN)}))",
+        message="engine.extraArgs must not repeat a flag the operator sets from the spec, by its name, "
+        "an alias (-q, -tp) or an abbreviation",
+        holds=lambda e: not refuses_flag(_OWNED_FLAG, e["extraArgs"]),
     ),
     CrossFieldRule(
         node=("spec", "engine"),
         field="extraArgs",
-        cel=f"self.extraArgs.all(a, !a.matches('{PIPELINE_FLAG_PATTERN}'))",
+        cel=f"self.extraArgs.all(a, !a.matches({_cel_string(PIPELINE_FLAG_PATTERN)}))",
         message="pipeline parallelism across nodes is not supported yet: a replica runs on one node, and "
         "resources.gpus sets its tensor parallelism over that node's GPUs",
-        holds=lambda e: not any(re.match(PIPELINE_FLAG_PATTERN, arg) for arg in e["extraArgs"]),
+        holds=lambda e: not refuses_flag(_PIPELINE_FLAG, e["extraArgs"]),
     ),
     CrossFieldRule(
         node=("spec", "engine", "speculative"),
@@ -178,6 +236,16 @@ RULES: tuple[CrossFieldRule, ...] = (
         holds=lambda r: "gpuType" not in r or r["gpus"] > 0,
     ),
     CrossFieldRule(
+        node=("spec", "engine"),
+        field="kvCacheMemory",
+        # The operator renders whole bytes (spec.kv_cache_memory_bytes), and the engine refuses 0: a budget
+        # under one byte ("0", "0.5", "100m") would be a pod that exits 2 at every start.
+        cel="!has(self.kvCacheMemory) || !quantity(self.kvCacheMemory).isLessThan(quantity('1'))",
+        message="engine.kvCacheMemory must be at least 1 byte: the engine takes its KV budget as a positive "
+        "whole number of bytes (--kv-cache-memory-bytes), e.g. 2Gi",
+        holds=lambda e: "kvCacheMemory" not in e or parse_quantity(e["kvCacheMemory"]) >= 1,
+    ),
+    CrossFieldRule(
         node=("spec",),
         field="engine.kvCacheMemory",
         cel="self.resources.gpus > 0 || quantity(has(self.engine.kvCacheMemory) ? self.engine.kvCacheMemory "
@@ -193,11 +261,6 @@ RULES: tuple[CrossFieldRule, ...] = (
 
 
 _FETCHED = r"^(https?|s3|hf)://"
-
-
-def _cel_string(pattern: str) -> str:
-    """A regular expression as a single-quoted CEL string literal (backslashes escaped)."""
-    return "'" + pattern.replace("\\", "\\\\") + "'"
 
 
 MODEL_RULES: tuple[CrossFieldRule, ...] = (

@@ -18,7 +18,7 @@ from kvpilot.operator.activator_children import activator_selector
 from kvpilot.operator.apply import ApplyResult, apply_all
 from kvpilot.operator.autoscaler import Autoscaler
 from kvpilot.operator.children import build_children
-from kvpilot.operator.config import OperatorConfig
+from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
 from kvpilot.operator.diffing import merge_patch
 from kvpilot.operator.events import post_event
 from kvpilot.operator.kube_api import KubeApi, ObjectRef
@@ -95,6 +95,7 @@ def _status(
     replicas: tuple[ReplicaObservation, ...],
     deployment: dict[str, Any] | None,
     previous: dict[str, Any],
+    cluster_domain: str = DEFAULT_CLUSTER_DOMAIN,
 ) -> dict[str, Any]:
     stalled, complete = _rollout(deployment, sizing.desired)
     was_ready = (
@@ -117,6 +118,7 @@ def _status(
         max_replicas=isvc.spec.scaling.max_replicas,
         spare=isvc.spec.scaling.spare,
         allowance=sizing.disruption_allowance,
+        clamped=sizing.spec_replicas is None,
     )
     status: dict[str, Any] = {
         "phase": phase,
@@ -126,7 +128,7 @@ def _status(
         "readyReplicas": counts["ready"],
         "desiredReplicas": sizing.desired,
         "observedGeneration": isvc.generation,
-        "endpoint": f"http://{isvc.name}.{isvc.namespace}.svc.cluster.local",
+        "endpoint": f"http://{isvc.name}.{isvc.namespace}.svc.{cluster_domain}",
         # The scale subresource's labelSelectorPath: an HPA finds the engine pods' metrics through it.
         "selector": f"{api_names.SELECTOR_LABEL}={isvc.name}",
         "sizing": sizing.to_status(),
@@ -206,7 +208,7 @@ def reconcile(
         (r.live for r in applied if r.ref.kind == "Deployment" and r.ref.name == isvc.name), None
     )
     replicas, deployment = _observe(api, isvc, read_engine, deployment)
-    status = _status(isvc, children.sizing, replicas, deployment, previous)
+    status = _status(isvc, children.sizing, replicas, deployment, previous, config.cluster_domain)
     _record_cold_starts(previous, status)
     metrics.record_status(
         isvc.namespace,

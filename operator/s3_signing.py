@@ -32,6 +32,20 @@ def _canonical_path(path: str) -> str:
     return "/".join(urllib.parse.quote(urllib.parse.unquote(part), safe="-_.~") for part in path.split("/"))
 
 
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def request_host(parts: urllib.parse.SplitResult) -> str:
+    """The Host header of a request to ``parts``, as HTTP clients send it and S3 verifies it: the host
+    lower-cased (IPv6 in brackets), the port only when it is not the scheme's default (botocore's rule)."""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None and parts.port != _DEFAULT_PORTS.get(parts.scheme):
+        host = f"{host}:{parts.port}"
+    return host
+
+
 def sign_get(
     url: str,
     credentials: Credentials,
@@ -41,11 +55,12 @@ def sign_get(
     service: str = "s3",
 ) -> dict[str, str]:
     """The headers of a signed GET of ``url`` at ``now`` (UTC): ``headers`` plus host, x-amz-date,
-    x-amz-content-sha256, the session token if any, and Authorization."""
+    x-amz-content-sha256, the session token if any, and Authorization. The caller sends them all, host
+    included, so that the server verifies the very Host that was signed."""
     parts = urllib.parse.urlsplit(url)
     amz_date = now.strftime("%Y%m%dT%H%M%SZ")
     signed = {k.lower(): v.strip() for k, v in (headers or {}).items()}
-    signed |= {"host": parts.netloc, "x-amz-date": amz_date, "x-amz-content-sha256": EMPTY_SHA256}
+    signed |= {"host": request_host(parts), "x-amz-date": amz_date, "x-amz-content-sha256": EMPTY_SHA256}
     if credentials.session_token:
         signed["x-amz-security-token"] = credentials.session_token
     names = sorted(signed)
@@ -73,4 +88,4 @@ def sign_get(
         f"AWS4-HMAC-SHA256 Credential={credentials.access_key}/{scope},"
         f"SignedHeaders={';'.join(names)},Signature={signature}"
     )
-    return {**{k: v for k, v in signed.items() if k != "host"}, "authorization": authorization}
+    return {**signed, "authorization": authorization}

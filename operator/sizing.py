@@ -42,8 +42,10 @@ class SizingResult:
 
     @property
     def capacity_limited(self) -> bool:
-        """N alone exceeds maxReplicas: the clamp leaves the load short of capacity (not just of spare)."""
-        return self.serving > self.scaling.max_replicas
+        """N alone exceeds maxReplicas: the clamp leaves the load short of capacity (not just of spare).
+
+        Never while external mode follows spec.replicas: that count is not clamped (module docstring)."""
+        return self.spec_replicas is None and self.serving > self.scaling.max_replicas
 
     @property
     def disruption_allowance(self) -> int:

@@ -9,6 +9,8 @@ model splits over the replica's GPUs.
 from __future__ import annotations
 
 import copy
+import functools
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -69,6 +71,35 @@ def _schema_error(error: jsonschema.ValidationError) -> SpecError:
     return SpecError(_field_path("spec", path), message)
 
 
+@functools.cache
+def _python_regex(pattern: str) -> re.Pattern[str]:
+    """The OpenAPI ``pattern`` as the API server matches it (Go's RE2, where ``$`` is only the end of the
+    text) in Python, whose ``$`` also matches before a final newline: each ``$`` anchor becomes ``\\Z``."""
+    out, escaped, in_class = [], False, False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif char == "[":
+            in_class = True
+        elif char == "]":
+            in_class = False
+        elif char == "$" and not in_class:
+            char = r"\Z"
+        out.append(char)
+    return re.compile("".join(out))
+
+
+def _re2_pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Iterable[Any]:
+    if validator.is_type(instance, "string") and not _python_regex(pattern).search(instance):
+        yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+# "1Gi\n" passed Python's pattern, then failed parse_quantity with a ValueError instead of a SpecError.
+_Validator = jsonschema.validators.extend(jsonschema.Draft4Validator, {"pattern": _re2_pattern})
+
+
 def _node(spec: dict[str, Any], node: tuple[str, ...]) -> dict[str, Any] | None:
     value: Any = {"spec": spec}
     for key in node:
@@ -84,7 +115,7 @@ def validated_spec(raw_spec: Any) -> dict[str, Any]:
         raise SpecError("spec", "Required value: an object")
     schema = spec_schema()
     spec = apply_defaults(schema, copy.deepcopy(raw_spec))
-    validator = jsonschema.Draft4Validator(schema)
+    validator = _Validator(schema)
     errors = sorted(validator.iter_errors(spec), key=lambda e: (list(map(str, e.absolute_path)), e.message))
     if errors:
         raise _schema_error(errors[0])

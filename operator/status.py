@@ -117,6 +117,8 @@ class CapacityView:
     max_replicas: int
     spare: int  # scaling.spare
     allowance: int  # spare replicas left after the clamp (the PodDisruptionBudget's, before its floor of 1)
+    #: False when autoscaling.mode external follows spec.replicas: no maxReplicas clamp limits it
+    clamped: bool = True
 
 
 def capacity_conditions(
@@ -125,12 +127,21 @@ def capacity_conditions(
     """CapacityLimited: N itself exceeds maxReplicas. SpareAvailable: a replica may go (drain, failure,
     rollout) without dropping below N; with none, the PodDisruptionBudget still allows one at a time, so a
     node drain takes a serving replica down instead of blocking forever (docs/architecture.md#status)."""
-    limited = view.serving > view.max_replicas
-    limited_message = (
-        f"{view.serving} replicas needed to carry the load, scaling.maxReplicas is {view.max_replicas}"
-        if limited
-        else f"{view.serving} replicas needed, within scaling.maxReplicas {view.max_replicas}"
-    )
+    limited = view.clamped and view.serving > view.max_replicas
+    if not view.clamped:
+        limited_reason = "ExternalReplicas"
+        limited_message = (
+            f"autoscaling.mode external: spec.replicas {view.desired} runs as set (the external "
+            "autoscaler's bounds apply, not scaling.maxReplicas)"
+        )
+    elif limited:
+        limited_reason = "MaxReplicasReached"
+        limited_message = (
+            f"{view.serving} replicas needed to carry the load, scaling.maxReplicas is {view.max_replicas}"
+        )
+    else:
+        limited_reason = "WithinMaxReplicas"
+        limited_message = f"{view.serving} replicas needed, within scaling.maxReplicas {view.max_replicas}"
     if view.allowance > 0:
         spare = (True, "SpareReplicas", f"{view.allowance} spare above the {view.serving} serving")
     elif view.desired == 0:
@@ -152,7 +163,7 @@ def capacity_conditions(
         _condition(
             "CapacityLimited",
             limited,
-            "MaxReplicasReached" if limited else "WithinMaxReplicas",
+            limited_reason,
             limited_message,
             generation,
             previous,

@@ -34,8 +34,9 @@ def _condition() -> dict[str, Any]:
                 "maxLength": 1024,
                 "description": "Machine-readable cause: ReplicasReady, RolloutInProgress, ReplicasFailing, "
                 "ReplicasLost, ScaledToZero, InvalidSpec (Progressing: Idle outside a rollout); "
-                "CapacityLimited: MaxReplicasReached or WithinMaxReplicas; SpareAvailable: SpareReplicas, "
-                "NoSpare, SpareClamped or ScaledToZero.",
+                "CapacityLimited: MaxReplicasReached, WithinMaxReplicas or ExternalReplicas (mode external "
+                "follows spec.replicas unclamped); SpareAvailable: SpareReplicas, NoSpare, SpareClamped or "
+                "ScaledToZero.",
             },
             "message": {
                 "type": "string",
@@ -97,7 +98,8 @@ def _sizing() -> dict[str, Any]:
             "capacityLimited": {
                 "type": "boolean",
                 "description": "N alone exceeds scaling.maxReplicas: the clamp leaves the load short of "
-                "capacity (condition CapacityLimited).",
+                "capacity (condition CapacityLimited); never in mode external with spec.replicas set, "
+                "which runs unclamped.",
             },
             "formula": {"type": "string", "description": "The arithmetic with its numbers."},
             "arrivalRate": _number("Mode Autoscaler: measured arrival rate, requests/s (λ)."),
@@ -167,7 +169,9 @@ def status_schema() -> dict[str, Any]:
             },
             "endpoint": {
                 "type": "string",
-                "description": "In-cluster URL of the client Service (the routers); OpenAI paths under /v1.",
+                "description": "In-cluster URL of the client Service (the routers), "
+                "http://<name>.<namespace>.svc.<cluster domain> (the operator's --cluster-domain, "
+                "cluster.local by default); OpenAI paths under /v1.",
             },
             "sizing": _sizing(),
             "selector": {

@@ -23,8 +23,13 @@ API_KEY_ENV = "KVPILOT_API_KEY"
 
 def build_parser() -> argparse.ArgumentParser:
     d = ServerConfig()
+    # No prefix abbreviations: "--served-model" or "--por" in spec.engine.extraArgs would otherwise override
+    # a flag the operator sets from the spec (operator/crd_rules.py refuses the exact spellings).
     p = argparse.ArgumentParser(
-        prog="kvpilot serve", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="kvpilot serve",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     add_engine_args(p)
     s = p.add_argument_group("server")

@@ -60,3 +60,13 @@ def test_crd_prints_the_generated_definition():
     out = io.StringIO()
     assert main(["crd"], out=out) == 0
     assert out.getvalue() == crd_yaml()
+
+
+def test_run_refuses_a_cluster_domain_that_is_no_dns_domain(capsys, monkeypatch):
+    monkeypatch.setenv("CLUSTER_DOMAIN", "Corp_Example")  # the default comes from the environment
+    # bad lease timings too: were the domain not checked, the run would still stop (with their message)
+    lease = ["--leader-elect", "--lease-namespace=ns", "--lease-duration=1", "--lease-renew-deadline=2"]
+    assert main(["run", "--all-namespaces", *lease]) == 2
+    assert capsys.readouterr().err == (
+        "kvpilot operator run: --cluster-domain must be a DNS domain like cluster.local, got 'Corp_Example'\n"
+    )

@@ -396,3 +396,24 @@ def test_router_weights_accept_exactly_the_router_knobs():
 def test_fetched_sources_are_accepted(model):
     spec = InferenceService.from_manifest(isvc({"model": model})).spec.model
     assert spec.fetch is not None and spec.engine_path.startswith("/model-cache/")
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (
+            {"model": {"source": "smollm2-135m"}, "engine": {"kvCacheMemory": "1Gi\n"}},
+            "spec.engine.kvCacheMemory",
+        ),
+        ({"model": {"source": "smollm2-135m"}, "resources": {"memory": "4Gi\n"}}, "spec.resources.memory"),
+        ({"model": {"source": "smollm2-135m\n"}}, "spec.model.source"),
+        ({"model": {"source": "s3://models/m.gguf", "endpoint": "http://minio\n"}}, "spec.model.endpoint"),
+    ],
+)
+def test_a_trailing_newline_fails_the_pattern_as_on_the_api_server(spec, field):
+    # The API server matches patterns with RE2, whose $ is the end of the text; Python's $ also matched
+    # before a final newline, and "1Gi\n" then broke parse_quantity with a ValueError.
+    with pytest.raises(SpecError) as error:
+        InferenceService.from_manifest(isvc(spec))
+    assert error.value.field == field
+    assert "does not match" in error.value.message

@@ -229,6 +229,49 @@ def test_signature_v4_matches_awss_published_example():
     )
 
 
+def test_s3_signs_the_host_header_the_client_sends(server, tmp_path):
+    # An endpoint written in mixed case: the client sends the host lower-cased, and S3 checks the signature
+    # over the Host header it received, so that is the one signed.
+    server.files["/models/q4.gguf"] = MODEL
+    port = server.url.rsplit(":", 1)[1]
+    env = {"AWS_ACCESS_KEY_ID": "AKID", "AWS_SECRET_ACCESS_KEY": "secret"}
+    endpoint = f"http://LocalHost:{port}"
+    assert run("s3://models/q4.gguf", tmp_path, endpoint=endpoint, region="eu-west-1", env=env) == 0
+    path, headers = server.requests[0]
+    assert headers["host"] == f"localhost:{port}"
+    sent_at = datetime.strptime(headers["x-amz-date"], "%Y%m%dT%H%M%SZ").replace(tzinfo=timezone.utc)
+    as_received = sign_get(
+        f"http://{headers['host']}{path}", Credentials("AKID", "secret"), "eu-west-1", sent_at
+    )
+    assert headers["authorization"] == as_received["authorization"]
+
+
+@pytest.mark.parametrize(
+    ("url", "host"),
+    [
+        ("https://MinIO.Storage.svc/b/k.gguf", "minio.storage.svc"),
+        ("https://minio.storage.svc:443/b/k.gguf", "minio.storage.svc"),
+        ("http://minio.storage.svc:80/b/k.gguf", "minio.storage.svc"),
+        ("http://minio.storage.svc:443/b/k.gguf", "minio.storage.svc:443"),
+        ("https://minio.storage.svc:9000/b/k.gguf", "minio.storage.svc:9000"),
+        ("http://[FD00::1]:9000/b/k.gguf", "[fd00::1]:9000"),
+    ],
+)
+def test_s3_signs_the_normalised_host_and_sends_that_host(url, host):
+    # As botocore signs (lower-case host, the scheme's default port dropped), and as httpx would send it.
+    import httpx
+
+    credentials, now = Credentials("AKID", "secret"), datetime(2013, 5, 24, tzinfo=timezone.utc)
+    headers = sign_get(url, credentials, "us-east-1", now)
+    assert headers["host"] == host == httpx.URL(url).netloc.decode("ascii").lower()
+    normalised = url.split("/", 3)
+    normalised[2] = host
+    assert (
+        headers["authorization"]
+        == sign_get("/".join(normalised), credentials, "us-east-1", now)["authorization"]
+    )
+
+
 @pytest.mark.parametrize(
     ("source", "scheme", "location", "revision", "file"),
     [

@@ -136,6 +136,52 @@ def test_misspelled_values_are_refused_at_install(value, misspelled):
     assert "Additional property " + misspelled + " is not allowed" in result.stderr, result.stderr
 
 
+def refused(*values: str) -> str:
+    result = subprocess.run(
+        [tool("helm"), "template", "kvpilot", str(CHART), *(a for v in values for a in ("--set", v))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0, result.stdout
+    return result.stderr
+
+
+def test_a_metrics_port_on_the_health_port_is_refused_and_the_health_port_moves():
+    # Both endpoints in one process: the second bind fails (EADDRINUSE) and the pod never becomes live.
+    assert "metrics.port 8081 is operator.healthPort" in refused("metrics.port=8081")
+    container = one(rendered("metrics.port=8081", "operator.healthPort=8082"), "Deployment")["spec"][
+        "template"
+    ]["spec"]["containers"][0]
+    assert {"--liveness=http://0.0.0.0:8082/healthz", "--metrics-port=8081"} <= set(container["args"])
+    assert [(p["name"], p["containerPort"]) for p in container["ports"]] == [
+        ("healthz", 8082),
+        ("metrics", 8081),
+    ]
+    rendered("metrics.port=8081", "metrics.enabled=false")  # no metrics endpoint, no collision
+
+
+def test_the_cluster_domain_reaches_the_operator():
+    def args(*values: str) -> list[str]:
+        return one(rendered(*values), "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+
+    assert "--cluster-domain=cluster.local" in args()
+    assert "--cluster-domain=corp.example" in args("operator.clusterDomain=corp.example")
+    assert "operator.clusterDomain: Does not match pattern" in refused("operator.clusterDomain=Corp_Example")
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        ("leaderElection.renewDeadlineSeconds=20",),
+        ("leaderElection.retryPeriodSeconds=10",),
+        ("leaderElection.leaseDurationSeconds=5",),
+    ],
+)
+def test_leader_election_timings_out_of_order_are_refused(values):
+    assert "needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds" in refused(*values)
+
+
 def test_kubectl_install_manifest_is_the_rendered_chart():
     header = (
         "# Generated: helm template kvpilot charts/kvpilot --namespace kvpilot-system --include-crds "

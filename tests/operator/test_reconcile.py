@@ -118,3 +118,36 @@ def test_later_reconciles_keep_the_router_token_and_never_write_it_anywhere_else
     assert set(data) == {"token", "extra"} and re.fullmatch(
         r"[0-9a-f]{64}", base64.b64decode(data["token"]).decode()
     )
+
+
+def test_external_mode_beyond_max_replicas_reports_no_capacity_limit():
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "m", "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"source": "tiny-random"}, "autoscaling": {"mode": "external"}, "replicas": 150},
+    }
+    api = MemoryApi()
+    status = reconcile(api, body, OperatorConfig(default_image="img:1")).status_patch
+    assert api.objects[("Deployment", "ml", "m")]["spec"]["replicas"] == 150
+    assert status["sizing"]["capacityLimited"] is False
+    limited = next(c for c in status["conditions"] if c["type"] == "CapacityLimited")
+    assert (limited["status"], limited["reason"], limited["message"]) == (
+        "False",
+        "ExternalReplicas",
+        "autoscaling.mode external: spec.replicas 150 runs as set (the external autoscaler's bounds apply, "
+        "not scaling.maxReplicas)",
+    )
+
+
+def test_the_status_endpoint_is_in_the_configured_cluster_domain():
+    body = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "smol", "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {"model": {"source": "tiny-random"}},
+    }
+    default = reconcile(MemoryApi(), body, OperatorConfig(default_image="img:1")).status_patch
+    assert default["endpoint"] == "http://smol.ml.svc.cluster.local"
+    config = OperatorConfig(default_image="img:1", cluster_domain="corp.example")
+    assert reconcile(MemoryApi(), body, config).status_patch["endpoint"] == "http://smol.ml.svc.corp.example"

@@ -114,3 +114,12 @@ def test_capacity_limited_only_when_n_itself_exceeds_max():
     short = size_replicas(ScalingSpec(replicas=5, spare=1, max_replicas=4))
     assert (short.serving, short.desired, short.capacity_limited) == (5, 4, True)
     assert short.to_status()["capacityLimited"] is True
+
+
+def test_external_mode_beyond_max_replicas_is_not_capacity_limited():
+    # spec.replicas runs unclamped (the external autoscaler's bounds apply), so maxReplicas limits nothing.
+    result = size_for_spec(_spec("external", 150, ScalingSpec(spare=1, max_replicas=100)))
+    assert (result.serving, result.desired, result.capacity_limited) == (149, 150, False)
+    assert result.to_status()["capacityLimited"] is False
+    unset = size_for_spec(_spec("external", None, ScalingSpec(replicas=101, spare=1, max_replicas=100)))
+    assert (unset.desired, unset.capacity_limited) == (100, True)  # the static sizing stands in, clamped

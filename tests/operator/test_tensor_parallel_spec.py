@@ -115,4 +115,5 @@ def test_the_crd_allows_a_nodes_gpus_and_carries_the_pipeline_rule_as_cel():
     schema = crd_manifest()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert schema["properties"]["resources"]["properties"]["gpus"]["maximum"] == 8
     rules = [v["rule"] for v in schema["properties"]["engine"]["x-kubernetes-validations"]]
-    assert "self.extraArgs.all(a, !a.matches('^(--pipeline-parallel-size|-pp)(=.*)?$'))" in rules
+    # (?s) and the whole-text anchors: RE2's $ is the end of the text, as Python's fullmatch (crd_rules.py)
+    assert "self.extraArgs.all(a, !a.matches('(?s)^(?:(?:--pipeline-parallel-size|-pp)(?:=.*)?)$'))" in rules

@@ -82,3 +82,14 @@ app.kubernetes.io/component: operator
   resources: [events]
   verbs: [create, patch]
 {{- end -}}
+
+{{/* What values.schema.json cannot say, since JSON Schema does not compare two fields. */}}
+{{- define "kvpilot.validateValues" -}}
+{{- $lease := .Values.leaderElection -}}
+{{- if not (and (lt (float64 $lease.retryPeriodSeconds) (float64 $lease.renewDeadlineSeconds)) (lt (float64 $lease.renewDeadlineSeconds) (float64 $lease.leaseDurationSeconds))) -}}
+{{- fail (printf "leaderElection: needs retryPeriodSeconds < renewDeadlineSeconds < leaseDurationSeconds, got %v, %v and %v (a leader must retry before its renew deadline, and give up before its Lease can pass to another)" $lease.retryPeriodSeconds $lease.renewDeadlineSeconds $lease.leaseDurationSeconds) -}}
+{{- end -}}
+{{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.operator.healthPort)) -}}
+{{- fail (printf "metrics.port %v is operator.healthPort, the liveness endpoint's: the operator cannot listen on both; pick another port for one of them" .Values.metrics.port) -}}
+{{- end -}}
+{{- end -}}
