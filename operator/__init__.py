@@ -23,10 +23,11 @@ Package map (one responsibility per module):
   replicas until one is Ready), ``fetch`` (``kvpilot operator fetch-model``, the init container that
   downloads a fetched source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3
   requests).
-- Acting: ``kube_api`` (dict-based API client), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
-  create-or-patch), ``replicas`` (pod + engine ``/ready`` → stage), ``status`` (phase and conditions),
-  ``reconcile`` (one full pass), ``metrics`` (the operator's Prometheus series), ``events`` (Kubernetes
-  Events about an InferenceService).
+- Acting: ``kube_api`` (dict-based API client), ``child_validation`` (the API server's rules for the
+  children, checked before any is written), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
+  create-or-patch of the objects the operator owns), ``replicas`` (pod + engine ``/ready`` → stage),
+  ``status`` (phase and conditions), ``reconcile`` (one full pass), ``metrics`` (the operator's
+  Prometheus series), ``events`` (Kubernetes Events about an InferenceService).
 - Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration: changes, watched
   children, resync), ``requeue`` (one reconcile at a time per service, triggers coalesced), ``leader``
   (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``manifest_yaml`` (stable YAML

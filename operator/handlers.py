@@ -35,6 +35,8 @@ from kvpilot.operator.reconcile import reconcile
 from kvpilot.operator.requeue import Key, Requeue
 
 RETRY_DELAY_SECONDS = 10
+#: a child the API server refuses or another owner holds: retried after 10 s, 20 s, 40 s ... at most this
+MAX_BACKOFF_SECONDS = 300
 #: how often Kopf re-checks a refresh timer that was mid-reconcile when its InferenceService was deleted
 TIMER_EXIT_POLL_SECONDS = 1.0
 RESOURCE = (api_names.GROUP, api_names.VERSION, api_names.PLURAL)
@@ -69,8 +71,22 @@ def _configure_kopf(settings: kopf.OperatorSettings) -> None:
     settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
 
 
-def _reconcile_pass(api: KubeApi, key: Key, config: OperatorConfig, autoscaler: Autoscaler) -> float | None:
-    """One reconcile of the InferenceService as it is now; the seconds until a follow-up is due, if one is."""
+def backoff_delay(failures: int) -> float:
+    """Seconds before the next try after ``failures`` passes in a row found a child blocked."""
+    return float(min(MAX_BACKOFF_SECONDS, RETRY_DELAY_SECONDS * 2 ** min(failures - 1, 16)))
+
+
+def _reconcile_pass(
+    api: KubeApi,
+    key: Key,
+    config: OperatorConfig,
+    autoscaler: Autoscaler,
+    blocked: dict[Key, tuple[int, int]],
+) -> float | None:
+    """One reconcile of the InferenceService as it is now; the seconds until a follow-up is due, if one is.
+
+    ``blocked``: per service, (generation, passes in a row) that could not apply a child; the delay grows
+    with the count and starts again for a new generation (the status says why, so no tight retry)."""
     ref = ObjectRef(api_names.API_VERSION, api_names.KIND, *key)
     body = api.get(ref)
     if body is None or body.get("metadata", {}).get("deletionTimestamp"):
@@ -84,6 +100,13 @@ def _reconcile_pass(api: KubeApi, key: Key, config: OperatorConfig, autoscaler: 
     delays = [config.status_interval_seconds] if result.follow_up else []
     if result.autoscale_in is not None:
         delays.append(result.autoscale_in)
+    if result.blocked is None:
+        blocked.pop(key, None)
+    else:
+        generation = int(body["metadata"].get("generation", 0))
+        before, count = blocked.get(key, (generation, 0))
+        blocked[key] = (generation, count + 1 if before == generation else 1)
+        delays.append(backoff_delay(blocked[key][1]))
     return min(delays) if delays else None
 
 
@@ -91,12 +114,13 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
     """Register every handler into ``registry`` (Kopf's default one if None) and return it."""
     registry = registry if registry is not None else kopf.get_default_registry()
     state: dict[str, Any] = {}
+    blocked: dict[Key, tuple[int, int]] = {}
 
     async def reconcile_key(key: Key) -> None:
         try:
             # Blocking API calls run in a thread, so Kopf's loop (watches, timers) keeps going meanwhile.
             follow_up = await asyncio.to_thread(
-                _reconcile_pass, state["api"], key, config, state["autoscaler"]
+                _reconcile_pass, state["api"], key, config, state["autoscaler"], blocked
             )
         except KubeApiError as error:
             metrics.RECONCILIATIONS.labels("error").inc()
@@ -154,6 +178,7 @@ def register(config: OperatorConfig, registry: kopf.OperatorRegistry | None = No
         if namespace is not None:
             metrics.forget(namespace, name)
             queue().forget((namespace, name))
+            blocked.pop((namespace, name), None)
             state["autoscaler"].forget((namespace, name))
 
     return registry

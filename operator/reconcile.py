@@ -15,8 +15,9 @@ from typing import Any
 
 from kvpilot.operator import api_names, metrics
 from kvpilot.operator.activator_children import activator_selector
-from kvpilot.operator.apply import ApplyResult, apply_all
+from kvpilot.operator.apply import ApplyResult, ChildError, apply_all
 from kvpilot.operator.autoscaler import Autoscaler
+from kvpilot.operator.child_validation import children_errors
 from kvpilot.operator.children import build_children
 from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
 from kvpilot.operator.diffing import merge_patch
@@ -57,6 +58,8 @@ class Reconciled:
     follow_up: bool = False
     #: autoscaling.mode operator: seconds until the autoscaler's next evaluation is due
     autoscale_in: float | None = None
+    #: ChildConflict or ChildRejected: a child could not be applied; try again later, backing off
+    blocked: str | None = None
 
 
 def _now() -> str:
@@ -140,15 +143,33 @@ def _status(
     return status
 
 
-def _invalid_status(error: SpecError, generation: int, previous: dict[str, Any]) -> dict[str, Any]:
-    message = str(error)
+def _failed_status(reason: str, message: str, generation: int, previous: dict[str, Any]) -> dict[str, Any]:
     return {
         "phase": "Failed",
         "conditions": conditions(
-            "Failed", "InvalidSpec", message, generation, previous.get("conditions", []), _now()
+            "Failed", reason, message, generation, previous.get("conditions", []), _now()
         ),
         "observedGeneration": generation,
     }
+
+
+#: the most problems one condition message lists (a 64-character name breaks a label on every child)
+MESSAGE_PROBLEMS = 3
+
+
+def _children_refused(
+    api: KubeApi, isvc: InferenceService, reason: str, problems: list[str], previous: dict[str, Any]
+) -> dict[str, Any]:
+    """Failed with ``reason`` and the problems, as a status patch; an Event when the condition is new."""
+    more = len(problems) - MESSAGE_PROBLEMS
+    message = "; ".join(problems[:MESSAGE_PROBLEMS]) + (f"; and {more} more" if more > 0 else "")
+    ready: dict[str, Any] = next((c for c in previous.get("conditions", []) if c.get("type") == "Ready"), {})
+    if (ready.get("reason"), ready.get("message")) != (reason, message):
+        log.warning("%s/%s: %s: %s", isvc.namespace, isvc.name, reason, message)
+        post_event(api, isvc, "Warning", reason, message)
+    metrics.RECONCILIATIONS.labels("invalid" if reason == "InvalidSpec" else "error").inc()
+    status = _failed_status(reason, message, isvc.generation, previous)
+    return merge_patch(status, previous, previous)
 
 
 def _record_cold_starts(previous: dict[str, Any], status: dict[str, Any]) -> None:
@@ -194,11 +215,19 @@ def reconcile(
         isvc = InferenceService.from_manifest(body)
     except SpecError as error:
         metrics.RECONCILIATIONS.labels("invalid").inc()
-        status = _invalid_status(error, generation, previous)
+        status = _failed_status("InvalidSpec", str(error), generation, previous)
         return Reconciled(merge_patch(status, previous, previous), error=error)
     autoscaled, autoscale_in, ready_now = _autoscale(api, isvc, autoscaler, previous)
     children = build_children(isvc, config.default_image, sizing=autoscaled, ready_replicas=ready_now)
-    applied = tuple(apply_all(api, children.objects))
+    # What the API server would refuse is reported before any child is written (child_validation).
+    problems = children_errors(children.objects)
+    if problems:
+        return Reconciled(_children_refused(api, isvc, "InvalidSpec", problems, previous))
+    try:
+        applied = tuple(apply_all(api, children.objects))
+    except ChildError as error:
+        status_patch = _children_refused(api, isvc, error.reason, [str(error)], previous)
+        return Reconciled(status_patch, blocked=error.reason)
     changed = [result for result in applied if result.action != "unchanged"]
     for result in changed:
         log.info("%s %s", result.action, result.ref)
