@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp.web
 import attrs
 import kmock
+from harness import builtin_validation
 from harness import custom_resources as crs
 from harness import scale as scales
 from harness.patches import (
@@ -254,12 +255,16 @@ class ApiServerHarness(kmock.KubernetesEmulator):
 
     # ---- writes --------------------------------------------------------------------------------------
     def _admit(self, resource: kmock.resource, obj: dict[str, Any], strict: bool) -> dict[str, Any]:
+        kind, name = self.resources[resource].kind, obj.get("metadata", {}).get("name")
+        causes = builtin_validation.causes(kind, obj, custom=resource in self.custom)
+        if causes:
+            message = ", ".join(f"{field}: {text}" for field, text in causes)
+            raise _status(422, "Invalid", f'{kind} "{name}" is invalid: {message}', causes)
         if resource not in self.custom:
             return obj
         try:
             return crs.admit(self.custom[resource], obj, strict)
         except crs.InvalidObject as error:
-            kind, name = self.custom[resource].kind, obj.get("metadata", {}).get("name")
             raise _status(
                 422, "Invalid", f'{kind}.{resource.group} "{name}" is invalid: {error}', error.causes
             ) from error
