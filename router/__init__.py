@@ -11,6 +11,7 @@ Package map:
 - ``connections``       client connections: stream byte bounds, stall timeout, JSON for unparsable requests
 - ``app``               HTTP surface: proxied endpoints, ``/health``, ``/ready``, ``/metrics``; retry loop
 - ``proxy``             forwards one request to one replica, streaming, retryable until the first byte
+- ``upstream_failure``  a failure before the first byte: whose fault it is, what the client is told
 - ``sse_events``        cuts an upstream SSE stream after its complete events, holding a bounded rest
 - ``upstream``          aiohttp client of the proxied requests: a keep-alive session per replica
 - ``errors``            OpenAI-style JSON error responses; middleware that turns every other error into one

@@ -22,7 +22,7 @@ from kvpilot.router.fleet import Fleet
 from kvpilot.router.json_body import BodyError, read_json_object
 from kvpilot.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvpilot.router.picker import ReplicaPicker
-from kvpilot.router.proxy import Forwarder, UpstreamFailure
+from kvpilot.router.proxy import Forwarder
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.request_profile import (
     CHAT_COMPLETIONS,
@@ -33,6 +33,7 @@ from kvpilot.router.request_profile import (
 )
 from kvpilot.router.scoring import Decision
 from kvpilot.router.upstream import UpstreamClient
+from kvpilot.router.upstream_failure import UpstreamFailure
 
 log = logging.getLogger(__name__)
 MODELS = "/v1/models"

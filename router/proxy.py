@@ -26,14 +26,20 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from kvpilot.engine.tenancy import ROUTER_TOKEN_HEADER
-from kvpilot.router.errors import end_broken, error_body, error_response
+from kvpilot.router.errors import end_broken, error_body
 from kvpilot.router.poller import ERROR, NOT_READY, TIMEOUT
 from kvpilot.router.replica import Dispatch, Replica
 from kvpilot.router.sse_events import EventSplitter
 from kvpilot.router.upstream import UpstreamClient, UpstreamError, error_text
+from kvpilot.router.upstream_failure import (
+    REPLICA_HEADER,
+    UpstreamFailure,
+    describe,
+    replica_id,
+    request_timeout,
+)
 
 log = logging.getLogger(__name__)
-REPLICA_HEADER = "x-kvpilot-replica"
 # Per-connection headers and ones aiohttp writes itself: never copied across the proxy.
 _HOP_BY_HOP = frozenset(
     {
@@ -55,58 +61,6 @@ _HOP_BY_HOP = frozenset(
 # router forwards such a body decoded, so the header no longer describes it.
 _DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
-
-
-class UpstreamFailure(Exception):
-    """The request failed before the client got any byte: by the replica's fault (eject it, retry elsewhere)
-    or, not ``replica_fault``, its own (answer ``status`` at once). ``str()`` is for the log (it holds the
-    replica's URL); :meth:`client_message` is for the client."""
-
-    def __init__(
-        self,
-        reason: str,
-        detail: str,
-        problem: str,
-        response: tuple[int, CIMultiDict[str], bytes] | None = None,
-        *,
-        replica_fault: bool = True,
-        status: int = 502,
-        code: str = "upstream_failed",
-    ):
-        super().__init__(detail)
-        self.reason = reason
-        self.problem = problem  # what went wrong, without addresses
-        self.response = response  # what the replica answered, if it answered (502/503/504)
-        self.replica_fault = replica_fault
-        self.status, self.code = status, code  # the client's answer when the replica gave none
-        self.replica_url: str | None = None
-        self.replica_id = ""  # the x-kvpilot-replica value of the replica that failed
-        self.replica_name = describe(None)
-
-    def client_message(self) -> str:
-        return f"{self.replica_name} failed before answering: {self.problem}"
-
-    def client_response(self) -> web.Response:
-        """What the client gets when no replica answered: the last replica's own 502/503/504 as it said it,
-        else a 502 (504 for the request timeout) naming the failure."""
-        replica = {REPLICA_HEADER: self.replica_id}
-        if self.response is None:
-            return error_response(self.status, self.client_message(), self.code, headers=replica)
-        status, headers, body = self.response
-        response = web.Response(status=status, body=body, headers=headers)
-        response.headers.update(replica)
-        return response
-
-
-def replica_id(replica: Replica) -> str:
-    """The ``x-kvpilot-replica`` value: the pod's name where discovery knows it, else the configured URL."""
-    return replica.pod or replica.url
-
-
-def describe(replica: Replica | None) -> str:
-    """A replica as clients may see it: its pod's name if known, never its address."""
-    pod = replica.pod if replica is not None else None
-    return f"engine replica {pod}" if pod else "an upstream replica"
 
 
 def forward_headers(headers: Any, vouch: str | None = None, decoded: bool = False) -> CIMultiDict[str]:
@@ -182,7 +136,7 @@ class Forwarder:
                 TIMEOUT, f"{replica.url}: no connection in time", "it accepted no connection in time"
             ) from None
         except TimeoutError:
-            raise _request_timeout(replica) from None
+            raise request_timeout(replica) from None
         except aiohttp.ClientResponseError as error:  # the answer's head could not be parsed
             raise UpstreamFailure(
                 ERROR,
@@ -214,7 +168,7 @@ class Forwarder:
         try:
             first = await upstream.content.readany()
         except TimeoutError:
-            raise _request_timeout(replica) from None
+            raise request_timeout(replica) from None
         except UpstreamError as error:
             raise UpstreamFailure(
                 ERROR,
@@ -285,17 +239,6 @@ class Forwarder:
         if splitter is not None and (rest := splitter.rest()):
             await response.write(rest)  # the replica ended its body there: pass on what it sent
         await response.write_eof()
-
-
-def _request_timeout(replica: Replica) -> UpstreamFailure:
-    return UpstreamFailure(
-        TIMEOUT,
-        f"{replica.url}: no answer within the request timeout",
-        "it ran past the router's request timeout",
-        replica_fault=False,
-        status=504,
-        code="upstream_timeout",
-    )
 
 
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
