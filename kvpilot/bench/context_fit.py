@@ -113,7 +113,8 @@ async def measure_token_rate(client: OpenAIStreamClient) -> TokenRate:
             count = await client.count_prompt_tokens(spec)
         except ProbeError as exc:
             raise EndpointError(
-                f"a {spec.prompt_words}-word prompt-length probe (max_tokens 1) failed: {exc}"
+                f"a {spec.prompt_words}-word prompt-length probe (max_tokens 1, unstreamed) failed: {exc} "
+                "(--no-context-fit skips the probes)"
             ) from None
         if count is None:
             return ASSUMED_RATE

@@ -164,3 +164,12 @@ def test_named_model_takes_its_context_from_the_listing(fake_server):
 
     assert asyncio.run(resolve("fake-model")) == 300
     assert asyncio.run(resolve("another-model")) is None
+
+
+def test_a_failing_probe_stops_the_run_with_the_answer(fake_server, tmp_path, capsys):
+    server = fake_server(max_model_len=512, fail_every=1)
+    assert _serve(server, tmp_path) == 1
+    err = capsys.readouterr().err
+    assert "prompt-length probe (max_tokens 1, unstreamed) failed: HTTP 500: " in err
+    assert "injected failure" in err and "--no-context-fit skips the probes" in err
+    assert len(server.requests) == 1
