@@ -203,10 +203,16 @@ def bench_elementwise(ops: NativeOps, tokens: int, repeat: int) -> dict[str, dic
     }
 
 
+def ratio_text(ratio: float) -> str:
+    """Two decimals from 1 up; three significant digits below (a busy host once timed a baseline at 1/200
+    of the native time, which two decimals printed as "x 0.00")."""
+    return f"{ratio:5.2f}" if ratio >= 1 else f"{ratio:5.3g}"
+
+
 def row(op: str, shape: str, times: dict[str, float]) -> str:
     native = times["native"]
     others = "  ".join(
-        f"{name} {ms:8.2f} ms (x{ms / native:5.2f})" for name, ms in times.items() if name != "native"
+        f"{name} {ms:8.2f} ms (x{ratio_text(ms / native)})" for name, ms in times.items() if name != "native"
     )
     return f"{op:<18}{shape:<22}native {native:8.2f} ms  {others}"
 

@@ -230,11 +230,23 @@ def bench_serve(args: argparse.Namespace, base_url: str, output: Path, warmup: b
         "--warmup-requests",
         "0",
         "--ignore-eos",
+        # every policy gets the same requests, and the probes of a context fit would count in the router's
+        # figures: lengths the model cannot hold fail the run (bench serve exits 3) instead of shrinking
+        "--no-context-fit",
         "--output-json",
         str(output),
         "--no-progress",
     ]
-    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, preexec_fn=placement(0, args.engine_cpus))
+    log = output.with_suffix(".log")
+    with log.open("w") as stderr:
+        code = subprocess.run(
+            argv, stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=placement(0, args.engine_cpus)
+        ).returncode
+    if code != 0:
+        raise SystemExit(
+            f"router bench: `kvpilot bench serve` against {base_url} exited with code {code}; {log}:\n"
+            + log.read_text()[-2000:]
+        )
     return json.loads(output.read_text())["points"][0]["summary"]
 
 
@@ -361,6 +373,8 @@ def run_policy(args: argparse.Namespace, policy: str | None, out: Path) -> dict:
         if prompt
         else None,
         "decisions": {k: int(v) for k, v in decisions.items() if v},
+        "failed": summary["requests_failed"],
+        "requests": summary["requests_total"],
     }
 
 
@@ -381,6 +395,12 @@ def report(rows: list[dict]) -> None:
             f"{ms(r['cpu_per_request']):>11}"
             f"{cached:>8}  {r['decisions']}"
         )
+    for r in rows:
+        if r["failed"]:
+            print(
+                f"  FAILED: {r['failed']} of {r['requests']} {r['policy']} requests failed (their errors: "
+                "the bench JSON); that row counts only the successful ones"
+            )
     by_policy = {r["policy"]: r for r in rows}
     baseline = by_policy.get("round_robin")
     if baseline:

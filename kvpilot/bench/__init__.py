@@ -13,6 +13,7 @@ Package map (one responsibility per module):
 - ``records``          the per-request record and the metric definitions (TTFT, ITL, TPOT, E2E)
 - ``load_generation``  open loop on a schedule, closed loop with N clients, warm-up
 - ``endpoint``         readiness polling and model discovery before the load
+- ``context_fit``      prompt tokens a word measured on the endpoint; lengths scaled to its context
 - ``client_overhead``  event-loop lag and CPU use of the load generator itself
 - ``metrics``          per-point aggregation: percentiles, throughputs, SLO attainment, goodput
 - ``saturation``       the sweep's saturation rule

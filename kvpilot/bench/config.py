@@ -29,6 +29,22 @@ def length_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
 
 
+def rates_list(text: str) -> tuple[float, ...]:
+    """argparse type: ``R[,R...]`` request rates, ``inf`` for all at once."""
+    try:
+        return tuple(math.inf if part.strip().lower() == "inf" else float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected rates like '4' or '1,2,4,inf', got {text!r}") from None
+
+
+def levels_list(text: str) -> tuple[int, ...]:
+    """argparse type: ``C[,C...]`` concurrency levels."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like '8' or '1,2,4,8', got {text!r}") from None
+
+
 def length_range_error(flag: str, bounds: tuple[int, int]) -> str | None:
     """The message for a MIN:MAX range that breaks 1 <= MIN <= MAX (each caller reports it its own way)."""
     low, high = bounds
@@ -141,6 +157,8 @@ class WorkloadConfig:
     system_prompt_len: int = 1024  # shared-prefix: words in each tenant's shared system prompt
     dataset_path: Path | None = None  # sharegpt: the JSON file
     sharegpt_output_cap: int = 1024  # sharegpt: max_tokens = min(words of the gpt turn, this cap)
+    # scale the lengths down to the context /v1/models reports, if they could exceed it (context_fit)
+    fit_context: bool = True
 
     def validate(self) -> None:
         if self.kind not in WORKLOAD_KINDS:

@@ -46,10 +46,24 @@ async def wait_until_ready(
         await asyncio.sleep(poll_interval_s)
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    id: str
+    # the context the server reports for it (vLLM's and kvpilot's /v1/models carry max_model_len);
+    # None when it reports none, and then the workload cannot be fitted to it
+    max_model_len: int | None = None
+
+
+def _max_model_len(entry: object) -> int | None:
+    value = entry.get("max_model_len") if isinstance(entry, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 async def resolve_model(
     session: aiohttp.ClientSession, base_url: str, model: str | None, timeout_s: float
-) -> str:
-    """Check the endpoint answers at all, and return ``model`` or else the first id in ``/v1/models``."""
+) -> ServedModel:
+    """Check the endpoint answers at all, and return ``model`` or else the first id in ``/v1/models``,
+    with the context length the listing gives for it."""
     url = base_url.rstrip("/") + "/v1/models"
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
@@ -60,13 +74,15 @@ async def resolve_model(
         raise EndpointError(f"cannot reach the endpoint at {base_url}: {reason}") from None
     except (aiohttp.ClientError, ValueError) as exc:
         if model is not None:
-            return model
+            return ServedModel(model)
         raise EndpointError(f"{url} did not return a JSON model list ({exc}); pass --model") from None
+    data = listing.get("data") if isinstance(listing, dict) else None
+    entries = [entry for entry in data if isinstance(entry, dict)] if isinstance(data, list) else []
     if model is not None:
-        return model
+        named = [entry for entry in entries if entry.get("id") == model]
+        return ServedModel(model, _max_model_len(named[0]) if named else None)
     if status != 200:
         raise EndpointError(f"{url} answered HTTP {status}; pass --model")
-    data = listing.get("data") if isinstance(listing, dict) else None
     if not data or not isinstance(data[0], dict) or not isinstance(data[0].get("id"), str):
         raise EndpointError(f"{url} lists no models; pass --model")
-    return data[0]["id"]
+    return ServedModel(data[0]["id"], _max_model_len(data[0]))

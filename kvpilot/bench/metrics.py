@@ -82,6 +82,7 @@ class PointSummary:
     send_lag_s: Distribution  # how late the client sent requests versus their schedule (all requests)
     slo: SLOResult | None  # None when no SLO was given
     errors: dict[str, int]  # error type -> count
+    error_examples: dict[str, str]  # error type -> the detail (e.g. the response body) of its first request
     output_token_source: str  # where output token counts came from (server usage or counted chunks)
     prompt_token_source: str  # where prompt token counts came from (server usage or word estimate)
     warnings: tuple[str, ...]
@@ -156,6 +157,7 @@ def summarize(records: Sequence[RequestRecord], slo: SLOConfig) -> PointSummary:
         send_lag_s=send_lag,
         slo=slo_result,
         errors=dict(sorted(Counter(r.error_type or "unknown" for r in records if not r.ok).items())),
+        error_examples=_first_details([r for r in records if not r.ok]),
         output_token_source=_source_label(
             [r.output_token_source for r in ok], {"usage": "server usage", "chunks": "counted chunks"}
         ),
@@ -165,6 +167,13 @@ def summarize(records: Sequence[RequestRecord], slo: SLOConfig) -> PointSummary:
         ),
         warnings=tuple(_warnings({"TTFT": ttft, "TPOT": tpot, "ITL": itl, "E2E": e2e}, send_lag)),
     )
+
+
+def _first_details(failed: Sequence[RequestRecord]) -> dict[str, str]:
+    examples: dict[str, str] = {}
+    for record in failed:
+        examples.setdefault(record.error_type or "unknown", record.error_detail or "")
+    return dict(sorted(examples.items()))
 
 
 def _source_label(sources: list[str], names: dict[str, str]) -> str:

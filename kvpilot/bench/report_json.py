@@ -101,6 +101,8 @@ def report_dict(config: ServeBenchConfig, result: BenchmarkResult, plots: list[P
         "started_at": result.started_at,
         "model": result.model,
         "config": _redacted(_json_object(config)),
+        # the lengths actually sent when they were scaled to the served context (kvpilot.bench.context_fit)
+        "context_fit": _jsonable(result.context_fit),
         "definitions": DEFINITIONS,
         "cold_start": {
             "ready": _jsonable(result.cold_start.ready),

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from kvpilot.bench.config import ServeBenchConfig
 from kvpilot.bench.metrics import Distribution, PointSummary
-from kvpilot.bench.runner import ColdStart, PointResult
+from kvpilot.bench.runner import BenchmarkResult, ColdStart, PointResult
 from kvpilot.bench.saturation import SaturationResult
 
 
@@ -26,7 +26,7 @@ def format_point(point: PointResult) -> str:
         f"requests    {s.requests_total} measured: {s.requests_ok} ok, {s.requests_failed} failed"
         f" | window {s.window_s:.2f} s (first arrival to last completion)"
         + (f" | arrivals offered {s.arrival_rate_rps:.3f} req/s" if point.mode == "open" else ""),
-        f"throughput  request {s.request_throughput_rps:.3f} req/s | output-token "
+        _failed_mark(s) + f"throughput  request {s.request_throughput_rps:.3f} req/s | output-token "
         f"{s.output_token_throughput_tps:.1f} tok/s | total-token (prompt+output) "
         f"{s.total_token_throughput_tps:.1f} tok/s",
         f"latency ms  {'n':>7}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}",
@@ -47,6 +47,9 @@ def format_point(point: PointResult) -> str:
         )
     errors = ", ".join(f"{kind}: {count}" for kind, count in s.errors.items()) or "none"
     lines.append(f"errors      {errors}")
+    lines += [
+        f"            first {kind}: {detail or '(no detail)'}" for kind, detail in s.error_examples.items()
+    ]
     lines.append(f"tokens      output: {s.output_token_source} | prompt: {s.prompt_token_source}")
     o = point.overhead
     lines.append(
@@ -56,6 +59,34 @@ def format_point(point: PointResult) -> str:
     )
     lines += [f"warning     {note}" for note in s.warnings]
     return "\n".join(lines)
+
+
+def _failed_mark(s: PointSummary) -> str:
+    """A line above the throughput of a point with failed requests: its figures count only the rest."""
+    if not s.requests_failed:
+        return ""
+    return (
+        f"FAILED      {s.requests_failed} of {s.requests_total} requests failed (see errors below); the "
+        "figures cover only the successful ones\n"
+    )
+
+
+def refusals(result: BenchmarkResult) -> str | None:
+    """Why the run measured nothing worth reporting, or None: requests the endpoint refused as invalid
+    (HTTP 4xx other than 408 and 429, which say "later", not "wrong") mean the benchmark's requests do not
+    suit it, and a point where no request succeeded has no latency or throughput at all."""
+    records = [*result.cold_start.warmup_records, *(r for point in result.points for r in point.records)]
+    refused = [r for r in records if r.error_type in _REFUSALS]
+    if refused:
+        return (
+            f"{len(refused)} of {len(records)} requests were refused as invalid, the first with "
+            f"{refused[0].error_type}: {refused[0].error_detail}"
+        )
+    empty = [point.label for point in result.points if point.summary.requests_ok == 0]
+    return f"no request succeeded at {'; '.join(empty)}" if empty else None
+
+
+_REFUSALS = frozenset(f"http_{status}" for status in range(400, 500) if status not in (408, 429))
 
 
 def format_cold_start(cold: ColdStart, steady: PointSummary | None) -> str:
@@ -73,7 +104,7 @@ def format_cold_start(cold: ColdStart, steady: PointSummary | None) -> str:
         if record.ok:
             cells.append(f"TTFT {_ms(record.ttft_s)} ms, E2E {_ms(record.e2e_s)} ms")
         else:
-            cells.append(f"failed ({record.error_type})")
+            cells.append(f"failed ({record.error_type}: {record.error_detail or 'no detail'})")
     lines.append(f"warm-up     {len(cells)} sequential requests: " + "; ".join(cells))
     first = cold.warmup_records[0].ttft_s
     if first is not None and steady is not None and steady.ttft_s.p50:
@@ -98,6 +129,7 @@ def format_sweep(
         goodput = "-" if s.slo is None else f"{s.slo.goodput_rps:.2f}"
         mark = " <- saturation" if index == saturation.saturation_index and saturation.saturated else ""
         mark = " <- knee" if index == saturation.knee_index else mark
+        mark += f" ({s.requests_failed} of {s.requests_total} FAILED)" if s.requests_failed else ""
         lines.append(
             f"{point.load:>10g}{s.request_throughput_rps:>9.2f}{s.output_token_throughput_tps:>11.1f}"
             f"{_ms(s.ttft_s.p50):>10}{_ms(s.ttft_s.p99):>10}{_ms(s.tpot_s.p50):>10}{_ms(s.tpot_s.p99):>10}"

@@ -23,7 +23,8 @@ from tqdm import tqdm
 from kvpilot.bench.arrivals import arrival_offsets
 from kvpilot.bench.client_overhead import ClientOverhead, LoopLagMonitor
 from kvpilot.bench.config import ServeBenchConfig
-from kvpilot.bench.endpoint import ReadyResult, resolve_model, wait_until_ready
+from kvpilot.bench.context_fit import ContextFit, fit_to_context
+from kvpilot.bench.endpoint import EndpointError, ReadyResult, resolve_model, wait_until_ready
 from kvpilot.bench.load_generation import run_closed_loop, run_open_loop, run_warmup
 from kvpilot.bench.metrics import PointSummary, summarize
 from kvpilot.bench.records import RequestRecord
@@ -55,6 +56,7 @@ class BenchmarkResult:
     cold_start: ColdStart
     points: list[PointResult]
     saturation: SaturationResult | None  # only for sweeps (two or more points)
+    context_fit: ContextFit | None = None  # the lengths fitted to the served context (None: not fitted)
 
 
 def point_label(config: ServeBenchConfig, load: float) -> str:
@@ -71,12 +73,13 @@ async def run_serve_benchmark(
 ) -> BenchmarkResult:
     """Run the benchmark ``config`` describes; ``on_point`` sees each load point as it finishes.
 
-    Raises :class:`kvpilot.bench.endpoint.EndpointError` when the endpoint is unreachable or not ready.
+    Raises :class:`kvpilot.bench.endpoint.EndpointError` when the endpoint is unreachable or not ready,
+    or when every warm-up request failed (then the load would measure nothing but the failure).
     """
     started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     endpoint = config.endpoint
     arrival_seed, tenant_seed, warmup_seed, request_root = np.random.SeedSequence(config.seed).spawn(4)
-    workload = Workload(config.workload, tenant_seed)
+    workload = Workload(config.workload, tenant_seed)  # reads a dataset file before any network
     request_seeds = request_root.spawn(len(config.load.levels))
     headers = {"Authorization": f"Bearer {endpoint.api_key}"} if endpoint.api_key else {}
     # No connection-pool cap: a hidden cap would queue requests where the send-lag figures cannot see it.
@@ -86,11 +89,21 @@ async def run_serve_benchmark(
         ready = None
         if endpoint.ready_url is not None:
             ready = await wait_until_ready(session, endpoint.ready_url, endpoint.ready_timeout_s)
-        model = await resolve_model(session, endpoint.base_url, endpoint.model, endpoint.connect_timeout_s)
+        served = await resolve_model(session, endpoint.base_url, endpoint.model, endpoint.connect_timeout_s)
+        model = served.id
         client = OpenAIStreamClient(session, endpoint, model)
+        context_fit = await fit_to_context(client, config.workload, served)
+        if context_fit is not None and context_fit.scale < 1:
+            workload = Workload(context_fit.workload, tenant_seed)
         warmup = await run_warmup(
             client, workload.stream(np.random.default_rng(warmup_seed)), config.load.warmup_requests
         )
+        if warmup and not any(record.ok for record in warmup):
+            first = warmup[0]
+            raise EndpointError(
+                f"all {len(warmup)} warm-up requests failed, the first with {first.error_type}: "
+                f"{first.error_detail}"
+            )
         points = []
         for load, request_seed in zip(config.load.levels, request_seeds, strict=True):
             point = await _run_point(config, client, workload, load, arrival_seed, request_seed)
@@ -116,6 +129,7 @@ async def run_serve_benchmark(
         cold_start=ColdStart(ready, warmup),
         points=points,
         saturation=saturation,
+        context_fit=context_fit,
     )
 
 

@@ -1,7 +1,8 @@
 """``kvpilot bench serve``: flags -> :class:`ServeBenchConfig` -> run -> tables, JSON and plots.
 
-Exit codes: 0 done, 1 endpoint unusable (unreachable, not ready, no model), 2 bad flags or dataset,
-130 interrupted.
+Exit codes: 0 done, 1 endpoint unusable (unreachable, not ready, no model, every warm-up request failed),
+2 bad flags or dataset, 3 the endpoint refused requests as invalid or a load point had no success (the
+report is still written, its figures are no measurement), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ from kvpilot.bench.config import (
     SLOConfig,
     WorkloadConfig,
     length_range,
+    levels_list,
+    rates_list,
 )
+from kvpilot.bench.context_fit import describe_fit
 from kvpilot.bench.endpoint import EndpointError
 from kvpilot.bench.report_json import report_dict, write_report
-from kvpilot.bench.report_text import format_cold_start, format_point, format_sweep
+from kvpilot.bench.report_text import format_cold_start, format_point, format_sweep, refusals
 from kvpilot.bench.runner import PointResult, run_serve_benchmark_sync
 from kvpilot.bench.sharegpt import DatasetError
 
@@ -40,20 +44,6 @@ DESCRIPTION = (
     "sweep that also finds the saturation point."
 )
 DEFAULT_NUM_REQUESTS = 200
-
-
-def _rates(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(math.inf if part.strip().lower() == "inf" else float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected rates like '4' or '1,2,4,inf', got {text!r}") from None
-
-
-def _levels(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like '8' or '1,2,4,8', got {text!r}") from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -89,14 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = load.add_mutually_exclusive_group()
     mode.add_argument(
         "--request-rate",
-        type=_rates,
+        type=rates_list,
         default=(math.inf,),
         metavar="R[,R...]",
         help="open loop: mean arrivals per second, 'inf' = all at once; a list is a sweep (default: inf)",
     )
     mode.add_argument(
         "--concurrency",
-        type=_levels,
+        type=levels_list,
         metavar="C[,C...]",
         help="closed loop: clients each keeping one request in flight; a list is a sweep",
     )
@@ -163,6 +153,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1024,
         metavar="N",
         help="sharegpt: max_tokens = min(words of the recorded answer, N)",
+    )
+    wl.add_argument(
+        "--no-context-fit",
+        action="store_true",
+        help="send the lengths as given even where they exceed the max_model_len /v1/models reports",
     )
 
     slo = parser.add_argument_group("SLO and saturation")
@@ -240,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
             system_prompt_len=args.system_prompt_len,
             dataset_path=args.dataset_path,
             sharegpt_output_cap=args.sharegpt_output_cap,
+            fit_context=not args.no_context_fit,
         ),
         slo=SLOConfig(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot),
         saturation=SaturationRule(
@@ -283,6 +279,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 130
 
     print(f"model       {result.model}")
+    if result.context_fit is not None:
+        print(f"context     {describe_fit(result.context_fit, config.workload)}")
     print(format_cold_start(result.cold_start, result.points[0].summary if result.points else None))
     if result.saturation is not None:
         print("\n" + format_sweep(result.points, result.saturation, config))
@@ -297,4 +295,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if config.output_json is not None:
         write_report(config.output_json, report_dict(config, result, plots))
         print(f"report      {config.output_json}")
+    if problem := refusals(result):
+        print(f"kvpilot bench serve: error: {problem}; the figures above are no measurement", file=sys.stderr)
+        return 3
     return 0

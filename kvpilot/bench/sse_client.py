@@ -24,7 +24,11 @@ from kvpilot.bench.records import (
 )
 from kvpilot.bench.workloads import RequestSpec
 
-_DETAIL_CHARS = 200  # how much of an error body or exception text a record keeps
+_DETAIL_CHARS = 400  # how much of an error body or exception text a record keeps (an OpenAI error fits)
+
+
+class ProbeError(Exception):
+    """A prompt-length probe got no usable answer; the message says what came back."""
 
 
 class _Failure(Exception):
@@ -70,6 +74,22 @@ class OpenAIStreamClient:
         if spec.tenant is not None:
             body["user"] = spec.tenant
         return body
+
+    async def count_prompt_tokens(self, spec: RequestSpec) -> int | None:
+        """The ``usage.prompt_tokens`` the server reports for ``spec``'s prompt, sent as the benchmark sends
+        it but unstreamed for one output token; None when the answer carries no usage."""
+        body = self.payload(spec) | {"stream": False, "max_tokens": 1}
+        body.pop("stream_options", None)
+        headers = {} if spec.tenant is None else {"x-tenant": spec.tenant}
+        try:
+            async with self._session.post(self._url, json=body, headers=headers) as response:
+                if response.status != 200:
+                    raise ProbeError(f"HTTP {response.status}: {await _body_excerpt(response)}")
+                answer = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise ProbeError(f"{type(exc).__name__}: {exc}") from None
+        usage = answer.get("usage") if isinstance(answer, dict) else None
+        return _int_or_none(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
 
     async def send(
         self,

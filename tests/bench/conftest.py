@@ -3,7 +3,10 @@
 Behaviour is set per server: delay per output token, a stall before the first request's first token,
 one-at-a-time service, and request numbers (1-based, counted over all completion requests) that fail with
 HTTP 500, drop the connection mid-stream, or hang. Every output token is its own SSE event; chat streams
-open with a role-only event that carries no text, as OpenAI's and vLLM's do.
+open with a role-only event that carries no text, as OpenAI's and vLLM's do. Its tokenizer costs
+``bos_tokens`` plus ``tokens_per_word`` a word; with ``max_model_len`` set, /v1/models reports it and a
+request whose prompt + max_tokens exceeds it is refused with vLLM's HTTP 400. An unstreamed request gets
+one JSON answer.
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ class FakeServerBehavior:
     hang_s: float = 5.0
     ready_after_s: float = 0.0  # /ready answers 503 until this long after the server started
     model: str = "fake-model"
+    max_model_len: int | None = None  # reported by /v1/models and enforced (None: neither)
+    tokens_per_word: int = 1
+    bos_tokens: int = 0  # tokens every prompt costs besides its words
+    report_usage: bool = True  # False: no usage in unstreamed answers (streams follow include_usage)
 
 
 class FakeOpenAIServer:
@@ -76,7 +83,14 @@ class FakeOpenAIServer:
         self._started = time.perf_counter()
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.behavior.model, "object": "model"}]})
+        card: dict = {"id": self.behavior.model, "object": "model"}
+        if self.behavior.max_model_len is not None:
+            card["max_model_len"] = self.behavior.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
+
+    def prompt_tokens(self, body: dict) -> int:
+        prompt = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+        return self.behavior.bos_tokens + self.behavior.tokens_per_word * len(prompt.split())
 
     async def _ready(self, request: web.Request) -> web.Response:
         ready = time.perf_counter() - self._started >= self.behavior.ready_after_s
@@ -94,6 +108,19 @@ class FakeOpenAIServer:
         b = self.behavior
         if self._is_every(number, b.fail_every):
             return web.json_response({"error": {"message": "injected failure"}}, status=500)
+        prompt_tokens, max_tokens = self.prompt_tokens(body), int(body["max_tokens"])
+        if b.max_model_len is not None and prompt_tokens + max_tokens > b.max_model_len:
+            message = (
+                f"This model's maximum context length is {b.max_model_len} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                "completion)."
+            )
+            error = {"message": message, "type": "BadRequestError", "param": None, "code": 400}
+            return web.json_response({"error": error}, status=400)
+        if not body.get("stream"):
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens}
+            answer = {"choices": [{"index": 0, "text": " tok0" * max_tokens, "finish_reason": "length"}]}
+            return web.json_response(answer | ({"usage": usage} if b.report_usage else {}))
         if b.serialize:
             async with self._lock:
                 return await self._stream(request, body, number)
@@ -121,11 +148,11 @@ class FakeOpenAIServer:
                 request.transport.close()  # drop the connection mid-stream
                 return response
         if (body.get("stream_options") or {}).get("include_usage"):
-            prompt = body.get("prompt") or " ".join(m["content"] for m in body["messages"])
+            prompt_tokens = self.prompt_tokens(body)
             usage = {
-                "prompt_tokens": len(prompt.split()),
+                "prompt_tokens": prompt_tokens,
                 "completion_tokens": max_tokens,
-                "total_tokens": len(prompt.split()) + max_tokens,
+                "total_tokens": prompt_tokens + max_tokens,
             }
             await _send(response, {"choices": [], "usage": usage})
         await response.write(b"data: [DONE]\n\n")

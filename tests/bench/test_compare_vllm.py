@@ -47,6 +47,7 @@ def test_every_server_gets_the_same_load_and_levels_get_fresh_seeds(tmp_path):
         "64:128",
     }
     assert "--ignore-eos" in a and _value(a, "--api") == "completions"
+    assert "--no-context-fit" in a  # no system gets lengths scaled to its own context
     assert plan.levels == (1, 8, 32)
     assert [plan.closed_requests(c) for c in plan.levels] == [16, 16, 64]
     seeds = [_value(plan.closed_loop_args("http://x", c, tmp_path / "r.json"), "--seed") for c in plan.levels]
@@ -66,7 +67,8 @@ def test_hf_batch_runs_exactly_the_prompts_a_closed_loop_level_sends(fake_server
         rounds_per_client=1,
         warmup_requests=1,
     )
-    server = fake_server(token_delay_s=0.0)
+    # a context the lengths fit (16 words x 4 + 2 <= 80) but the fit's bound for their spread does not
+    server = fake_server(token_delay_s=0.0, max_model_len=80, tokens_per_word=4)
     report = tmp_path / "c4.json"
     assert bench_main(["serve", *plan.closed_loop_args(server.url, 4, report)]) == 0
     bodies = [body for _, body in server.requests]

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_scripts import bench_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "native_kernels.py"
 ROW = re.compile(r"^(\S+) +(\S+(?: \S+)?) +native +([\d.]+) ms +(.*)$")
 BASELINE = re.compile(r"(\S+) +([\d.]+) ms \(x *([\d.]+)\)")
@@ -34,3 +36,13 @@ def test_quick_native_bench_times_each_kernel_against_its_baseline(tmp_path):
         name for row in rows if row.group(1) == "linear" for name, _, _ in BASELINE.findall(row.group(4))
     } >= {"F.linear"}
     assert "gather+SDPA" in rows[2].group(4)
+
+
+def test_a_row_keeps_a_tiny_ratio_visible():
+    # a loaded host once timed the native linear at 200x F.linear's time: two decimals printed "x 0.00"
+    line = bench_script("native_kernels").row(
+        "linear", "rows=1", {"native": 1000.0, "F.linear": 4.0, "b": 2600.0}
+    )
+    row = ROW.match(line)
+    assert row is not None, line
+    assert BASELINE.findall(row.group(4)) == [("F.linear", "4.00", "0.004"), ("b", "2600.00", "2.60")]

@@ -111,3 +111,43 @@ def test_a_null_engine_run_with_the_router_pinned_reports_every_policy(tmp_path)
     assert "slowest warm-up window ≤" in result.stdout
     warm = (tmp_path / "cache_aware-router-warmup.metrics").read_text()
     assert router_bench.sample_value(warm, 'kvpilot_router_decisions_total{policy="cache_aware"') == 2
+
+
+def test_a_bench_serve_that_fails_stops_the_run_with_its_message(tmp_path, closed_port):
+    args = argparse.Namespace(
+        warmup_requests=1,
+        seed=0,
+        request_rate="1",
+        num_requests=2,
+        num_tenants=2,
+        system_prompt_len=10,
+        input_len="4:8",
+        output_len="2:4",
+        engine_cpus=None,
+    )
+    with pytest.raises(SystemExit) as stop:  # was a CalledProcessError traceback
+        router_bench.bench_serve(args, f"http://127.0.0.1:{closed_port}", tmp_path / "load.json")
+    message = str(stop.value.code)
+    assert message.startswith(f"router bench: `kvpilot bench serve` against http://127.0.0.1:{closed_port}")
+    assert "exited with code 1" in message and "cannot reach the endpoint" in message
+
+
+def test_the_report_marks_a_policy_whose_requests_failed(capsys):
+    row = {
+        "policy": "round_robin",
+        "ttft_p50": 0.1,
+        "ttft_p99": 0.2,
+        "rps": 1.0,
+        "out_tps": 10.0,
+        "overhead_p50": None,
+        "overhead_p99": None,
+        "cpu_per_request": None,
+        "cached": None,
+        "decisions": {"fallback": 8},
+        "failed": 3,
+        "requests": 8,
+    }
+    router_bench.report([row, {**row, "policy": "cache_aware", "failed": 0}])
+    out = capsys.readouterr().out
+    assert "FAILED: 3 of 8 round_robin requests failed" in out
+    assert "cache_aware requests failed" not in out

@@ -111,6 +111,9 @@ class ComparePlan:
             "--request-timeout",
             f"{self.request_timeout_s:g}",
             "--no-progress",
+            # every system must get the same requests (HF generate runs them too): a context too small for
+            # them is a failed run (bench serve exits 3), not a workload scaled for that system alone
+            "--no-context-fit",
         ]
 
     def closed_loop_args(
