@@ -236,6 +236,35 @@ def test_greedy_tokens_are_identical_with_a_draft_model(tiny_model_dir, plain: L
         assert stats.spec_accepted_tokens < stats.spec_draft_tokens / 4
 
 
+@pytest.mark.parametrize(
+    ("engine_args", "prompts", "max_tokens"),
+    [
+        ({}, [[5, 6, 7, 8, 9], [40, 41, 42]], [12, 40]),
+        ({"max_model_len": 16}, [list(range(20, 33)), [40, 41]], [None, None]),
+    ],
+    ids=["near-max-tokens", "near-the-context-limit"],
+)
+def test_a_draft_model_proposes_for_rows_with_fewer_drafts_than_the_batch(
+    tiny_model_dir, other_draft, engine_args, prompts, max_tokens
+):
+    """Every speculating row took all ``k`` draft forwards, also one whose limit (``max_tokens`` or the
+    context) allowed fewer: its positions past the limit had no slot in its block table, so the step raised
+    ("a sequence is longer than its block table covers", or an IndexError at the context limit). Each
+    forward now runs only the rows still drafting; the outputs are the plain engine's."""
+    common = {"block_size": 4, "num_kv_blocks": 64, **engine_args}
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    want = run(LLM(str(tiny_model_dir), **common), prompts, params)
+    llm = LLM(
+        str(tiny_model_dir),
+        **common,
+        speculative_config={**DRAFT, "num_speculative_tokens": 4, "model": other_draft},
+    )
+    got = run(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == ["length", "length"]
+    assert llm.engine.stats.spec_draft_tokens > 0
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
     from kvpilot.engine.model.tiny import write_tiny_llama
 
