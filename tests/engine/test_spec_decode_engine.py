@@ -265,6 +265,36 @@ def test_a_draft_model_proposes_for_rows_with_fewer_drafts_than_the_batch(
     assert llm.engine.stats.spec_draft_tokens > 0
 
 
+def test_a_draft_model_under_swap_preemption_with_forks_and_prefix_hits(tiny_model_dir):
+    """Drafting sequences swapped out and back (the draft's cache is stale there), forked samples and
+    prefix-cache hits on a shared prefix: the outputs are those of a plain engine whose cache never
+    preempts."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 500) for _ in range(4)] * 3
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(rng.randint(1, 4))] for _ in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=1 + i % 2) for i in range(4)]
+    params.append(SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[0]))
+    common = {"block_size": 4, "max_model_len": 64}
+    draft = {**DRAFT, "model": str(tiny_model_dir)}
+    small = LLM(
+        str(tiny_model_dir),
+        **common,
+        num_kv_blocks=17,
+        max_num_seqs=3,
+        preemption_mode="swap",
+        swap_space=0.01,
+        speculative_config=draft,
+    )
+    got = [[c.token_ids for c in o.outputs] for o in run(small, prompts, params)]
+    want = [
+        [c.token_ids for c in o.outputs]
+        for o in run(LLM(str(tiny_model_dir), **common, num_kv_blocks=256), prompts, params)
+    ]
+    assert got == want
+    stats = small.engine.stats
+    assert stats.preemptions > 0 and stats.spec_accepted_tokens > 0 and stats.prefix_cache_hits > 0
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
     from kvpilot.engine.model.tiny import write_tiny_llama
 
