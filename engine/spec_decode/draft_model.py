@@ -121,33 +121,40 @@ class DraftModel:
         is_sampled = torch.tensor(sampled, device=dev)
         own = [gen if samples else None for gen, samples in zip(generators, sampled, strict=True)]
         tokens = torch.tensor([s.all_token_ids[-1] for s in seqs], dtype=torch.long, device=dev)
-        drafts, probs = [], []
+        vocab = self.arch.vocab_size
+        drafts = torch.zeros((batch, k), dtype=torch.long, device=dev)
+        probs = torch.zeros((batch, k, vocab), device=dev)
+        lim = np.asarray(limits, dtype=np.int64)
         with torch.inference_mode():
             for j in range(k):
-                pos = start + j
-                slot_mapping = host[slots, pos // bs].astype(np.int64) * bs + pos % bs
+                # only the rows still drafting: a row past its limit has no slot for that position (its
+                # table covers its own drafts only) and a seeded row draws for its own drafts only
+                rows = np.flatnonzero(lim > j)
+                rows_dev = torch.from_numpy(rows).to(dev)
+                pos = start[rows] + j
+                slot_mapping = host[slots[rows], pos // bs].astype(np.int64) * bs + pos % bs
                 meta = AttentionMetadata(
                     slot_mapping=torch.from_numpy(slot_mapping).to(dev),
-                    query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+                    query_start_loc=torch.arange(len(rows) + 1, dtype=torch.int32, device=dev),
                     seq_lens=torch.from_numpy((pos + 1).astype(np.int32)).to(dev),
-                    block_tables=block_tables,
-                    num_decodes=batch,
-                    query_lens_host=[1] * batch,
+                    block_tables=block_tables.index_select(0, rows_dev),
+                    num_decodes=len(rows),
+                    query_lens_host=[1] * len(rows),
                     seq_lens_host=(pos + 1).tolist(),
                     block_size=bs,
                 )
-                hidden = self.model(tokens, torch.from_numpy(pos).to(dev), self.cache.layers, meta)
+                hidden = self.model(tokens[rows_dev], torch.from_numpy(pos).to(dev), self.cache.layers, meta)
                 logits = self.model.compute_logits(hidden).float()
-                q = (logits / temps.unsqueeze(1)).softmax(dim=-1)
-                tokens = logits.argmax(dim=-1)
-                if any(sampled):
+                q = (logits / temps[rows_dev].unsqueeze(1)).softmax(dim=-1)
+                step_tokens = logits.argmax(dim=-1)
+                if any(sampled[i] for i in rows):
                     # drawn exactly from q (the rule divides by it): the sampler's own inverse CDF
-                    u = uniform_numbers(own, 1, generator, dev)[:, 0]
-                    tokens = torch.where(is_sampled, inverse_cdf_draw(q, u), tokens)
-                drafts.append(tokens)
-                probs.append(q)
-        ids = torch.stack(drafts, dim=1).tolist()
-        q_all = torch.stack(probs, dim=1)  # [B, k, V]
+                    u = uniform_numbers([own[i] for i in rows], 1, generator, dev)[:, 0]
+                    step_tokens = torch.where(is_sampled[rows_dev], inverse_cdf_draw(q, u), step_tokens)
+                tokens[rows_dev] = step_tokens
+                drafts[rows_dev, j] = step_tokens
+                probs[rows_dev, j] = q
+        ids = drafts.tolist()
         for i, seq in enumerate(seqs):
             seq.spec_token_ids = ids[i][: limits[i]]
-            seq.spec_draft_probs = q_all[i, : limits[i]] if sampled[i] else None
+            seq.spec_draft_probs = probs[i, : limits[i]] if sampled[i] else None

@@ -201,6 +201,35 @@ def test_preemptions_with_tokens_in_flight_give_the_synchronous_outputs(mode):
     assert results[True] == results[False]
 
 
+def test_grammars_stops_and_token_masks_swapped_with_tokens_in_flight_give_the_roomy_engines_outputs():
+    """Swap preemption with tokens in flight, beside a grammar, a stop string, min_tokens with
+    allowed_token_ids and seeded parallel samples: each request's outputs are those of a synchronous
+    engine whose cache never preempts."""
+    prompts = [[(13 * i + 5 * j) % 200 + 20 for j in range(5 + 2 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True) for _ in prompts]
+    params[1] = SamplingParams(max_tokens=12, temperature=0.9, seed=5, n=2, ignore_eos=True)
+    params[2] = SamplingParams(
+        temperature=0, max_tokens=30, structured_outputs=StructuredOutputsParams(regex=r"(ab|cd){2,5}x")
+    )
+    params[3] = SamplingParams(temperature=0, max_tokens=12, stop=["Rn"])
+    params[4] = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, allowed_token_ids=[2, 77, 78, 79])
+    small = {"num_kv_blocks": 13, "block_size": 4, "max_num_seqs": 8, "max_num_batched_tokens": 32}
+    swapping = _llm(True, **small, max_model_len=48, preemption_mode="swap", swap_space=0.01)
+    got = [
+        [(c.token_ids, c.finish_reason, c.text) for c in o.outputs]
+        for o in swapping.generate(prompts, params)
+    ]
+    want = [
+        [(c.token_ids, c.finish_reason, c.text) for c in o.outputs]
+        for o in _llm(False, block_size=4, max_model_len=48).generate(prompts, params)
+    ]
+    assert got == want
+    assert swapping.engine.stats.preemptions > 0 and swapping.engine.output_processor.num_in_flight_steps > 0
+    assert got[2] == [([102, 103, 102, 103, 102, 103, 100, 101, 123], "stop", "cdcdcdabx")]
+    assert got[3] == [([450, 85, 380], "stop", "cau")]
+    assert got[4][0][0] == [79] * 12
+
+
 def test_structured_outputs_follow_their_grammar_with_tokens_in_flight(tiny_model_dir):
     """The grammar advances when a token is appended on the host, before the next step's mask is built,
     so a constrained request's output is the synchronous engine's."""

@@ -236,6 +236,65 @@ def test_greedy_tokens_are_identical_with_a_draft_model(tiny_model_dir, plain: L
         assert stats.spec_accepted_tokens < stats.spec_draft_tokens / 4
 
 
+@pytest.mark.parametrize(
+    ("engine_args", "prompts", "max_tokens"),
+    [
+        ({}, [[5, 6, 7, 8, 9], [40, 41, 42]], [12, 40]),
+        ({"max_model_len": 16}, [list(range(20, 33)), [40, 41]], [None, None]),
+    ],
+    ids=["near-max-tokens", "near-the-context-limit"],
+)
+def test_a_draft_model_proposes_for_rows_with_fewer_drafts_than_the_batch(
+    tiny_model_dir, other_draft, engine_args, prompts, max_tokens
+):
+    """Every speculating row took all ``k`` draft forwards, also one whose limit (``max_tokens`` or the
+    context) allowed fewer: its positions past the limit had no slot in its block table, so the step raised
+    ("a sequence is longer than its block table covers", or an IndexError at the context limit). Each
+    forward now runs only the rows still drafting; the outputs are the plain engine's."""
+    common = {"block_size": 4, "num_kv_blocks": 64, **engine_args}
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    want = run(LLM(str(tiny_model_dir), **common), prompts, params)
+    llm = LLM(
+        str(tiny_model_dir),
+        **common,
+        speculative_config={**DRAFT, "num_speculative_tokens": 4, "model": other_draft},
+    )
+    got = run(llm, prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == ["length", "length"]
+    assert llm.engine.stats.spec_draft_tokens > 0
+
+
+def test_a_draft_model_under_swap_preemption_with_forks_and_prefix_hits(tiny_model_dir):
+    """Drafting sequences swapped out and back (the draft's cache is stale there), forked samples and
+    prefix-cache hits on a shared prefix: the outputs are those of a plain engine whose cache never
+    preempts."""
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 500) for _ in range(4)] * 3
+    prompts = [prefix + [rng.randrange(3, 500) for _ in range(rng.randint(1, 4))] for _ in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=1 + i % 2) for i in range(4)]
+    params.append(SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[0]))
+    common = {"block_size": 4, "max_model_len": 64}
+    draft = {**DRAFT, "model": str(tiny_model_dir)}
+    small = LLM(
+        str(tiny_model_dir),
+        **common,
+        num_kv_blocks=17,
+        max_num_seqs=3,
+        preemption_mode="swap",
+        swap_space=0.01,
+        speculative_config=draft,
+    )
+    got = [[c.token_ids for c in o.outputs] for o in run(small, prompts, params)]
+    want = [
+        [c.token_ids for c in o.outputs]
+        for o in run(LLM(str(tiny_model_dir), **common, num_kv_blocks=256), prompts, params)
+    ]
+    assert got == want
+    stats = small.engine.stats
+    assert stats.preemptions > 0 and stats.spec_accepted_tokens > 0 and stats.prefix_cache_hits > 0
+
+
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
     from kvpilot.engine.model.tiny import write_tiny_llama
 
