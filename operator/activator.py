@@ -32,10 +32,12 @@ import aiohttp.web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvpilot.operator import api_names
-from kvpilot.router.errors import end_broken, error_body, error_response
+from kvpilot.router.errors import close_after, end_broken, error_body, error_response
+from kvpilot.router.json_body import payload_error
+from kvpilot.router.proxy import forward_headers
+from kvpilot.router.upstream import error_text
 
 log = logging.getLogger(__name__)
-HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
 Upstreams = Callable[[], Awaitable[list[str]]]  # the Ready routers' base URLs
 
 
@@ -163,7 +165,8 @@ class Activator:
         is then a cold start). A replica that refuses the connection never saw the request, so the next
         one (or the next lookup's) gets it."""
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        # as the router's proxy forwards: the body as aiohttp decoded it, without the encoding it undid
+        headers = forward_headers(request.headers, decoded=True)
         held = False
         while True:
             upstream = self._replica()
@@ -183,7 +186,7 @@ class Activator:
                 continue
             except (aiohttp.ClientError, asyncio.TimeoutError) as error:
                 # it may have taken the request before failing: another try could run it twice
-                log.warning("replica %s failed before answering: %r", upstream, error)
+                log.warning("replica %s failed before answering: %s", upstream, error_text(error))
                 self.metrics.upstream_failures.inc()
                 return error_response(
                     502, f"a replica of {self.config.name} failed before answering", "upstream_failed"
@@ -193,14 +196,20 @@ class Activator:
     async def handle(self, request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         arrived = time.monotonic()
         self.metrics.requests.inc()
-        body = await request.read()
+        try:
+            body = await request.read()
+        except aiohttp.web.RequestPayloadError as error:
+            refused = payload_error(request, error)
+            refusal = error_response(refused.status, str(refused), refused.code)
+            await close_after(request, refusal)  # the rest of the body cannot be read
+            return refusal
         answer, held = await self._connect(request, body, arrived + self.config.hold_timeout_seconds)
         if isinstance(answer, aiohttp.web.Response):
             return answer
         async with answer:
             response = aiohttp.web.StreamResponse(
                 status=answer.status,
-                headers={k: v for k, v in answer.headers.items() if k.lower() not in HOP_HEADERS},
+                headers=forward_headers(answer.headers),
             )
             await response.prepare(request)
             # an SSE stream can end with an error event, at an event boundary (the engine writes whole ones)
@@ -213,7 +222,7 @@ class Activator:
                     first, whole = False, chunk.endswith(b"\n\n")
                     await response.write(chunk)
             except (aiohttp.ClientError, asyncio.TimeoutError) as error:
-                log.warning("a replica of %s failed mid-response: %r", self.config.name, error)
+                log.warning("a replica of %s failed mid-response: %s", self.config.name, error_text(error))
                 self.metrics.upstream_failures.inc()
                 message = f"a replica of {self.config.name} failed mid-response: its connection broke"
                 await end_broken(
@@ -224,7 +233,11 @@ class Activator:
             return response
 
     async def start(self, app: aiohttp.web.Application) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._session = aiohttp.ClientSession(
+            # answers pass byte for byte, their Content-Encoding with them
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            auto_decompress=False,
+        )
         self._poller = asyncio.create_task(self._poll())
 
     async def stop(self, app: aiohttp.web.Application) -> None:

@@ -155,7 +155,7 @@ class RouterApp:
             tenant = resolve_tenant(request.headers, self._tenant_policy)
         except BodyError as error:
             refusal = self._count(error_response(error.status, str(error), error.code))
-            if error.status == 408:
+            if error.closes:
                 await close_after(request, refusal)
             return refusal
         except TenantError as error:

@@ -5,7 +5,7 @@ Every response the router makes up is one: the handlers answer bad input with a 
 :func:`json_errors` turns what escapes them (aiohttp's own HTTP errors, a bug) into the same shape instead
 of aiohttp's plain-text pages. A 500 means a bug in the router, never bad input. :func:`end_broken` ends a
 response whose upstream failed after its first byte (the router's proxy and the scale-to-zero activator);
-:func:`close_after` ends a connection whose request body the router gave up waiting for.
+:func:`close_after` ends a connection whose request body was not read to its end (too slow, undecodable).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ async def end_broken(request: web.Request, response: web.StreamResponse, events:
 
 async def close_after(request: web.Request, response: web.StreamResponse) -> None:
     """Send ``response`` and close the connection, the rest of the request body unread (aiohttp would linger
-    10 s reading it first): for a body that did not arrive in time."""
+    10 s reading it first): for a body that did not arrive in time or does not decode."""
     response.force_close()
     await response.prepare(request)
     await response.write_eof()

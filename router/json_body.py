@@ -30,12 +30,25 @@ def parse_json(raw: bytes) -> object:
 
 
 class BodyError(ValueError):
-    """A request body the router refuses: ``status`` and OpenAI error ``code`` for the client."""
+    """A request body the router refuses: ``status`` and OpenAI error ``code`` for the client; ``closes``:
+    the body was not (or cannot be) read to its end, so its connection cannot carry another request and the
+    answer closes it (:func:`kvpilot.router.errors.close_after`)."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, closes: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.closes = closes
+
+
+def payload_error(request: web.Request, error: web.RequestPayloadError) -> BodyError:
+    """The 400 for a body aiohttp could not read: it does not decode as its Content-Encoding says, or it
+    breaks its framing (chunked encoding, a short body)."""
+    if isinstance(error.__cause__, ContentEncodingError):
+        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
+        message = f"request body is not valid {encoding} (its Content-Encoding)"
+        return BodyError(400, message, "invalid_encoding", closes=True)
+    return BodyError(400, "request body does not match its framing", "invalid_body", closes=True)
 
 
 async def read_json_object(
@@ -52,16 +65,12 @@ async def read_json_object(
         raw = await asyncio.wait_for(request.read(), timeout_s)
     except TimeoutError:
         raise BodyError(
-            408, f"the request body did not arrive within {timeout_s:g} s", "request_timeout"
+            408, f"the request body did not arrive within {timeout_s:g} s", "request_timeout", closes=True
         ) from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
     except web.RequestPayloadError as error:
-        if isinstance(error.__cause__, ContentEncodingError):
-            encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
-            message = f"request body is not valid {encoding} (its Content-Encoding)"
-            raise BodyError(400, message, "invalid_encoding") from None
-        raise BodyError(400, "request body does not match its framing", "invalid_body") from None
+        raise payload_error(request, error) from None
     try:
         body = parse_json(raw)
     except ValueError as error:

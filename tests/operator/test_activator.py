@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import socket
 from collections.abc import AsyncIterator
 
@@ -30,7 +31,8 @@ async def _serve(app: aiohttp.web.Application, port: int) -> aiohttp.web.AppRunn
 
 
 def _router_app() -> aiohttp.web.Application:
-    """A replica's router: echoes the request's path and body, streamed in two chunks."""
+    """A replica's router: echoes the request's path and body, streamed in two chunks; ``/v1/packed``
+    answers a gzip-encoded body."""
 
     async def complete(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
         body = await request.json()
@@ -41,8 +43,14 @@ def _router_app() -> aiohttp.web.Application:
         await response.write_eof()
         return response
 
+    async def packed(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(
+            body=gzip.compress(b"packed", mtime=0), headers={"Content-Encoding": "gzip"}
+        )
+
     app = aiohttp.web.Application()
     app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/v1/packed", packed)
     return app
 
 
@@ -203,3 +211,38 @@ def test_a_replica_that_fails_after_taking_the_request_gets_the_client_a_502_or_
     assert '"code":"upstream_failed"' in events[1] and events[2] == "data: [DONE]"
     assert len(events) == 3
     assert "kvpilot_activator_upstream_failures_total 2.0" in results["metrics"]
+
+
+async def _encoding_scenario() -> dict:
+    """Bodies with a Content-Encoding, both ways, as the router's proxy passes them."""
+    packed = gzip.compress(b'{"prompt": "zipped"}')
+    ready: list[str] = []
+    config = ActivatorConfig(namespace="ml", name="smol", hold_timeout_seconds=5.0, poll_seconds=0.05)
+    results: dict = {}
+    async with _serving(config, ready) as (base, live), aiohttp.ClientSession() as client:
+        ready.append(live)
+        gzipped = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        async with client.post(f"{base}/v1/completions", data=packed, headers=gzipped) as response:
+            results["gzip"] = response.status, await response.text()
+        async with client.post(f"{base}/v1/completions", data=b"not gzip", headers=gzipped) as response:
+            results["corrupt"] = response.status, await response.json()
+        async with client.post(f"{base}/v1/completions", json={"prompt": "after"}) as response:
+            results["after"] = response.status, await response.text()
+        async with client.get(f"{base}/v1/packed", auto_decompress=False) as response:
+            results["answer"] = response.headers.get("Content-Encoding"), await response.read()
+    return results
+
+
+def test_encoded_bodies_are_forwarded_as_the_router_forwards_them():
+    results = asyncio.run(_encoding_scenario())
+    # the request body goes on decoded, without the Content-Encoding that no longer describes it
+    assert results["gzip"] == (200, '{"path": "/v1/completions", "prompt": "zipped"}')
+    status, body = results["corrupt"]  # one that does not decode is the client's error, not a 500
+    assert (status, body["error"]["code"], body["error"]["type"]) == (
+        400,
+        "invalid_encoding",
+        "invalid_request_error",
+    )
+    assert results["after"] == (200, '{"path": "/v1/completions", "prompt": "after"}')
+    # an encoded answer passes byte for byte with its header
+    assert results["answer"] == ("gzip", gzip.compress(b"packed", mtime=0))

@@ -287,6 +287,24 @@ async def test_security_a_body_that_does_not_decode_as_its_content_encoding_is_a
     assert router.engine.received == []
 
 
+async def test_a_body_that_does_not_decode_closes_its_connection_and_the_next_request_is_served(
+    router, http, caplog
+) -> None:
+    # the rest of such a body cannot be read, so the connection cannot carry another request: the refusal
+    # says so, rather than aiohttp dropping it afterwards with an unhandled-exception traceback in the log
+    headers = {"Content-Encoding": "gzip"}
+    async with http.post(router.url + COMPLETIONS, data=b"not gzip at all", headers=headers) as response:
+        refused = (
+            response.status,
+            response.headers.get("Connection"),
+            (await response.json())["error"]["code"],
+        )
+    assert refused == (400, "close", "invalid_encoding")
+    status, _ = await answer(http, "POST", router.url + COMPLETIONS, json={"prompt": "after"})
+    assert status == 200
+    assert "Unhandled exception" not in caplog.text
+
+
 async def test_a_compressed_body_is_forwarded_decoded_with_headers_that_describe_it(router, http) -> None:
     plain = b'{"prompt": "hello", "max_tokens": 3}'
     status, body = await answer(
