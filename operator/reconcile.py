@@ -121,7 +121,8 @@ def _status(
         max_replicas=isvc.spec.scaling.max_replicas,
         spare=isvc.spec.scaling.spare,
         allowance=sizing.disruption_allowance,
-        clamped=sizing.spec_replicas is None,
+        limited=sizing.capacity_limited,
+        external=sizing.spec_replicas is not None,
     )
     status: dict[str, Any] = {
         "phase": phase,

@@ -117,8 +117,9 @@ class CapacityView:
     max_replicas: int
     spare: int  # scaling.spare
     allowance: int  # spare replicas left after the clamp (the PodDisruptionBudget's, before its floor of 1)
-    #: False when autoscaling.mode external follows spec.replicas: no maxReplicas clamp limits it
-    clamped: bool = True
+    limited: bool  # N itself exceeds maxReplicas (sizing.SizingResult.capacity_limited)
+    #: autoscaling.mode external follows spec.replicas: no maxReplicas clamp applies
+    external: bool = False
 
 
 def capacity_conditions(
@@ -127,8 +128,8 @@ def capacity_conditions(
     """CapacityLimited: N itself exceeds maxReplicas. SpareAvailable: a replica may go (drain, failure,
     rollout) without dropping below N; with none, the PodDisruptionBudget still allows one at a time, so a
     node drain takes a serving replica down instead of blocking forever (docs/architecture.md#status)."""
-    limited = view.clamped and view.serving > view.max_replicas
-    if not view.clamped:
+    limited = view.limited
+    if view.external:
         limited_reason = "ExternalReplicas"
         limited_message = (
             f"autoscaling.mode external: spec.replicas {view.desired} runs as set (the external "

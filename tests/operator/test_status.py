@@ -192,7 +192,7 @@ def _capacity(**view) -> list[tuple[str, str, str, str]]:
 
 
 def test_capacity_limited_is_against_n_and_spare_available_says_why_not():
-    assert _capacity(serving=6, desired=4, max_replicas=4, spare=1, allowance=0) == [
+    assert _capacity(serving=6, desired=4, max_replicas=4, spare=1, allowance=0, limited=True) == [
         (
             "CapacityLimited",
             "True",
@@ -206,14 +206,14 @@ def test_capacity_limited_is_against_n_and_spare_available_says_why_not():
             "scaling.maxReplicas 4 leaves no spare above the 6 serving",
         ),
     ]
-    assert _capacity(serving=2, desired=3, max_replicas=4, spare=1, allowance=1) == [
+    assert _capacity(serving=2, desired=3, max_replicas=4, spare=1, allowance=1, limited=False) == [
         ("CapacityLimited", "False", "WithinMaxReplicas", "2 replicas needed, within scaling.maxReplicas 4"),
         ("SpareAvailable", "True", "SpareReplicas", "1 spare above the 2 serving"),
     ]
-    no_spare = _capacity(serving=2, desired=2, max_replicas=4, spare=0, allowance=0)[1]
+    no_spare = _capacity(serving=2, desired=2, max_replicas=4, spare=0, allowance=0, limited=False)[1]
     assert no_spare[:3] == ("SpareAvailable", "False", "NoSpare")
     assert "the PodDisruptionBudget allows one at a time" in no_spare[3]
-    assert _capacity(serving=0, desired=0, max_replicas=4, spare=0, allowance=0)[1][:3] == (
+    assert _capacity(serving=0, desired=0, max_replicas=4, spare=0, allowance=0, limited=False)[1][:3] == (
         "SpareAvailable",
         "False",
         "ScaledToZero",
