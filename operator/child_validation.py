@@ -38,18 +38,18 @@ def _show(value: Any, limit: int = 63) -> str:
 
 
 def _subdomain(value: str) -> bool:
-    return len(value) <= 253 and DNS1123_SUBDOMAIN.match(value) is not None
+    return len(value) <= 253 and DNS1123_SUBDOMAIN.fullmatch(value) is not None
 
 
 def _label_value(value: str) -> bool:
-    return len(value) <= 63 and LABEL_VALUE.match(value) is not None
+    return len(value) <= 63 and LABEL_VALUE.fullmatch(value) is not None
 
 
 def _qualified_name(value: str) -> bool:
     prefix, _, name = value.rpartition("/")
     if "/" in value and not _subdomain(prefix):
         return False
-    return len(name) <= 63 and QUALIFIED_NAME.match(name) is not None
+    return len(name) <= 63 and QUALIFIED_NAME.fullmatch(name) is not None
 
 
 def _labels(where: str, labels: dict[str, Any] | None, errors: list[str]) -> None:
@@ -109,7 +109,7 @@ def child_errors(obj: dict[str, Any]) -> list[str]:
     errors: list[str] = []
     name = metadata["name"]
     if kind == "Service":
-        if len(name) > 63 or DNS1035_LABEL.match(name) is None:
+        if len(name) > 63 or DNS1035_LABEL.fullmatch(name) is None:
             errors.append(f"metadata.name: {_show(name, 80)} is not {DNS1035_RULE}")
         _labels("spec.selector", spec.get("selector"), errors)
     elif not _subdomain(name):

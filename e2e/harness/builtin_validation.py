@@ -25,23 +25,23 @@ Causes = list[tuple[str, str]]
 
 
 def _label(value: str) -> bool:
-    return len(value) <= 63 and DNS1123_LABEL.match(value) is not None
+    return len(value) <= 63 and DNS1123_LABEL.fullmatch(value) is not None
 
 
 def _subdomain(value: str) -> bool:
-    return len(value) <= 253 and DNS1123_SUBDOMAIN.match(value) is not None
+    return len(value) <= 253 and DNS1123_SUBDOMAIN.fullmatch(value) is not None
 
 
 def _qualified(key: str) -> bool:
     prefix, slash, name = key.rpartition("/")
     if slash and not _subdomain(prefix):
         return False
-    return len(name) <= 63 and QUALIFIED_NAME.match(name) is not None
+    return len(name) <= 63 and QUALIFIED_NAME.fullmatch(name) is not None
 
 
 def _name_ok(kind: str, name: str) -> tuple[bool, str]:
     if kind == "Service":
-        return len(name) <= 63 and DNS1035_LABEL.match(name) is not None, "a DNS-1035 label"
+        return len(name) <= 63 and DNS1035_LABEL.fullmatch(name) is not None, "a DNS-1035 label"
     if kind == "Namespace":
         return _label(name), "a DNS-1123 label"
     if kind in PATH_SEGMENT_KINDS:
@@ -55,7 +55,7 @@ def _labels(field: str, labels: Any, causes: Causes) -> None:
             causes.append(
                 (field, f"Invalid value: {key!r}: name part must consist of alphanumeric characters")
             )
-        if not isinstance(value, str) or len(value) > 63 or LABEL_VALUE.match(value) is None:
+        if not isinstance(value, str) or len(value) > 63 or LABEL_VALUE.fullmatch(value) is None:
             causes.append(
                 (f"{field}", f"Invalid value: {value!r}: a valid label must be 63 characters or less")
             )
@@ -71,7 +71,7 @@ def _tolerations(field: str, tolerations: Any, causes: Causes) -> None:
             causes.append((f"{at}.operator", "operator must be Exists when `key` is empty"))
         if operator == "Exists" and value:
             causes.append((f"{at}.operator", "value must be empty when `operator` is 'Exists'"))
-        if operator in ("", "Equal") and value and (len(value) > 63 or LABEL_VALUE.match(value) is None):
+        if operator in ("", "Equal") and value and (len(value) > 63 or LABEL_VALUE.fullmatch(value) is None):
             causes.append((f"{at}.value", f"Invalid value: {value!r}"))
         if toleration.get("tolerationSeconds") is not None and toleration.get("effect") != "NoExecute":
             causes.append((f"{at}.effect", "effect must be 'NoExecute' when `tolerationSeconds` is set"))

@@ -155,6 +155,12 @@ REFUSED = [
         "Deployment m: spec.template.spec.nodeSelector[nvidia.com/gpu.product]: 'NVIDIA A100' is not "
         + LABEL,
     ),
+    (  # Python's $ also matches before a final newline; the API server's RE2 does not
+        "m",
+        {"resources": {"gpus": 1, "gpuType": "NVIDIA-A100\n"}},
+        "Deployment m: spec.template.spec.nodeSelector[nvidia.com/gpu.product]: 'NVIDIA-A100\\n' is not "
+        + LABEL,
+    ),
     (
         "m",
         {"tenancy": {"nodeSelector": {"pool name": "x"}}},
