@@ -37,7 +37,8 @@ def _show(value: Any, limit: int = 63) -> str:
     return repr(text) + (f" ({len(text)} characters)" if len(text) > 63 else "")
 
 
-def _subdomain(value: str) -> bool:
+def is_dns_subdomain(value: str) -> bool:
+    """IsDNS1123Subdomain: a Kubernetes object name, or a DNS domain such as the cluster's."""
     return len(value) <= 253 and DNS1123_SUBDOMAIN.fullmatch(value) is not None
 
 
@@ -47,7 +48,7 @@ def _label_value(value: str) -> bool:
 
 def _qualified_name(value: str) -> bool:
     prefix, _, name = value.rpartition("/")
-    if "/" in value and not _subdomain(prefix):
+    if "/" in value and not is_dns_subdomain(prefix):
         return False
     return len(name) <= 63 and QUALIFIED_NAME.fullmatch(name) is not None
 
@@ -80,18 +81,18 @@ def _pod(where: str, template: dict[str, Any], errors: list[str]) -> None:
     _labels(f"{where}.metadata.labels", template.get("metadata", {}).get("labels"), errors)
     spec = template.get("spec", {})
     for field in ("serviceAccountName", "priorityClassName"):
-        if field in spec and not _subdomain(spec[field]):
+        if field in spec and not is_dns_subdomain(spec[field]):
             errors.append(f"{where}.spec.{field}: {_show(spec[field])} is not {SUBDOMAIN_RULE}")
     _labels(f"{where}.spec.nodeSelector", spec.get("nodeSelector"), errors)
     _tolerations(f"{where}.spec.tolerations", spec.get("tolerations") or [], errors)
     for secret in spec.get("imagePullSecrets") or []:
-        if not _subdomain(secret.get("name", "")):
+        if not is_dns_subdomain(secret.get("name", "")):
             errors.append(
                 f"{where}.spec.imagePullSecrets: {_show(secret.get('name'))} is not {SUBDOMAIN_RULE}"
             )
     for volume in spec.get("volumes") or []:
         claim = (volume.get("persistentVolumeClaim") or {}).get("claimName")
-        if claim is not None and not _subdomain(claim):
+        if claim is not None and not is_dns_subdomain(claim):
             errors.append(
                 f"{where}.spec.volumes[{volume['name']}].claimName: {_show(claim)} is not {SUBDOMAIN_RULE}"
             )
@@ -112,7 +113,7 @@ def child_errors(obj: dict[str, Any]) -> list[str]:
         if len(name) > 63 or DNS1035_LABEL.fullmatch(name) is None:
             errors.append(f"metadata.name: {_show(name, 80)} is not {DNS1035_RULE}")
         _labels("spec.selector", spec.get("selector"), errors)
-    elif not _subdomain(name):
+    elif not is_dns_subdomain(name):
         errors.append(f"metadata.name: {_show(name, 80)} is not {SUBDOMAIN_RULE}")
     _labels("metadata.labels", metadata.get("labels"), errors)
     if "selector" in spec and kind != "Service":

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from kvpilot.operator.api_names import DEFAULT_IMAGE
+from kvpilot.operator.child_validation import is_dns_subdomain
 
 #: the cluster's DNS domain when neither --cluster-domain nor $CLUSTER_DOMAIN says (Kubernetes' default)
 DEFAULT_CLUSTER_DOMAIN = "cluster.local"
-_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -33,7 +32,7 @@ class OperatorConfig:
             raise ValueError("--engine-probe-timeout must be positive")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError("--metrics-port must be a TCP port (1-65535)")
-        if len(self.cluster_domain) > 253 or not _DNS_SUBDOMAIN.fullmatch(self.cluster_domain):
+        if not is_dns_subdomain(self.cluster_domain):
             raise ValueError(
                 f"--cluster-domain must be a DNS domain like cluster.local, got {self.cluster_domain!r}"
             )

@@ -241,9 +241,8 @@ class RouterApp:
 
     def _observe_ttft(self, dispatch: Dispatch) -> Callable[[], None]:
         def observe() -> None:
-            if (
-                dispatch.computed and dispatch.first_byte_at is not None
-            ):  # an engine's refusal is no first token
+            # a 2xx only: an engine's refusal is no first token
+            if dispatch.computed and dispatch.first_byte_at is not None:
                 self.metrics.observed_ttft.observe(dispatch.first_byte_at - dispatch.sent_at)
 
         return observe
