@@ -60,7 +60,10 @@ class IngressGate:
             return
         except APIError as err:
             self.state.metrics.rejected(err.code)
-            await error_response(err)(scope, receive, send)
+            response = error_response(err)
+            if err.status in (408, 413):  # close rather than wait for (or read and drop) the unread body
+                response.headers["Connection"] = "close"
+            await response(scope, receive, send)
             return
         if not inference:
             await self.app(scope, receive, send)
