@@ -118,6 +118,8 @@ class Scheduler:
                     n -= len(req.spec_token_ids)
                     req.spec_token_ids, req.spec_draft_probs = [], None
                     continue
+                if self._drop_waiting_drafts(req, scheduled_ids):
+                    continue
                 victim = self._pick_victim(scheduled_ids)
                 self._preempt(victim, out)
                 preempted_ids.add(victim.seq_id)
@@ -228,6 +230,17 @@ class Scheduler:
     def _take(self, req: Sequence, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> None:
         out.scheduled.append((req, n))
         scheduled_ids.add(req.seq_id)
+
+    def _drop_waiting_drafts(self, req: Sequence, scheduled_ids: set[str]) -> bool:
+        """Release the draft slots of running sequences not scheduled yet this tick (a draft model's
+        proposer allocated them before the schedule): cheaper than preempting anyone for ``req``. Returns
+        whether any block was freed."""
+        free_before = self.kv.pool.num_free
+        for seq in self.running:
+            if seq.spec_token_ids and seq is not req and seq.seq_id not in scheduled_ids:
+                seq.spec_token_ids, seq.spec_draft_probs = [], None
+                self.kv.truncate(seq, seq.num_tokens_ahead)
+        return self.kv.pool.num_free > free_before
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Sequence:
         """Lowest priority, latest arrival among running requests not yet scheduled this tick."""

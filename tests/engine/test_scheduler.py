@@ -415,3 +415,22 @@ def test_beams_waiting_for_a_swapped_or_preempted_sibling_never_stall_the_engine
     assert _run_to_the_end(_tiny(**cfg), requests) == _run_to_the_end(
         _tiny(**{**cfg, "num_kv_blocks": 256}), requests
     )
+
+
+def test_drafts_of_unscheduled_sequences_are_dropped_before_anyone_is_preempted():
+    # A draft model's proposer grows a sequence's table for its drafts before the schedule. When an
+    # earlier sequence then needs a block, those draft slots go first: nobody is preempted for it.
+    engine = stub_engine(num_kv_blocks=7, block_size=2, enable_prefix_caching=False, max_num_seqs=4)
+    p = SamplingParams(temperature=0, max_tokens=8)
+    engine.add_request("a", [10, 11, 12, 13], p, arrival_time=1.0)
+    engine.add_request("b", [20, 21, 22, 23], p, arrival_time=2.0)
+    engine.step()  # prefill: 2 blocks each, one token sampled; each next token needs a third block
+    a, b = engine.sequences["a"], engine.sequences["b"]
+    b.spec_token_ids = [7, 7, 7]  # what propose_drafts leaves: drafts and the slots they write
+    assert engine.kv.allocate(b, 1 + len(b.spec_token_ids))
+    assert engine.pool.num_free == 0
+    out = engine.scheduler.schedule()
+    assert out.preempted == []
+    assert b.spec_token_ids == []
+    assert [(r.seq_id, n) for r, n in out.scheduled] == [(a.seq_id, 1), (b.seq_id, 1)]
+    assert len(engine.kv.block_table(a)) == len(engine.kv.block_table(b)) == 3
