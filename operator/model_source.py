@@ -33,7 +33,8 @@ HTTP_PATTERN = r"^https?://[^\s/?#]+/[^\s?#]*\.gguf(\?[^\s#]*)?$"
 S3_PATTERN = rf"^s3://{_BUCKET}/[^\s?#]+\.gguf$"
 HF_PATTERN = rf"^hf://{_NAME}/{_NAME}(@[A-Za-z0-9._/-]+?)?(/[^\s?#@]+\.gguf)?$"
 _HF = re.compile(
-    rf"^hf://(?P<repo>{_NAME}/{_NAME})(@(?P<rev>[A-Za-z0-9._/-]+?))?(/(?P<file>[^\s?#@]+\.gguf))?$"
+    rf"^hf://(?P<repo>{_NAME}/{_NAME})(@(?P<rev>[A-Za-z0-9._/-]+?))?(/(?P<file>[^\s?#@]+\.gguf))?$",
+    re.ASCII,  # \s as in RE2, which validated the source (spec_validation)
 )
 #: every form the CRD accepts, as one pattern (crd_schema.py)
 SOURCE_PATTERN = (

@@ -74,7 +74,9 @@ def _schema_error(error: jsonschema.ValidationError) -> SpecError:
 @functools.cache
 def _python_regex(pattern: str) -> re.Pattern[str]:
     """The OpenAPI ``pattern`` as the API server matches it (Go's RE2, where ``$`` is only the end of the
-    text) in Python, whose ``$`` also matches before a final newline: each ``$`` anchor becomes ``\\Z``."""
+    text) in Python, whose ``$`` also matches before a final newline: each ``$`` anchor becomes ``\\Z``.
+    ASCII: RE2's ``\\s``, ``\\d`` and ``\\w`` are ASCII classes, Python's match any Unicode space, digit or
+    letter (a no-break space in a path passed the API server and failed here)."""
     out, escaped, in_class = [], False, False
     for char in pattern:
         if escaped:
@@ -88,7 +90,7 @@ def _python_regex(pattern: str) -> re.Pattern[str]:
         elif char == "$" and not in_class:
             char = r"\Z"
         out.append(char)
-    return re.compile("".join(out))
+    return re.compile("".join(out), re.ASCII)
 
 
 def _re2_pattern(validator: Any, pattern: str, instance: Any, schema: dict[str, Any]) -> Iterable[Any]:

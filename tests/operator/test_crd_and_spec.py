@@ -417,3 +417,14 @@ def test_a_trailing_newline_fails_the_pattern_as_on_the_api_server(spec, field):
         InferenceService.from_manifest(isvc(spec))
     assert error.value.field == field
     assert "does not match" in error.value.message
+
+
+@pytest.mark.parametrize(
+    "source",
+    ["/models/my\u00a0model.gguf", "https://host/a\u2003b.gguf", "hf://org/repo/sub\u00a0dir/m.gguf"],
+)
+def test_patterns_class_unicode_spaces_as_re2_does(source):
+    # RE2's \s is ASCII whitespace: the API server admits a no-break space in a path, so the operator must
+    # not refuse what was admitted (Python's \s matched it, and these were InvalidSpec).
+    spec = InferenceService.from_manifest(isvc({"model": {"source": source}})).spec.model
+    assert spec.source == source
