@@ -20,9 +20,12 @@ from kvpilot.engine.server.lifecycle import Phase
 from kvpilot.engine.server.state import server_state
 
 router = APIRouter()
+# FastAPI's ``get`` routes GET alone (HEAD got 405); a probe or load balancer may ask with HEAD, which
+# answers as GET does, its body dropped by uvicorn (headers, Content-Length included, stay)
+_GET_AND_HEAD = ["GET", "HEAD"]
 
 
-@router.get("/health")
+@router.api_route("/health", methods=_GET_AND_HEAD)
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     phase = state.lifecycle.phase
@@ -32,26 +35,26 @@ async def health(request: Request) -> JSONResponse:
     )
 
 
-@router.get("/ready")
+@router.api_route("/ready", methods=_GET_AND_HEAD)
 async def ready(request: Request) -> JSONResponse:
     state = server_state(request)
     snap = state.lifecycle.snapshot()
     return JSONResponse({"model": state.model_name, **snap.to_json()}, status_code=200 if snap.ready else 503)
 
 
-@router.get("/load")
+@router.api_route("/load", methods=_GET_AND_HEAD)
 async def load(request: Request) -> JSONResponse:
     state = server_state(request)
     phase = state.lifecycle.phase
     return JSONResponse({**state.loop.load, "ready": phase is Phase.READY, "phase": phase.value})
 
 
-@router.get("/metrics")
+@router.api_route("/metrics", methods=_GET_AND_HEAD)
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@router.api_route("/v1/models", methods=_GET_AND_HEAD)
 async def models(request: Request) -> JSONResponse:
     state = server_state(request)
     info = state.loop.info
