@@ -24,6 +24,9 @@ OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 #: dividing by T, which would overflow; T = 0 exactly is the greedy branch (lowest id among ties)
 NEAR_ZERO_TEMPERATURE = 1e-5
 LOGIT_BIAS_LIMIT = 100.0
+#: the largest finite float32: the sampler computes in float32, so temperature and repetition_penalty (which
+#: vLLM bounds only below) may not exceed it; 1e308 became inf there, and -inf/inf a NaN logit
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class SamplingParamsError(ValueError):
@@ -169,8 +172,15 @@ class SamplingParams:
             -2.0 <= self.frequency_penalty <= 2.0,
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
         )
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(
+            0 < self.repetition_penalty <= FLOAT32_MAX,
+            f"repetition_penalty must be > 0 and <= {FLOAT32_MAX:.8g} (float32), "
+            f"got {self.repetition_penalty}",
+        )
+        need(
+            0 <= self.temperature <= FLOAT32_MAX,
+            f"temperature must be >= 0 and <= {FLOAT32_MAX:.8g} (float32), got {self.temperature}",
+        )
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(is_int(self.top_k) and self.top_k >= -1, f"top_k must be -1 (off) or >= 0, got {self.top_k!r}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")

@@ -13,6 +13,7 @@ Package map (request path first):
 - ``app``               builds the shared state and the FastAPI app
 - ``state``             ``ServerState`` (what handlers share) and ``RequestContext`` (arrival, tenant)
 - ``ingress``           ingress gate: API key, readiness, body size, tenant token bucket — before parsing
+- ``body_encoding``     a request body's Content-Encoding (gzip, deflate) undone within the body limit
 - ``rate_limit``        per-tenant token buckets
 - ``protocol``          request bodies (pydantic), strict; OpenAI fields + vLLM's extra sampling params
 - ``prompts``           body → prompt token ids, by the router's rules and shared functions

@@ -8,7 +8,8 @@ admitted or turned away as a whole):
    ``n`` samples would fit, which is degraded to ``best_of`` = ``n`` instead (as in 4).
 2. Queue bound: requests accepted but not yet scheduled (pending admission + admitted and waiting for a
    batch slot) may not exceed ``max_queue_len``: otherwise 429 with ``Retry-After`` (reject early, so the
-   router or client can go elsewhere instead of waiting behind a queue that cannot clear in time).
+   router or client can go elsewhere instead of waiting behind a queue that cannot clear in time). A batch
+   larger than the whole queue never gets here: the completions handler refuses it (400 naming ``prompt``).
 3. Admit now — reserve the blocks and hand the request to the scheduler — when its cost fits the headroom
    (free blocks minus outstanding reservations) and nobody is pending ahead of it (FIFO, no overtaking).
 4. Degrade: a ``best_of`` > ``n`` request that does not fit is admitted with ``best_of`` = ``n`` when that

@@ -18,7 +18,7 @@ from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.generation import Generation, PromptResult
 from kvpilot.engine.server.logprobs_format import completion_logprobs, prompt_logprobs_json
 from kvpilot.engine.server.output_deltas import OutputChunk
-from kvpilot.engine.server.prompts import completion_prompts
+from kvpilot.engine.server.prompts import check_prompt_count, completion_prompts, holds_token_ids
 from kvpilot.engine.server.protocol import STRUCTURED_TEXT, CompletionRequest, check_text
 from kvpilot.engine.server.responses import respond, usage
 from kvpilot.engine.server.sampling_mapping import check_against_engine, check_prompt_length, sampling_params
@@ -115,7 +115,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state, ctx = server_state(request), request_context(request)
     info = state.info
     state.check_model(body.model)
-    for name in ("prompt", "stop", "bad_words", "suffix", "user", *STRUCTURED_TEXT):
+    check_prompt_count(body.prompt, state.config.max_queue_len)
+    if not holds_token_ids(body.prompt):  # ids are ints by the body's type: nothing to check, per id
+        check_text(body.prompt, "prompt")
+    for name in ("stop", "bad_words", "suffix", "user", *STRUCTURED_TEXT):
         check_text(getattr(body, name), name)
     if body.suffix:
         raise bad_request("suffix is not supported", "suffix")

@@ -24,6 +24,7 @@ _TYPES = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -43,13 +44,19 @@ class APIError(Exception):
         code: str,
         param: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
+        closes: bool = False,
     ) -> None:
+        """``closes``: the request's body was left unread (or undecodable), so the connection cannot carry
+        another request; the answer says ``Connection: close``."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
         self.retry_after = retry_after
+        self._headers = dict(headers or {})
+        self.closes = closes
 
     def body(self) -> dict:
         return {
@@ -62,7 +69,12 @@ class APIError(Exception):
         }
 
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        headers = dict(self._headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
+        if self.closes:
+            headers["Connection"] = "close"
+        return headers
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_request") -> APIError:

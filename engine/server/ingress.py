@@ -3,8 +3,9 @@ JSON parsing or tokenization, in this order:
 
 1. ``/v1/*`` with ``--api-key``: ``Authorization: Bearer <key>`` must match one key (401);
 2. inference POSTs only while ready (503 while loading, warming up or draining, with Retry-After);
-3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread) nor take
-   longer than ``--body-read-timeout`` to arrive (408); a client that disconnects before its body has
+3. the body may not exceed ``--max-body-bytes`` (413; a larger Content-Length is refused unread), as sent
+   nor decoded from its Content-Encoding (``body_encoding``: gzip or deflate, else 415), nor take longer
+   than ``--body-read-timeout`` to arrive (408); a client that disconnects before its body has
    arrived is counted (``kvpilot_requests_abandoned_total``) and gets nothing, never a 400 for the part it
    sent;
 4. the tenant (``kvpilot.engine.tenancy.resolve_tenant``: with API keys, the key's tenant unless the
@@ -24,6 +25,7 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvpilot.engine.server.body_encoding import body_decoder, too_large
 from kvpilot.engine.server.errors import APIError, error_response
 from kvpilot.engine.server.state import SCOPE_KEY, RequestContext, ServerState, not_ready
 from kvpilot.engine.tenancy import TenantError, api_key_from_headers, resolve_tenant
@@ -60,10 +62,7 @@ class IngressGate:
             return
         except APIError as err:
             self.state.metrics.rejected(err.code)
-            response = error_response(err)
-            if err.status in (408, 413):  # close rather than wait for (or read and drop) the unread body
-                response.headers["Connection"] = "close"
-            await response(scope, receive, send)
+            await error_response(err)(scope, receive, send)
             return
         if not inference:
             await self.app(scope, receive, send)
@@ -93,15 +92,18 @@ class IngressGate:
             return await asyncio.wait_for(self._read_body_unbounded(headers, receive), timeout)
         except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
             raise APIError(
-                408, f"the request body did not arrive within {timeout:g} s", code="request_timeout"
+                408,
+                f"the request body did not arrive within {timeout:g} s",
+                code="request_timeout",
+                closes=True,  # close rather than wait for (or read and drop) the rest of the body
             ) from None
 
     async def _read_body_unbounded(self, headers: dict[str, str], receive: Receive) -> bytes:
         limit = self.state.config.max_body_bytes
-        too_large = APIError(413, f"the request body exceeds {limit} bytes", code="request_too_large")
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
-            raise too_large
+            raise too_large(limit)
+        decoder = body_decoder(headers.get("content-encoding"), limit)
         parts, size = [], 0
         while True:
             message = await receive()
@@ -110,10 +112,12 @@ class IngressGate:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise too_large
-            parts.append(chunk)
+                raise too_large(limit)
+            parts.append(chunk if decoder is None else decoder.feed(chunk))
             if not message.get("more_body", False):
                 break
+        if decoder is not None:
+            decoder.finish()
         return b"".join(parts)
 
     def _admit_tenant(self, headers: dict[str, str]) -> str | None:

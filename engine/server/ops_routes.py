@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,9 +22,23 @@ from kvpilot.engine.server.lifecycle import Phase
 from kvpilot.engine.server.state import server_state
 
 router = APIRouter()
+Endpoint = TypeVar("Endpoint", bound=Callable[..., Any])
 
 
-@router.get("/health")
+def _get_and_head(path: str) -> Callable[[Endpoint], Endpoint]:
+    """Route GET and HEAD to the endpoint: FastAPI's ``get`` routes GET alone (HEAD got 405), and a probe or
+    load balancer may ask with HEAD, answered as GET is, its body dropped by uvicorn (headers, Content-Length
+    included, stay). Two routes, not one with both methods, so that each operation has its own OpenAPI id."""
+
+    def register(endpoint: Endpoint) -> Endpoint:
+        router.add_api_route(path, endpoint, methods=["GET"])
+        router.add_api_route(path, endpoint, methods=["HEAD"], operation_id=f"{endpoint.__name__}_head")
+        return endpoint
+
+    return register
+
+
+@_get_and_head("/health")
 async def health(request: Request) -> JSONResponse:
     state = server_state(request)
     phase = state.lifecycle.phase
@@ -32,26 +48,26 @@ async def health(request: Request) -> JSONResponse:
     )
 
 
-@router.get("/ready")
+@_get_and_head("/ready")
 async def ready(request: Request) -> JSONResponse:
     state = server_state(request)
     snap = state.lifecycle.snapshot()
     return JSONResponse({"model": state.model_name, **snap.to_json()}, status_code=200 if snap.ready else 503)
 
 
-@router.get("/load")
+@_get_and_head("/load")
 async def load(request: Request) -> JSONResponse:
     state = server_state(request)
     phase = state.lifecycle.phase
     return JSONResponse({**state.loop.load, "ready": phase is Phase.READY, "phase": phase.value})
 
 
-@router.get("/metrics")
+@_get_and_head("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/models")
+@_get_and_head("/v1/models")
 async def models(request: Request) -> JSONResponse:
     state = server_state(request)
     info = state.loop.info

@@ -39,6 +39,27 @@ class PromptInput:
     token_ids: list[int]
 
 
+def holds_token_ids(prompt: str | list) -> bool:
+    """Whether a completions ``prompt`` is token ids (one list of them or several), not text; the body's
+    type allows no mixed list."""
+    return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str)
+
+
+def check_prompt_count(prompt: str | list, max_prompts: int) -> None:
+    """Several prompts are one batch of that many requests, admitted whole into a queue that holds
+    ``max_prompts`` (``--max-queue-len``): a larger batch could never be admitted, so it is refused (400)
+    before any of its prompts is checked or encoded, not told to retry (429)."""
+    several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    count = len(prompt) if several else 1
+    if count > max_prompts:
+        raise bad_request(
+            f"prompt holds {count} prompts; this server queues at most {max_prompts} requests "
+            "(--max-queue-len), and a request's prompts are queued together: send at most "
+            f"{max_prompts} prompts per request",
+            "prompt",
+        )
+
+
 def completion_prompts(
     tokenizer: Tokenizer, prompt: str | list, check_length: CheckLength = _unchecked
 ) -> list[PromptInput]:

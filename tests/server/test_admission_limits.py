@@ -1,6 +1,7 @@
 """429 and 503 over HTTP, with the official client: a tenant over its token bucket, a full queue, a request
-that outwaits its queue deadline, and a request that can never fit the KV cache. One in-process server
-with one batch slot, a queue of one, a 0.5 s queue deadline and a slow token bucket."""
+that outwaits its queue deadline, a request that can never fit the KV cache and a batch that can never fit
+the queue (400s). One in-process server with one batch slot, a queue of one, a 0.5 s queue deadline and a
+slow token bucket."""
 
 from __future__ import annotations
 
@@ -86,7 +87,9 @@ def test_a_request_that_can_never_run_is_400(limited):
     assert "exceeds the server's max_num_seqs (1)" in exc.value.message
 
 
-def test_a_batch_turned_away_counts_one_rejection_and_no_finished_request(limited):
+def test_a_batch_the_queue_can_never_hold_is_400_counted_once_and_never_finished(limited):
+    """More prompts than --max-queue-len could never be queued together: that was a 429 ("retry later")."""
+
     def samples() -> dict[str, float]:
         out = {}
         for line in httpx.get(limited.url + "/metrics").text.splitlines():
@@ -95,10 +98,32 @@ def test_a_batch_turned_away_counts_one_rejection_and_no_finished_request(limite
                 out[name] = float(value)
         return out
 
+    def post(tenant: str, prompt: list) -> httpx.Response:  # a tenant each: the bucket holds two requests
+        body = {"prompt": prompt, "max_tokens": 1}
+        return httpx.post(
+            limited.url + "/v1/completions", json=body, headers={"x-tenant": tenant}, timeout=30
+        )
+
     before = samples()
-    with pytest.raises(openai.RateLimitError) as exc:  # two prompts > a queue of one
-        tenant_client(limited, "batch").completions.create(model=MODEL, prompt=["a", "b"], max_tokens=1)
-    assert exc.value.code == "queue_full"
+    for tenant, prompt in (("texts", ["a", "b"]), ("ids", [[5, 6], [7]])):  # two prompts > a queue of one
+        r = post(tenant, prompt)
+        assert (r.status_code, r.json()) == (
+            400,
+            {
+                "error": {
+                    "message": "prompt holds 2 prompts; this server queues at most 1 requests "
+                    "(--max-queue-len), and a request's prompts are queued together: send at most 1 "
+                    "prompts per request",
+                    "type": "invalid_request_error",
+                    "param": "prompt",
+                    "code": "invalid_request",
+                }
+            },
+        )
     after = samples()
     changed = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
-    assert changed == {'kvpilot_requests_rejected_total{model_name="tiny-random",reason="queue_full"}': 1.0}
+    assert changed == {
+        'kvpilot_requests_rejected_total{model_name="tiny-random",reason="invalid_request"}': 2.0
+    }
+    # one prompt of token ids is one request, however many ids it has
+    assert post("one", [5, 6, 7]).status_code == 200

@@ -177,3 +177,26 @@ def test_security_a_request_uvicorn_cannot_parse_gets_an_openai_json_400(tiny_se
     error = error_of(body)
     assert (error["code"], error["type"]) == ("invalid_http_request", "invalid_request_error")
     assert int(headers["content-length"]) == len(body)
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty"])
+def test_a_sampling_value_past_float32_is_400_and_the_largest_float32_is_served(tiny_server, field):
+    """vLLM bounds these two only below; the sampler computes in float32, where 1e308 became inf (a
+    RuntimeWarning on the engine thread, and -inf/inf a NaN logit)."""
+    r = tiny_server.post("/v1/completions", {"prompt": "x", "max_tokens": 2, field: 1e308})
+    low = ">= 0" if field == "temperature" else "> 0"
+    assert (r.status_code, r.json()) == (
+        400,
+        {
+            "error": {
+                "message": f"{field} must be {low} and <= 3.4028235e+38 (float32), got 1e+308",
+                "type": "invalid_request_error",
+                "param": field,
+                "code": "invalid_request",
+            }
+        },
+    )
+    largest = {"prompt": "x", "max_tokens": 2, "allowed_token_ids": [5, 6], field: 3.4028234663852886e38}
+    r = tiny_server.post("/v1/completions", largest)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert "RuntimeWarning" not in tiny_server.log_path.read_text()

@@ -261,3 +261,13 @@ def test_raw_http_stream_is_sse_with_done(tiny_server):
     # the greedy text of this prompt starts with a token that ends inside a UTF-8 character: its bytes are
     # held back and leave with the next token, so two tokens make one chunk (and one emit)
     assert len(events) == 3 and json.loads(events[0][6:])["choices"][0]["text"] == full
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready", "/load", "/metrics", "/v1/models"])
+def test_head_answers_as_get_without_a_body(tiny_server, path):
+    """A probe or load balancer asking with HEAD got 405 (FastAPI's ``get`` routes GET alone)."""
+    got, head = tiny_server.get(path), httpx.head(tiny_server.url + path, headers=tiny_server.headers)
+    assert (head.status_code, head.content) == (got.status_code, b"")
+    assert head.headers["content-type"] == got.headers["content-type"]
+    if path != "/metrics":  # a scrape's counters move between the two requests
+        assert head.headers["content-length"] == str(len(got.content))

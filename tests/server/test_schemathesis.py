@@ -23,14 +23,11 @@ def fuzzed_server(start_in_process):
     )
 
 
+_GET_AND_HEAD = ("/v1/models", "/health", "/ready", "/load", "/metrics")
 EXPECTED_OPERATIONS = {
     "POST /v1/completions",
     "POST /v1/chat/completions",
-    "GET /v1/models",
-    "GET /health",
-    "GET /ready",
-    "GET /load",
-    "GET /metrics",
+    *(f"{method} {path}" for path in _GET_AND_HEAD for method in ("GET", "HEAD")),
     "GET /kv/events",
     "GET /kv/snapshot",
 }
