@@ -154,7 +154,7 @@ class RouterApp:
             raw, body = await read_json_object(request, limits.max_body_bytes, limits.body_read_timeout_s)
             tenant = resolve_tenant(request.headers, self._tenant_policy)
         except BodyError as error:
-            refusal = self._count(error_response(error.status, str(error), error.code))
+            refusal = self._count(error_response(error.status, str(error), error.code, error.headers))
             if error.closes:
                 await close_after(request, refusal)
             return refusal

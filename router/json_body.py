@@ -12,7 +12,12 @@ from typing import Any
 
 import orjson
 from aiohttp import hdrs, web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.http_exceptions import ContentEncodingError
+
+#: the Content-Encodings aiohttp's request parser decodes here (``br`` and ``zstd`` only with their
+#: library); it passes any other through undecoded, which would reach the parser as garbage
+DECODED_ENCODINGS = ("gzip", "deflate") + ("br",) * HAS_BROTLI + ("zstd",) * HAS_ZSTD
 
 
 def parse_json(raw: bytes) -> object:
@@ -34,11 +39,39 @@ class BodyError(ValueError):
     the body was not (or cannot be) read to its end, so its connection cannot carry another request and the
     answer closes it (:func:`kvpilot.router.errors.close_after`)."""
 
-    def __init__(self, status: int, message: str, code: str, closes: bool = False) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str,
+        closes: bool = False,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.closes = closes
+        self.headers = headers
+
+
+def unsupported_encoding(value: str) -> BodyError:
+    """The 415 for a Content-Encoding this router cannot undo, naming those it can (as the engine does)."""
+    accepted = ", ".join(DECODED_ENCODINGS)
+    return BodyError(
+        415,
+        f"Content-Encoding {value!r} is not supported: send the body as {accepted} or identity (one coding)",
+        "unsupported_encoding",
+        closes=True,
+        headers={"Accept-Encoding": accepted},
+    )
+
+
+def check_content_encoding(request: web.Request) -> None:
+    """Raises the 415, before the body is read, for a Content-Encoding aiohttp passes through undecoded
+    (anything but one of :data:`DECODED_ENCODINGS`; ``identity`` or none is the body as sent)."""
+    value = request.headers.get(hdrs.CONTENT_ENCODING)
+    if value is not None and value.strip().lower() not in ("", "identity", *DECODED_ENCODINGS):
+        raise unsupported_encoding(value)
 
 
 def payload_error(request: web.Request, error: web.RequestPayloadError) -> BodyError:
@@ -56,8 +89,10 @@ async def read_json_object(
 ) -> tuple[bytes, dict[str, Any]]:
     """The body as aiohttp decoded it (its Content-Encoding undone: what is forwarded) and its JSON object.
     A declared Content-Length over ``max_bytes`` is refused unread (a client declaring 30 MB gets its answer
-    before sending any of it); a body that takes longer than ``timeout_s`` to arrive gets 408; one that does
-    not decode as its Content-Encoding says, or breaks its framing, gets 400."""
+    before sending any of it), as is a Content-Encoding it cannot decode (415); a body that takes longer than
+    ``timeout_s`` to arrive gets 408; one that does not decode as its Content-Encoding says, or breaks its
+    framing, gets 400."""
+    check_content_encoding(request)
     too_large = BodyError(413, f"request body exceeds {max_bytes} bytes", "request_too_large")
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large

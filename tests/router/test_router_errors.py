@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from raw_http import MALFORMED, error_of, exchange_async
 
+from kvpilot.router.json_body import DECODED_ENCODINGS
 from kvpilot.router.proxy import REPLICA_HEADER
 from kvpilot.router.request_profile import CHAT_COMPLETIONS, COMPLETIONS
 
@@ -319,3 +320,33 @@ async def test_a_compressed_body_is_forwarded_decoded_with_headers_that_describe
     assert received == {"prompt": "hello", "max_tokens": 3}
     assert "Content-Encoding" not in headers
     assert headers["Content-Length"] == str(len(plain))
+
+
+@pytest.mark.parametrize("encoding", ["br", "zstd", "compress", "gzip, identity", "gzip, gzip", "x-gzip"])
+async def test_a_content_encoding_the_router_cannot_undo_is_a_415_naming_those_it_can(
+    router, http, encoding: str
+) -> None:
+    # aiohttp passes such a body through undecoded (or, for br/zstd without their library, fails it as it
+    # is read): before, the compressed bytes reached the JSON parser as a 400 invalid_json or a 500
+    headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+    async with http.post(router.url + COMPLETIONS, data=b'{"prompt": "hello"}', headers=headers) as response:
+        refused = (
+            response.status,
+            response.headers.get("Connection"),
+            response.headers.get("Accept-Encoding"),
+            (await response.json())["error"],
+        )
+    assert refused[:3] == (415, "close", ", ".join(DECODED_ENCODINGS))
+    assert refused[3]["code"] == "unsupported_encoding"
+    assert refused[3]["message"].startswith(f"Content-Encoding {encoding!r} is not supported")
+    assert router.engine.received == []
+
+
+@pytest.mark.parametrize("encoding", ["identity", "Identity", ""])
+async def test_an_identity_content_encoding_is_the_body_as_sent(router, http, encoding: str) -> None:
+    headers = {"Content-Encoding": encoding, "Content-Type": "application/json"}
+    status, _ = await answer(
+        http, "POST", router.url + COMPLETIONS, data=b'{"prompt": "hello"}', headers=headers
+    )
+    assert status == 200
+    assert [received for _, _, received in router.engine.received] == [{"prompt": "hello"}]
