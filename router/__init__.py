@@ -15,7 +15,7 @@ Package map:
 - ``sse_events``        cuts an upstream SSE stream after its complete events, holding a bounded rest
 - ``upstream``          aiohttp client of the proxied requests: a keep-alive session per replica
 - ``errors``            OpenAI-style JSON error responses; middleware that turns every other error into one
-- ``json_body``         request body → JSON (orjson; Python's ``json`` for what orjson refuses)
+- ``json_body``         request body → JSON (Content-Encoding undone as by the engine; orjson, then ``json``)
 - ``request_profile``   request → tenant, prompt token ids (shared engine functions), output budget
 - ``segment_tokenizer`` exact per-segment token cache for rendered chat prompts
 - ``block_chain``       a prompt's block hashes (shared engine hash), lazily up to the first miss

@@ -1,11 +1,10 @@
 """The router's client connections. Each accepted one gets the router's :class:`ConnectionLimits` (the client
 side of ``--stream-buffer-bytes``, and ``--write-stall-timeout``); a request aiohttp cannot parse (a bad
 request line, bad headers, a line too long) is answered with an OpenAI-style JSON error instead of aiohttp's
-plain-text page (a ``br`` or ``zstd`` body without its decompression library, which aiohttp's parser refuses
-at the head, gets the 415 the router gives any other coding it cannot undo); and a request head that has begun
-to arrive must be complete within ``--body-read-timeout``, else 408 and the connection closes (aiohttp bounds
-a waiting connection only by its keep-alive timeout, an hour by default, and a client trickling a head holds
-it that long).
+plain-text page; aiohttp leaves bodies as sent (its automatic decoding is off: ``json_body`` undoes a Content-
+Encoding as the engine does); and a request head that has begun to arrive must be complete within ``--body-
+read-timeout``, else 408 and the connection closes (aiohttp bounds a waiting connection only by its keep-alive
+timeout, an hour by default, and a client trickling a head holds it that long).
 
 aiohttp answers unparsable requests in its connection handler (``RequestHandler.handle_error``), before
 any middleware runs, so the router's middleware (``errors.json_errors``) never sees them: the handler class
@@ -19,22 +18,17 @@ completes once a head is parsed.
 from __future__ import annotations
 
 import asyncio
-import re
 from typing import Any
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
 from kvpilot.engine.server.connection import ConnectionLimits, raw_json_response
 from kvpilot.router.errors import error_body, error_response
-from kvpilot.router.json_body import unsupported_encoding
 
 #: longest parser message passed on to the client (it may quote the client's own bytes)
 MAX_REASON_CHARS = 200
-#: the coding in aiohttp's "Can not decode content-encoding: brotli (br)" refusal
-_PARSER_CODING = re.compile(r"\((br|zstd)\)")
 
 
 def error_for(status: int, reason: str | None) -> web.Response:
@@ -95,20 +89,8 @@ class _Handler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
-        coding = _PARSER_CODING.search(str(exc)) if isinstance(exc, ContentEncodingError) else None
-        if coding is None:
-            super().handle_error(request, status, exc, message)  # logs it; raises once a response has started
-            return error_for(status, message)
-        # a client's choice of coding, not a fault to log with a traceback; nothing was sent yet (the
-        # parser refused the head)
-        self.logger.debug("unsupported Content-Encoding from %s", request.remote, exc_info=exc)
-        error = unsupported_encoding(coding.group(1))
-        # the request aiohttp made of the refused head is HTTP/1.0-like, so the close is said explicitly
-        response = error_response(
-            error.status, str(error), error.code, {**(error.headers or {}), "Connection": "close"}
-        )
-        response.force_close()
-        return response
+        super().handle_error(request, status, exc, message)  # logs it; raises once a response has started
+        return error_for(status, message)
 
 
 class _Server(web.Server):
@@ -134,7 +116,7 @@ class RouterRunner(web.AppRunner):
     def __init__(
         self, app: web.Application, limits: ConnectionLimits, head_timeout_s: float, **kwargs: Any
     ) -> None:
-        super().__init__(app, **kwargs)
+        super().__init__(app, auto_decompress=False, **kwargs)
         self._limits = limits
         self._head_timeout_s = head_timeout_s
 

@@ -1,7 +1,11 @@
 """Request bodies → JSON through orjson, with Python's ``json`` (the engine's parser) for what orjson refuses.
 
-The router reads a body only to route it (its prompt, tenant and output budget) and forwards the raw bytes,
-so the engine's parser stays the authority on what a body means.
+The router reads a body only to route it (its prompt, tenant and output budget) and forwards the bytes, so
+the engine's parser stays the authority on what a body means. Its Content-Encoding is undone here by the
+engine's own decoder (``kvpilot.engine.server.body_encoding``; aiohttp's automatic decoding is off on the
+router's connections), so router and engine refuse the same bodies with the same answers: gzip and deflate
+decode within ``--max-body-bytes`` on the decoded size, a body that does not decode (truncated included) is
+400 ``invalid_encoding``, any other coding 415 ``unsupported_encoding``.
 """
 
 from __future__ import annotations
@@ -12,12 +16,9 @@ from typing import Any
 
 import orjson
 from aiohttp import hdrs, web
-from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
-from aiohttp.http_exceptions import ContentEncodingError
 
-#: the Content-Encodings aiohttp's request parser decodes here (``br`` and ``zstd`` only with their
-#: library); it passes any other through undecoded, which would reach the parser as garbage
-DECODED_ENCODINGS = ("gzip", "deflate") + ("br",) * HAS_BROTLI + ("zstd",) * HAS_ZSTD
+from kvpilot.engine.server.body_encoding import body_decoder
+from kvpilot.engine.server.errors import APIError
 
 
 def parse_json(raw: bytes) -> object:
@@ -54,45 +55,26 @@ class BodyError(ValueError):
         self.headers = headers
 
 
-def unsupported_encoding(value: str) -> BodyError:
-    """The 415 for a Content-Encoding this router cannot undo, naming those it can (as the engine does)."""
-    accepted = ", ".join(DECODED_ENCODINGS)
-    return BodyError(
-        415,
-        f"Content-Encoding {value!r} is not supported: send the body as {accepted} or identity (one coding)",
-        "unsupported_encoding",
-        closes=True,
-        headers={"Accept-Encoding": accepted},
-    )
+def _body_error(error: APIError) -> BodyError:
+    headers = {k: v for k, v in error.headers().items() if k.lower() != "connection"}
+    return BodyError(error.status, error.message, error.code, closes=error.closes, headers=headers or None)
 
 
-def check_content_encoding(request: web.Request) -> None:
-    """Raises the 415, before the body is read, for a Content-Encoding aiohttp passes through undecoded
-    (anything but one of :data:`DECODED_ENCODINGS`; ``identity`` or none is the body as sent)."""
-    value = request.headers.get(hdrs.CONTENT_ENCODING)
-    if value is not None and value.strip().lower() not in ("", "identity", *DECODED_ENCODINGS):
-        raise unsupported_encoding(value)
-
-
-def payload_error(request: web.Request, error: web.RequestPayloadError) -> BodyError:
-    """The 400 for a body aiohttp could not read: it does not decode as its Content-Encoding says, or it
-    breaks its framing (chunked encoding, a short body)."""
-    if isinstance(error.__cause__, ContentEncodingError):
-        encoding = request.headers.get(hdrs.CONTENT_ENCODING, "")
-        message = f"request body is not valid {encoding} (its Content-Encoding)"
-        return BodyError(400, message, "invalid_encoding", closes=True)
+def payload_error(error: web.RequestPayloadError) -> BodyError:
+    """The 400 for a body aiohttp could not read: it breaks its framing (chunked encoding, a short body)."""
     return BodyError(400, "request body does not match its framing", "invalid_body", closes=True)
 
 
-async def read_json_object(
-    request: web.Request, max_bytes: int, timeout_s: float
-) -> tuple[bytes, dict[str, Any]]:
-    """The body as aiohttp decoded it (its Content-Encoding undone: what is forwarded) and its JSON object.
-    A declared Content-Length over ``max_bytes`` is refused unread (a client declaring 30 MB gets its answer
-    before sending any of it), as is a Content-Encoding it cannot decode (415); a body that takes longer than
-    ``timeout_s`` to arrive gets 408; one that does not decode as its Content-Encoding says, or breaks its
-    framing, gets 400."""
-    check_content_encoding(request)
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float, decode: bool = True) -> bytes:
+    """The body, its Content-Encoding undone where ``decode`` (else as sent). A declared Content-Length over
+    ``max_bytes`` is refused unread (a client declaring 30 MB gets its answer before sending any of it), as
+    is a Content-Encoding it cannot decode (415); a body that takes longer than ``timeout_s`` to arrive gets
+    408; one that breaks its framing, or does not decode as its Content-Encoding says, gets 400; one over
+    ``max_bytes``, sent or decoded, 413."""
+    try:
+        decoder = body_decoder(request.headers.get(hdrs.CONTENT_ENCODING), max_bytes) if decode else None
+    except APIError as error:
+        raise _body_error(error) from None
     too_large = BodyError(413, f"request body exceeds {max_bytes} bytes", "request_too_large")
     if request.content_length is not None and request.content_length > max_bytes:
         raise too_large
@@ -105,7 +87,22 @@ async def read_json_object(
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
     except web.RequestPayloadError as error:
-        raise payload_error(request, error) from None
+        raise payload_error(error) from None
+    if decoder is None:
+        return raw
+    try:
+        decoded = decoder.feed(raw)
+        decoder.finish()
+    except APIError as error:
+        raise _body_error(error) from None
+    return decoded
+
+
+async def read_json_object(
+    request: web.Request, max_bytes: int, timeout_s: float
+) -> tuple[bytes, dict[str, Any]]:
+    """The body decoded (:func:`read_body`: what is forwarded) and its JSON object."""
+    raw = await read_body(request, max_bytes, timeout_s)
     try:
         body = parse_json(raw)
     except ValueError as error:

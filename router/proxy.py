@@ -57,23 +57,20 @@ _HOP_BY_HOP = frozenset(
         "server",
     }
 )
-# Content-Encodings aiohttp's request parser decodes (aiohttp.http_parser.HttpParser.parse_headers): the
-# router forwards such a body decoded, so the header no longer describes it.
-_DECODED_ENCODINGS = frozenset({"gzip", "deflate", "br", "zstd"})
 _RETRYABLE_STATUS = {502: ERROR, 503: NOT_READY, 504: TIMEOUT}
 
 
 def forward_headers(headers: Any, vouch: str | None = None, decoded: bool = False) -> CIMultiDict[str]:
     """Headers to pass across the proxy: without hop-by-hop ones and without any router token the other side
     sent; ``vouch`` adds the deployment's own (the router names the tenant: ``--trust-tenant-header``).
-    ``decoded``: the body goes on as aiohttp decoded it, so a Content-Encoding it undid is dropped
-    (Content-Length, hop-by-hop, is the sent body's)."""
+    ``decoded``: the body goes on with its Content-Encoding undone (``json_body.read_body``), so that header
+    no longer describes it (Content-Length, hop-by-hop, is the sent body's)."""
     forwarded = CIMultiDict(
         (k, v)
         for k, v in headers.items()
         if (lower := k.lower()) not in _HOP_BY_HOP
         and lower != ROUTER_TOKEN_HEADER
-        and not (decoded and lower == "content-encoding" and v.isascii() and v.lower() in _DECODED_ENCODINGS)
+        and not (decoded and lower == "content-encoding")
     )
     if vouch is not None:
         forwarded[ROUTER_TOKEN_HEADER] = vouch

@@ -62,12 +62,17 @@ class RouterServer:
 
     async def serve_until_signalled(self) -> None:
         """Serve until SIGTERM or SIGINT, then stop cleanly (in-flight streams get the shutdown timeout)."""
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
         await self.start()
         try:
-            await stop.wait()
+            await until_signalled()
         finally:
             await self.stop()
+
+
+async def until_signalled() -> None:
+    """Returns once the process gets SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import subprocess
@@ -267,6 +268,23 @@ async def test_security_a_declared_oversized_body_is_refused_unread(fake_engines
         b"Content-Type: application/json\r\nContent-Length: 30000000\r\n\r\n",
     )
     assert status_line.startswith(b"HTTP/1.1 413")
+    assert engine.received == []
+
+
+async def test_security_a_compressed_body_is_bounded_by_its_decoded_size(fake_engines, routers, http):
+    """A few KiB of gzip that inflate past --max-body-bytes are a 413, not a body inflated whole."""
+    (engine,) = await fake_engines(1)
+    router = await routers([engine.url], max_body_bytes=4000)
+    bomb = gzip.compress(b'{"prompt": "' + b"x" * (1 << 20) + b'"}', mtime=0)
+    assert len(bomb) < 4000
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    async with http.post(router.url + "/v1/completions", data=bomb, headers=headers) as response:
+        refused = response.status, (await response.json())["error"]
+    assert refused[0] == 413
+    assert (refused[1]["code"], refused[1]["message"]) == (
+        "request_too_large",
+        "the request body exceeds 4000 bytes once decoded from its Content-Encoding",
+    )
     assert engine.received == []
 
 
