@@ -29,12 +29,16 @@ from dataclasses import dataclass
 
 import aiohttp
 import aiohttp.web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 
 from kvpilot.operator import api_names
+from kvpilot.operator.activator_metrics import ActivatorMetrics
+from kvpilot.router.config import UpstreamConfig
+from kvpilot.router.connections import RouterRunner
 from kvpilot.router.errors import close_after, end_broken, error_body, error_response
-from kvpilot.router.json_body import payload_error
+from kvpilot.router.json_body import BodyError, read_body
 from kvpilot.router.proxy import forward_headers
+from kvpilot.router.server import until_signalled
 from kvpilot.router.upstream import error_text
 
 log = logging.getLogger(__name__)
@@ -49,39 +53,10 @@ class ActivatorConfig:
     hold_timeout_seconds: float = 300.0  # a held request waits this long for a replica, then 503
     poll_seconds: float = 0.5  # how often the Ready replicas are looked up
     retry_after_seconds: int = 10
-
-
-class ActivatorMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "kvpilot_activator_requests", "Requests the activator received.", registry=self.registry
-        )
-        self.held = Gauge(
-            "kvpilot_activator_held_requests", "Requests waiting for a Ready replica.", registry=self.registry
-        )
-        self.held_total = Counter(
-            "kvpilot_activator_held", "Requests that had to wait for a replica.", registry=self.registry
-        )
-        self.rejected = Counter(
-            "kvpilot_activator_rejected",
-            "Held requests answered 503, by reason (queue_full, hold_timeout).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.cold_start_ttft = Histogram(
-            "kvpilot_activator_cold_start_ttft_seconds",
-            "Arrival to first response byte of requests held through a scale from zero.",
-            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
-            registry=self.registry,
-        )
-        self.upstream_failures = Counter(
-            "kvpilot_activator_upstream_failures",
-            "Requests a replica took and failed to answer in full (answered 502, or ended with an error).",
-            registry=self.registry,
-        )
-        for reason in ("queue_full", "hold_timeout"):
-            self.rejected.labels(reason)
+    # a request body is read as a replica's router reads it (the same defaults): a request that a warm
+    # service takes must not be refused cold
+    max_body_bytes: int = UpstreamConfig.max_body_bytes
+    body_read_timeout_seconds: float = UpstreamConfig.body_read_timeout_s
 
 
 def _unavailable(message: str, code: str, retry_after: int) -> aiohttp.web.Response:
@@ -197,11 +172,11 @@ class Activator:
         arrived = time.monotonic()
         self.metrics.requests.inc()
         try:
-            body = await request.read()
-        except aiohttp.web.RequestPayloadError as error:
-            refused = payload_error(request, error)
-            refusal = error_response(refused.status, str(refused), refused.code)
-            await close_after(request, refusal)  # the rest of the body cannot be read
+            body = await read_body(request, self.config.max_body_bytes, self.config.body_read_timeout_seconds)
+        except BodyError as refused:
+            refusal = error_response(refused.status, str(refused), refused.code, refused.headers)
+            if refused.closes:
+                await close_after(request, refusal)  # the rest of the body cannot be read
             return refusal
         answer, held = await self._connect(request, body, arrived + self.config.hold_timeout_seconds)
         if isinstance(answer, aiohttp.web.Response):
@@ -248,8 +223,21 @@ class Activator:
         if self._session is not None:
             await self._session.close()
 
+    def runner(self) -> RouterRunner:
+        """The activator's app on connections served as a replica's router serves them: JSON errors for
+        unparsable requests, request heads and bodies within the body-read timeout, bodies left as sent for
+        :func:`read_body` to decode, a disconnected client's held request cancelled (its place freed)."""
+        return RouterRunner(
+            self.app(),
+            UpstreamConfig().client_limits,
+            self.config.body_read_timeout_seconds,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=5.0,
+        )
+
     def app(self) -> aiohttp.web.Application:
-        app = aiohttp.web.Application()
+        app = aiohttp.web.Application(client_max_size=self.config.max_body_bytes)
 
         async def ok(_: aiohttp.web.Request) -> aiohttp.web.Response:
             return aiohttp.web.json_response({"status": "ok"})
@@ -312,8 +300,17 @@ def run(args: argparse.Namespace) -> int:
         hold_timeout_seconds=args.hold_timeout,
     )
     activator = Activator(config, endpoint_slice_upstreams(args.namespace, args.name))
-    aiohttp.web.run_app(activator.app(), host=args.host, port=args.port, print=None)
+    asyncio.run(_serve(activator.runner(), args.host, args.port))
     return 0
+
+
+async def _serve(runner: RouterRunner, host: str, port: int) -> None:
+    await runner.setup()
+    try:
+        await aiohttp.web.TCPSite(runner, host, port).start()
+        await until_signalled()
+    finally:
+        await runner.cleanup()
 
 
 __all__ = ["Activator", "ActivatorConfig", "add_arguments", "run"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import json
 import socket
 from collections.abc import AsyncIterator
 
@@ -48,7 +49,7 @@ def _router_app() -> aiohttp.web.Application:
             body=gzip.compress(b"packed", mtime=0), headers={"Content-Encoding": "gzip"}
         )
 
-    app = aiohttp.web.Application()
+    app = aiohttp.web.Application(client_max_size=16 << 20)  # as large as the real router takes
     app.router.add_post("/v1/completions", complete)
     app.router.add_get("/v1/packed", packed)
     return app
@@ -62,7 +63,9 @@ async def _serving(config: ActivatorConfig, ready: list[str]) -> AsyncIterator[t
         return list(ready)
 
     activator_port, upstream_port = _port(), _port()
-    runner = await _serve(Activator(config, upstreams).app(), activator_port)
+    runner = Activator(config, upstreams).runner()  # as `kvpilot operator activator` serves it
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", activator_port).start()
     router = await _serve(_router_app(), upstream_port)
     try:
         yield f"http://127.0.0.1:{activator_port}", f"http://127.0.0.1:{upstream_port}"
@@ -246,3 +249,45 @@ def test_encoded_bodies_are_forwarded_as_the_router_forwards_them():
     assert results["after"] == (200, '{"path": "/v1/completions", "prompt": "after"}')
     # an encoded answer passes byte for byte with its header
     assert results["answer"] == ("gzip", gzip.compress(b"packed", mtime=0))
+
+
+async def _bodies_scenario() -> dict:
+    """Bodies a warm service's router takes or refuses, sent while it is at zero."""
+    ready: list[str] = []
+    config = ActivatorConfig(namespace="ml", name="smol", hold_timeout_seconds=5.0, poll_seconds=0.05)
+    results: dict = {}
+    async with _serving(config, ready) as (base, live), aiohttp.ClientSession() as client:
+        ready.append(live)
+        large = json.dumps({"prompt": "x" * (2 << 20)}).encode()  # past aiohttp's 1 MiB default
+        async with client.post(f"{base}/v1/completions", data=large) as response:
+            results["2 MiB"] = response.status, len(await response.read())
+        too_large = json.dumps({"prompt": "x" * (9 << 20)}).encode()
+        async with client.post(f"{base}/v1/completions", data=too_large) as response:
+            results["9 MiB"] = response.status, (await response.json())["error"]["code"]
+        cut = gzip.compress(b'{"prompt": "zipped"}')[:12]
+        headers = {"Content-Encoding": "gzip"}
+        async with client.post(f"{base}/v1/completions", data=cut, headers=headers) as response:
+            results["cut gzip"] = response.status, (await response.json())["error"]["code"]
+        for coding in ("br", "compress"):
+            headers = {"Content-Encoding": coding}
+            async with client.post(f"{base}/v1/completions", data=b"{}", headers=headers) as response:
+                error = (await response.json())["error"]
+                results[coding] = response.status, error["code"], response.headers.get("Accept-Encoding")
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+        head, _, body = (await reader.read()).partition(b"\r\n\r\n")  # until the activator closes
+        writer.close()
+    results["malformed"] = head.split(b" ")[1], json.loads(body)["error"]["code"]
+    return results
+
+
+def test_bodies_are_read_as_a_replicas_router_reads_them():
+    results = asyncio.run(_bodies_scenario())
+    assert results == {
+        "2 MiB": (200, 2 * 1024 * 1024 + len('{"path": "/v1/completions", "prompt": ""}')),
+        "9 MiB": (413, "request_too_large"),
+        "cut gzip": (400, "invalid_encoding"),
+        "br": (415, "unsupported_encoding", "gzip, deflate"),
+        "compress": (415, "unsupported_encoding", "gzip, deflate"),
+        "malformed": (b"400", "invalid_http_request"),
+    }
