@@ -32,7 +32,7 @@
 #                  report appended (45 s)                                                      -> quant.log
 # At most 8 files come back from the device, so every step writes one log (summary.log: each step's exit).
 # Rehearsal on a machine without a GPU (checks the plumbing, not the figures):
-#   PATH=.venv/bin:$PATH GPU_CHECK_DEVICE=cpu GPU_CHECK_MODEL=tiny-random bash bench/gpu_check.sh /tmp/rehearsal tests,profile,serve
+#   PATH=$PWD/.venv/bin:$PATH GPU_CHECK_DEVICE=cpu GPU_CHECK_MODEL=tiny-random bash bench/gpu_check.sh /tmp/rehearsal tests,profile,serve
 # (quant on CPU: a tiny K-quant GGUF on the C kernels, the Triton tests in the interpreter)
 set -uo pipefail
 out=${1:?usage: bench/gpu_check.sh OUT_DIR [env,tests,kernels,models,profile,offline,serve,quant]}
