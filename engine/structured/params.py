@@ -54,7 +54,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", _json.loads(self.json))
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:  # RecursionError: nested past Python's stack
                 raise StructuredOutputsError(f"json is not valid JSON: {err}", "json") from None
         if self.json is False:
             raise StructuredOutputsError(
@@ -88,7 +88,10 @@ class StructuredOutputsParams:
             object.__setattr__(self, "choice", tuple(choice))
         if self.json_object is not None and self.json_object is not True:
             raise StructuredOutputsError("json_object must be true when given", "json_object")
-        size = len(self.text.encode("utf-8", "surrogatepass"))
+        try:
+            size = len(self.text.encode("utf-8", "surrogatepass"))
+        except RecursionError:  # a schema object nested deeper than json.dumps goes
+            raise StructuredOutputsError(f"{self.kind} is nested too deeply", self.kind) from None
         if size > MAX_CONSTRAINT_BYTES:
             raise StructuredOutputsError(
                 f"{self.kind} is {size} bytes; constraints may be at most {MAX_CONSTRAINT_BYTES} bytes "

@@ -63,6 +63,19 @@ def test_constraint_text_is_bounded_in_bytes(kind, value):
     assert exc.value.param == kind
 
 
+def test_a_schema_nested_past_the_python_stack_is_refused():
+    # the text was a RecursionError out of json.loads: a 500 on guided_json
+    deep = '{"type": "array", "items": ' * 100_000 + "{}" + "}" * 100_000
+    with pytest.raises(StructuredOutputsError, match=r"^json is not valid JSON: maximum recursion") as exc:
+        StructuredOutputsParams(json=deep)
+    assert exc.value.param == "json"
+    schema: dict = {}
+    for _ in range(100_000):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(StructuredOutputsError, match=r"^json is nested too deeply$"):
+        StructuredOutputsParams(json=schema)
+
+
 def test_the_size_bound_is_inclusive():
     assert StructuredOutputsParams(regex="a" * MAX_CONSTRAINT_BYTES).regex
 

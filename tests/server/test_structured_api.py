@@ -218,8 +218,23 @@ BIG_SCHEMA = {"type": "object", "description": "d" * (1 << 20)}
             "guided_regex",
             "guided_regex: regex: the grammar can produce no output (lexer error: too many expressions",
         ),
+        (  # a RecursionError out of json.loads: a 500 before
+            {"guided_json": '{"type": "array", "items": ' * 100_000 + "{}" + "}" * 100_000},
+            "guided_json",
+            "guided_json: json is not valid JSON: maximum recursion depth exceeded",
+        ),
     ],
-    ids=["choices", "bytes", "schema-bytes", "root-root", "start-start", "empty-class", "a1e6", "nested"],
+    ids=[
+        "choices",
+        "bytes",
+        "schema-bytes",
+        "root-root",
+        "start-start",
+        "empty-class",
+        "a1e6",
+        "nested",
+        "deep",
+    ],
 )
 def test_hostile_constraints_are_short_400s(server, extra, param, message):
     # before: the choices compiled for minutes, then a 400 carrying llguidance's panic and backtrace; the
