@@ -75,7 +75,12 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
             return llguidance.LLMatcher.grammar_from_regex("|".join(map(_escape, spec.choice or ())))
         return llguidance.grammar_from("grammar", spec.text)
     except Exception as err:  # a schema that is not JSON; a grammar the GBNF converter (Python) chokes on
-        raise GrammarError(f"{kind}: {err}") from None
+        raise GrammarError(f"{kind}: {_client_message(str(err), kind)}") from None
+    except BaseException as err:
+        # a Rust panic in llguidance reaches Python as pyo3's PanicException, a BaseException
+        if type(err).__name__ != "PanicException":
+            raise
+        raise GrammarError(f"{kind}: {_client_message(f'panic: {err}', kind)}") from None
 
 
 def build_matcher(grammar: str, tokenizer: llguidance.LLTokenizer, kind: str) -> llguidance.LLMatcher:

@@ -146,6 +146,20 @@ def test_a_panic_inside_llguidance_is_logged_not_passed_on(caplog):
     assert "u16::MAX" in record.getMessage() and record.levelno == logging.WARNING
 
 
+def test_a_panic_converting_a_constraint_is_a_short_grammar_error(monkeypatch, caplog):
+    class PanicException(BaseException):  # pyo3's, which llguidance raises when Rust panics
+        pass
+
+    def panics(*args, **kwargs):
+        raise PanicException("index out of bounds\n<backtrace>\n  0: <?>")
+
+    monkeypatch.setattr(grammar.llguidance.LLMatcher, "grammar_from_regex", panics)
+    with caplog.at_level(logging.WARNING, logger=grammar.__name__), pytest.raises(GrammarError) as exc:
+        grammar.grammar_text(StructuredOutputsParams(regex="a"))
+    assert str(exc.value) == "regex: the grammar is too large or complex to compile"
+    assert "index out of bounds" in caplog.records[0].getMessage()
+
+
 def test_llguidance_errors_are_one_line_of_bounded_length():
     assert grammar._client_message("lexer error: x\n<state>\nTokens: ...", "regex") == "lexer error: x"
     long = grammar._client_message("e" * 1000, "regex")
