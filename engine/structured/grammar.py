@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 #: the whitespace allowed between two JSON tokens
 JSON_WHITESPACE = r"(?: |\n[ \t]{0,16})?"
 #: llguidance's limits: its defaults, but errors without the parser state and the grammar (a client's
-#: message, and no echo of a huge grammar), and at most 100,000 grammar symbols. llguidance asserts
-#: (a panic) past ~65,000 symbols when its size limit (500,000 by default) lets such a grammar through.
+#: message, and no echo of a huge grammar), and at most 100,000 grammar symbols, refused in ~1 s where the
+#: default 500,000 let a grammar reach a panic (an assertion past ~65,000 symbols; still reachable between
+#: the two, and caught). Lower limits made llguidance run past 60 s on a 70,000-rule chain, so not lower.
 LIMITS = llguidance.LLParserLimits(max_grammar_size=100_000, verbose_errors=False)
 #: the characters the Rust regex crate treats as syntax (``regex_syntax::is_meta_character``)
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")

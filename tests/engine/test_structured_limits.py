@@ -146,6 +146,17 @@ def test_a_panic_inside_llguidance_is_logged_not_passed_on(caplog):
     assert "u16::MAX" in record.getMessage() and record.levelno == logging.WARNING
 
 
+def test_a_grammar_that_makes_llguidance_panic_is_a_short_grammar_error(compiler, caplog):
+    # ~80,000 symbols: past llguidance's assertion (~65,000), under its size limit (100,000); its panic
+    # text and backtrace were the 400's message
+    rules = "\n".join(f'a{i}:"a"a{i + 1}' for i in range(40_000))
+    spec = StructuredOutputsParams(grammar=f'start: a0\n{rules}\na40000:"z"')
+    with caplog.at_level(logging.WARNING, logger=grammar.__name__), pytest.raises(GrammarError) as exc:
+        compiler.compile(spec).result()
+    assert str(exc.value) == "grammar: the grammar is too large or complex to compile"
+    assert "grammar.symbols.len() < u16::MAX" in caplog.records[0].getMessage()
+
+
 def test_a_panic_converting_a_constraint_is_a_short_grammar_error(monkeypatch, caplog):
     class PanicException(BaseException):  # pyo3's, which llguidance raises when Rust panics
         pass

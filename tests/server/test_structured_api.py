@@ -218,6 +218,15 @@ BIG_SCHEMA = {"type": "object", "description": "d" * (1 << 20)}
             "guided_regex",
             "guided_regex: regex: the grammar can produce no output (lexer error: too many expressions",
         ),
+        (  # ~80,000 symbols: llguidance panics; its text and backtrace were the message
+            {
+                "guided_grammar": "start: a0\n"
+                + "".join(f'a{i}:"a"a{i + 1}\n' for i in range(40_000))
+                + 'a40000:"z"'
+            },
+            "guided_grammar",
+            "guided_grammar: grammar: the grammar is too large or complex to compile",
+        ),
         (  # a RecursionError out of json.loads: a 500 before
             {"guided_json": '{"type": "array", "items": ' * 100_000 + "{}" + "}" * 100_000},
             "guided_json",
@@ -233,6 +242,7 @@ BIG_SCHEMA = {"type": "object", "description": "d" * (1 << 20)}
         "empty-class",
         "a1e6",
         "nested",
+        "panic",
         "deep",
     ],
 )
