@@ -18,6 +18,7 @@ grammar goes.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -32,6 +33,8 @@ from kvpilot.engine.structured.grammar import build_matcher, grammar_text
 from kvpilot.engine.structured.matcher import GrammarMatcher
 from kvpilot.engine.structured.params import StructuredOutputsParams
 from kvpilot.engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 512
 #: the stack of each compile thread (see above)
@@ -114,10 +117,24 @@ class GrammarCompiler:
 def _deep_stack_pool(workers: int) -> ThreadPoolExecutor:
     """A pool whose ``workers`` threads are all started now, under ``COMPILE_STACK_BYTES`` of stack (the
     size is process-wide while it is set, and a pool starts its threads lazily, so each is made to start
-    here: one blocking task per thread, released once all have started)."""
+    here: one blocking task per thread, released once all have started). A host that will not map such a
+    stack (strict overcommit) gets default stacks and a warning, not an engine that fails to start."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-grammar")
-    started = threading.Barrier(workers + 1)
     previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        probe = threading.Thread(target=lambda: None, name="kvpilot-grammar-probe")
+        probe.start()
+    except RuntimeError as err:
+        threading.stack_size(previous)
+        log.warning(
+            "grammar compile threads keep the default stack (%s with %d MiB): a deeply nested grammar "
+            "may overflow it",
+            err,
+            COMPILE_STACK_BYTES >> 20,
+        )
+        return pool
+    probe.join()
+    started = threading.Barrier(workers + 1)
     try:
         waits: list[Future[Any]] = [pool.submit(started.wait) for _ in range(workers)]
     finally:

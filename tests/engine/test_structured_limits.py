@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvpilot.engine.structured import compiler as compiler_module
 from kvpilot.engine.structured import grammar
 from kvpilot.engine.structured.compiler import GrammarCompiler
 from kvpilot.engine.structured.grammar import GrammarError
@@ -135,6 +136,18 @@ def test_a_deep_rule_chain_compiles_on_the_compile_threads(compiler, tokenizer):
     rules = "\n".join(f'a{i}: "a" a{i + 1}' for i in range(depth))
     spec = StructuredOutputsParams(grammar=f'start: a0\n{rules}\na{depth}: "z"')
     assert walk(compiler, tokenizer, spec, "a" * depth + "z")
+
+
+def test_a_host_that_refuses_the_deep_stack_still_compiles(tokenizer, monkeypatch, caplog):
+    # 64 TiB of stack cannot be mapped: the compile threads could not start, nor the engine
+    monkeypatch.setattr(compiler_module, "COMPILE_STACK_BYTES", 1 << 46)
+    with caplog.at_level(logging.WARNING, logger=compiler_module.__name__):
+        c = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    try:
+        assert c.compile(StructuredOutputsParams(regex="a{3}")).result().kind == "regex"
+    finally:
+        c.close()
+    assert "grammar compile threads keep the default stack" in caplog.records[0].getMessage()
 
 
 def test_a_panic_inside_llguidance_is_logged_not_passed_on(caplog):
