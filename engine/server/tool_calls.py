@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.server.errors import bad_request
-from kvpilot.engine.structured.params import StructuredOutputsParams
+from kvpilot.engine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from kvpilot.engine.tool_prompt import HERMES
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -122,4 +122,7 @@ def call_grammar(
         top = 'start: fn ("; " fn)*' if many else "start: fn"
         call = ""
     alternatives = "fn: " + " | ".join(f"fn_{i}" for i in range(len(names)))
-    return StructuredOutputsParams(grammar="\n".join(r for r in (top, call, alternatives, *rules) if r))
+    try:
+        return StructuredOutputsParams(grammar="\n".join(r for r in (top, call, alternatives, *rules) if r))
+    except StructuredOutputsError as err:  # the functions' grammar is past the constraint size limit
+        raise bad_request(f"tools: the forced tool call's {err}", "tools") from None

@@ -8,16 +8,24 @@ trie, ~0.5 s for 49k tokens) is built on the pool when the compiler is made, so 
 it unless the first compile comes sooner. The cache is keyed by ``StructuredOutputsParams.key`` (kind,
 text, whitespace mode), least recently used entries beyond ``cache_size`` dropped; a failed compile is
 cached too, so a bad schema sent again fails without recompiling.
+
+The pool's threads have ``COMPILE_STACK_BYTES`` of stack: llguidance recurses once per level of a chain of
+Lark rules (``a0: a1``, ``a1: a2``, ...; ~3 KB a level), and a 5,000-rule chain overflowed a default 8 MiB
+thread stack, a segmentation fault that took the whole server down. 512 MiB holds the deepest chain that
+fits in ``MAX_CONSTRAINT_BYTES`` (~87,000 rules in 1 MiB); it is address space, touched only as deep as a
+grammar goes.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 
@@ -26,7 +34,11 @@ from kvpilot.engine.structured.matcher import GrammarMatcher
 from kvpilot.engine.structured.params import StructuredOutputsParams
 from kvpilot.engine.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CACHE_SIZE = 512
+#: the stack of each compile thread (see above)
+COMPILE_STACK_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -54,7 +66,7 @@ class GrammarCompiler:
     ) -> None:
         """``vocab_size``: the model's logits width (the mask covers every row of it; ids the tokenizer
         does not know are never allowed). ``on_compiled(kind, seconds)`` is called after each compile."""
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-grammar")
+        self._pool = _deep_stack_pool(workers)
         self._tokenizer: Future[llguidance.LLTokenizer] = self._pool.submit(
             llguidance.LLTokenizer,
             tokenizer.backend.to_str(),
@@ -100,3 +112,34 @@ class GrammarCompiler:
         if self.on_compiled is not None:
             self.on_compiled(spec.kind, seconds)
         return CompiledGrammar(spec.kind, template, seconds)
+
+
+def _deep_stack_pool(workers: int) -> ThreadPoolExecutor:
+    """A pool whose ``workers`` threads are all started now, under ``COMPILE_STACK_BYTES`` of stack (the
+    size is process-wide while it is set, and a pool starts its threads lazily, so each is made to start
+    here: one blocking task per thread, released once all have started). A host that will not map such a
+    stack (strict overcommit) gets default stacks and a warning, not an engine that fails to start."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-grammar")
+    previous = threading.stack_size(COMPILE_STACK_BYTES)
+    try:
+        probe = threading.Thread(target=lambda: None, name="kvpilot-grammar-probe")
+        probe.start()
+    except RuntimeError as err:
+        threading.stack_size(previous)
+        log.warning(
+            "grammar compile threads keep the default stack (%s with %d MiB): a deeply nested grammar "
+            "may overflow it",
+            err,
+            COMPILE_STACK_BYTES >> 20,
+        )
+        return pool
+    probe.join()
+    started = threading.Barrier(workers + 1)
+    try:
+        waits: list[Future[Any]] = [pool.submit(started.wait) for _ in range(workers)]
+    finally:
+        threading.stack_size(previous)
+    started.wait()
+    for wait in waits:
+        wait.result()
+    return pool

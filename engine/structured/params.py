@@ -8,6 +8,10 @@ given. ``disable_any_whitespace`` makes JSON compact (no whitespace between toke
 ``key`` identifies the compiled grammar: the kind and its text (a schema re-serialized with its key order
 kept, since the order of properties is the order the model writes them in). This module imports neither
 llguidance nor torch: the request boundary validates with it.
+
+Sizes are bounded before anything compiles: at most ``MAX_CHOICES`` choices, and at most
+``MAX_CONSTRAINT_BYTES`` of constraint text (UTF-8). A compile grows with its input (200,000 choices took
+45-107 s and then failed inside llguidance), so a request past either bound is refused at once.
 """
 
 from __future__ import annotations
@@ -17,6 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
+#: the most strings a ``choice`` may list
+MAX_CHOICES = 10_000
+#: the most bytes of constraint text (``text`` as UTF-8: a schema's JSON, a regex, a grammar, the choices)
+MAX_CONSTRAINT_BYTES = 1 << 20
 
 
 class StructuredOutputsError(ValueError):
@@ -46,7 +54,7 @@ class StructuredOutputsParams:
         if isinstance(self.json, str):
             try:
                 object.__setattr__(self, "json", _json.loads(self.json))
-            except ValueError as err:
+            except (ValueError, RecursionError) as err:  # RecursionError: nested past Python's stack
                 raise StructuredOutputsError(f"json is not valid JSON: {err}", "json") from None
         if self.json is False:
             raise StructuredOutputsError(
@@ -73,9 +81,23 @@ class StructuredOutputsParams:
                 or not all(isinstance(c, str) and c for c in choice)
             ):
                 raise StructuredOutputsError("choice must be a non-empty list of non-empty strings", "choice")
+            if len(choice) > MAX_CHOICES:
+                raise StructuredOutputsError(
+                    f"choice lists {len(choice)} strings; at most {MAX_CHOICES} are allowed", "choice"
+                )
             object.__setattr__(self, "choice", tuple(choice))
         if self.json_object is not None and self.json_object is not True:
             raise StructuredOutputsError("json_object must be true when given", "json_object")
+        try:
+            size = len(self.text.encode("utf-8", "surrogatepass"))
+        except RecursionError:  # a schema object nested deeper than json.dumps goes
+            raise StructuredOutputsError(f"{self.kind} is nested too deeply", self.kind) from None
+        if size > MAX_CONSTRAINT_BYTES:
+            raise StructuredOutputsError(
+                f"{self.kind} is {size} bytes; constraints may be at most {MAX_CONSTRAINT_BYTES} bytes "
+                f"({MAX_CONSTRAINT_BYTES >> 20} MiB)",
+                self.kind,
+            )
 
     @property
     def kind(self) -> str:

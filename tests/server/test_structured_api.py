@@ -172,6 +172,93 @@ def test_bad_constraints_are_400_naming_the_field(client, extra, param):
     assert (exc.value.status_code, exc.value.param) == (400, param)
 
 
+BIG_SCHEMA = {"type": "object", "description": "d" * (1 << 20)}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "message"),
+    [
+        (
+            {"guided_choice": [f"c{i}" for i in range(10_001)]},
+            "guided_choice",
+            "guided_choice: choice lists 10001 strings; at most 10000 are allowed",
+        ),
+        (
+            {"structured_outputs": {"regex": "a" * ((1 << 20) + 1)}},
+            "structured_outputs.regex",
+            "structured_outputs: regex is 1048577 bytes; constraints may be at most 1048576 bytes (1 MiB)",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BIG_SCHEMA}}},
+            "response_format.json_schema.schema",
+            "response_format.json_schema.schema: json is 1048613 bytes; constraints may be at most",
+        ),
+        (
+            {"guided_grammar": "root ::= root"},
+            "guided_grammar",
+            "guided_grammar: grammar: the grammar can produce no output (no token can start it)",
+        ),
+        (
+            {"structured_outputs": {"grammar": "start: start"}},
+            "structured_outputs.grammar",
+            "structured_outputs.grammar: grammar: the grammar can produce no output (no token can start it)",
+        ),
+        (
+            {"guided_regex": r"[^\s\S]"},
+            "guided_regex",
+            "guided_regex: regex: the grammar can produce no output (no token can start it)",
+        ),
+        (
+            {"guided_regex": "a{1000000}"},
+            "guided_regex",
+            "guided_regex: regex: the grammar can produce no output (lexer error: too many expressions",
+        ),
+        (
+            {"guided_regex": "((a{100}){100}){100}"},
+            "guided_regex",
+            "guided_regex: regex: the grammar can produce no output (lexer error: too many expressions",
+        ),
+        (  # ~80,000 symbols: llguidance panics; its text and backtrace were the message
+            {
+                "guided_grammar": "start: a0\n"
+                + "".join(f'a{i}:"a"a{i + 1}\n' for i in range(40_000))
+                + 'a40000:"z"'
+            },
+            "guided_grammar",
+            "guided_grammar: grammar: the grammar is too large or complex to compile",
+        ),
+        (  # a RecursionError out of json.loads: a 500 before
+            {"guided_json": '{"type": "array", "items": ' * 100_000 + "{}" + "}" * 100_000},
+            "guided_json",
+            "guided_json: json is not valid JSON: maximum recursion depth exceeded",
+        ),
+    ],
+    ids=[
+        "choices",
+        "bytes",
+        "schema-bytes",
+        "root-root",
+        "start-start",
+        "empty-class",
+        "a1e6",
+        "nested",
+        "panic",
+        "deep",
+    ],
+)
+def test_hostile_constraints_are_short_400s(server, extra, param, message):
+    # before: the choices compiled for minutes, then a 400 carrying llguidance's panic and backtrace; the
+    # impossible grammars were 200s with no text (or "a") and finish_reason "error"
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, **extra})
+        assert r.status_code == 400, r.text[:300]
+        error = r.json()["error"]
+        assert (error["type"], error["param"]) == ("invalid_request_error", param)
+        assert error["message"].startswith(message), error["message"]
+        assert "\n" not in error["message"] and "backtrace" not in error["message"]
+        assert http.get("/health").status_code == 200
+
+
 def _reassemble(chunks) -> tuple[str | None, list[tuple[str, str, str]], str | None]:
     content, calls, finish = "", [], None
     for chunk in chunks:
@@ -243,6 +330,19 @@ def test_tool_results_in_the_conversation(client, tiny_tokenizer):
                 "tool_choice": "required",
             },
             "uniqueItems",
+        ),
+        # the forced call's grammar past 1 MiB: a 500 (an uncaught StructuredOutputsError) before
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "big", "parameters": BIG_SCHEMA},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
         ),
     ],
 )
