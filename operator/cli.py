@@ -35,11 +35,17 @@ EXIT_INVALID = 2
 EXIT_LOST_LEADERSHIP = 3  # the Lease was lost: exit at once, Kubernetes restarts this replica as a candidate
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot operator", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    # No prefix abbreviations anywhere ("--metrics-p" is no flag); add_parser does not inherit allow_abbrev,
+    # so every subcommand is given it.
+    parser = argparse.ArgumentParser(
+        prog="kvpilot operator", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run the operator (Kopf) against the current cluster")
+    run = commands.add_parser(
+        "run", help="run the operator (Kopf) against the current cluster", allow_abbrev=False
+    )
     scope = run.add_mutually_exclusive_group(required=True)
     scope.add_argument(
         "-n",
@@ -98,20 +104,26 @@ def _parser() -> argparse.ArgumentParser:
     election.add_argument("--lease-renew-deadline", type=float, default=10.0, metavar="SECONDS")
     election.add_argument("--lease-retry-period", type=float, default=2.0, metavar="SECONDS")
 
-    render = commands.add_parser("render", help="print the objects the operator would apply")
+    render = commands.add_parser(
+        "render", help="print the objects the operator would apply", allow_abbrev=False
+    )
     render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin)")
     render.add_argument("-n", "--namespace", default="default", help="namespace when the file names none")
     render.add_argument("--engine-image", default=DEFAULT_IMAGE)
 
-    commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
+    commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition", allow_abbrev=False)
 
     activator = commands.add_parser(
-        "activator", help="hold requests of a service scaled to zero until a replica is Ready"
+        "activator",
+        help="hold requests of a service scaled to zero until a replica is Ready",
+        allow_abbrev=False,
     )
     add_activator_arguments(activator)
 
     fetch = commands.add_parser(
-        "fetch-model", help="download a model source into the model cache (the pods' init container)"
+        "fetch-model",
+        help="download a model source into the model cache (the pods' init container)",
+        allow_abbrev=False,
     )
     add_fetch_arguments(fetch)
     return parser
@@ -242,7 +254,7 @@ def main(
     stdin: TextIO | None = None,
 ) -> int:
     out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
     if args.command == "run":
         return _run(args)
     if args.command == "render":

@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import urllib.parse
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -208,9 +207,3 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> int:
         return 1
     print(f"fetched {shown(options.source)} into {target}")
     return 0
-
-
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvpilot operator fetch-model", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(list(argv)))
