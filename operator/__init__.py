@@ -30,6 +30,6 @@ Package map (one responsibility per module):
   Prometheus series), ``events`` (Kubernetes Events about an InferenceService).
 - Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration: changes, watched
   children, resync), ``requeue`` (one reconcile at a time per service, triggers coalesced), ``leader``
-  (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``manifest_yaml`` (stable YAML
-  output).
+  (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``cli_checks`` (its
+  flags' argparse types and cross-flag checks), ``manifest_yaml`` (stable YAML output).
 """

@@ -25,6 +25,7 @@ import yaml
 
 from kvpilot.operator.activator import add_arguments as add_activator_arguments
 from kvpilot.operator.api_names import DEFAULT_IMAGE
+from kvpilot.operator.cli_checks import liveness_url, run_flags_problem
 from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
 from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
 
@@ -58,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     run.add_argument("--standalone", action="store_true", help="no peering: this is the only operator")
     run.add_argument(
-        "--liveness", metavar="URL", help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+        "--liveness",
+        type=liveness_url,
+        metavar="URL",
+        help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")
@@ -103,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     election.add_argument("--lease-duration", type=float, default=15.0, metavar="SECONDS")
     election.add_argument("--lease-renew-deadline", type=float, default=10.0, metavar="SECONDS")
     election.add_argument("--lease-retry-period", type=float, default=2.0, metavar="SECONDS")
+    run.set_defaults(command_parser=run)  # for the cross-flag check's error line
 
     render = commands.add_parser(
         "render", help="print the objects the operator would apply", allow_abbrev=False
@@ -256,6 +261,8 @@ def main(
     out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     if args.command == "run":
+        if problem := run_flags_problem(args):
+            args.command_parser.error(problem)
         return _run(args)
     if args.command == "render":
         return _render(args, out, err, stdin)
