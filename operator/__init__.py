@@ -20,9 +20,9 @@ Package map (one responsibility per module):
   owner references), ``activator_children`` (scale to zero: the activator's Deployment, the Service's
   target).
 - In the pod: ``activator`` (``kvpilot operator activator``: holds requests of a service at zero
-  replicas until one is Ready), ``fetch`` (``kvpilot operator fetch-model``, the init container that
-  downloads a fetched source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3
-  requests).
+  replicas until one is Ready; ``activator_cli``: its flags and process), ``fetch`` (``kvpilot operator
+  fetch-model``, the init container that downloads a fetched source, checks its size and sha256),
+  ``s3_signing`` (AWS Signature V4 for its S3 requests).
 - Acting: ``kube_api`` (dict-based API client), ``child_validation`` (the API server's rules for the
   children, checked before any is written), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
   create-or-patch of the objects the operator owns), ``replicas`` (pod + engine ``/ready`` → stage),

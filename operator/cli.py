@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
-from kvpilot.operator.activator import add_arguments as add_activator_arguments
+from kvpilot.operator.activator_cli import add_arguments as add_activator_arguments
 from kvpilot.operator.api_names import DEFAULT_IMAGE
 from kvpilot.operator.cli_checks import liveness_url, run_flags_problem
 from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
@@ -267,7 +267,7 @@ def main(
     if args.command == "render":
         return _render(args, out, err, stdin)
     if args.command == "activator":
-        from kvpilot.operator.activator import run as run_activator
+        from kvpilot.operator.activator_cli import run as run_activator
 
         return run_activator(args)
     if args.command == "fetch-model":
