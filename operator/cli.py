@@ -32,6 +32,7 @@ from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
 if TYPE_CHECKING:
     from kvpilot.operator.leader import LeaseSettings
 
+EXIT_RUNTIME = 1
 EXIT_INVALID = 2
 EXIT_LOST_LEADERSHIP = 3  # the Lease was lost: exit at once, Kubernetes restarts this replica as a candidate
 
@@ -176,6 +177,7 @@ def _lose_leadership() -> None:
 def _run(args: argparse.Namespace) -> int:
     import kopf  # the operator's heavy imports stay out of render and crd
     import kopf.cli
+    from kubernetes.config import ConfigException
 
     from kvpilot.operator import leader
     from kvpilot.operator.handlers import register
@@ -194,6 +196,14 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvpilot operator run: {error}", file=sys.stderr)
         return EXIT_INVALID
+    try:  # as Kopf's login will (in-cluster, then kubeconfig); with neither, Kopf retries it for ever
+        load_client_configuration()
+    except ConfigException as error:
+        print(
+            f"kvpilot operator run: no Kubernetes configuration (in-cluster or kubeconfig): {error}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
     register(config)
     renewer = None
     if lease is not None:
@@ -201,7 +211,6 @@ def _run(args: argparse.Namespace) -> int:
         kopf.configure(
             debug=args.debug, verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()]
         )
-        load_client_configuration()
         # Each request must end well within the renew deadline, or one hung call could outlast it.
         lock = leader.LeaseLock(KubeApi(request_timeout=lease.renew_deadline_s / 3), lease)
         with leader.standby_health(args.liveness):

@@ -125,3 +125,15 @@ def test_activator_on_a_taken_port_exits_1_in_one_line(kubeconfig, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"kvpilot operator activator: cannot listen on 127.0.0.1:{port}: [Errno 98] ")
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("election", [[], ["--leader-elect", "--lease-namespace=ns"]])
+def test_run_without_a_cluster_configuration_exits_1_in_one_line(election, tmp_path, monkeypatch, capsys):
+    _kubeconfig_at(tmp_path / "none", monkeypatch)
+    monkeypatch.setattr("kopf.cli.main", lambda **kwargs: None)  # were it reached, Kopf would retry for ever
+    assert main(["run", "-A", *election]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        "kvpilot operator run: no Kubernetes configuration (in-cluster or kubeconfig): "
+        "Invalid kube-config file. No configuration found.\n"
+    )
