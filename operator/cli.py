@@ -25,7 +25,7 @@ import yaml
 
 from kvpilot.operator.activator_cli import add_arguments as add_activator_arguments
 from kvpilot.operator.api_names import DEFAULT_IMAGE
-from kvpilot.operator.cli_checks import liveness_url, run_flags_problem
+from kvpilot.operator.cli_checks import dns_label, image_ref, liveness_url, run_flags_problem
 from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
 from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
 
@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")
     run.add_argument("--log-format", choices=("plain", "full", "json"), default="full")
-    run.add_argument("--engine-image", default=DEFAULT_IMAGE, help="image when spec.engine.image is unset")
+    run.add_argument(
+        "--engine-image", type=image_ref, default=DEFAULT_IMAGE, help="image when spec.engine.image is unset"
+    )
     run.add_argument(
         "--status-interval",
         type=float,
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     election.add_argument("--lease-name", default="kvpilot-operator")
     election.add_argument(
         "--lease-namespace",
+        type=dns_label,
         default=os.environ.get("POD_NAMESPACE"),
         help="namespace of the Lease (default: $POD_NAMESPACE)",
     )
@@ -114,8 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
         "render", help="print the objects the operator would apply", allow_abbrev=False
     )
     render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin)")
-    render.add_argument("-n", "--namespace", default="default", help="namespace when the file names none")
-    render.add_argument("--engine-image", default=DEFAULT_IMAGE)
+    render.add_argument(
+        "-n", "--namespace", type=dns_label, default="default", help="namespace when the file names none"
+    )
+    render.add_argument("--engine-image", type=image_ref, default=DEFAULT_IMAGE)
 
     commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition", allow_abbrev=False)
 
@@ -241,7 +246,7 @@ def _render(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -
 
     try:
         documents = _read_documents(args.filename, stdin)
-    except (OSError, yaml.YAMLError) as error:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:  # a binary file is no UTF-8
         print(f"error: cannot read {args.filename}: {error}", file=err)
         return EXIT_INVALID
     objects: list[dict[str, Any]] = []

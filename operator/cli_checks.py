@@ -62,6 +62,16 @@ def dns_label(text: str) -> str:
     return text
 
 
+def image_ref(text: str) -> str:
+    """--engine-image: a non-empty reference without spaces (the API server refuses an empty image, a
+    registry any space)."""
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError(
+            f"expected an image reference like ghcr.io/org/kvpilot:1.0, got {text!r}"
+        )
+    return text
+
+
 def liveness_url(text: str) -> str:
     """Kopf's --liveness endpoint: http://HOST[:PORT]/PATH. Kopf raises on any other scheme only once its
     event loop runs; a port out of range was a ValueError traceback."""

@@ -139,3 +139,47 @@ def test_operator_intervals_must_be_finite(flag, seconds):
 def test_lease_timings_must_be_finite():
     with pytest.raises(ValueError, match="leader election needs 0 < --lease-retry-period"):
         LeaseSettings(namespace="ns", identity="me", duration_s=math.inf)
+
+
+def test_render_of_a_binary_file_is_a_message(tmp_path):
+    binary = tmp_path / "isvc.yaml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    err = io.StringIO()
+    assert main(["render", "-f", str(binary)], out=io.StringIO(), err=err) == 2
+    assert err.getvalue() == (
+        f"error: cannot read {binary}: 'utf-8' codec can't decode byte 0xff in position 1: "
+        "invalid start byte\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["render", "-f", "-", "-n", "Team_A"],
+            "kvpilot operator render: error: argument -n/--namespace: expected a DNS label "
+            "(lowercase a-z, 0-9 and '-'), got 'Team_A'",
+        ),
+        (
+            ["render", "-f", "-", "--engine-image", ""],
+            "kvpilot operator render: error: argument --engine-image: expected an image reference like "
+            "ghcr.io/org/kvpilot:1.0, got ''",
+        ),
+        (
+            ["run", "-A", "--engine-image", "kvpilot latest"],
+            "kvpilot operator run: error: argument --engine-image: expected an image reference like "
+            "ghcr.io/org/kvpilot:1.0, got 'kvpilot latest'",
+        ),
+        (
+            ["run", "-A", "--leader-elect", "--lease-namespace", "NS"],
+            "kvpilot operator run: error: argument --lease-namespace: expected a DNS label "
+            "(lowercase a-z, 0-9 and '-'), got 'NS'",
+        ),
+    ],
+)
+def test_render_and_run_refuse_a_bad_namespace_or_image(argv, message, capsys, monkeypatch):
+    _no_kopf(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv, out=io.StringIO(), stdin=io.StringIO(ISVC))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(message + "\n")
