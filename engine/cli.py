@@ -12,7 +12,8 @@ DEFAULT_PROMPTS = ["What is PagedAttention, in one sentence?", "Write a haiku ab
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvpilot generate", description=__doc__)
+    # No prefix abbreviations, as kvpilot serve (engine/server/cli.py): "--max-tok" is no flag.
+    p = argparse.ArgumentParser(prog="kvpilot generate", description=__doc__, allow_abbrev=False)
     p.add_argument("prompts", nargs="*", help="prompts (default: two example questions)")
     p.add_argument("--raw", action="store_true", help="send prompts as plain text, without the chat template")
     p.add_argument("--max-tokens", type=int, default=64)

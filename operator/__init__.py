@@ -20,10 +20,10 @@ Package map (one responsibility per module):
   owner references), ``activator_children`` (scale to zero: the activator's Deployment, the Service's
   target).
 - In the pod: ``activator`` (``kvpilot operator activator``: holds requests of a service at zero
-  replicas until one is Ready), ``activator_metrics`` (its Prometheus series, the autoscaler's demand at
-  zero), ``fetch`` (``kvpilot operator fetch-model``, the init container that
-  downloads a fetched source, checks its size and sha256), ``s3_signing`` (AWS Signature V4 for its S3
-  requests).
+  replicas until one is Ready; ``activator_cli``: its flags and process; ``activator_metrics``: its
+  Prometheus series, the autoscaler's demand at zero), ``fetch`` (``kvpilot operator fetch-model``, the
+  init container that downloads a fetched source, checks its size and sha256), ``s3_signing`` (AWS
+  Signature V4 for its S3 requests).
 - Acting: ``kube_api`` (dict-based API client), ``child_validation`` (the API server's rules for the
   children, checked before any is written), ``diffing`` (contains/merge-patch), ``apply`` (idempotent
   create-or-patch of the objects the operator owns), ``replicas`` (pod + engine ``/ready`` → stage),
@@ -31,6 +31,6 @@ Package map (one responsibility per module):
   Prometheus series), ``events`` (Kubernetes Events about an InferenceService).
 - Running: ``config`` (``OperatorConfig``), ``handlers`` (Kopf registration: changes, watched
   children, resync), ``requeue`` (one reconcile at a time per service, triggers coalesced), ``leader``
-  (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``manifest_yaml`` (stable YAML
-  output).
+  (leader election on a Lease), ``cli`` (``kvpilot operator run|render|crd``), ``cli_checks`` (its
+  flags' argparse types and cross-flag checks), ``manifest_yaml`` (stable YAML output).
 """

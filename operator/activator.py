@@ -19,7 +19,6 @@ request comes here.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -31,14 +30,12 @@ import aiohttp
 import aiohttp.web
 from prometheus_client import generate_latest
 
-from kvpilot.operator import api_names
 from kvpilot.operator.activator_metrics import ActivatorMetrics
 from kvpilot.router.config import UpstreamConfig
 from kvpilot.router.connections import RouterRunner
 from kvpilot.router.errors import close_after, end_broken, error_body, error_response
 from kvpilot.router.json_body import BodyError, read_body
 from kvpilot.router.proxy import forward_headers
-from kvpilot.router.server import until_signalled
 from kvpilot.router.upstream import error_text
 
 log = logging.getLogger(__name__)
@@ -256,61 +253,4 @@ class Activator:
         return app
 
 
-def endpoint_slice_upstreams(namespace: str, name: str) -> Upstreams:
-    """The Ready replicas' routers from the EndpointSlices of ``<name>-engines`` (router port 8080)."""
-    from kvpilot.operator.kube_api import KubeApi, ObjectRef, load_client_configuration
-
-    load_client_configuration()
-    api = KubeApi()
-    ref = ObjectRef("discovery.k8s.io/v1", "EndpointSlice", namespace)
-    selector = f"kubernetes.io/service-name={name}-engines"
-
-    def lookup() -> list[str]:
-        found = []
-        for slice_ in api.list(ref, selector):
-            for endpoint in slice_.get("endpoints") or []:
-                # The engines' Service publishes not-ready addresses, so `ready` is always true there;
-                # `serving` is the pod's readiness (its router's, which needs its engine's).
-                conditions = endpoint.get("conditions") or {}
-                if conditions.get("serving", conditions.get("ready")):
-                    found += [f"http://{a}:{api_names.ROUTER_PORT}" for a in endpoint.get("addresses", [])]
-        return sorted(found)
-
-    async def upstreams() -> list[str]:
-        return await asyncio.to_thread(lookup)
-
-    return upstreams
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--namespace", required=True)
-    parser.add_argument("--name", required=True, help="the InferenceService")
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=api_names.ROUTER_PORT)
-    parser.add_argument("--queue-size", type=int, default=256)
-    parser.add_argument("--hold-timeout", type=float, default=300.0, metavar="SECONDS")
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ActivatorConfig(
-        namespace=args.namespace,
-        name=args.name,
-        queue_size=args.queue_size,
-        hold_timeout_seconds=args.hold_timeout,
-    )
-    activator = Activator(config, endpoint_slice_upstreams(args.namespace, args.name))
-    asyncio.run(_serve(activator.runner(), args.host, args.port))
-    return 0
-
-
-async def _serve(runner: RouterRunner, host: str, port: int) -> None:
-    await runner.setup()
-    try:
-        await aiohttp.web.TCPSite(runner, host, port).start()
-        await until_signalled()
-    finally:
-        await runner.cleanup()
-
-
-__all__ = ["Activator", "ActivatorConfig", "add_arguments", "run"]
+__all__ = ["Activator", "ActivatorConfig", "Upstreams"]

@@ -23,23 +23,31 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
-from kvpilot.operator.activator import add_arguments as add_activator_arguments
+from kvpilot.operator.activator_cli import add_arguments as add_activator_arguments
 from kvpilot.operator.api_names import DEFAULT_IMAGE
+from kvpilot.operator.cli_checks import dns_label, image_ref, liveness_url, run_flags_problem
 from kvpilot.operator.config import DEFAULT_CLUSTER_DOMAIN, OperatorConfig
 from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
 
 if TYPE_CHECKING:
     from kvpilot.operator.leader import LeaseSettings
 
+EXIT_RUNTIME = 1
 EXIT_INVALID = 2
 EXIT_LOST_LEADERSHIP = 3  # the Lease was lost: exit at once, Kubernetes restarts this replica as a candidate
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot operator", description=__doc__.splitlines()[0])
+def build_parser() -> argparse.ArgumentParser:
+    # No prefix abbreviations anywhere ("--metrics-p" is no flag); add_parser does not inherit allow_abbrev,
+    # so every subcommand is given it.
+    parser = argparse.ArgumentParser(
+        prog="kvpilot operator", description=__doc__.splitlines()[0], allow_abbrev=False
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="run the operator (Kopf) against the current cluster")
+    run = commands.add_parser(
+        "run", help="run the operator (Kopf) against the current cluster", allow_abbrev=False
+    )
     scope = run.add_mutually_exclusive_group(required=True)
     scope.add_argument(
         "-n",
@@ -52,12 +60,17 @@ def _parser() -> argparse.ArgumentParser:
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
     run.add_argument("--standalone", action="store_true", help="no peering: this is the only operator")
     run.add_argument(
-        "--liveness", metavar="URL", help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz"
+        "--liveness",
+        type=liveness_url,
+        metavar="URL",
+        help="Kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz",
     )
     run.add_argument("--verbose", action="store_true")
     run.add_argument("--debug", action="store_true")
     run.add_argument("--log-format", choices=("plain", "full", "json"), default="full")
-    run.add_argument("--engine-image", default=DEFAULT_IMAGE, help="image when spec.engine.image is unset")
+    run.add_argument(
+        "--engine-image", type=image_ref, default=DEFAULT_IMAGE, help="image when spec.engine.image is unset"
+    )
     run.add_argument(
         "--status-interval",
         type=float,
@@ -86,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     election.add_argument("--lease-name", default="kvpilot-operator")
     election.add_argument(
         "--lease-namespace",
+        type=dns_label,
         default=os.environ.get("POD_NAMESPACE"),
         help="namespace of the Lease (default: $POD_NAMESPACE)",
     )
@@ -97,21 +111,30 @@ def _parser() -> argparse.ArgumentParser:
     election.add_argument("--lease-duration", type=float, default=15.0, metavar="SECONDS")
     election.add_argument("--lease-renew-deadline", type=float, default=10.0, metavar="SECONDS")
     election.add_argument("--lease-retry-period", type=float, default=2.0, metavar="SECONDS")
+    run.set_defaults(command_parser=run)  # for the cross-flag check's error line
 
-    render = commands.add_parser("render", help="print the objects the operator would apply")
+    render = commands.add_parser(
+        "render", help="print the objects the operator would apply", allow_abbrev=False
+    )
     render.add_argument("-f", "--filename", required=True, help="InferenceService YAML ('-' for stdin)")
-    render.add_argument("-n", "--namespace", default="default", help="namespace when the file names none")
-    render.add_argument("--engine-image", default=DEFAULT_IMAGE)
+    render.add_argument(
+        "-n", "--namespace", type=dns_label, default="default", help="namespace when the file names none"
+    )
+    render.add_argument("--engine-image", type=image_ref, default=DEFAULT_IMAGE)
 
-    commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition")
+    commands.add_parser("crd", help="print the InferenceService CustomResourceDefinition", allow_abbrev=False)
 
     activator = commands.add_parser(
-        "activator", help="hold requests of a service scaled to zero until a replica is Ready"
+        "activator",
+        help="hold requests of a service scaled to zero until a replica is Ready",
+        allow_abbrev=False,
     )
     add_activator_arguments(activator)
 
     fetch = commands.add_parser(
-        "fetch-model", help="download a model source into the model cache (the pods' init container)"
+        "fetch-model",
+        help="download a model source into the model cache (the pods' init container)",
+        allow_abbrev=False,
     )
     add_fetch_arguments(fetch)
     return parser
@@ -159,6 +182,7 @@ def _lose_leadership() -> None:
 def _run(args: argparse.Namespace) -> int:
     import kopf  # the operator's heavy imports stay out of render and crd
     import kopf.cli
+    from kubernetes.config import ConfigException
 
     from kvpilot.operator import leader
     from kvpilot.operator.handlers import register
@@ -177,6 +201,14 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"kvpilot operator run: {error}", file=sys.stderr)
         return EXIT_INVALID
+    try:  # as Kopf's login will (in-cluster, then kubeconfig); with neither, Kopf retries it for ever
+        load_client_configuration()
+    except ConfigException as error:
+        print(
+            f"kvpilot operator run: no Kubernetes configuration (in-cluster or kubeconfig): {error}",
+            file=sys.stderr,
+        )
+        return EXIT_RUNTIME
     register(config)
     renewer = None
     if lease is not None:
@@ -184,7 +216,6 @@ def _run(args: argparse.Namespace) -> int:
         kopf.configure(
             debug=args.debug, verbose=args.verbose, log_format=kopf.LogFormat[args.log_format.upper()]
         )
-        load_client_configuration()
         # Each request must end well within the renew deadline, or one hung call could outlast it.
         lock = leader.LeaseLock(KubeApi(request_timeout=lease.renew_deadline_s / 3), lease)
         with leader.standby_health(args.liveness):
@@ -215,7 +246,7 @@ def _render(args: argparse.Namespace, out: TextIO, err: TextIO, stdin: TextIO) -
 
     try:
         documents = _read_documents(args.filename, stdin)
-    except (OSError, yaml.YAMLError) as error:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:  # a binary file is no UTF-8
         print(f"error: cannot read {args.filename}: {error}", file=err)
         return EXIT_INVALID
     objects: list[dict[str, Any]] = []
@@ -242,13 +273,15 @@ def main(
     stdin: TextIO | None = None,
 ) -> int:
     out, err, stdin = out or sys.stdout, err or sys.stderr, stdin or sys.stdin
-    args = _parser().parse_args(list(argv) if argv is not None else None)
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
     if args.command == "run":
+        if problem := run_flags_problem(args):
+            args.command_parser.error(problem)
         return _run(args)
     if args.command == "render":
         return _render(args, out, err, stdin)
     if args.command == "activator":
-        from kvpilot.operator.activator import run as run_activator
+        from kvpilot.operator.activator_cli import run as run_activator
 
         return run_activator(args)
     if args.command == "fetch-model":

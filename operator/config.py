@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvpilot.operator.api_names import DEFAULT_IMAGE
@@ -24,12 +25,14 @@ class OperatorConfig:
     cluster_domain: str = DEFAULT_CLUSTER_DOMAIN
 
     def __post_init__(self) -> None:
-        if self.status_interval_seconds <= 0:
-            raise ValueError("--status-interval must be positive")
-        if self.resync_interval_seconds <= 0:
-            raise ValueError("--resync-interval must be positive")
-        if self.engine_probe_timeout_seconds <= 0:
-            raise ValueError("--engine-probe-timeout must be positive")
+        # "nan" and "inf" parse as floats; nan compares false with everything, so it passed "<= 0"
+        for flag, seconds in (
+            ("--status-interval", self.status_interval_seconds),
+            ("--resync-interval", self.resync_interval_seconds),
+            ("--engine-probe-timeout", self.engine_probe_timeout_seconds),
+        ):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise ValueError(f"{flag} must be positive")
         if self.metrics_port is not None and not 0 < self.metrics_port < 65536:
             raise ValueError("--metrics-port must be a TCP port (1-65535)")
         if not is_dns_subdomain(self.cluster_domain):

@@ -23,13 +23,13 @@ import os
 import shutil
 import sys
 import urllib.parse
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvpilot.operator import model_source as ms
+from kvpilot.operator.cli_checks import endpoint_url, fetched_source, positive_int, sha256_hex
 from kvpilot.operator.s3_signing import Credentials, sign_get
 
 if TYPE_CHECKING:
@@ -184,11 +184,15 @@ def options_from(args: argparse.Namespace, env: dict[str, str]) -> Options:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", required=True, help="https://, http://, s3:// or hf:// model source")
+    parser.add_argument(
+        "--source", required=True, type=fetched_source, help="https://, http://, s3:// or hf:// model source"
+    )
     parser.add_argument("--dest", required=True, help="the model cache directory")
-    parser.add_argument("--size-limit", type=int, required=True, metavar="BYTES")
-    parser.add_argument("--sha256", help="expected SHA-256 (hex) of a single-file source")
-    parser.add_argument("--endpoint", help="S3-compatible endpoint, or Hugging Face endpoint/mirror")
+    parser.add_argument("--size-limit", type=positive_int, required=True, metavar="BYTES")
+    parser.add_argument("--sha256", type=sha256_hex, help="expected SHA-256 (hex) of a single-file source")
+    parser.add_argument(
+        "--endpoint", type=endpoint_url, help="S3-compatible endpoint, or Hugging Face endpoint/mirror"
+    )
     parser.add_argument("--region", default=ms.DEFAULT_S3_REGION, help="S3 signing region")
 
 
@@ -208,9 +212,3 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> int:
         return 1
     print(f"fetched {shown(options.source)} into {target}")
     return 0
-
-
-def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="kvpilot operator fetch-model", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(list(argv)))

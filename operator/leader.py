@@ -44,7 +44,7 @@ class LeaseSettings:
     retry_period_s: float = 2.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.retry_period_s < self.renew_deadline_s < self.duration_s:
+        if not 0 < self.retry_period_s < self.renew_deadline_s < self.duration_s < math.inf:
             raise ValueError(
                 "leader election needs 0 < --lease-retry-period < --lease-renew-deadline < --lease-duration"
             )

@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     poll, upstream = PollConfig(), UpstreamConfig()
     parser = argparse.ArgumentParser(
         prog="kvpilot router",
+        allow_abbrev=False,  # "--por 1" must not be --port 1 (as kvpilot serve)
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Cache-aware routing sidecar: proxies the OpenAI endpoints to the engine replica with "
         "the lowest estimated completion cost (queued + uncached prefill over the learned prefill rate, "

@@ -218,6 +218,9 @@ class RouterConfig:
                 "--trust-tenant-header needs --router-token (or $KVPILOT_ROUTER_TOKEN): the "
                 "engines believe a tenant the router names only with the deployment's token"
             )
+        if self.router_token is not None and len(self.router_token) < 16:  # as kvpilot serve: a short one
+            # passed here and every vouched request then failed at the engines
+            raise ConfigError("--router-token must be at least 16 characters (the operator provisions 64)")
         if self.policy not in POLICIES:
             raise ConfigError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not 0 <= self.port <= 65535:
@@ -227,7 +230,10 @@ class RouterConfig:
 
 def check_replica_url(url: str) -> str:
     """``url`` if it is an engine base URL (http(s)://host:port, no path); else :class:`ConfigError`."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as error:  # "Invalid IPv6 URL": said without the URL or the flag
+        raise ConfigError(f"replica URL {url!r}: {error}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ConfigError(f"replica URL must look like http://host:port, got {url!r}")
     if parts.path not in ("", "/") or parts.query or parts.fragment:

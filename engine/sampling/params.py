@@ -27,6 +27,8 @@ LOGIT_BIAS_LIMIT = 100.0
 #: the largest finite float32: the sampler computes in float32, so temperature and repetition_penalty (which
 #: vLLM bounds only below) may not exceed it; 1e308 became inf there, and -inf/inf a NaN logit
 FLOAT32_MAX = 3.4028234663852886e38
+#: the seeds a torch.Generator takes (the server's protocol allows the same); a larger one overflowed in it
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 class SamplingParamsError(ValueError):
@@ -185,7 +187,10 @@ class SamplingParams:
         need(is_int(self.top_k) and self.top_k >= -1, f"top_k must be -1 (off) or >= 0, got {self.top_k!r}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         need(0 < self.typical_p <= 1, f"typical_p must be in (0, 1], got {self.typical_p}")
-        need(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        need(
+            self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+            f"seed must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}",
+        )
         need(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         need(
             all(is_int(t) and t >= 0 for t in self.stop_token_ids),

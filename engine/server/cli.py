@@ -1,7 +1,8 @@
 """``kvpilot serve``: the OpenAI-compatible engine server (the ``engine`` container of every serving pod).
 
 Engine flags carry vLLM's names (``kvpilot.engine.arg_utils``); the server flags below are the HTTP side.
-Exit status: 0 after a clean drain, 1 when the model cannot load or the engine fails, 2 for bad flags.
+Exit status: 0 after a clean drain, 1 when the model cannot load, the engine fails or the address cannot be
+bound, 2 for bad flags.
 """
 
 from __future__ import annotations

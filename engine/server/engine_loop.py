@@ -135,7 +135,9 @@ class EngineLoop:
                 self._lifecycle.record,
             )
         except Exception as err:  # a model that cannot load: say why, and stop the server
-            log.exception("engine failed to start")
+            # A bad --model or file (ValueError, OSError) is the user's, said in one line as kvpilot generate
+            # says it; anything else may be a bug and keeps its traceback.
+            log.error("engine failed to start", exc_info=not isinstance(err, (ValueError, OSError)))
             self._fail(f"engine failed to start: {type(err).__name__}: {err}")
             return
         self._engine = engine

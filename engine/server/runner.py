@@ -14,6 +14,7 @@ import socket
 from types import FrameType
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from kvpilot.engine.config import EngineConfig
 from kvpilot.engine.server.app import build_state, create_app
@@ -96,6 +97,12 @@ def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     holder.append(server)
     try:
         server.run()
+    except SystemExit as exit_:
+        # uvicorn exits 3 (STARTUP_FAILURE) once it has logged why, e.g. an address it cannot bind: that is a
+        # runtime failure, status 1 as the cli documents
+        if exit_.code != STARTUP_FAILURE:
+            raise
+        return 1
     finally:
         if tracer_provider is not None:
             tracer_provider.shutdown()

@@ -32,12 +32,19 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvpilot bench", description="kvpilot benchmarks.")
+    # allow_abbrev is per parser: add_parser does not inherit it, so each subcommand is given it too.
+    parser = argparse.ArgumentParser(
+        prog="kvpilot bench", description="kvpilot benchmarks.", allow_abbrev=False
+    )
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND", required=True)
     for module_name in SUBCOMMAND_MODULES:
         module = importlib.import_module(module_name)
         sub = subparsers.add_parser(
-            module.NAME, help=module.HELP, description=module.DESCRIPTION, formatter_class=_HelpWithDefaults
+            module.NAME,
+            help=module.HELP,
+            description=module.DESCRIPTION,
+            formatter_class=_HelpWithDefaults,
+            allow_abbrev=False,
         )
         module.add_arguments(sub)
         sub.set_defaults(run_subcommand=module.run, subcommand_parser=sub)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +53,32 @@ def length_range_error(flag: str, bounds: tuple[int, int]) -> str | None:
     return None if 1 <= low <= high else f"{flag} needs 1 <= MIN <= MAX (got {low}:{high})"
 
 
+def url_error(flag: str, url: str) -> str | None:
+    """Why ``url`` is no http(s)://HOST[:PORT] URL (checked here, not by the first request, which failed
+    with an unrelated message, or for --ready-url polled until its timeout)."""
+    if not url.startswith(("http://", "https://")):
+        return f"{flag} must start with http:// or https:// (got {url!r})"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port out of range or not a number
+    except ValueError as error:
+        return f"{flag} is not a valid URL: {error} (got {url!r})"
+    return None if parts.hostname else f"{flag} has no host (got {url!r})"
+
+
+def output_path_error(flag: str, path: Path, *, directory: bool) -> str | None:
+    """Why the report or plots could not be written to ``path`` (created with its parents at the end of a
+    run): found before the run, not after it as a traceback."""
+    if path.exists() and path.is_dir() != directory:
+        return f"{flag} {path} is {'not ' if directory else ''}a directory"
+    parent = path if directory else path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"{flag} {path}: {parent} is not a writable directory"
+    return None
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the flag."""
 
@@ -78,10 +106,9 @@ class EndpointConfig:
         return "/v1/chat/completions" if self.api == "chat" else "/v1/completions"
 
     def validate(self) -> None:
-        if not self.base_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--base-url must start with http:// or https:// (got {self.base_url!r})")
-        if self.ready_url is not None and not self.ready_url.startswith(("http://", "https://")):
-            raise ConfigError(f"--ready-url must start with http:// or https:// (got {self.ready_url!r})")
+        for flag, url in (("--base-url", self.base_url), ("--ready-url", self.ready_url)):
+            if url is not None and (error := url_error(flag, url)):
+                raise ConfigError(error)
         if self.api not in API_KINDS:
             raise ConfigError(f"--api must be one of {API_KINDS} (got {self.api!r})")
         for flag, value in (
@@ -91,7 +118,7 @@ class EndpointConfig:
         ):
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"{flag} must be a positive number of seconds (got {value})")
-        if self.temperature < 0:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ConfigError(f"--temperature must be >= 0 (got {self.temperature})")
 
 
@@ -236,3 +263,9 @@ class ServeBenchConfig:
         self.saturation.validate()
         if self.seed < 0:
             raise ConfigError(f"--seed must be >= 0 (got {self.seed})")
+        for flag, path, directory in (
+            ("--output-json", self.output_json, False),
+            ("--plot-dir", self.plot_dir, True),
+        ):
+            if path is not None and (error := output_path_error(flag, path, directory=directory)):
+                raise ConfigError(error)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvpilot.bench.config import length_range, length_range_error
+from kvpilot.bench.config import length_range, length_range_error, output_path_error
 
 if TYPE_CHECKING:
     from kvpilot.engine.llm import LLM
@@ -137,11 +137,16 @@ def _checked(parser: argparse.ArgumentParser, flag: str, bounds: tuple[int, int]
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from kvpilot.engine.arg_utils import config_from_namespace
-    from kvpilot.engine.engine_core import LLMEngine
+    from kvpilot.engine.engine_core import LLMEngine, RequestError
     from kvpilot.engine.llm import LLM
 
     if args.num_requests < 1:
         parser.error("--num-requests must be >= 1")
+    for flag, value in (("--shared-prefix-len", args.shared_prefix_len), ("--warmup", args.warmup)):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0 (got {value})")
+    if args.output_json and (error := output_path_error("--output-json", args.output_json, directory=False)):
+        parser.error(error)
     input_len = _checked(parser, "--input-len", args.input_len)
     output_len = _checked(parser, "--output-len", args.output_len)
     config = config_from_namespace(parser, args)
@@ -160,9 +165,13 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         shared_prefix_len=args.shared_prefix_len,
     )
     warm = make_workload(min(4, args.num_requests), (8, 32), (4, 8), args.workload_seed + 1, vocab=vocab)
-    for _ in range(args.warmup):
-        run_kvpilot(llm, warm)
-    result = run_kvpilot(llm, workload)
+    try:  # e.g. prompts longer than the model's context: known once it is loaded
+        for _ in range(args.warmup):
+            run_kvpilot(llm, warm)
+        result = run_kvpilot(llm, workload)
+    except RequestError as err:
+        print(f"kvpilot bench offline: {err}", file=sys.stderr)
+        return 1
     engine = llm.engine
     summary = {
         "model": engine.served_model_name,
@@ -184,6 +193,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         f"  prefix-cache hit tokens {result['cached_prompt_tokens']}, preemptions {summary['preemptions']}"
     )
     if args.output_json:
-        args.output_json.parent.mkdir(parents=True, exist_ok=True)
-        args.output_json.write_text(json.dumps(summary, indent=2))
+        try:
+            args.output_json.parent.mkdir(parents=True, exist_ok=True)
+            args.output_json.write_text(json.dumps(summary, indent=2))
+        except OSError as err:
+            print(f"kvpilot bench offline: cannot write --output-json: {err}", file=sys.stderr)
+            return 1
     return 0

@@ -285,16 +285,20 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if result.saturation is not None:
         print("\n" + format_sweep(result.points, result.saturation, config))
     plots: list[Path] = []
-    if config.plot_dir is not None:
-        from kvpilot.bench.plots import write_plots  # matplotlib is slow to import; only when plotting
+    try:  # the paths were checked before the run; a write can still fail (a full disk, a path like /proc)
+        if config.plot_dir is not None:
+            from kvpilot.bench.plots import write_plots  # matplotlib is slow to import; only when plotting
 
-        plots = write_plots(result.points, result.saturation, config.plot_dir)
-        print("\nplots       " + ", ".join(str(path) for path in plots))
-    elif result.saturation is not None:
-        print("\n(pass --plot-dir DIR to draw throughput-vs-latency and latency-CDF plots)")
-    if config.output_json is not None:
-        write_report(config.output_json, report_dict(config, result, plots))
-        print(f"report      {config.output_json}")
+            plots = write_plots(result.points, result.saturation, config.plot_dir)
+            print("\nplots       " + ", ".join(str(path) for path in plots))
+        elif result.saturation is not None:
+            print("\n(pass --plot-dir DIR to draw throughput-vs-latency and latency-CDF plots)")
+        if config.output_json is not None:
+            write_report(config.output_json, report_dict(config, result, plots))
+            print(f"report      {config.output_json}")
+    except OSError as exc:
+        print(f"kvpilot bench serve: error: cannot write the results: {exc}", file=sys.stderr)
+        return 1
     if problem := refusals(result):
         print(f"kvpilot bench serve: error: {problem}; the figures above are no measurement", file=sys.stderr)
         return 3

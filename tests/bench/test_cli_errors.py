@@ -7,6 +7,8 @@ import pytest
 from kvpilot import cli as kvpilot_cli
 from kvpilot.bench.cli import main
 
+UNUSED = "http://127.0.0.1:18731"  # nothing listens: a case the flags do not stop fails to connect
+
 
 @pytest.mark.parametrize(
     ("flags", "message"),
@@ -28,6 +30,20 @@ from kvpilot.bench.cli import main
         (["--base-url", "localhost:8000"], "--base-url must start with http:// or https://"),
         (["--api", "grpc"], "invalid choice: 'grpc'"),
         (["--saturation-latency-factor", "1"], "--saturation-latency-factor must be > 1"),
+        (
+            ["--base-url", "http://[::1"],
+            "--base-url is not a valid URL: Invalid IPv6 URL (got 'http://[::1')",
+        ),
+        (
+            ["--base-url", "http://127.0.0.1:99999"],
+            "--base-url is not a valid URL: Port out of range 0-65535 (got 'http://127.0.0.1:99999')",
+        ),
+        (["--base-url", "http://"], "--base-url has no host (got 'http://')"),
+        (  # was polled until --ready-timeout
+            ["--ready-url", "http://[::1/ready", "--ready-timeout", "1", "--base-url", UNUSED],
+            "--ready-url is not a valid URL: Invalid IPv6 URL (got 'http://[::1/ready')",
+        ),
+        (["--temperature", "nan", "--base-url", UNUSED], "--temperature must be >= 0 (got nan)"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message_naming_the_flag(flags, message, capsys):
@@ -67,3 +83,52 @@ def test_help_and_dispatch_through_the_kvpilot_command(capsys):
     assert "--request-rate" in out and "--slo-ttft" in out and "--plot-dir" in out
     assert main([]) == 2  # a subcommand is required
     assert "the following arguments are required: SUBCOMMAND" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "name", "message"),
+    [
+        (
+            "--output-json",
+            "taken/report.json",
+            "--output-json {tmp}/taken/report.json: {tmp}/taken is not a writable directory",
+        ),
+        ("--output-json", "dir", "--output-json {tmp}/dir is a directory"),
+        ("--plot-dir", "taken", "--plot-dir {tmp}/taken is not a directory"),
+        (
+            "--plot-dir",
+            "taken/plots",
+            "--plot-dir {tmp}/taken/plots: {tmp}/taken is not a writable directory",
+        ),
+    ],
+)
+def test_an_output_path_that_cannot_be_written_exits_2_before_the_run(flag, name, message, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    (tmp_path / "dir").mkdir()
+    assert main(["serve", "--base-url", UNUSED, flag, f"{tmp_path}/{name}"]) == 2
+    assert capsys.readouterr().err.endswith(f"kvpilot bench serve: error: {message.format(tmp=tmp_path)}\n")
+
+
+def test_a_report_that_fails_to_write_after_the_run_exits_1_in_one_line(
+    fake_server, tmp_path, monkeypatch, capsys
+):
+    def full_disk(path, report):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("kvpilot.bench.serve_cli.write_report", full_disk)
+    server = fake_server()
+    flags = [
+        "--num-requests",
+        "1",
+        "--warmup-requests",
+        "0",
+        "--no-progress",
+        "--output-json",
+        str(tmp_path / "r.json"),
+    ]
+    assert main(["serve", "--base-url", server.url, *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "kvpilot bench serve: error: cannot write the results: [Errno 28] No space left on device\n"
+    )
+    assert "Traceback" not in err

@@ -54,3 +54,34 @@ def test_bench_offline_runs_a_model_with_a_small_vocabulary(tiny_model_dir, tmp_
 def test_bench_offline_rejects_bad_ranges_with_a_usage_error(flag, value, message, capsys):
     assert main(["bench", "offline", "--model", "tiny-random", flag, value]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--shared-prefix-len", "-5"], "--shared-prefix-len must be >= 0 (got -5)"),
+        (["--warmup", "-1"], "--warmup must be >= 0 (got -1)"),
+        (["--output-json", "{tmp}"], "--output-json {tmp} is a directory"),
+        (
+            ["--output-json", "{tmp}/taken/x.json"],
+            "--output-json {tmp}/taken/x.json: {tmp}/taken is not a writable directory",
+        ),
+    ],
+)
+def test_bench_offline_refuses_bad_flags_before_loading_the_model(flags, message, tmp_path, capsys):
+    (tmp_path / "taken").write_text("a file")
+    flags = [flag.format(tmp=tmp_path) for flag in flags]
+    assert main(["bench", "offline", "--model", "tiny-random", "--num-requests", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"kvpilot bench offline: error: {message.format(tmp=tmp_path)}\n")
+
+
+def test_bench_offline_prompts_past_the_context_exit_1_in_one_line(tiny_model_dir, capsys):
+    flags = ["--num-requests", "1", "--input-len", "600", "--output-len", "1", "--warmup", "0"]
+    assert main(["bench", "offline", "--model", str(tiny_model_dir), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "kvpilot bench offline: prompt has 600 tokens; the context limit is 512 (prompt + at least one "
+        "generated token)\n"
+    )
+    assert "Traceback" not in err

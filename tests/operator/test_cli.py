@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import math
 
+import pytest
 import yaml
 
 from kvpilot.operator.cli import main
+from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.crd import crd_yaml
+from kvpilot.operator.leader import LeaseSettings
 
 ISVC = """apiVersion: kvpilot.dev/v1alpha1
 kind: InferenceService
@@ -70,3 +74,112 @@ def test_run_refuses_a_cluster_domain_that_is_no_dns_domain(capsys, monkeypatch)
     assert capsys.readouterr().err == (
         "kvpilot operator run: --cluster-domain must be a DNS domain like cluster.local, got 'Corp_Example'\n"
     )
+
+
+def _no_kopf(monkeypatch):
+    """`run` stops before Kopf starts: what these tests check is refused by then, or not at all."""
+    monkeypatch.setattr("kvpilot.operator.cli._run", lambda args: 0)
+
+
+@pytest.mark.parametrize(
+    ("liveness", "metrics_port"),
+    [("http://0.0.0.0:8081/healthz", "8081"), ("http://127.0.0.1/healthz", "80")],  # Kopf's default: 80
+)
+def test_run_refuses_a_metrics_port_that_is_the_liveness_port(liveness, metrics_port, capsys, monkeypatch):
+    _no_kopf(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "-A", f"--liveness={liveness}", "--metrics-port", metrics_port])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"kvpilot operator run: error: --metrics-port {metrics_port} is the port of --liveness {liveness}: "
+        "the operator cannot listen on both; pick another port for one of them\n"
+    )
+
+
+def test_run_accepts_distinct_metrics_and_liveness_ports(monkeypatch):
+    _no_kopf(monkeypatch)
+    assert main(["run", "-A", "--liveness=http://0.0.0.0:8081/healthz", "--metrics-port", "8082"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("liveness", "detail"),
+    [
+        ("notaurl", ""),
+        ("0.0.0.0:8080/healthz", ""),
+        ("https://0.0.0.0:8080/healthz", ""),  # Kopf serves http only
+        ("http://0.0.0.0:8080", ""),  # no path
+        ("http:///healthz", ""),  # no host
+        ("http://0.0.0.0:99999/healthz", " (Port out of range 0-65535)"),
+        ("http://0.0.0.0:0/healthz", " (port 0)"),
+        ("http://0.0.0.0:port/healthz", " (Port could not be cast to integer value as 'port')"),
+        ("http://[::1/healthz", " (Invalid IPv6 URL)"),
+        ("http://0.0.0.0:8080/healthz?x=1", " (Kopf would ignore its query, fragment or user)"),
+    ],
+)
+def test_run_refuses_a_liveness_url_kopf_cannot_serve(liveness, detail, capsys, monkeypatch):
+    _no_kopf(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "-A", f"--liveness={liveness}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        "kvpilot operator run: error: argument --liveness: expected an http://HOST:PORT/PATH URL like "
+        f"http://0.0.0.0:8080/healthz, got {liveness!r}{detail}\n"
+    )
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["status_interval_seconds", "resync_interval_seconds"])
+@pytest.mark.parametrize("seconds", [math.nan, math.inf])
+def test_operator_intervals_must_be_finite(flag, seconds):
+    with pytest.raises(ValueError, match="must be positive"):
+        OperatorConfig(**{flag: seconds})
+
+
+def test_lease_timings_must_be_finite():
+    with pytest.raises(ValueError, match="leader election needs 0 < --lease-retry-period"):
+        LeaseSettings(namespace="ns", identity="me", duration_s=math.inf)
+
+
+def test_render_of_a_binary_file_is_a_message(tmp_path):
+    binary = tmp_path / "isvc.yaml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    err = io.StringIO()
+    assert main(["render", "-f", str(binary)], out=io.StringIO(), err=err) == 2
+    assert err.getvalue() == (
+        f"error: cannot read {binary}: 'utf-8' codec can't decode byte 0xff in position 1: "
+        "invalid start byte\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["render", "-f", "-", "-n", "Team_A"],
+            "kvpilot operator render: error: argument -n/--namespace: expected a DNS label "
+            "(lowercase a-z, 0-9 and '-'), got 'Team_A'",
+        ),
+        (
+            ["render", "-f", "-", "--engine-image", ""],
+            "kvpilot operator render: error: argument --engine-image: expected an image reference like "
+            "ghcr.io/org/kvpilot:1.0, got ''",
+        ),
+        (
+            ["run", "-A", "--engine-image", "kvpilot latest"],
+            "kvpilot operator run: error: argument --engine-image: expected an image reference like "
+            "ghcr.io/org/kvpilot:1.0, got 'kvpilot latest'",
+        ),
+        (
+            ["run", "-A", "--leader-elect", "--lease-namespace", "NS"],
+            "kvpilot operator run: error: argument --lease-namespace: expected a DNS label "
+            "(lowercase a-z, 0-9 and '-'), got 'NS'",
+        ),
+    ],
+)
+def test_render_and_run_refuse_a_bad_namespace_or_image(argv, message, capsys, monkeypatch):
+    _no_kopf(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        main(argv, out=io.StringIO(), stdin=io.StringIO(ISVC))
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(message + "\n")

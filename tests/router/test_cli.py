@@ -59,6 +59,11 @@ def test_help_lists_the_contract_flags(capsys):
             "--stream-buffer-bytes must be >= 16384",
         ),
         (["--replicas", "http://a:1", "--write-stall-timeout", "-1"], "--write-stall-timeout must be >= 0"),
+        (
+            ["--replicas", "http://a:1", "--router-token", "short"],
+            "--router-token must be at least 16 characters (the operator provisions 64)",
+        ),
+        (["--replicas", "http://[::1"], "replica URL 'http://[::1': Invalid IPv6 URL"),
     ],
 )
 def test_invalid_flags_end_in_one_line_and_status_2(capsys, argv, message):

@@ -133,7 +133,7 @@ def test_abort_reclaims_blocks_in_the_next_snapshot(tiny_model_dir):
     asyncio.run(main())
 
 
-def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path):
+def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path, caplog):
     reasons: list[str] = []
     metrics = ServerMetrics("missing")
     lifecycle = Lifecycle(metrics.startup_phase)
@@ -150,6 +150,27 @@ def test_a_model_that_cannot_load_fails_the_lifecycle(tmp_path):
     assert lifecycle.phase is Phase.FAILED and not loop.healthy(time.monotonic())
     assert len(reasons) == 1
     assert reasons[0].startswith("engine failed to start: ValueError: cannot resolve model")
+    # the user's mistake, not a bug: logged without a traceback
+    failed = [r for r in caplog.records if r.getMessage() == "engine failed to start"]
+    assert len(failed) == 1 and not failed[0].exc_info
+
+
+def test_an_unexpected_failure_to_start_keeps_its_traceback(caplog):
+    metrics = ServerMetrics("broken")
+    lifecycle = Lifecycle(metrics.startup_phase)
+    config = EngineArgs(model="tiny-random").create_config()
+
+    def factory():
+        raise RuntimeError("a bug")
+
+    loop = EngineLoop(
+        factory, ServerConfig(), lifecycle, metrics, placeholder_load(config), lambda reason: None
+    )
+    loop.start()
+    loop.stop(timeout_s=120)
+    assert lifecycle.phase is Phase.FAILED
+    failed = [r for r in caplog.records if r.getMessage() == "engine failed to start"]
+    assert len(failed) == 1 and failed[0].exc_info is not None and failed[0].exc_info[0] is RuntimeError
 
 
 def test_a_client_that_never_reads_is_cancelled_after_the_backpressure_timeout(tiny_model_dir):

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -118,3 +122,24 @@ def test_grace_period_over_cancels_what_is_left(start_in_process):
     error = json.loads(events[-2][len("data: ") :])["error"]
     assert (error["code"], events[-1]) == ("draining", "data: [DONE]")
     assert server.state.inflight == 0 and server.state.lifecycle.phase.value == "draining"
+
+
+def test_an_address_that_cannot_be_bound_exits_1_in_one_line():
+    kvpilot = os.path.join(os.path.dirname(sys.executable), "kvpilot")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 18732))
+        taken.listen()
+        args = [
+            "--model",
+            "tiny-random",
+            "--warmup-buckets",
+            "none",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "18732",
+        ]
+        done = subprocess.run([kvpilot, "serve", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr  # uvicorn's own status was 3
+    assert "error while attempting to bind on address ('127.0.0.1', 18732)" in done.stderr
+    assert "Traceback" not in done.stderr
