@@ -246,6 +246,25 @@ RULES: tuple[CrossFieldRule, ...] = (
         holds=lambda e: "kvCacheMemory" not in e or parse_quantity(e["kvCacheMemory"]) >= 1,
     ),
     CrossFieldRule(
+        node=("spec", "model"),
+        field="sizeLimit",
+        # rendered as whole bytes into the fetch init container (`fetch-model --size-limit`), which takes a
+        # positive number: "0" or "500m" would be a replica whose init container exits 2 at every start
+        cel="!has(self.sizeLimit) || !quantity(self.sizeLimit).isLessThan(quantity('1'))",
+        message="model.sizeLimit must be at least 1 byte: it is the most a fetched source may download, "
+        "e.g. 10Gi",
+        holds=lambda m: "sizeLimit" not in m or parse_quantity(m["sizeLimit"]) >= 1,
+    ),
+    CrossFieldRule(
+        node=("spec", "model"),
+        field="cacheSize",
+        # the scratch volume's sizeLimit and ephemeral-storage request: under one byte, the kubelet would
+        # evict the replica as soon as it writes its caches
+        cel="!has(self.cacheSize) || !quantity(self.cacheSize).isLessThan(quantity('1'))",
+        message="model.cacheSize must be at least 1 byte: it sizes each replica's scratch volume, e.g. 10Gi",
+        holds=lambda m: "cacheSize" not in m or parse_quantity(m["cacheSize"]) >= 1,
+    ),
+    CrossFieldRule(
         node=("spec",),
         field="engine.kvCacheMemory",
         cel="self.resources.gpus > 0 || quantity(has(self.engine.kvCacheMemory) ? self.engine.kvCacheMemory "

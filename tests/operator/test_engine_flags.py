@@ -13,6 +13,8 @@ from kubernetes.utils import parse_quantity
 from kvpilot.engine.arg_utils import config_from_namespace
 from kvpilot.engine.server.cli import build_parser
 from kvpilot.operator.crd_rules import OPERATOR_OWNED_OPTIONS
+from kvpilot.operator.fetch import add_arguments as add_fetch_arguments
+from kvpilot.operator.model_delivery import fetch_args
 from kvpilot.operator.pod_template import engine_args
 from kvpilot.operator.spec import InferenceService, SpecError
 
@@ -66,6 +68,53 @@ def test_kv_cache_memory_is_admitted_exactly_when_the_engine_takes_it(quantity, 
         return
     assert admitted
     assert engine_accepts(engine_args(isvc))
+
+
+def fetch_accepts(args: list[str]) -> bool:
+    parser = argparse.ArgumentParser()
+    add_fetch_arguments(parser)
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            parser.parse_args(args)
+        except SystemExit:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("quantity", "admitted"), [("0", False), ("500m", False), ("1", True), ("1.5", True), ("10Gi", True)]
+)
+def test_a_fetched_sources_size_limit_is_admitted_exactly_when_its_init_container_takes_it(
+    quantity, admitted
+):
+    body = manifest({})
+    body["spec"]["model"] = {"source": "https://models.example/m.gguf", "sizeLimit": quantity}
+    try:
+        isvc = InferenceService.from_manifest(body)
+    except SpecError as error:
+        assert (admitted, error.field) == (False, "spec.model.sizeLimit")
+        assert error.message.startswith("model.sizeLimit must be at least 1 byte")
+        return
+    assert admitted
+    assert fetch_accepts(fetch_args(isvc.spec.model))
+
+
+@pytest.mark.parametrize(
+    ("quantity", "admitted"), [("0", False), ("100m", False), ("1", True), ("2Gi", True)]
+)
+def test_a_scratch_volume_under_one_byte_is_refused(quantity, admitted):
+    body = manifest({})
+    body["spec"]["model"]["cacheSize"] = quantity
+    try:
+        InferenceService.from_manifest(body)
+    except SpecError as error:
+        assert (admitted, error.field, error.message[:39]) == (
+            False,
+            "spec.model.cacheSize",
+            "model.cacheSize must be at least 1 byte",
+        )
+        return
+    assert admitted
 
 
 def rendered_options(parser: argparse.ArgumentParser) -> set[str]:
