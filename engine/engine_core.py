@@ -245,6 +245,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def has_pending_outputs(self) -> bool:
+        """``step`` has outputs to return even with nothing unfinished: an ended request's last one."""
+        return self.registry.has_pending_outputs
+
     def check_health(self) -> None:
         """Raise when the engine cannot compute another step (a tensor-parallel rank has died); the server
         loop calls it between steps, so a dead rank fails the engine while it is idle too."""

@@ -11,7 +11,9 @@ block tables the batch keeps, per slot:
 
 A slot's row is brought up to date when its sequence is next used (``sync``): the slot's owner is compared
 by identity, so a slot reused by another sequence is rewritten, and a sequence that gets its old slot back
-after a preemption keeps its tokens (a sequence's tokens only ever grow).
+after a preemption keeps its tokens (a sequence's tokens only ever grow). The owner is held by a weak
+reference: a slot must not keep an ended request (its prompt ids, its detokenizer) alive until the slot is
+taken again.
 
 ``build`` turns a scheduler tick into the flat batch with array operations over the scheduled sequences —
 token ids and slots gathered from the per-slot tables at each token's position, block tables as a gather of
@@ -23,6 +25,7 @@ step's sampled ids, so building the step never waits for them (docs/architecture
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +64,8 @@ class InputBatch:
         self.token_ids = np.zeros((cap, max_model_len), dtype=np.int32)
         #: tokens of the owner already in its slot's row
         self.num_written = [0] * cap
-        #: the sequence each slot's rows were written for
-        self.owner: list[Sequence | None] = [None] * cap
+        #: the sequence each slot's rows were written for (weakly: see the module docstring)
+        self.owner: list[weakref.ref[Sequence] | None] = [None] * cap
         self.params = np.zeros((cap, len(COLUMNS)), dtype=np.float32)
         self._params_device = torch.from_numpy(self.params) if device.type == "cpu" else None
         self._ints = Staging(device, torch.int64)
@@ -88,8 +91,8 @@ class InputBatch:
         width = num_tokens + req.num_pending + len(req.spec_token_ids)
         if slot >= len(self.owner) or width > self.token_ids.shape[1]:
             self._grow(max(self.blocks.capacity, len(self.owner)), max(width, self.token_ids.shape[1]))
-        if self.owner[slot] is not req:
-            self.owner[slot] = req
+        if self._owner(slot) is not req:
+            self.owner[slot] = weakref.ref(req)
             self.num_written[slot] = 0
             self.params[slot] = param_row(req.params)
             if self.device.type != "cpu":
@@ -99,6 +102,10 @@ class InputBatch:
             self.token_ids[slot, written:num_tokens] = req.all_token_ids[written:num_tokens]
             self.num_written[slot] = num_tokens
         return slot
+
+    def _owner(self, slot: int) -> Sequence | None:
+        ref = self.owner[slot] if slot < len(self.owner) else None
+        return ref() if ref is not None else None
 
     # ---- one step ------------------------------------------------------------------------------------
     def build(
@@ -205,7 +212,7 @@ class InputBatch:
         """Every slot row written for a sequence that still holds it equals that sequence's state (run by
         ``LLMEngine.check_invariants``)."""
         for seq_id, slot in self.blocks.slot_of.items():
-            req = self.owner[slot] if slot < len(self.owner) else None
+            req = self._owner(slot)
             if req is None or req.seq_id != seq_id:
                 continue  # not used since it took the slot: written at its next use
             written = self.num_written[slot]

@@ -64,6 +64,10 @@ class SequenceRegistry:
         self.sequences[seq.seq_id] = seq
         self.groups[group.request_id] = group
 
+    @property
+    def has_pending_outputs(self) -> bool:
+        return bool(self._pending_outputs)
+
     def touched(self, group: SequenceGroup) -> None:
         """``group`` has something new for the next ``drain_outputs``."""
         self._pending_outputs[group.request_id] = group

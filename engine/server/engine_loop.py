@@ -187,7 +187,9 @@ class EngineLoop:
             self._expire_backpressure(now)
             self._admission.admit_pending()
             busy = False
-            if self._engine.has_unfinished_requests():
+            # an abort leaves its request's last output in the engine until a step takes it: with nothing
+            # else live no step would come, and the engine would hold every request aborted meanwhile
+            if self._engine.has_unfinished_requests() or self._engine.has_pending_outputs():
                 busy = self._step()
             self._telemetry.consume_terminal_records()  # finished, aborted, timed out: one record each
             self._publish()

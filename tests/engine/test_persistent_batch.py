@@ -240,3 +240,28 @@ def test_steady_decode_batch_reads_block_tables_without_a_copy():
     gathered = engine.runner.build_batch(scheduled[::-1]).meta.block_tables
     assert gathered.data_ptr() != view.data_ptr()
     assert gathered.tolist() == view.tolist()[::-1]
+
+
+def test_a_slot_keeps_no_ended_sequence_alive():
+    """A slot's rows are matched to their sequence by identity, not kept alive by it: once a request has
+    ended (finished, or aborted mid-prefill as a client that disconnects), nothing in the engine holds its
+    sequence, prompt ids or detokenizer. Before, each slot kept the last sequence written to it until
+    another took the slot: up to ``max_num_seqs`` ended requests with their whole prompts."""
+    import gc
+
+    from kvpilot.engine.sequence import Sequence
+
+    engine = small_engine("recompute", max_num_seqs=4)
+    prompt = list(range(5, 25))  # 20 tokens: 3 prefill steps of 8
+    engine.add_request("done", prompt, SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
+    engine.add_request("gone", prompt[::-1], SamplingParams(max_tokens=50, ignore_eos=True))
+    gone = engine.groups["gone"].primary
+    while gone.num_computed_tokens == 0:  # chunked prefill: "gone" starts once "done" is almost done
+        engine.step()
+    assert 0 < gone.num_computed_tokens < len(prompt)
+    del gone
+    engine.abort_request("gone")  # mid-prefill
+    while engine.has_unfinished_requests() or engine.has_pending_outputs():
+        engine.step()
+    gc.collect()
+    assert [o.seq_id for o in gc.get_objects() if type(o) is Sequence] == []

@@ -5,6 +5,8 @@ stays out of the steady-state counters."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import threading
 import time
 
 import pytest
@@ -12,6 +14,7 @@ from polling import async_wait_until
 
 from kvpilot.engine.engine_args import EngineArgs
 from kvpilot.engine.sampling.params import SamplingParams
+from kvpilot.engine.sequence_group import SequenceGroup
 from kvpilot.engine.server.config import ServerConfig, WarmupBucket
 from kvpilot.engine.server.engine_info import placeholder_load
 from kvpilot.engine.server.engine_loop import EngineLoop
@@ -192,6 +195,68 @@ def test_a_client_that_never_reads_is_cancelled_after_the_backpressure_timeout(t
         error = failure.error
         assert (error.status, error.code, failure.finish_reason) == (503, "client_too_slow", "abort")
         assert all(isinstance(item, OutputChunk) for item in items[:-1])
+        loop.stop()
+
+    asyncio.run(main())
+
+
+def test_requests_aborted_before_any_step_are_not_kept_while_the_engine_idles(tiny_model_dir):
+    """Clients that leave before their request's first step (submit and abort reach the engine thread in
+    one batch of commands, nothing else live): the engine is left holding none of them. Before, each one's
+    last output (its sequence, prompt ids, detokenizer) stayed queued in the engine until some later
+    request made it step, so a run of such requests on an otherwise idle engine grew without bound."""
+    from kvpilot.engine.engine_core import LLMEngine
+
+    engines: list[LLMEngine] = []
+    gate, health_checks = threading.Lock(), [0]
+
+    def factory() -> LLMEngine:
+        engine = LLMEngine(EngineArgs(model="tiny-random", num_kv_blocks=64).create_config())
+        real_check = engine.check_health
+
+        def gated_check() -> None:  # the loop calls it once per iteration, right after its commands
+            health_checks[0] += 1
+            with gate:
+                real_check()
+
+        engine.check_health = gated_check  # type: ignore[method-assign]
+        engines.append(engine)
+        return engine
+
+    def live_groups(prefix: str) -> list[str]:
+        gc.collect()
+        return [
+            o.request_id
+            for o in gc.get_objects()
+            if type(o) is SequenceGroup and o.request_id.startswith(prefix)
+        ]
+
+    async def main() -> None:
+        metrics = ServerMetrics("tiny-random")
+        lifecycle = Lifecycle(metrics.startup_phase)
+        loop = EngineLoop(
+            factory,
+            ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY),
+            lifecycle,
+            metrics,
+            placeholder_load(EngineArgs(model="tiny-random").create_config()),
+        )
+        loop.start()
+        await wait_ready(lifecycle)
+        with gate:  # hold the loop between two iterations while the commands pile up
+            before = health_checks[0]
+            await wait_for(lambda: health_checks[0] > before, what="the loop to reach the gate")
+            held_at = health_checks[0]
+            for i in range(20):
+                req = request(loop, f"gone{i}", 50)
+                loop.submit([req])
+                loop.abort([req.request_id])
+        # the iteration that runs the 40 commands, and the one after it, have passed
+        await wait_for(lambda: health_checks[0] >= held_at + 2, what="two more loop iterations")
+        assert live_groups("gone") == []
+        load = loop.load
+        assert (load["running"], load["waiting"]) == (0, 0)
+        assert load["kv_blocks_free"] == load["kv_blocks_total"]
         loop.stop()
 
     asyncio.run(main())
