@@ -63,7 +63,7 @@ class InProcessServer:
                 raise RuntimeError("in-process server did not start")
             time.sleep(0.02)
         if wait:
-            wait_ready(self.url, 60)
+            wait_ready(self.url, 180)  # the first load may compile the native kernels into a fresh cache
         return self
 
     def client(self, api_key: str = "unused", **kwargs) -> openai.OpenAI:
