@@ -218,8 +218,12 @@ def _run(args: argparse.Namespace) -> int:
         )
         # Each request must end well within the renew deadline, or one hung call could outlast it.
         lock = leader.LeaseLock(KubeApi(request_timeout=lease.renew_deadline_s / 3), lease)
-        with leader.standby_health(args.liveness):
-            leader.campaign(lock)
+        try:
+            with leader.standby_health(args.liveness):
+                leader.campaign(lock)
+        except leader.StandbyHealthError as error:
+            print(f"kvpilot operator run: {error}", file=sys.stderr)
+            return EXIT_RUNTIME
         renewer = leader.Renewer(lock, on_lost=_lose_leadership)
         renewer.start()
     try:

@@ -196,6 +196,10 @@ class Renewer(threading.Thread):
             return
 
 
+class StandbyHealthError(OSError):
+    """The standby's liveness address cannot be bound (taken, or not this host's)."""
+
+
 @contextlib.contextmanager
 def standby_health(url: str | None) -> Iterator[None]:
     """While a replica waits to lead, Kopf (and its liveness endpoint) has not started: answer the liveness
@@ -220,7 +224,13 @@ def standby_health(url: str | None) -> Iterator[None]:
         def log_message(self, format: str, *args: Any) -> None:  # probes every 30 s: not worth a line
             return
 
-    server = http.server.ThreadingHTTPServer((parts.hostname or "127.0.0.1", parts.port or 80), Health)
+    address = (parts.hostname or "127.0.0.1", parts.port or 80)
+    try:
+        server = http.server.ThreadingHTTPServer(address, Health)
+    except OSError as error:
+        raise StandbyHealthError(
+            f"cannot listen on {address[0]}:{address[1]} for --liveness: {error}"
+        ) from None
     thread = threading.Thread(target=server.serve_forever, name="standby-health", daemon=True)
     thread.start()
     try:

@@ -137,3 +137,25 @@ def test_run_without_a_cluster_configuration_exits_1_in_one_line(election, tmp_p
         "kvpilot operator run: no Kubernetes configuration (in-cluster or kubeconfig): "
         "Invalid kube-config file. No configuration found.\n"
     )
+
+
+def test_a_standby_whose_liveness_port_is_taken_exits_1_in_one_line(kubeconfig, monkeypatch, capsys):
+    monkeypatch.setattr("kvpilot.operator.leader.campaign", lambda lock: None)  # were it reached: no API
+    monkeypatch.setattr("kopf.cli.main", lambda **kwargs: None)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 18731))
+        taken.listen()
+        argv = [
+            "run",
+            "-A",
+            "--leader-elect",
+            "--lease-namespace=ns",
+            "--liveness",
+            "http://127.0.0.1:18731/h",
+        ]
+        assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "kvpilot operator run: cannot listen on 127.0.0.1:18731 for --liveness: [Errno 98] "
+    )
+    assert err.count("\n") == 1
