@@ -5,6 +5,7 @@ where these tests run, so 3.10 is reproduced by giving ``asyncio`` such a class)
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
@@ -76,3 +77,17 @@ async def test_a_poll_that_times_out_ejects_the_replica_on_python_3_10(monkeypat
     poller = ReplicaPoller(Replica("http://replica:8000"), _TimingOutSession(), 1.0, listener)  # type: ignore[arg-type]
     await poller.poll_once()
     assert listener.reasons == [TIMEOUT]
+
+
+async def test_a_request_past_the_request_timeout_is_504_on_python_3_10(
+    fake_engines, routers, http, monkeypatch
+):
+    # aiohttp's total timeout raises asyncio.TimeoutError: on 3.10 it passed the proxy's handlers, a 500
+    monkeypatch.setattr(asyncio, "TimeoutError", Python310TimeoutError)
+    engine = await fake_engines(1)
+    engine[0].behavior.hang = True
+    router = await routers([engine[0].url], request_timeout_s=0.3)
+    async with http.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4}) as response:
+        assert response.status == 504
+        assert json.loads(await response.read())["error"]["code"] == "upstream_timeout"
+    assert len(router.router.fleet.routable()) == 1  # a request that ran long ejects nobody
