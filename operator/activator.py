@@ -137,7 +137,7 @@ class Activator:
         is then a cold start). A replica that refuses the connection never saw the request, so the next
         one (or the next lookup's) gets it."""
         assert self._session is not None
-        # as the router's proxy forwards: the body as aiohttp decoded it, without the encoding it undid
+        # as the router's proxy forwards: the body as read_body decoded it, without the encoding it undid
         headers = forward_headers(request.headers, decoded=True)
         held = False
         while True:

@@ -100,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     election.add_argument(
         "--lease-namespace",
         type=dns_label,
-        default=os.environ.get("POD_NAMESPACE"),
+        # empty is unset (as for --identity): argparse checks a string default with the type even without
+        # --leader-elect, so POD_NAMESPACE="" refused every operator run
+        default=os.environ.get("POD_NAMESPACE") or None,
         help="namespace of the Lease (default: $POD_NAMESPACE)",
     )
     election.add_argument(

@@ -80,7 +80,7 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, deco
         raise too_large
     try:  # wait_for, not asyncio.timeout(): that is Python 3.11+, and kvpilot supports 3.10
         raw = await asyncio.wait_for(request.read(), timeout_s)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
         raise BodyError(
             408, f"the request body did not arrive within {timeout_s:g} s", "request_timeout", closes=True
         ) from None

@@ -56,7 +56,7 @@ class ReplicaPoller:
         sent_at = time.perf_counter()
         try:
             load = EngineLoad.from_json(await self._get_json("/load"))
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on (aiohttp raises this)
             self._eject(TIMEOUT, sent_at, "/load timed out")
             return
         except (aiohttp.ClientError, PollError, LoadFormatError) as error:
@@ -81,7 +81,7 @@ class ReplicaPoller:
             index.apply_snapshot(await self._get_json("/kv/snapshot"))
             self.replica.kv_applied(sent_at)
             self._listener.on_resync(self.replica)
-        except (TimeoutError, aiohttp.ClientError, PollError, KVFormatError) as error:
+        except (asyncio.TimeoutError, aiohttp.ClientError, PollError, KVFormatError) as error:
             if index.synced:
                 log.warning("replica %s: prefix index dropped until resync: %s", self.replica.url, error)
             index.invalidate()

@@ -16,6 +16,7 @@ it (EndpointSlices), never by its address; a replica configured by URL (``--repl
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -132,7 +133,7 @@ class Forwarder:
             raise UpstreamFailure(
                 TIMEOUT, f"{replica.url}: no connection in time", "it accepted no connection in time"
             ) from None
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
             raise request_timeout(replica) from None
         except aiohttp.ClientResponseError as error:  # the answer's head could not be parsed
             raise UpstreamFailure(
@@ -164,7 +165,7 @@ class Forwarder:
             )
         try:
             first = await upstream.content.readany()
-        except TimeoutError:
+        except asyncio.TimeoutError:  # the builtin TimeoutError only from 3.11 on
             raise request_timeout(replica) from None
         except UpstreamError as error:
             raise UpstreamFailure(
@@ -212,8 +213,8 @@ class Forwarder:
                 on_first_byte = None
             try:
                 chunk = await upstream.content.readany()
-            except (TimeoutError, UpstreamError) as error:
-                timed_out = isinstance(error, TimeoutError)
+            except (asyncio.TimeoutError, UpstreamError) as error:
+                timed_out = isinstance(error, asyncio.TimeoutError)
                 if timed_out:  # the request ran long: no fault of the replica's
                     log.info("request to replica %s ran past the request timeout", replica.url)
                 else:
@@ -241,5 +242,5 @@ class Forwarder:
 async def _read_quietly(response: aiohttp.ClientResponse) -> bytes:
     try:
         return await response.read()
-    except (TimeoutError, UpstreamError):
+    except (asyncio.TimeoutError, UpstreamError):
         return b""

@@ -2,10 +2,10 @@
 (docs/architecture.md#admission).
 
 gzip (concatenated members too) and deflate (with or without its zlib header, told apart by its first byte
-as aiohttp, the router's server, tells them) are decoded through zlib; no header or ``identity`` leaves the
-body as sent. Any other coding is 415 with ``Accept-Encoding`` naming these, before the body is read: ``br``
-and ``zstd`` included, as no brotli or zstandard library is a dependency (the router's aiohttp decodes them
-only where one is installed).
+as aiohttp tells them) are decoded through zlib; no header or ``identity`` leaves the body as sent. Any other
+coding is 415 with ``Accept-Encoding`` naming these, before the body is read: ``br`` and ``zstd`` included,
+as no brotli or zstandard library is a dependency. The router and the activator decode with this same
+decoder (``kvpilot.router.json_body.read_body``; aiohttp's own decoding is off there).
 
 ``--max-body-bytes`` bounds the decoded body as well as the sent one, counted as it is inflated: a bomb (a
 few KiB that inflate to gigabytes) is 413 after at most the limit + 1 decoded bytes, never inflated whole.

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CACHE_SIZE = 512
 #: the stack of each compile thread (see above)
 COMPILE_STACK_BYTES = 512 << 20
+#: held from setting the process-wide stack size to restoring it: two compilers made at once (two engines
+#: built on two threads) would otherwise interleave, the second restoring the first's 512 MiB for good
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -120,25 +123,26 @@ def _deep_stack_pool(workers: int) -> ThreadPoolExecutor:
     here: one blocking task per thread, released once all have started). A host that will not map such a
     stack (strict overcommit) gets default stacks and a warning, not an engine that fails to start."""
     pool = ThreadPoolExecutor(workers, thread_name_prefix="kvpilot-grammar")
-    previous = threading.stack_size(COMPILE_STACK_BYTES)
-    try:
-        probe = threading.Thread(target=lambda: None, name="kvpilot-grammar-probe")
-        probe.start()
-    except RuntimeError as err:
-        threading.stack_size(previous)
-        log.warning(
-            "grammar compile threads keep the default stack (%s with %d MiB): a deeply nested grammar "
-            "may overflow it",
-            err,
-            COMPILE_STACK_BYTES >> 20,
-        )
-        return pool
-    probe.join()
-    started = threading.Barrier(workers + 1)
-    try:
-        waits: list[Future[Any]] = [pool.submit(started.wait) for _ in range(workers)]
-    finally:
-        threading.stack_size(previous)
+    with _STACK_SIZE_LOCK:
+        previous = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            probe = threading.Thread(target=lambda: None, name="kvpilot-grammar-probe")
+            probe.start()
+        except RuntimeError as err:
+            threading.stack_size(previous)
+            log.warning(
+                "grammar compile threads keep the default stack (%s with %d MiB): a deeply nested grammar "
+                "may overflow it",
+                err,
+                COMPILE_STACK_BYTES >> 20,
+            )
+            return pool
+        probe.join()
+        started = threading.Barrier(workers + 1)
+        try:
+            waits: list[Future[Any]] = [pool.submit(started.wait) for _ in range(workers)]
+        finally:
+            threading.stack_size(previous)
     started.wait()
     for wait in waits:
         wait.result()

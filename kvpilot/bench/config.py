@@ -71,6 +71,10 @@ def output_path_error(flag: str, path: Path, *, directory: bool) -> str | None:
     run): found before the run, not after it as a traceback."""
     if path.exists() and path.is_dir() != directory:
         return f"{flag} {path} is {'not ' if directory else ''}a directory"
+    if not directory and path.exists():
+        # an existing file is opened for writing in place: its own permission counts, not its directory's
+        # (/dev/stdout, or a report file kept in a read-only directory)
+        return None if os.access(path, os.W_OK) else f"{flag} {path} is not writable"
     parent = path if directory else path.parent
     while not parent.exists():
         parent = parent.parent

@@ -132,3 +132,25 @@ def test_a_report_that_fails_to_write_after_the_run_exits_1_in_one_line(
         "kvpilot bench serve: error: cannot write the results: [Errno 28] No space left on device\n"
     )
     assert "Traceback" not in err
+
+
+def test_an_existing_writable_report_file_is_taken_whatever_its_directory_allows(tmp_path, monkeypatch):
+    """A non-root user's ``--output-json /dev/stdout`` or a report kept in a read-only directory: the file is
+    opened for writing in place (write_report), so only its own permission counts. os.access is faked: the
+    tests run as root, for whom every path is writable."""
+    from kvpilot.bench import config
+
+    locked, report = tmp_path / "locked", tmp_path / "locked" / "report.json"
+    locked.mkdir()
+    report.write_text("{}")
+    writable = {report: True, locked: False}
+    monkeypatch.setattr(config.os, "access", lambda path, mode: writable.get(config.Path(path), True))
+    assert config.output_path_error("--output-json", report, directory=False) is None
+    writable[report] = False
+    assert config.output_path_error("--output-json", report, directory=False) == (
+        f"--output-json {report} is not writable"
+    )
+    new = locked / "new.json"  # a new file needs its directory writable
+    assert config.output_path_error("--output-json", new, directory=False) == (
+        f"--output-json {new}: {locked} is not a writable directory"
+    )

@@ -6,13 +6,16 @@ compile threads' deep stacks."""
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from polling import wait_until
 
 from kvpilot.engine.structured import compiler as compiler_module
 from kvpilot.engine.structured import grammar
-from kvpilot.engine.structured.compiler import GrammarCompiler
+from kvpilot.engine.structured.compiler import GrammarCompiler, _deep_stack_pool
 from kvpilot.engine.structured.grammar import GrammarError
 from kvpilot.engine.structured.params import (
     MAX_CHOICES,
@@ -188,3 +191,55 @@ def test_llguidance_errors_are_one_line_of_bounded_length():
     assert grammar._client_message("lexer error: x\n<state>\nTokens: ...", "regex") == "lexer error: x"
     long = grammar._client_message("e" * 1000, "regex")
     assert len(long) == 300 and long.endswith("...")
+
+
+def test_two_compile_pools_made_at_once_leave_the_default_stack_size(monkeypatch):
+    """The stack size is process-wide. Pool A sets 512 MiB, pool B (another engine built on another thread)
+    sets it too and reads 512 MiB as its previous value; A restores the default, then B restores 512 MiB:
+    every later thread of the process had a 512 MiB stack (141 of 200 racing trials did before). Held in
+    A's window, B must wait for A instead of entering its own."""
+    original = threading.stack_size()
+    in_window = {"A": threading.Event(), "B": threading.Event()}
+    release = {"A": threading.Event(), "B": threading.Event()}
+    b_at_lock = threading.Event()
+
+    class Gated(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):  # the first submit of a pool is inside its window
+            name = threading.current_thread().name
+            if name in in_window and not in_window[name].is_set():
+                in_window[name].set()
+                release[name].wait()
+            return super().submit(fn, *args, **kwargs)
+
+    class SeenLock:
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if threading.current_thread().name == "B":
+                b_at_lock.set()
+            self._lock.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self._lock.release()
+
+    monkeypatch.setattr(compiler_module, "ThreadPoolExecutor", Gated)
+    monkeypatch.setattr(compiler_module, "_STACK_SIZE_LOCK", SeenLock(), raising=False)
+    pools: list[ThreadPoolExecutor] = []
+    threads = {n: threading.Thread(target=lambda: pools.append(_deep_stack_pool(1)), name=n) for n in "AB"}
+    try:
+        threads["A"].start()
+        wait_until(in_window["A"].is_set, what="pool A inside its stack-size window")
+        threads["B"].start()
+        wait_until(lambda: in_window["B"].is_set() or b_at_lock.is_set(), what="pool B at its window")
+        release["A"].set()
+        threads["A"].join()
+        release["B"].set()
+        threads["B"].join()
+        assert threading.stack_size() == original
+    finally:
+        for event in release.values():
+            event.set()
+        for pool in pools:
+            pool.shutdown()
+        threading.stack_size(original)

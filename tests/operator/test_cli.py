@@ -8,7 +8,7 @@ import math
 import pytest
 import yaml
 
-from kvpilot.operator.cli import main
+from kvpilot.operator.cli import build_parser, main
 from kvpilot.operator.config import OperatorConfig
 from kvpilot.operator.crd import crd_yaml
 from kvpilot.operator.leader import LeaseSettings
@@ -183,3 +183,13 @@ def test_render_and_run_refuse_a_bad_namespace_or_image(argv, message, capsys, m
         main(argv, out=io.StringIO(), stdin=io.StringIO(ISVC))
     assert exit_.value.code == 2
     assert capsys.readouterr().err.endswith(message + "\n")
+
+
+def test_an_empty_pod_namespace_is_no_lease_namespace(monkeypatch):
+    # argparse checks a string default with the flag's type even when the flag is not given: an empty
+    # $POD_NAMESPACE made 'run -A' (no leader election) exit 2 naming --lease-namespace
+    monkeypatch.setenv("POD_NAMESPACE", "")
+    args = build_parser().parse_args(["run", "-A", "--standalone"])
+    assert args.lease_namespace is None
+    monkeypatch.setenv("POD_NAMESPACE", "team-a")
+    assert build_parser().parse_args(["run", "-A", "--leader-elect"]).lease_namespace == "team-a"
