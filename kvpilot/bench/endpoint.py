@@ -39,7 +39,7 @@ async def wait_until_ready(
                 if response.status == 200:
                     return ReadyResult(url=url, time_to_ready_s=time.perf_counter() - start, polls=polls)
                 last = f"HTTP {response.status}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             last = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         if time.perf_counter() - start > timeout_s:
             raise EndpointError(f"{url} was not ready after {timeout_s:g} s ({polls} polls, last: {last})")
@@ -69,7 +69,7 @@ async def resolve_model(
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
             status = response.status
             listing = await response.json(content_type=None) if status == 200 else None
-    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+    except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
         reason = str(exc) or type(exc).__name__
         raise EndpointError(f"cannot reach the endpoint at {base_url}: {reason}") from None
     except (aiohttp.ClientError, ValueError) as exc:

@@ -86,7 +86,7 @@ class OpenAIStreamClient:
                 if response.status != 200:
                     raise ProbeError(f"HTTP {response.status}: {await _body_excerpt(response)}")
                 answer = await response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             raise ProbeError(f"{type(exc).__name__}: {exc}") from None
         usage = answer.get("usage") if isinstance(answer, dict) else None
         return _int_or_none(usage.get("prompt_tokens")) if isinstance(usage, dict) else None
@@ -153,7 +153,7 @@ class OpenAIStreamClient:
                             events.append((now, payload))
         except aiohttp.ConnectionTimeoutError as exc:
             raise _Failure(ERROR_CONNECTION, f"connect timeout: {exc}") from None
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise _Failure(ERROR_TIMEOUT, "request timeout expired") from None
         except aiohttp.ClientPayloadError as exc:
             raise _Failure(ERROR_STREAM_BROKEN, str(exc)) from None
@@ -166,7 +166,7 @@ class OpenAIStreamClient:
 async def _body_excerpt(response: aiohttp.ClientResponse) -> str:
     try:
         return (await response.text())[:_DETAIL_CHARS]
-    except (aiohttp.ClientError, UnicodeDecodeError, TimeoutError):
+    except (aiohttp.ClientError, UnicodeDecodeError, asyncio.TimeoutError):
         return ""
 
 
