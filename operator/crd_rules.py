@@ -124,6 +124,17 @@ def _quantity_less(smaller: str, larger: str) -> bool:
     return parse_quantity(smaller) < parse_quantity(larger)
 
 
+def _at_least_one_byte(node: tuple[str, ...], field: str, message: str) -> CrossFieldRule:
+    """An optional quantity at ``node``'s ``field`` of at least one byte."""
+    return CrossFieldRule(
+        node=node,
+        field=field,
+        cel=f"!has(self.{field}) || !quantity(self.{field}).isLessThan(quantity('1'))",
+        message=message,
+        holds=lambda spec: field not in spec or parse_quantity(spec[field]) >= 1,
+    )
+
+
 RULES: tuple[CrossFieldRule, ...] = (
     CrossFieldRule(
         node=("spec", "scaling"),
@@ -235,34 +246,27 @@ RULES: tuple[CrossFieldRule, ...] = (
         message="resources.gpuType needs resources.gpus > 0",
         holds=lambda r: "gpuType" not in r or r["gpus"] > 0,
     ),
-    CrossFieldRule(
-        node=("spec", "engine"),
-        field="kvCacheMemory",
-        # The operator renders whole bytes (spec.kv_cache_memory_bytes), and the engine refuses 0: a budget
-        # under one byte ("0", "0.5", "100m") would be a pod that exits 2 at every start.
-        cel="!has(self.kvCacheMemory) || !quantity(self.kvCacheMemory).isLessThan(quantity('1'))",
-        message="engine.kvCacheMemory must be at least 1 byte: the engine takes its KV budget as a positive "
+    # The operator renders whole bytes (spec.kv_cache_memory_bytes), and the engine refuses 0: a budget
+    # under one byte ("0", "0.5", "100m") would be a pod that exits 2 at every start.
+    _at_least_one_byte(
+        ("spec", "engine"),
+        "kvCacheMemory",
+        "engine.kvCacheMemory must be at least 1 byte: the engine takes its KV budget as a positive "
         "whole number of bytes (--kv-cache-memory-bytes), e.g. 2Gi",
-        holds=lambda e: "kvCacheMemory" not in e or parse_quantity(e["kvCacheMemory"]) >= 1,
     ),
-    CrossFieldRule(
-        node=("spec", "model"),
-        field="sizeLimit",
-        # rendered as whole bytes into the fetch init container (`fetch-model --size-limit`), which takes a
-        # positive number: "0" or "500m" would be a replica whose init container exits 2 at every start
-        cel="!has(self.sizeLimit) || !quantity(self.sizeLimit).isLessThan(quantity('1'))",
-        message="model.sizeLimit must be at least 1 byte: it is the most a fetched source may download, "
-        "e.g. 10Gi",
-        holds=lambda m: "sizeLimit" not in m or parse_quantity(m["sizeLimit"]) >= 1,
+    # rendered as whole bytes into the fetch init container (`fetch-model --size-limit`), which takes a
+    # positive number: "0" or "500m" would be a replica whose init container exits 2 at every start
+    _at_least_one_byte(
+        ("spec", "model"),
+        "sizeLimit",
+        "model.sizeLimit must be at least 1 byte: it is the most a fetched source may download, e.g. 10Gi",
     ),
-    CrossFieldRule(
-        node=("spec", "model"),
-        field="cacheSize",
-        # the scratch volume's sizeLimit and ephemeral-storage request: under one byte, the kubelet would
-        # evict the replica as soon as it writes its caches
-        cel="!has(self.cacheSize) || !quantity(self.cacheSize).isLessThan(quantity('1'))",
-        message="model.cacheSize must be at least 1 byte: it sizes each replica's scratch volume, e.g. 10Gi",
-        holds=lambda m: "cacheSize" not in m or parse_quantity(m["cacheSize"]) >= 1,
+    # the scratch volume's sizeLimit and ephemeral-storage request: under one byte, the kubelet would
+    # evict the replica as soon as it writes its caches
+    _at_least_one_byte(
+        ("spec", "model"),
+        "cacheSize",
+        "model.cacheSize must be at least 1 byte: it sizes each replica's scratch volume, e.g. 10Gi",
     ),
     CrossFieldRule(
         node=("spec",),

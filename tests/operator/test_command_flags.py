@@ -142,6 +142,8 @@ def test_run_without_a_cluster_configuration_exits_1_in_one_line(election, tmp_p
 def test_a_standby_whose_liveness_port_is_taken_exits_1_in_one_line(kubeconfig, monkeypatch, capsys):
     monkeypatch.setattr("kvpilot.operator.leader.campaign", lambda lock: None)  # were it reached: no API
     monkeypatch.setattr("kopf.cli.main", lambda **kwargs: None)
+    # Kopf's log set-up would leave a handler on this test's captured stderr for every later test
+    monkeypatch.setattr("kopf.configure", lambda **kwargs: None)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 18731))
         taken.listen()
