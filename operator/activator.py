@@ -230,7 +230,8 @@ class Activator:
             self.config.body_read_timeout_seconds,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=5.0,
+            # on SIGTERM, streams forwarded from a woken replica get most of the pod's default 30 s grace
+            shutdown_timeout=25.0,
         )
 
     def app(self) -> aiohttp.web.Application:
