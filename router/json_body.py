@@ -72,7 +72,9 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, deco
     408; one that breaks its framing, or does not decode as its Content-Encoding says, gets 400; one over
     ``max_bytes``, sent or decoded, 413."""
     try:
-        decoder = body_decoder(request.headers.get(hdrs.CONTENT_ENCODING), max_bytes) if decode else None
+        # repeated field lines are one comma-separated list (RFC 9110 §5.3), as the engine reads them
+        codings = ", ".join(request.headers.getall(hdrs.CONTENT_ENCODING, ())) or None
+        decoder = body_decoder(codings, max_bytes) if decode else None
     except APIError as error:
         raise _body_error(error) from None
     too_large = BodyError(413, f"request body exceeds {max_bytes} bytes", "request_too_large")

@@ -49,6 +49,9 @@ class IngressGate:
             return
         arrival, arrival_ns = time.monotonic(), time.time_ns()
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        codings = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-encoding"]
+        if len(codings) > 1:  # repeated field lines are one comma-separated list (RFC 9110 §5.3)
+            headers["content-encoding"] = ", ".join(codings)
         inference = scope["method"] == "POST" and scope["path"] in INFERENCE_PATHS
         try:
             self._authenticate(headers)

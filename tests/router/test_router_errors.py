@@ -351,3 +351,18 @@ async def test_an_identity_content_encoding_is_the_body_as_sent(router, http, en
     )
     assert status == 200
     assert [received for _, _, received in router.engine.received] == [{"prompt": "hello"}]
+
+
+async def test_repeated_content_encoding_lines_are_one_list_of_codings(router) -> None:
+    # as the engine reads them; before, the first line alone counted: a body gzipped once under two gzip
+    # lines was decoded once and forwarded
+    body = gzip.compress(b'{"prompt": "hello"}', mtime=0)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Encoding: gzip\r\nContent-Encoding: gzip\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    status, _, reply = await exchange_async(router.url, head.encode() + body)
+    error = error_of(reply)
+    assert (status, error["code"]) == (415, "unsupported_encoding")
+    assert error["message"].startswith("Content-Encoding 'gzip, gzip' is not supported")
+    assert router.engine.received == []

@@ -75,6 +75,22 @@ def test_a_coding_the_server_cannot_decode_is_415(tiny_server, encoding):
     }
 
 
+@pytest.mark.parametrize(("lines", "status"), [(["gzip", "gzip"], 415), (["gzip", "identity"], 200)])
+def test_repeated_content_encoding_lines_are_one_list_of_codings(tiny_server, lines, status):
+    # before, the last line alone counted: a body gzipped once under two gzip lines was decoded and served
+    body = gzip.compress(BODY)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tiny_server.api_key}\r\n"
+        "Content-Type: application/json\r\nConnection: close\r\n"
+        + "".join(f"Content-Encoding: {line}\r\n" for line in lines)
+        + f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    got, _, reply = exchange(tiny_server.url, head.encode() + body)
+    assert got == status
+    if status == 415:
+        assert error_of(reply)["message"].startswith("Content-Encoding 'gzip, gzip' is not supported")
+
+
 @pytest.mark.parametrize(
     ("encoding", "coded", "why"),
     [
