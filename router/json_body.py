@@ -60,21 +60,16 @@ def _body_error(error: APIError) -> BodyError:
     return BodyError(error.status, error.message, error.code, closes=error.closes, headers=headers or None)
 
 
-def payload_error(error: web.RequestPayloadError) -> BodyError:
-    """The 400 for a body aiohttp could not read: it breaks its framing (chunked encoding, a short body)."""
-    return BodyError(400, "request body does not match its framing", "invalid_body", closes=True)
-
-
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float, decode: bool = True) -> bytes:
-    """The body, its Content-Encoding undone where ``decode`` (else as sent). A declared Content-Length over
-    ``max_bytes`` is refused unread (a client declaring 30 MB gets its answer before sending any of it), as
-    is a Content-Encoding it cannot decode (415); a body that takes longer than ``timeout_s`` to arrive gets
-    408; one that breaks its framing, or does not decode as its Content-Encoding says, gets 400; one over
-    ``max_bytes``, sent or decoded, 413."""
+async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The body, its Content-Encoding undone. A declared Content-Length over ``max_bytes`` is refused unread
+    (a client declaring 30 MB gets its answer before sending any of it), as is a Content-Encoding it cannot
+    decode (415); a body that takes longer than ``timeout_s`` to arrive gets 408; one that breaks its
+    framing, or does not decode as its Content-Encoding says, gets 400; one over ``max_bytes``, sent or
+    decoded, 413."""
     try:
         # repeated field lines are one comma-separated list (RFC 9110 §5.3), as the engine reads them
         codings = ", ".join(request.headers.getall(hdrs.CONTENT_ENCODING, ())) or None
-        decoder = body_decoder(codings, max_bytes) if decode else None
+        decoder = body_decoder(codings, max_bytes)
     except APIError as error:
         raise _body_error(error) from None
     too_large = BodyError(413, f"request body exceeds {max_bytes} bytes", "request_too_large")
@@ -88,8 +83,8 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float, deco
         ) from None
     except web.HTTPRequestEntityTooLarge:
         raise too_large from None
-    except web.RequestPayloadError as error:
-        raise payload_error(error) from None
+    except web.RequestPayloadError:  # it breaks its framing (chunked encoding, a short body)
+        raise BodyError(400, "request body does not match its framing", "invalid_body", closes=True) from None
     if decoder is None:
         return raw
     try:
