@@ -48,10 +48,12 @@ class IngressGate:
             await self.app(scope, receive, send)
             return
         arrival, arrival_ns = time.monotonic(), time.time_ns()
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        codings = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-encoding"]
-        if len(codings) > 1:  # repeated field lines are one comma-separated list (RFC 9110 §5.3)
-            headers["content-encoding"] = ", ".join(codings)
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in scope["headers"]:
+            name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+            if name == "content-encoding" and name in headers:
+                value = f"{headers[name]}, {value}"  # repeated lines are one list of codings (RFC 9110 §5.3)
+            headers[name] = value
         inference = scope["method"] == "POST" and scope["path"] in INFERENCE_PATHS
         try:
             self._authenticate(headers)
