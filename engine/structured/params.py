@@ -16,6 +16,7 @@ Sizes are bounded before anything compiles: at most ``MAX_CHOICES`` choices, and
 
 from __future__ import annotations
 
+import functools
 import json as _json
 from dataclasses import dataclass
 from typing import Any
@@ -103,9 +104,11 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
-        """The constraint as text: the schema's JSON (key order kept), the regex, the choices' JSON list."""
+        """The constraint as text: the schema's JSON (key order kept), the regex, the choices' JSON list.
+        Computed once (the size bound, the compile cache's key and the compile each read it; a schema is up
+        to a MiB of JSON), after ``__post_init__`` normalized the fields it reads."""
         kind = self.kind
         if kind == "json":
             return _json.dumps(self.json, ensure_ascii=False)
