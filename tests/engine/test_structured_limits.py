@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from polling import wait_until
@@ -24,18 +23,6 @@ from kvpilot.engine.structured.params import (
     StructuredOutputsParams,
 )
 from kvpilot.engine.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Tokenizer):
-    c = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    yield c
-    c.close()
 
 
 def walk(compiler: GrammarCompiler, tokenizer: Tokenizer, spec: StructuredOutputsParams, text: str) -> bool:

@@ -4,7 +4,6 @@ matcher, and the bitmask kernel against plain references (docs/architecture.md#s
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import llguidance
 import pytest
@@ -34,18 +33,6 @@ SCHEMA = {
     "required": ["n", "ok"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def compiler(tokenizer: Tokenizer):
-    c = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
-    yield c
-    c.close()
 
 
 def ids(tokenizer: Tokenizer, text: str) -> list[int]:
