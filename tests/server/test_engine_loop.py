@@ -28,14 +28,15 @@ from kvpilot.engine.server.tracing import NO_SPAN
 CAPACITY, RESUME = 4, 2
 
 
-def make_loop(**config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
+def make_loop(factory=None, **config) -> tuple[EngineLoop, Lifecycle, ServerMetrics]:
+    """A loop on the tiny model (64 KV blocks), or on the engines ``factory`` makes."""
     engine_config = EngineArgs(model="tiny-random", num_kv_blocks=64).create_config()
     metrics = ServerMetrics("tiny-random")
     lifecycle = Lifecycle(metrics.startup_phase)
     from kvpilot.engine.engine_core import LLMEngine
 
     loop = EngineLoop(
-        lambda: LLMEngine(engine_config),
+        factory or (lambda: LLMEngine(engine_config)),
         ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY, **config),
         lifecycle,
         metrics,
@@ -232,15 +233,7 @@ def test_requests_aborted_before_any_step_are_not_kept_while_the_engine_idles(ti
         ]
 
     async def main() -> None:
-        metrics = ServerMetrics("tiny-random")
-        lifecycle = Lifecycle(metrics.startup_phase)
-        loop = EngineLoop(
-            factory,
-            ServerConfig(warmup_buckets=(WarmupBucket(2, 8),), stream_buffer_chunks=CAPACITY),
-            lifecycle,
-            metrics,
-            placeholder_load(EngineArgs(model="tiny-random").create_config()),
-        )
+        loop, lifecycle, _ = make_loop(factory)
         loop.start()
         await wait_ready(lifecycle)
         with gate:  # hold the loop between two iterations while the commands pile up
